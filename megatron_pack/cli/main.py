@@ -1,0 +1,57 @@
+"""`megatron-pack`: one console script, one module per subcommand.
+
+Each subcommand module exposes ``main(argv: list[str]) -> int`` and takes Hydra-style
+``key=value`` overrides. Modules are imported only when their subcommand runs, so
+``megatron-pack --help`` stays fast and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "prepare": ("megatron_pack.cli.prepare", "tokenize a raw SFT file into a token store and write a packing plan"),
+    "inspect": ("megatron_pack.cli.inspect", "print a packed dataset's metadata, statistics and report"),
+    "verify": ("megatron_pack.cli.verify", "run packed vs unpacked forward on a few packs and report the largest difference"),
+    "train": ("megatron_pack.cli.train", "the training entry, launched by torchrun (also `python -m megatron_pack.train`)"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-pack",
+        description="Packed-sequence SFT in the THD layout with context parallelism, on megatron-core. "
+        "Every subcommand takes Hydra-style key=value overrides (see docs/configuration.md).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        parser = _parser()
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(f"megatron-pack: unknown subcommand {argv[0]!r}; choose one of {list(SUBCOMMANDS)}.",
+                  file=sys.stderr)
+            return 2
+        parser.print_help()
+        return 0 if argv else 2
+    module_name, _ = SUBCOMMANDS[argv[0]]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"megatron-pack {argv[0]}: not implemented yet (see README.md, 'Coming').", file=sys.stderr)
+        return 3
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

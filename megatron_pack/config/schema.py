@@ -1,0 +1,407 @@
+"""Config dataclasses, one per group.
+
+Every group is a keyword-only dataclass with a docstring under each field. They are registered
+as Hydra structured configs (see ``megatron_pack.config.loader``), so an override naming a key
+that does not exist fails at once. Single-field checks live in each group's ``field_problems``
+(called from ``__post_init__``); checks that span groups live in ``megatron_pack.config.validate``.
+
+Config is read-only after ``load_config``: derived numbers (data-parallel size, pad multiple)
+come from ``megatron_pack.parallel.dims.ParallelDims``, never from mutating a field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """One or more config problems; ``problems`` holds one message per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} config problem(s):\n{lines}")
+
+
+def _positive(group: str, obj: Any, names: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> list[str]:
+    """Messages for integer fields that must be > 0 (or >= 0 for ``allow_zero``)."""
+    problems = []
+    for name in names:
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        floor = 0 if name in allow_zero else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < floor:
+            kind = "a non-negative integer" if floor == 0 else "a positive integer"
+            problems.append(f"{group}.{name} ({value!r}) must be {kind}; set {group}.{name}=<int >= {floor}>.")
+    return problems
+
+
+def _choice(group: str, obj: Any, name: str, choices: tuple[str, ...]) -> list[str]:
+    value = getattr(obj, name)
+    if value not in choices:
+        return [f"{group}.{name} ({value!r}) must be one of {list(choices)}; set {group}.{name}={choices[0]}."]
+    return []
+
+
+class _Group:
+    """Mixin: raise ``ConfigError`` from ``__post_init__`` listing this group's field problems."""
+
+    GROUP = ""
+
+    def field_problems(self) -> list[str]:  # overridden per group
+        return []
+
+    def __post_init__(self) -> None:
+        problems = self.field_problems()
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig(_Group):
+    GROUP = "model"
+
+    name: str = "tiny"
+    """Human-readable model name (the YAML preset under configs/model/)."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 176
+    """MLP inner width (per SwiGLU branch)."""
+    num_attention_heads: int = 4
+    """Number of query heads; must be divisible by the tensor-parallel size."""
+    num_query_groups: Optional[int] = 2
+    """Number of key/value heads for grouped-query attention; None means one per query head."""
+    kv_channels: Optional[int] = None
+    """Per-head dimension; None means hidden_size / num_attention_heads."""
+    vocab_size: int = 384
+    """Embedding rows; must be >= the tokenizer's vocabulary (padded for TP divisibility)."""
+    seq_length: int = 512
+    """Tokens per micro-batch row; equals packing.packed_sequence_size when packing."""
+    max_position_embeddings: Optional[int] = None
+    """Longest position RoPE is built for; None means seq_length."""
+    normalization: str = "RMSNorm"
+    """'RMSNorm' or 'LayerNorm'."""
+    activation: str = "swiglu"
+    """'swiglu' or 'gelu'."""
+    rotary_base: int = 10000
+    """RoPE base frequency."""
+    untie_embeddings_and_output_weights: bool = True
+    """Use a separate output projection instead of the input embedding."""
+    init_method_std: float = 0.02
+    """Std of the normal weight initialisation."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (0 keeps runs deterministic)."""
+    hidden_dropout: float = 0.0
+    """Dropout on hidden states (0 keeps runs deterministic)."""
+    attention_backend: str = "auto"
+    """'auto' (Transformer Engine when CUDA and TE are present, else torch), 'torch' or 'te'."""
+    calculate_per_token_loss: bool = True
+    """Normalise by the global number of target tokens (required with CP and packing)."""
+    params_dtype: str = "float32"
+    """'float32' or 'bfloat16' parameters."""
+    cuda_graph_impl: str = "none"
+    """'none', 'local' (megatron-core CUDA graphs) or 'transformer_engine'."""
+    cuda_graph_scope: list[str] = field(default_factory=list)
+    """Parts captured by CUDA graphs: empty means the whole layer; or any of 'attn', 'mlp'."""
+
+    def field_problems(self) -> list[str]:
+        g = self.GROUP
+        problems = _positive(g, self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                       "num_query_groups", "kv_channels", "vocab_size", "seq_length",
+                                       "max_position_embeddings", "rotary_base"))
+        problems += _choice(g, self, "normalization", ("RMSNorm", "LayerNorm"))
+        problems += _choice(g, self, "activation", ("swiglu", "gelu"))
+        problems += _choice(g, self, "attention_backend", ("auto", "torch", "te"))
+        problems += _choice(g, self, "params_dtype", ("float32", "bfloat16"))
+        problems += _choice(g, self, "cuda_graph_impl", ("none", "local", "transformer_engine"))
+        for scope in self.cuda_graph_scope:
+            if scope not in ("attn", "mlp"):
+                problems.append(f"model.cuda_graph_scope entry {scope!r} must be 'attn' or 'mlp'; "
+                                "leave the list empty to capture whole layers.")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"model.{name} ({getattr(self, name)}) must be in [0, 1); set model.{name}=0.0.")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig(_Group):
+    GROUP = "data"
+
+    name: str = "synthetic"
+    """Preset name (configs/data/<name>.yaml)."""
+    source: str = "synthetic"
+    """'synthetic' (embedded deterministic SFT set) or 'files' (read data.input)."""
+    input: Optional[str] = None
+    """A JSONL/Parquet file, a directory or a glob; required when data.source=files."""
+    schema: str = "auto"
+    """'auto', 'prompt_completion' or 'chat' (a 'messages' list of {role, content})."""
+    prompt_key: str = "prompt"
+    """Prompt column for the prompt_completion schema."""
+    completion_key: str = "completion"
+    """Completion column for the prompt_completion schema."""
+    messages_key: str = "messages"
+    """Messages column for the chat schema."""
+    synthetic_num_samples: int = 4000
+    """Number of samples data.source=synthetic generates."""
+    synthetic_seed: int = 0
+    """Seed of the synthetic generator."""
+    tokenizer: str = "byte"
+    """'byte' (embedded byte-level tokenizer, no download) or a local Hugging Face tokenizer directory."""
+    answer_only_loss: bool = True
+    """Train on completion/assistant tokens (and their eos) only; False trains on every token."""
+    dataset_dir: str = "data/synthetic"
+    """Directory of the prepared token store and plans (written by prepare, read by train)."""
+    pad_to_max_length: bool = False
+    """Pad every pack to packing.packed_sequence_size (fixed shapes; required for CUDA graphs)."""
+    num_workers: int = 0
+    """DataLoader worker processes for training."""
+    tokenize_workers: int = 0
+    """Processes used to tokenize in prepare; 0 means all cores."""
+
+    def field_problems(self) -> list[str]:
+        g = self.GROUP
+        problems = _positive(g, self, ("synthetic_num_samples", "num_workers", "tokenize_workers"),
+                             allow_zero=("num_workers", "tokenize_workers"))
+        problems += _choice(g, self, "source", ("synthetic", "files"))
+        problems += _choice(g, self, "schema", ("auto", "prompt_completion", "chat"))
+        if self.source == "files" and not self.input:
+            problems.append("data.input (None) is required when data.source=files; "
+                            "set data.input=/path/to/train.jsonl (a file, directory or glob).")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class PackingConfig(_Group):
+    GROUP = "packing"
+
+    packed_sequence_size: int = 512
+    """Tokens per pack for offline packing; 0 turns offline packing off."""
+    pad_seq_to_mult: Optional[int] = None
+    """Pad every sub-sequence to this multiple; None derives lcm(2*CP, CP*TP if SP) from parallel."""
+    max_single_sequence_length: Optional[int] = None
+    """Longest sample (in THD tokens) kept; None means packed_sequence_size."""
+    algorithm: str = "bfd"
+    """'bfd' (best-fit decreasing), 'ffd', 'first_fit_shuffle' or 'sequential'."""
+    seed: int = 0
+    """Seed of the plan (bin order, shuffles)."""
+    on_overflow: str = "error"
+    """What to do with a sample longer than the pack: 'error', 'drop' or 'truncate'."""
+    pad_cu_seqlens: bool = False
+    """Give cu_seqlens a fixed length (max_samples_per_bin + 2) for CUDA graphs."""
+    in_batch: bool = False
+    """Pack right-padded [B, S] micro-batches into one THD row at run time (needs micro_batch_size > 1)."""
+    export: str = "none"
+    """'none' or 'bridge' (also write Megatron-Bridge's packed parquet in prepare)."""
+
+    def field_problems(self) -> list[str]:
+        g = self.GROUP
+        problems = _positive(g, self, ("packed_sequence_size", "pad_seq_to_mult", "max_single_sequence_length",
+                                       "seed"), allow_zero=("packed_sequence_size", "seed"))
+        problems += _choice(g, self, "algorithm", ("bfd", "ffd", "first_fit_shuffle", "sequential"))
+        problems += _choice(g, self, "on_overflow", ("error", "drop", "truncate"))
+        problems += _choice(g, self, "export", ("none", "bridge"))
+        return problems
+
+    @property
+    def offline(self) -> bool:
+        """True when offline packing is on."""
+        return self.packed_sequence_size > 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig(_Group):
+    GROUP = "parallel"
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel degree (TP)."""
+    context_parallel_size: int = 1
+    """Context-parallel degree (CP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree (PP); only 1 is supported."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence inside TP regions (needs TP > 1)."""
+    cp_comm_type: str = "p2p"
+    """Transformer Engine CP communication: 'p2p', 'a2a', 'allgather' or 'a2a+p2p'."""
+    backend: str = "auto"
+    """torch.distributed backend: 'auto' (nccl with CUDA, else gloo), 'nccl' or 'gloo'."""
+
+    def field_problems(self) -> list[str]:
+        g = self.GROUP
+        problems = _positive(g, self, ("tensor_model_parallel_size", "context_parallel_size",
+                                       "pipeline_model_parallel_size"))
+        problems += _choice(g, self, "cp_comm_type", ("p2p", "a2a", "allgather", "a2a+p2p"))
+        problems += _choice(g, self, "backend", ("auto", "nccl", "gloo"))
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig(_Group):
+    GROUP = "train"
+
+    micro_batch_size: int = 1
+    """Rows per micro-batch; 1 with offline packing (a pack is one row)."""
+    global_batch_size: int = 8
+    """Micro-batches (packs) per optimizer step summed over data-parallel ranks."""
+    train_iters: int = 50
+    """Optimizer steps."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of cosine decay."""
+    lr_warmup_iters: int = 5
+    """Linear warmup steps."""
+    lr_decay_style: str = "cosine"
+    """'cosine', 'linear' or 'constant'."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    seed: int = 1234
+    """Seed for model init, data order and dropout."""
+    bf16: bool = False
+    """Train in bfloat16 (GPU)."""
+    deterministic: bool = True
+    """Use deterministic algorithms (float32 CPU runs are bitwise repeatable)."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    output_dir: str = "runs/default"
+    """Directory for logs, TensorBoard and (by default) checkpoints."""
+    exit_after_iters: Optional[int] = None
+    """Stop after this many steps in this process (for tests of kill and resume); None runs to train_iters."""
+
+    def field_problems(self) -> list[str]:
+        g = self.GROUP
+        problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters",
+                                       "exit_after_iters"), allow_zero=("lr_warmup_iters",))
+        problems += _choice(g, self, "lr_decay_style", ("cosine", "linear", "constant"))
+        problems += _choice(g, self, "device", ("auto", "cuda", "cpu"))
+        if not self.lr > 0:
+            problems.append(f"train.lr ({self.lr}) must be > 0; set train.lr=3e-4.")
+        if not 0 <= self.min_lr <= self.lr:
+            problems.append(f"train.min_lr ({self.min_lr}) must be in [0, train.lr={self.lr}]; set train.min_lr={self.lr / 10}.")
+        if self.clip_grad < 0:
+            problems.append(f"train.clip_grad ({self.clip_grad}) must be >= 0; set train.clip_grad=1.0 (0 disables).")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class DDPConfig(_Group):
+    GROUP = "ddp"
+
+    average_in_collective: bool = False
+    """Average gradients inside the all-reduce; must be False for per-token loss (grads are summed)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient all-reduce with backward."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (megatron-core optimizer, GPU)."""
+    grad_reduce_in_fp32: bool = True
+    """Reduce gradients in float32."""
+    check_for_nan_in_grad: bool = True
+    """Raise when a reduced gradient is not finite."""
+    bucket_size: Optional[int] = None
+    """Gradient bucket size in elements; None lets megatron-core choose."""
+
+    def field_problems(self) -> list[str]:
+        return _positive(self.GROUP, self, ("bucket_size",))
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig(_Group):
+    GROUP = "checkpoint"
+
+    save: Optional[str] = None
+    """Directory to save checkpoints into; None means <train.output_dir>/checkpoints."""
+    load: Optional[str] = None
+    """Directory to resume from; None means resume from checkpoint.save when it holds a checkpoint."""
+    save_interval: int = 0
+    """Save every N steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept on disk; older ones are deleted after a successful save."""
+    enabled: bool = True
+    """Write checkpoints at all."""
+
+    def field_problems(self) -> list[str]:
+        return _positive(self.GROUP, self, ("save_interval", "keep_last"), allow_zero=("save_interval",))
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig(_Group):
+    GROUP = "logging"
+
+    log_interval: int = 1
+    """Print a metrics line every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <train.output_dir>/tensorboard."""
+    level: str = "INFO"
+    """Python logging level."""
+    log_sample_ids: bool = False
+    """Log the sample ids of every pack consumed (for audits and replay)."""
+
+    def field_problems(self) -> list[str]:
+        problems = _positive(self.GROUP, self, ("log_interval",))
+        problems += _choice(self.GROUP, self, "level", ("DEBUG", "INFO", "WARNING", "ERROR"))
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class VerifyConfig(_Group):
+    GROUP = "verify"
+
+    num_packs: int = 4
+    """Packs checked by `megatron-pack verify`."""
+    tolerance: float = 1e-4
+    """Largest allowed absolute logit difference between packed and alone."""
+    checkpoint: Optional[str] = None
+    """Checkpoint to load weights from; None uses a random init (seed train.seed)."""
+    attention: str = "thd"
+    """'thd' (the real path) or 'pack_causal' (plain causal attention over the whole pack: a broken
+    setting that must FAIL, kept to show what verify catches)."""
+
+    def field_problems(self) -> list[str]:
+        problems = _positive(self.GROUP, self, ("num_packs",))
+        problems += _choice(self.GROUP, self, "attention", ("thd", "pack_causal"))
+        if not self.tolerance > 0:
+            problems.append(f"verify.tolerance ({self.tolerance}) must be > 0; set verify.tolerance=1e-4.")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """The whole run: one field per group."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Raw data, tokenizer and the prepared dataset location."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Offline and in-batch packing."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / CP / PP / SP degrees."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batching, optimizer and schedule."""
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    """megatron-core DistributedDataParallel settings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and logs."""
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    """The `megatron-pack verify` command."""
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "packing": PackingConfig, "parallel": ParallelConfig,
+    "train": TrainConfig, "ddp": DDPConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "verify": VerifyConfig,
+}

@@ -1,0 +1,38 @@
+"""megatron_pack: packed-sequence SFT in the THD layout with context parallelism, on megatron-core."""
+
+import sys
+
+from setuptools import find_packages, setup
+
+# megatron-core 0.16.1 is the newest release that installs on Python 3.11; newer Pythons may take newer.
+MCORE = "megatron-core==0.16.1" if sys.version_info < (3, 12) else "megatron-core>=0.16.1"
+
+setup(
+    name="megatron_pack",
+    version="0.1.0",
+    description="Packed-sequence SFT (THD layout, context parallelism) on megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_pack", "megatron_pack.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4,<2.15",  # 2.13.0 (the CPU wheel installed first by scripts/setup.sh) satisfies this
+        MCORE,
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "numpy>=1.24",
+        "pyarrow>=14",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2"],
+        "hf": ["transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
+        # apex has no PyPI release: build it from source (docs/model.md) after installing this extra.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+        "bench": ["trl>=0.19", "datasets>=2.19", "psutil>=5.9"],
+    },
+    entry_points={"console_scripts": ["megatron-pack=megatron_pack.cli.main:main"]},
+)
