@@ -1,0 +1,163 @@
+"""Atomic checkpoints: model and optimizer through torch distributed checkpointing (DCP), the
+rest (RNG states, sampler position, schedule) as one small per-rank file.
+
+Layout under ``checkpoint.save``::
+
+    step_00000003/           one complete checkpoint
+        .metadata, *.distcp  DCP shards: "model/tp<r>/<param>" and "optim/tp<r>/<param>.<state>"
+        rank_00000.pt        per-rank state: RNG, sampler, schedule (torch.save of plain containers)
+        meta.json            step, world size and parallel layout, written last
+    latest                   the name of the newest complete checkpoint ("step_00000003")
+
+Saving is atomic: every rank writes into ``tmp.step_00000003/``; after a barrier rank 0 writes
+``meta.json``, renames the folder to ``step_00000003/`` and only then replaces ``latest`` (by
+``os.replace`` of a temporary file). A crash at any point leaves ``latest`` naming the previous
+complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Replicas across DP and
+CP hold identical keys, so DCP writes each tensor once; TP shards carry their TP rank in the key,
+so a checkpoint is resumed with the same tensor-parallel size (checked, with a clear error).
+
+Everything is read back with ``torch.load(..., weights_only=True)``: no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+LATEST = "latest"
+META = "meta.json"
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rng_state() -> dict:
+    """RNG states of python, numpy, torch (and CUDA when present) as weights_only-safe containers."""
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    """random.setstate needs tuples all the way down (a loader may hand back lists)."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _barrier(group: Optional[dist.ProcessGroup]) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch.Tensor],
+                    optim_state: dict[str, torch.Tensor], rank_state: dict, meta: dict, tp_rank: int = 0,
+                    keep_last: int = 2, group: Optional[dist.ProcessGroup] = None) -> Path:
+    """Collectively write checkpoint ``step``; returns its final folder. Every rank must call it.
+
+    ``model_state`` / ``optim_state`` map names to this rank's tensors (TP shards); ``rank_state``
+    is this rank's plain state (RNG, sampler, schedule); ``meta`` is recorded in ``meta.json``
+    (it must hold ``tensor_model_parallel_size`` for the resume check).
+    """
+    root = Path(root)
+    final, tmp = root / step_dirname(step), root / f"tmp.{step_dirname(step)}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("tmp.step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(group)
+    state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
+    state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.is_initialized())
+    torch.save(rank_state, tmp / f"rank_{_rank():05d}.pt")
+    _barrier(group)
+    if _rank() == 0:
+        _write_json(tmp / META, {"step": step, **meta})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(root / LATEST, final.name)
+        _prune(root, keep_last)
+    _barrier(group)
+    return final
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    _write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if (p / META).exists())
+    for old in done[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def find_latest(root: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``root`` (by ``latest``), or None when there is none."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.exists():
+        candidate = root / pointer.read_text(encoding="utf-8").strip()
+        if (candidate / META).exists():
+            return candidate
+    complete = sorted(p for p in root.glob("step_*") if (p / META).exists()) if root.is_dir() else []
+    return complete[-1] if complete else None
+
+
+def read_meta(path: str | Path) -> dict:
+    return json.loads((Path(path) / META).read_text(encoding="utf-8"))
+
+
+def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
+                    optim_state: dict[str, torch.Tensor], meta: dict, tp_rank: int = 0,
+                    group: Optional[dist.ProcessGroup] = None) -> dict:
+    """Load checkpoint ``path`` in place into ``model_state`` / ``optim_state``; returns this
+    rank's plain state (RNG, sampler, schedule). Raises ``ValueError`` when the checkpoint was
+    written with another world size or parallel layout."""
+    path = Path(path)
+    saved = read_meta(path)
+    mismatch = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in meta.items() if saved.get(k) != v]
+    if mismatch:
+        raise ValueError(f"checkpoint {path} does not match this run ({'; '.join(mismatch)}); resume with the "
+                         "same parallel.* and world size, or point checkpoint.load at another directory.")
+    state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
+    state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
+    dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
+    rank_file = path / f"rank_{_rank():05d}.pt"
+    return torch.load(rank_file, weights_only=True)
+

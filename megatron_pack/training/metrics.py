@@ -1,0 +1,158 @@
+"""Per-step training metrics: one reduction, one log line, TensorBoard scalars, a JSONL record.
+
+Every number is global (summed over the DP x CP group) and token-weighted:
+
+- ``lm_loss``: sum of every target token's loss / number of target tokens in the global batch
+  (not a mean of per-pack means);
+- ``target_tokens`` (tokens that carry loss) and ``real_tokens`` (tokens of real samples,
+  prompt included, padding excluded) per optimizer step, and both per second;
+- ``padding_share``: padded slots / all slots the model processed;
+- ``samples``: samples packed into the step's packs; ``grad_norm``, ``lr``, ``step_time_s``.
+
+Worked example: two packs of 8 slots, the first with samples of real lengths 3 and 4 (target
+tokens 2 and 3, token-loss sums 1.0 and 2.0), the second with one sample of 5 (target 4, sum 6.0):
+lm_loss = (1+2+6)/(2+3+4) = 1.0, real_tokens = 12, padding_share = 1 - 12/16 = 0.25, samples = 3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megatron_pack.train")
+
+
+@dataclass(kw_only=True)
+class StepMetrics:
+    """Global metrics of one optimizer step."""
+
+    step: int
+    lm_loss: float
+    target_tokens: int
+    real_tokens: int
+    slots: int
+    samples: int
+    grad_norm: float
+    lr: float
+    step_time_s: float
+
+    @property
+    def padding_share(self) -> float:
+        return 0.0 if self.slots == 0 else 1.0 - self.real_tokens / self.slots
+
+    @property
+    def target_tokens_per_s(self) -> float:
+        return self.target_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def real_tokens_per_s(self) -> float:
+        return self.real_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def record(self) -> dict:
+        """All fields and derived rates, JSON-ready."""
+        return {**asdict(self), "padding_share": self.padding_share,
+                "target_tokens_per_s": self.target_tokens_per_s, "real_tokens_per_s": self.real_tokens_per_s}
+
+    def line(self, train_iters: int) -> str:
+        return (f"step {self.step}/{train_iters} | lm loss {self.lm_loss:.6f} | "
+                f"target tok/s {self.target_tokens_per_s:,.0f} | real tok/s {self.real_tokens_per_s:,.0f} | "
+                f"padding {100 * self.padding_share:.1f}% | samples {self.samples} | "
+                f"target tokens {self.target_tokens} | grad norm {self.grad_norm:.4f} | "
+                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms")
+
+
+@dataclass
+class StepCounts:
+    """What one rank accumulates over its micro-batches before the step's single reduction."""
+
+    loss_sum: float = 0.0
+    target_tokens: float = 0.0
+    real_tokens: int = 0
+    slots: int = 0
+    samples: int = 0
+
+    def add_pack(self, *, loss_sum: float, target_tokens: float, real_tokens: int, slots: int,
+                 samples: int, owns_pack: bool) -> None:
+        """Add one micro-batch; ``owns_pack`` is True on one rank per pack (CP rank 0), so the
+        pack-level counts are not repeated by every CP rank that sees a slice of the pack."""
+        self.loss_sum += loss_sum
+        self.target_tokens += target_tokens
+        if owns_pack:
+            self.real_tokens += real_tokens
+            self.slots += slots
+            self.samples += samples
+
+    def reduce(self, group: Optional[dist.ProcessGroup]) -> "StepCounts":
+        """Sum over ``group`` (the DP x CP group) in one float64 all-reduce."""
+        vec = torch.tensor([self.loss_sum, self.target_tokens, self.real_tokens, self.slots, self.samples],
+                           dtype=torch.float64)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(vec, group=group)
+        loss_sum, target, real, slots, samples = vec.tolist()
+        return StepCounts(loss_sum, target, int(real), int(slots), int(samples))
+
+    def lm_loss(self) -> float:
+        """Token-weighted mean loss; 0.0 when no token in the global batch carries loss."""
+        return self.loss_sum / self.target_tokens if self.target_tokens > 0 else 0.0
+
+
+class MetricsWriter:
+    """Writes each step's metrics: a log line, TensorBoard scalars and ``metrics.jsonl``.
+
+    Only the writer with ``enabled=True`` (global rank 0) touches files.
+    """
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, log_interval: int = 1,
+                 tensorboard: bool = True, train_iters: int = 0):
+        self.enabled = enabled
+        self.log_interval = log_interval
+        self.train_iters = train_iters
+        self.output_dir = Path(output_dir)
+        self.tensorboard_dir = self.output_dir / "tensorboard"
+        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
+
+    def write(self, metrics: StepMetrics) -> None:
+        if not self.enabled:
+            return
+        record = metrics.record()
+        with self.jsonl_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key in ("lm_loss", "target_tokens_per_s", "real_tokens_per_s", "padding_share", "samples",
+                        "target_tokens", "grad_norm", "lr", "step_time_s"):
+                value = record[key]
+                if math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, metrics.step)
+            self._tb.flush()
+        if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters:
+            log.info(metrics.line(self.train_iters))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file in step order; a step logged twice (a run resumed
+    from a checkpoint older than its last logged step) keeps its latest record."""
+    by_step = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line:
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]

@@ -1,0 +1,184 @@
+"""Optimizer, learning-rate schedule and gradient clipping.
+
+On CPU the optimizer is ``torch.optim.AdamW`` over the gradients megatron-core's
+``DistributedDataParallel`` leaves in ``param.main_grad`` (already summed over DP x CP and
+scaled once by ``1 / global target tokens`` in ``finalize_model_grads``). On GPU it is
+megatron-core's optimizer (``get_megatron_optimizer``), which reads ``main_grad`` itself.
+
+Both sit behind :class:`TrainOptimizer`: ``step(lr) -> grad_norm`` clips, steps and clears the
+gradients; ``named_state()`` / ``load_named_state()`` expose the AdamW moments keyed by parameter
+name for checkpoints.
+
+The gradient norm counts every parameter once across tensor-parallel ranks: a TP-sharded weight
+contributes each rank's shard, a replicated one (a norm, a bias of a row-parallel layer) only
+from TP rank 0; the squared sums are then all-reduced over the TP group. That matches
+megatron-core's ``get_grad_norm_fp32``, without its CUDA-only kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_pack.config.schema import Config
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_iters: int, train_iters: int,
+          decay_style: str = "cosine") -> float:
+    """Learning rate for optimizer step ``step`` (1-based: the first step is 1).
+
+    Linear warmup from ``lr / warmup_iters`` to ``lr`` over steps 1..warmup_iters, then decay to
+    ``min_lr`` at step ``train_iters``. With lr=1.0, min_lr=0.0, warmup_iters=2, train_iters=4,
+    cosine: step 1 -> 0.5, step 2 -> 1.0, step 3 -> 0.5 (cos at half way), step 4 -> 0.0.
+    Steps past ``train_iters`` stay at ``min_lr``.
+    """
+    if step < 1:
+        raise ValueError(f"lr_at: step ({step}) must be >= 1 (optimizer steps are 1-based).")
+    if warmup_iters > 0 and step <= warmup_iters:
+        return lr * step / warmup_iters
+    if decay_style == "constant":
+        return lr
+    num_decay = train_iters - warmup_iters
+    progress = 1.0 if num_decay <= 0 else min(1.0, (step - warmup_iters) / num_decay)
+    if decay_style == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if decay_style == "linear":
+        return lr - (lr - min_lr) * progress
+    raise ValueError(f"train.lr_decay_style ({decay_style!r}) must be 'cosine', 'linear' or 'constant'.")
+
+
+class LRSchedule:
+    """Warmup + decay schedule over optimizer steps; its state is the number of steps taken."""
+
+    def __init__(self, cfg: Config):
+        t = cfg.train
+        self._kwargs = dict(lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
+                            train_iters=t.train_iters, decay_style=t.lr_decay_style)
+        self.num_steps = 0
+
+    def next_lr(self) -> float:
+        """Advance one optimizer step and return its learning rate."""
+        self.num_steps += 1
+        return lr_at(self.num_steps, **self._kwargs)
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, **self._kwargs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+
+
+def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases and norm weights (every 1-D parameter) are not decayed."""
+    return param.dim() <= 1 or name.endswith(".bias")
+
+
+def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matrices and non-decayed 1-D parameters (names kept for checkpoints)."""
+    decay, no_decay = ([], []), ([], [])
+    for name, param in named_params:
+        if not param.requires_grad:
+            continue
+        names, params = no_decay if _no_weight_decay(name, param) else decay
+        names.append(name)
+        params.append(param)
+    groups = [{"params": decay[1], "names": decay[0], "weight_decay": weight_decay},
+              {"params": no_decay[1], "names": no_decay[0], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _counts_for_norm(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessGroup]) -> bool:
+    """True when this rank's copy of ``param`` belongs in the global norm (once per TP group)."""
+    if getattr(param, "shared", False):
+        return False
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return tp_group is None or dist.get_rank(tp_group) == 0
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Optional[dist.ProcessGroup] = None) -> float:
+    """Global L2 norm of ``param.grad`` over the model, counting each parameter once across TP."""
+    total = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        if param.grad is not None and _counts_for_norm(param, tp_group):
+            total += param.grad.detach().double().pow(2).sum().cpu()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(total, group=tp_group)
+    return float(total.sqrt())
+
+
+def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> float:
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the factor."""
+    if max_norm <= 0 or not math.isfinite(total_norm) or total_norm <= max_norm:
+        return 1.0
+    factor = max_norm / (total_norm + 1e-6)
+    for param in params:
+        if param.grad is not None:
+            param.grad.mul_(factor)
+    return factor
+
+
+class TrainOptimizer:
+    """torch AdamW over ``main_grad`` (CPU path); see the module docstring."""
+
+    def __init__(self, cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
+                 tp_group: Optional[dist.ProcessGroup] = None):
+        t = cfg.train
+        self.clip_grad = t.clip_grad
+        self.tp_group = tp_group
+        self.params = [p for _, p in named_params if p.requires_grad]
+        self.names = {p: n for n, p in named_params}
+        self.optimizer = torch.optim.AdamW(param_groups(named_params, t.weight_decay), lr=t.lr,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           foreach=False)
+
+    def step(self, lr: float) -> float:
+        """Move ``main_grad`` into ``grad``, clip, step at ``lr``, clear; returns the pre-clip norm."""
+        for param in self.params:
+            main_grad = getattr(param, "main_grad", None)
+            param.grad = main_grad if main_grad is not None else param.grad
+        norm = grad_norm(self.params, self.tp_group)
+        clip_grads_(self.params, self.clip_grad, norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        # Drop the alias to main_grad: autograd would otherwise accumulate into it a second time.
+        for param in self.params:
+            param.grad = None
+        return norm
+
+    def named_state(self, *, materialize: bool = False) -> dict[str, torch.Tensor]:
+        """AdamW state as ``{"<param name>.<exp_avg|exp_avg_sq|step>": tensor}``.
+
+        ``materialize`` creates zero state for parameters that have not stepped yet, so a
+        checkpoint can be loaded in place into it.
+        """
+        out = {}
+        for param in self.params:
+            state = self.optimizer.state[param]
+            if materialize and not state:
+                state.update(step=torch.zeros((), dtype=torch.float32),
+                             exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
+                             exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format))
+            for key, value in state.items():
+                out[f"{self.names[param]}.{key}"] = value
+        return out
+
+    def load_named_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy tensors produced by ``named_state`` back into the optimizer state."""
+        current = self.named_state(materialize=True)
+        missing = sorted(set(current) - set(state))
+        if missing:
+            raise KeyError(f"optimizer state is missing {len(missing)} entries, e.g. {missing[:3]}; "
+                           "the checkpoint was written for another model (check model.* overrides).")
+        for key, tensor in current.items():
+            tensor.copy_(state[key])
+
+
+def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
+                    tp_group: Optional[dist.ProcessGroup] = None) -> TrainOptimizer:
+    """The training optimizer: torch AdamW over DDP's ``main_grad`` with TP-aware clipping."""
+    return TrainOptimizer(cfg, named_params, tp_group)

@@ -1,0 +1,86 @@
+"""Atomic DCP checkpoints in one process: round trip, RNG, crash mid-save, pruning, layout check."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_pack.training import checkpoint as ckpt
+
+META = {"world_size": 1, "tensor_model_parallel_size": 1}
+
+
+def _states(seed):
+    g = torch.Generator().manual_seed(seed)
+    model = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
+    optim = {"w.exp_avg": torch.randn(3, 4, generator=g), "w.step": torch.tensor(float(seed))}
+    return model, optim
+
+
+def _save(root, step, seed, keep_last=2):
+    model, optim = _states(seed)
+    return ckpt.save_checkpoint(root, step, model_state=model, optim_state=optim,
+                                rank_state={"sampler": {"num_consumed": step}, "rng": ckpt.rng_state()},
+                                meta=META, keep_last=keep_last)
+
+
+def test_round_trip_in_place(tmp_path):
+    path = _save(tmp_path, 3, seed=1)
+    assert path.name == "step_00000003" and ckpt.find_latest(tmp_path) == path
+    model, optim = _states(seed=2)
+    rank_state = ckpt.load_checkpoint(path, model_state=model, optim_state=optim, meta=META)
+    ref_model, ref_optim = _states(seed=1)
+    for got, ref in ((model, ref_model), (optim, ref_optim)):
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), k
+    assert rank_state["sampler"] == {"num_consumed": 3}
+
+
+def test_rng_round_trip():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = ckpt.rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(2))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    ckpt.set_rng_state(state)
+    got = (random.random(), np.random.rand(), torch.rand(2))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
+    good = _save(tmp_path, 2, seed=1)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash while writing shards")
+
+    monkeypatch.setattr(ckpt.dcp, "save", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _save(tmp_path, 4, seed=2)
+    assert (tmp_path / "tmp.step_00000004").exists()
+    assert ckpt.find_latest(tmp_path) == good
+    monkeypatch.undo()
+    _save(tmp_path, 4, seed=2)
+    assert not list(tmp_path.glob("tmp.*")) and ckpt.find_latest(tmp_path).name == "step_00000004"
+
+
+def test_missing_latest_pointer_falls_back_to_newest_complete(tmp_path):
+    _save(tmp_path, 1, seed=1)
+    _save(tmp_path, 2, seed=1)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "step_00000009").mkdir()  # incomplete: no meta.json
+    assert ckpt.find_latest(tmp_path).name == "step_00000002"
+    assert ckpt.find_latest(tmp_path / "nothing") is None
+
+
+def test_keep_last_prunes_old(tmp_path):
+    for step in (1, 2, 3):
+        _save(tmp_path, step, seed=step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
+def test_layout_mismatch_is_a_clear_error(tmp_path):
+    path = _save(tmp_path, 1, seed=1)
+    model, optim = _states(seed=1)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size: checkpoint 1, this run 2"):
+        ckpt.load_checkpoint(path, model_state=model, optim_state=optim,
+                             meta={**META, "tensor_model_parallel_size": 2})

@@ -1,0 +1,50 @@
+"""Token-weighted step metrics, the log line, metrics.jsonl and TensorBoard files."""
+
+import pytest
+
+from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics, read_metrics
+
+
+def test_docstring_example_token_weighted():
+    counts = StepCounts()
+    counts.add_pack(loss_sum=3.0, target_tokens=5, real_tokens=7, slots=8, samples=2, owns_pack=True)
+    counts.add_pack(loss_sum=6.0, target_tokens=4, real_tokens=5, slots=8, samples=1, owns_pack=True)
+    total = counts.reduce(None)
+    assert total.lm_loss() == pytest.approx(1.0)  # mean of means would be (0.6 + 1.5) / 2 = 1.05
+    m = StepMetrics(step=1, lm_loss=total.lm_loss(), target_tokens=9, real_tokens=total.real_tokens,
+                    slots=total.slots, samples=total.samples, grad_norm=0.5, lr=1e-3, step_time_s=0.5)
+    assert (m.real_tokens, m.slots, m.samples) == (12, 16, 3)
+    assert m.padding_share == pytest.approx(0.25)
+    assert m.target_tokens_per_s == pytest.approx(18.0) and m.real_tokens_per_s == pytest.approx(24.0)
+
+
+def test_non_owner_adds_loss_but_not_pack_counts():
+    counts = StepCounts()
+    counts.add_pack(loss_sum=1.0, target_tokens=2, real_tokens=7, slots=8, samples=2, owns_pack=False)
+    assert (counts.loss_sum, counts.target_tokens, counts.real_tokens, counts.slots, counts.samples) == (1.0, 2, 0, 0, 0)
+
+
+def test_all_masked_gives_zero_not_nan():
+    assert StepCounts().lm_loss() == 0.0
+
+
+def test_writer_files_and_line(tmp_path, caplog):
+    caplog.set_level("INFO", logger="megatron_pack.train")
+    w = MetricsWriter(tmp_path, enabled=True, log_interval=2, tensorboard=True, train_iters=3)
+    for step, loss in ((1, 2.0), (2, 1.5), (3, 1.0), (2, 1.25)):
+        w.write(StepMetrics(step=step, lm_loss=loss, target_tokens=10, real_tokens=20, slots=32, samples=4,
+                            grad_norm=1.0, lr=1e-3, step_time_s=0.1))
+    w.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and records[1]["lm_loss"] == 1.25
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    lines = [r.message for r in caplog.records]
+    assert len(lines) == 3 and lines[0].startswith("step 2/3 | lm loss 1.500000")
+    assert "padding 37.5%" in lines[0] and "target tok/s 100" in lines[0]
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    w = MetricsWriter(tmp_path / "x", enabled=False)
+    w.write(StepMetrics(step=1, lm_loss=1.0, target_tokens=1, real_tokens=1, slots=1, samples=1, grad_norm=0.0,
+                        lr=0.1, step_time_s=0.1))
+    assert not (tmp_path / "x").exists()
