@@ -1,0 +1,94 @@
+"""The model side of a training step: THD batch -> ``PackedSeqParams``, per-token losses -> loss sum.
+
+``get_packed_seq_params`` is the one place a THD batch becomes megatron-core's
+``PackedSeqParams(qkv_format="thd")``. ``loss_func`` follows megatron-core's
+``calculate_per_token_loss`` contract: it returns the *sum* of token losses on this CP shard and
+the number of target tokens; megatron-core adds the counts over micro-batches, the step
+all-reduces them over DP x CP and scales gradients by ``1 / count`` once. Nothing here divides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+def _has_padding(batch: Mapping[str, Any]) -> bool:
+    """True when the pack holds padding tokens: from the collate's count, else from CPU cu_seqlens."""
+    if "num_pad_tokens" in batch:
+        return int(batch["num_pad_tokens"]) > 0
+    real, padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
+    if real.device.type != "cpu" or padded.device.type != "cpu":
+        raise ValueError("get_packed_seq_params needs batch['num_pad_tokens'] or CPU cu_seqlens (reading a "
+                         "device tensor would sync the device); call it on the loader's batch before moving it.")
+    return not torch.equal(real, padded)
+
+
+def get_packed_seq_params(batch: Mapping[str, Any], *, force_padded: bool = False) -> PackedSeqParams:
+    """megatron-core ``PackedSeqParams`` for a THD batch (from ``collate_thd`` or ``pack_batch_sequences``).
+
+    ``cu_seqlens_q/kv`` are the real cumulative lengths; ``cu_seqlens_q/kv_padded`` the physical
+    ones, passed only when the pack has padding (an unpadded pack takes the faster kernel path)
+    or when ``force_padded`` is set (CUDA graphs: the captured call must see the same arguments
+    every step). ``max_seqlen_q/kv`` are Python ints. The tensors are the batch's own int32 CPU
+    tensors; the caller moves the result to the device. No device tensor is read.
+
+    Example: ``cu_seqlens=[0,2,4]``, ``cu_seqlens_padded=[0,4,8]``, ``max_seqlen=4`` ->
+    ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=[0,2,4], cu_seqlens_q_padded=[0,4,8],
+    max_seqlen_q=4, ...)`` (kv the same).
+    """
+    cu_seqlens = batch["cu_seqlens"].to(torch.int32)
+    padded = batch["cu_seqlens_padded"].to(torch.int32) if force_padded or _has_padding(batch) else None
+    max_seqlen = int(batch["max_seqlen"])
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """``(loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})`` for this CP shard.
+
+    ``output_tensor`` holds per-token losses [1, T_local] (GPTModel's output when labels are
+    given); ``loss_mask`` is [1, T_local], a target counts where it is non-zero (the collate
+    writes 0/1). ``loss_sum`` is a float32 scalar with the graph attached; ``num_tokens`` is an
+    int32 scalar tensor (megatron-core's schedules add it into an int tensor); the report is
+    detached float32. Masked positions are dropped with ``torch.where`` before anything is
+    multiplied or summed, so a shard whose tokens are all masked returns exactly 0 even when the
+    output there is inf or NaN, and its gradient is 0, not NaN.
+
+    Example: losses ``[[1.0, 2.0, inf, 4.0]]``, mask ``[[1, 1, 0, 0]]`` -> ``(3.0, 2, {"lm loss": [3.0, 2.0]})``.
+    """
+    losses = output_tensor.float().reshape(-1)
+    keep = loss_mask.reshape(-1) != 0
+    if losses.shape != keep.shape:
+        raise ValueError(f"loss_func: output_tensor has {losses.numel()} tokens but loss_mask has {keep.numel()}; "
+                         "slice loss_mask with the same CP slice as the tokens (slice_thd_batch).")
+    loss_sum = torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device)).sum()
+    num_tokens = keep.sum(dtype=torch.int32)
+    report = torch.stack([loss_sum.detach(), num_tokens.to(torch.float32)])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def check_finite(loss_sum: torch.Tensor, batch: Mapping[str, Any]) -> None:
+    """Raise ``FloatingPointError`` naming the pack's sample ids when ``loss_sum`` is not finite.
+
+    ``loss_func`` never lets masked positions through, so a non-finite sum means a real target
+    token produced inf/NaN. This reads ``loss_sum`` (a device sync): the caller chooses when.
+    """
+    value = float(loss_sum.detach().float().cpu())
+    if torch.isfinite(torch.tensor(value)):
+        return
+    sample_ids = batch.get("sample_ids")
+    ids = sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids
+    raise FloatingPointError(
+        f"non-finite loss sum ({value}) on unmasked tokens of the pack with sample_ids {ids} "
+        f"({batch.get('num_target_tokens', '?')} target tokens); replay those samples alone to find the one "
+        "that diverges, lower train.lr, or drop them from data.input.")
