@@ -59,7 +59,7 @@ class _Group:
             raise ConfigError(problems)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ModelConfig(_Group):
     GROUP = "model"
 
@@ -125,10 +125,30 @@ class ModelConfig(_Group):
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 problems.append(f"model.{name} ({getattr(self, name)}) must be in [0, 1); set model.{name}=0.0.")
+        if not problems:
+            problems += self._head_problems()
+        return problems
+
+    def _head_problems(self) -> list[str]:
+        """Head-shape checks; run only once every size is a positive integer."""
+        problems = []
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if groups is not None and heads % groups:
+            problems.append(f"model.num_query_groups ({groups}) must divide model.num_attention_heads ({heads}); "
+                            f"set model.num_query_groups to a divisor of {heads} (e.g. {_largest_divisor(heads, groups)}).")
+        if self.kv_channels is None and self.hidden_size % heads:
+            problems.append(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
+                            f"({heads}) when model.kv_channels is None; set model.kv_channels=<head dim> "
+                            f"or model.num_attention_heads to a divisor of {self.hidden_size}.")
         return problems
 
 
-@dataclass(kw_only=True, slots=True)
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is <= ``at_most`` (for 'set it to ...' hints)."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class DataConfig(_Group):
     GROUP = "data"
 
@@ -175,7 +195,7 @@ class DataConfig(_Group):
         return problems
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class PackingConfig(_Group):
     GROUP = "packing"
 
@@ -213,7 +233,7 @@ class PackingConfig(_Group):
         return self.packed_sequence_size > 0
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ParallelConfig(_Group):
     GROUP = "parallel"
 
@@ -239,7 +259,7 @@ class ParallelConfig(_Group):
         return problems
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig(_Group):
     GROUP = "train"
 
@@ -288,14 +308,14 @@ class TrainConfig(_Group):
         problems += _choice(g, self, "device", ("auto", "cuda", "cpu"))
         if not self.lr > 0:
             problems.append(f"train.lr ({self.lr}) must be > 0; set train.lr=3e-4.")
-        if not 0 <= self.min_lr <= self.lr:
+        elif not 0 <= self.min_lr <= self.lr:
             problems.append(f"train.min_lr ({self.min_lr}) must be in [0, train.lr={self.lr}]; set train.min_lr={self.lr / 10}.")
         if self.clip_grad < 0:
             problems.append(f"train.clip_grad ({self.clip_grad}) must be >= 0; set train.clip_grad=1.0 (0 disables).")
         return problems
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class DDPConfig(_Group):
     GROUP = "ddp"
 
@@ -316,7 +336,7 @@ class DDPConfig(_Group):
         return _positive(self.GROUP, self, ("bucket_size",))
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class CheckpointConfig(_Group):
     GROUP = "checkpoint"
 
@@ -335,7 +355,7 @@ class CheckpointConfig(_Group):
         return _positive(self.GROUP, self, ("save_interval", "keep_last"), allow_zero=("save_interval",))
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class LoggingConfig(_Group):
     GROUP = "logging"
 
@@ -354,7 +374,7 @@ class LoggingConfig(_Group):
         return problems
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class VerifyConfig(_Group):
     GROUP = "verify"
 
@@ -376,7 +396,7 @@ class VerifyConfig(_Group):
         return problems
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Config:
     """The whole run: one field per group."""
 

@@ -1,0 +1,224 @@
+"""Compose the YAML under ``configs/`` with Hydra, convert once to the dataclasses, validate.
+
+The structured schema (``Config``) is registered in Hydra's ConfigStore as ``base_config`` and
+is the first entry of ``configs/config.yaml``'s defaults list, so every YAML key and every
+override is type-checked against the dataclasses. Overrides are checked against the schema
+and the available presets before Hydra runs, so a typo fails at once with a suggestion::
+
+    >>> load_config(["packing.packed_sequnce_size=8"])
+    ConfigError: 1 config problem(s):
+      - packing.packed_sequnce_size=8: unknown key 'packing.packed_sequnce_size'; did you mean
+        'packing.packed_sequence_size'?
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+import megatron_pack
+from megatron_pack.config.schema import GROUPS, Config, ConfigError
+from megatron_pack.config.validate import validate
+
+CONFIG_DIR_ENV = "MEGATRON_PACK_CONFIG_DIR"
+_SCHEMA_NAME = "base_config"
+_registered = False
+
+
+def config_dir() -> Path:
+    """``$MEGATRON_PACK_CONFIG_DIR`` when set, else the repository's ``configs/``."""
+    override = os.environ.get(CONFIG_DIR_ENV)
+    return Path(override) if override else Path(megatron_pack.__file__).resolve().parents[1] / "configs"
+
+
+def _unfreeze(node: Any) -> None:
+    """Clear the read-only flag OmegaConf derives from frozen dataclasses, so YAML can merge in.
+
+    The dataclasses are frozen so the loaded ``Config`` is read-only; OmegaConf would otherwise
+    also lock the schema node and refuse every override.
+    """
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            _unfreeze(node._get_node(key))
+
+
+def register_schema() -> None:
+    """Store the structured ``Config`` in Hydra's ConfigStore (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    schema = OmegaConf.structured(Config)
+    _unfreeze(schema)
+    ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
+    _registered = True
+
+
+def presets(root: Path) -> dict[str, list[str]]:
+    """YAML options per config group directory: ``{"model": ["llama3_8b", "tiny"], ...}``."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(root.iterdir()) if d.is_dir()}
+
+
+def _all_keys() -> list[str]:
+    return [f"{group}.{f.name}" for group, cls in GROUPS.items() for f in dataclasses.fields(cls)]
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _unknown_key(text: str, key: str, keys: list[str]) -> str:
+    hint = _did_you_mean(key, keys)
+    if not hint:  # a bare field name (``num_layers=2``) or a mistyped group in front of a good field
+        by_leaf = {k.split(".", 1)[1]: k for k in keys}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.8)
+        hint = f"; did you mean '{by_leaf[leaf[0]]}'?" if leaf else ""
+    group = key.split(".", 1)[0]
+    if not hint and group in GROUPS:
+        hint = f"; keys of {group}: {', '.join(f.name for f in dataclasses.fields(GROUPS[group]))}"
+    return f"{text}: unknown key '{key}'{hint}"
+
+
+def _check_selection(text: str, group: str, value: Any, options: dict[str, list[str]]) -> Optional[str]:
+    """A ``group=option`` override: the option must name a YAML file in configs/<group>/."""
+    choices = options[group]
+    if value is None or (isinstance(value, str) and value in choices):
+        return None
+    hint = _did_you_mean(str(value), choices)
+    return f"{text}: no preset '{value}' in configs/{group}/{hint} Available: {', '.join(choices)}."
+
+
+def check_overrides(overrides: list[str], root: Path) -> list[str]:
+    """Problems with override keys and preset names, found before Hydra composes anything."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    options, keys, problems = presets(root), _all_keys(), []
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            override = parser.parse_override(text)
+        except HydraException as exc:
+            problems.append(f"{text}: not a key=value override ({str(exc).splitlines()[0]}); "
+                            "write it as group.key=value, e.g. packing.packed_sequence_size=1024.")
+            continue
+        key = override.key_or_group
+        if key.startswith("hydra.") or key == "hydra":
+            continue
+        if "." not in key:
+            if key in options:
+                problem = None if override.is_delete() else _check_selection(text, key, override.value(), options)
+            elif key in GROUPS:
+                problem = (f"{text}: '{key}' has no presets (no configs/{key}/ directory); set its keys instead, "
+                           f"e.g. {_all_keys_of(key)[0]}=<value>.")
+            else:
+                problem = _unknown_key(text, key, keys + list(options))
+        else:
+            group, name = key.split(".")[:2]
+            if f"{group}.{name}" not in keys:
+                problem = _unknown_key(text, f"{group}.{name}", keys)
+            elif key == f"{group}.{name}" and not override.is_delete():
+                problem = _check_type(text, group, name, override.value())
+            else:
+                problem = None
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _check_type(text: str, group: str, name: str, value: Any) -> Optional[str]:
+    """Assign the override to a scratch node of the group's schema, so every type error is reported."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    scratch = OmegaConf.structured(GROUPS[group])
+    _unfreeze(scratch)
+    try:
+        scratch[name] = value
+    except OmegaConfBaseException as exc:
+        expected = next(f.type for f in dataclasses.fields(GROUPS[group]) if f.name == name)
+        return f"{text}: {str(exc).splitlines()[0]}; set {group}.{name} to a value of type {expected}."
+    return None
+
+
+def _all_keys_of(group: str) -> list[str]:
+    return [f"{group}.{f.name}" for f in dataclasses.fields(GROUPS[group])]
+
+
+def _normalize(overrides: list[str]) -> list[str]:
+    """Accept ``+experiment=name`` as well as ``experiment=name`` (config.yaml has ``experiment: null``)."""
+    return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
+
+
+def _compose(overrides: list[str], root: Path) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_schema()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base=None):
+            return compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError([_hydra_message(exc)]) from exc
+
+
+def _hydra_message(exc: BaseException) -> str:
+    """Hydra's message with OmegaConf's cause, which names the key and the wrong value."""
+    lines = [str(exc).splitlines()[0] if str(exc) else type(exc).__name__]
+    cause = exc.__cause__
+    if cause is not None and str(cause):
+        lines.append(str(cause).splitlines()[0])
+    key = getattr(cause, "full_key", None) or getattr(exc, "full_key", None)
+    fix = f"; check the value of {key} (see docs/configuration.md)" if key else "; see docs/configuration.md"
+    return ": ".join(lines) + fix + "."
+
+
+def to_config(composed: DictConfig) -> Config:
+    """Build the dataclasses once; collect every group's field problems before raising."""
+    groups: dict[str, Any] = {}
+    problems: list[str] = []
+    for name in GROUPS:
+        try:
+            groups[name] = OmegaConf.to_object(composed[name])
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    return Config(**groups)
+
+
+def load_config(overrides: list[str], *, world_size: Optional[int] = None,
+                dataset_meta: Optional[dict[str, Any]] = None) -> Config:
+    """Compose configs/config.yaml with ``overrides``, convert to a read-only ``Config``, validate.
+
+    >>> cfg = load_config(["experiment=quickstart", "packing.packed_sequence_size=1024", "model.seq_length=1024"])
+    >>> cfg.parallel.context_parallel_size, cfg.packing.packed_sequence_size
+    (2, 1024)
+    """
+    root = config_dir()
+    if not (root / "config.yaml").is_file():
+        raise ConfigError([f"config directory {root} has no config.yaml; set {CONFIG_DIR_ENV} to a directory "
+                           "laid out like the repository's configs/."])
+    overrides = _normalize(list(overrides))
+    problems = check_overrides(overrides, root)
+    if problems:
+        raise ConfigError(problems)
+    cfg = to_config(_compose(overrides, root))
+    validate(cfg, world_size=world_size, dataset_meta=dataset_meta)
+    return cfg
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (for logs and ``--print-config``-style output)."""
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))

@@ -1,0 +1,318 @@
+"""Cross-group validation: one small ``_validate_*`` function per rule, all called from ``validate``.
+
+Single-field checks live in each group's ``field_problems`` (schema.py) and run when a group is
+built. The rules here span groups; each returns a list of messages (empty when the rule holds),
+and ``validate`` raises one ``ConfigError`` listing every problem of every rule. Each message
+names the dotted key, its value and the fix, for example::
+
+    packing.pad_seq_to_mult (4) must be a multiple of lcm(2*cp=4, cp*tp=8) = 8 for cp=2, tp=4 with
+    sequence_parallel; set packing.pad_seq_to_mult=8 (or leave it unset to derive 8).
+
+Rules that need the world size run only when ``world_size`` is given; rules about the prepared
+dataset run only when ``dataset_meta`` (the packed dataset's plan metadata) is given.
+docs/configuration.md lists every rule with its message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.parallel import dims as _dims
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
+
+
+def _packing_on(cfg: Config) -> bool:
+    return cfg.packing.offline or cfg.packing.in_batch
+
+
+def _layout(cfg: Config) -> tuple[int, int, bool]:
+    par = cfg.parallel
+    return par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel
+
+
+def effective_pad_multiple(cfg: Config) -> int:
+    """packing.pad_seq_to_mult when set, else the lcm rule for the configured degrees."""
+    if cfg.packing.pad_seq_to_mult is not None:
+        return cfg.packing.pad_seq_to_mult
+    return _dims.required_pad_multiple(*_layout(cfg))
+
+
+def _validate_world_size(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """world size divisible by TP*CP*PP (only where the world size is known)."""
+    if world_size is None:
+        return []
+    par = cfg.parallel
+    tp, cp, pp = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        return [f"world size ({world_size!r}) must be a positive integer; launch at least one rank."]
+    if world_size % (tp * cp * pp):
+        return [_dims.world_size_message(world_size, tp, cp, pp)]
+    return []
+
+
+def _validate_pipeline_parallel(cfg: Config) -> list[str]:
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if pp > 1:
+        return [f"parallel.pipeline_model_parallel_size ({pp}) > 1 is not supported yet (packed THD batches are "
+                "not split into pipeline stages); set parallel.pipeline_model_parallel_size=1 and use "
+                "parallel.tensor_model_parallel_size or parallel.context_parallel_size instead."]
+    return []
+
+
+def _validate_context_parallel(cfg: Config) -> list[str]:
+    cp = cfg.parallel.context_parallel_size
+    seq = cfg.model.seq_length
+    if cp > 1 and seq % (2 * cp):
+        return [f"model.seq_length ({seq}) must be divisible by 2*parallel.context_parallel_size = {2 * cp} "
+                f"(each sequence is cut into 2*CP chunks); set model.seq_length={_ceil_to(seq, 2 * cp)}."]
+    return []
+
+
+def _validate_per_token_loss(cfg: Config) -> list[str]:
+    """CP>1 needs per-token loss; per-token loss needs summed (not averaged) gradient reduction."""
+    problems = []
+    cp = cfg.parallel.context_parallel_size
+    if cp > 1 and not cfg.model.calculate_per_token_loss:
+        problems.append(
+            f"model.calculate_per_token_loss (False) must be True with parallel.context_parallel_size={cp}: "
+            "CP ranks hold different numbers of target tokens, so the loss is a sum scaled once by the global "
+            "token count; set model.calculate_per_token_loss=true.")
+    if (cp > 1 or cfg.model.calculate_per_token_loss) and cfg.ddp.average_in_collective:
+        problems.append(
+            "ddp.average_in_collective (True) must be False with per-token loss (gradients are summed over "
+            "DP x CP and scaled once by 1/global target tokens; megatron-core refuses the combination); "
+            "set ddp.average_in_collective=false.")
+    return problems
+
+
+def _validate_offline_packing(cfg: Config) -> list[str]:
+    """One pack is one row; the fixed-shape options need a pack size."""
+    problems = []
+    size, mbs = cfg.packing.packed_sequence_size, cfg.train.micro_batch_size
+    if cfg.packing.offline and mbs != 1:
+        problems.append(
+            f"train.micro_batch_size ({mbs}) must be 1 with offline packing (packing.packed_sequence_size={size}: "
+            f"one pack is one row); set train.micro_batch_size=1 and raise train.global_batch_size "
+            f"(e.g. {cfg.train.global_batch_size * mbs}) or packing.packed_sequence_size "
+            f"(e.g. {size * mbs}) to keep the tokens per step.")
+    if not cfg.packing.offline:
+        for key, on in (("data.pad_to_max_length", cfg.data.pad_to_max_length),
+                        ("packing.pad_cu_seqlens", cfg.packing.pad_cu_seqlens)):
+            if on:
+                problems.append(
+                    f"{key} (True) needs offline packing, but packing.packed_sequence_size is 0 (off); "
+                    f"set packing.packed_sequence_size=<tokens per pack, > 0> or {key}=false.")
+    return problems
+
+
+def _validate_in_batch_packing(cfg: Config) -> list[str]:
+    problems = []
+    if not cfg.packing.in_batch:
+        return problems
+    if cfg.packing.offline:
+        problems.append(
+            f"packing.in_batch (True) and offline packing (packing.packed_sequence_size="
+            f"{cfg.packing.packed_sequence_size}) are mutually exclusive; set packing.packed_sequence_size=0 to "
+            "pack at run time, or packing.in_batch=false to use offline packs.")
+    if cfg.train.micro_batch_size <= 1:
+        problems.append(
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) must be > 1 with packing.in_batch=true "
+            "(it packs the rows of one micro-batch into one THD row); set train.micro_batch_size=4 "
+            "or packing.in_batch=false.")
+    return problems
+
+
+def _validate_pad_cu_seqlens(cfg: Config) -> list[str]:
+    if cfg.packing.pad_cu_seqlens and not cfg.data.pad_to_max_length:
+        return ["packing.pad_cu_seqlens (True) requires data.pad_to_max_length=true (fixed-length cu_seqlens "
+                "only help when the token count is fixed too); set data.pad_to_max_length=true."]
+    return []
+
+
+def _validate_cuda_graphs(cfg: Config) -> list[str]:
+    """Captured graphs replay fixed shapes: packing must pad tokens and cu_seqlens to fixed sizes."""
+    impl, scope = cfg.model.cuda_graph_impl, list(cfg.model.cuda_graph_scope)
+    if impl == "none" or not _packing_on(cfg):
+        return []
+    if cfg.packing.in_batch:
+        return [f"model.cuda_graph_impl ({impl}) cannot capture in-batch packing (packing.in_batch=true gives a "
+                "different cu_seqlens every step); use offline packing with data.pad_to_max_length=true and "
+                "packing.pad_cu_seqlens=true, or set model.cuda_graph_impl=none."]
+    problems = []
+    if not cfg.data.pad_to_max_length:
+        problems.append(f"model.cuda_graph_impl ({impl}) with packing requires data.pad_to_max_length=true "
+                        "(a captured graph needs the same token count every step); set data.pad_to_max_length=true.")
+    captures_attention = not scope or "attn" in scope
+    if captures_attention and not cfg.packing.pad_cu_seqlens:
+        shown = "[] (whole layers)" if not scope else str(scope)
+        problems.append(f"model.cuda_graph_impl ({impl}) capturing attention (model.cuda_graph_scope={shown}) with "
+                        "packing requires packing.pad_cu_seqlens=true (cu_seqlens must keep one shape); set "
+                        "packing.pad_cu_seqlens=true, or model.cuda_graph_scope=[mlp].")
+    return problems
+
+
+def _validate_pad_multiple(cfg: Config) -> list[str]:
+    """An explicit pad_seq_to_mult must be a multiple of the lcm rule."""
+    value = cfg.packing.pad_seq_to_mult
+    cp, tp, sp = _layout(cfg)
+    required = _dims.required_pad_multiple(cp, tp, sp)
+    if value is None or value % required == 0:
+        return []
+    fix = _ceil_to(value, required)
+    return [f"packing.pad_seq_to_mult ({value}) must be a multiple of {_dims.pad_rule_text(cp, tp, sp)} = {required} "
+            f"for cp={cp}, tp={tp}{' with sequence_parallel' if sp else ''}; set packing.pad_seq_to_mult={fix} "
+            f"(or leave it unset to derive {required})."]
+
+
+def _validate_packed_sizes(cfg: Config) -> list[str]:
+    """Pack size vs pad multiple, longest sample and model.seq_length (offline packing only)."""
+    if not cfg.packing.offline:
+        return []
+    problems = []
+    size, pad = cfg.packing.packed_sequence_size, effective_pad_multiple(cfg)
+    if size % pad:
+        problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
+                        f"(packing.pad_seq_to_mult, or the lcm rule when unset); "
+                        f"set packing.packed_sequence_size={_ceil_to(size, pad)}.")
+    longest = cfg.packing.max_single_sequence_length
+    if longest is not None and longest > size:
+        problems.append(f"packing.max_single_sequence_length ({longest}) must be <= packing.packed_sequence_size "
+                        f"({size}); set packing.max_single_sequence_length={size} (or leave it unset).")
+    if cfg.model.seq_length != size:
+        problems.append(f"model.seq_length ({cfg.model.seq_length}) must equal packing.packed_sequence_size ({size}) "
+                        f"with offline packing; set model.seq_length={size} "
+                        f"(or packing.packed_sequence_size={cfg.model.seq_length}).")
+    return problems
+
+
+def _validate_tensor_parallel(cfg: Config) -> list[str]:
+    problems = []
+    tp, model = cfg.parallel.tensor_model_parallel_size, cfg.model
+    groups = model.num_query_groups if model.num_query_groups is not None else model.num_attention_heads
+    for key, value in (("num_attention_heads", model.num_attention_heads), ("num_query_groups", groups),
+                       ("ffn_hidden_size", model.ffn_hidden_size)):
+        if value % tp:
+            problems.append(f"model.{key} ({value}) must be divisible by parallel.tensor_model_parallel_size ({tp}); "
+                            f"set parallel.tensor_model_parallel_size to a divisor of {value}, "
+                            f"or model.{key}={_ceil_to(value, tp)}.")
+    if cfg.parallel.sequence_parallel and tp <= 1:
+        problems.append("parallel.sequence_parallel (True) requires parallel.tensor_model_parallel_size > 1 "
+                        f"(it is {tp}); set parallel.sequence_parallel=false or parallel.tensor_model_parallel_size=2.")
+    return problems
+
+
+def _validate_batch_size(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """global_batch_size splits into whole micro-batches on every data-parallel rank."""
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    par = cfg.parallel
+    model_parallel = par.tensor_model_parallel_size * par.context_parallel_size * par.pipeline_model_parallel_size
+    if world_size is None or not isinstance(world_size, int) or world_size % model_parallel:
+        dp, where = 1, "train.micro_batch_size"
+    else:
+        dp = world_size // model_parallel
+        where = (f"train.micro_batch_size * data-parallel size = {mbs}*{dp} "
+                 f"(world {world_size} / (tp*cp*pp = {model_parallel}))")
+    per_step = mbs * dp
+    if gbs % per_step:
+        return [f"train.global_batch_size ({gbs}) must be divisible by {where} = {per_step}; "
+                f"set train.global_batch_size={_ceil_to(gbs, per_step)}."]
+    return []
+
+
+def _validate_device(cfg: Config) -> list[str]:
+    """Options that need CUDA are refused on an explicit CPU run."""
+    if cfg.train.device != "cpu":
+        return []
+    problems = []
+    if cfg.model.attention_backend == "te":
+        problems.append("model.attention_backend (te) needs CUDA and Transformer Engine, but train.device=cpu; "
+                        "set model.attention_backend=auto (or torch).")
+    if cfg.model.cuda_graph_impl != "none":
+        problems.append(f"model.cuda_graph_impl ({cfg.model.cuda_graph_impl}) needs CUDA, but train.device=cpu; "
+                        "set model.cuda_graph_impl=none.")
+    if cfg.parallel.backend == "nccl":
+        problems.append("parallel.backend (nccl) needs CUDA, but train.device=cpu; set parallel.backend=gloo (or auto).")
+    return problems
+
+
+def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[str]:
+    """The prepared dataset (its plan metadata) agrees with the config; skipped when meta is None."""
+    if meta is None:
+        return []
+    where = f"the packed dataset's metadata in data.dataset_dir ({cfg.data.dataset_dir})"
+    redo = "re-run `megatron-pack prepare` with this config"
+    problems = []
+    if cfg.packing.pad_cu_seqlens and meta.get("max_samples_per_bin") is None:
+        problems.append(f"packing.pad_cu_seqlens (True) needs max_samples_per_bin from {where}, which is missing "
+                        f"(no metadata, or written without it); {redo}.")
+    pack_size = meta.get("pack_size")
+    if cfg.packing.offline and pack_size is not None and pack_size != cfg.packing.packed_sequence_size:
+        problems.append(f"packing.packed_sequence_size ({cfg.packing.packed_sequence_size}) does not match "
+                        f"pack_size={pack_size} in {where}; set packing.packed_sequence_size={pack_size} or {redo}.")
+    problems += _dataset_pad_problems(cfg, meta.get("pad_seq_to_mult"), where, redo)
+    vocab = meta.get("vocab_size")
+    if vocab is not None and vocab > cfg.model.vocab_size:
+        problems.append(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                        f"(vocab_size={vocab} in {where}); set model.vocab_size={vocab} (or larger).")
+    return problems
+
+
+def _dataset_pad_problems(cfg: Config, planned: Optional[int], where: str, redo: str) -> list[str]:
+    """The plan reserved room for padding to ``planned``; collate must not pad to more."""
+    if planned is None or not cfg.packing.offline:
+        return []
+    cp, tp, sp = _layout(cfg)
+    required = _dims.required_pad_multiple(cp, tp, sp)
+    if planned % required:
+        return [f"packing.pad_seq_to_mult: the dataset was planned with pad_seq_to_mult={planned} ({where}), which "
+                f"is not a multiple of {_dims.pad_rule_text(cp, tp, sp)} = {required} for cp={cp}, tp={tp}"
+                f"{' with sequence_parallel' if sp else ''}; {redo} (it pads to {required})."]
+    chosen = cfg.packing.pad_seq_to_mult
+    if chosen is not None and planned % chosen:
+        return [f"packing.pad_seq_to_mult ({chosen}) does not divide pad_seq_to_mult={planned} the dataset was "
+                f"planned with ({where}), so padded packs could overflow; set packing.pad_seq_to_mult={planned} "
+                f"(or leave it unset) or {redo}."]
+    return []
+
+
+_CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
+    _validate_pipeline_parallel,
+    _validate_tensor_parallel,
+    _validate_context_parallel,
+    _validate_per_token_loss,
+    _validate_offline_packing,
+    _validate_in_batch_packing,
+    _validate_pad_cu_seqlens,
+    _validate_cuda_graphs,
+    _validate_pad_multiple,
+    _validate_packed_sizes,
+    _validate_device,
+)
+
+
+def collect_problems(cfg: Config, *, world_size: Optional[int] = None,
+                     dataset_meta: Optional[dict[str, Any]] = None) -> list[str]:
+    """Every cross-group problem of ``cfg`` (empty when it is valid)."""
+    problems = _validate_world_size(cfg, world_size)
+    for rule in _CONFIG_RULES:
+        problems += rule(cfg)
+    problems += _validate_batch_size(cfg, world_size)
+    problems += _validate_dataset_meta(cfg, dataset_meta)
+    return problems
+
+
+def validate(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Optional[dict[str, Any]] = None) -> None:
+    """Raise one ``ConfigError`` listing every problem; return None when ``cfg`` is valid.
+
+    ``world_size`` enables the rules that need it (divisibility, batch split); ``dataset_meta``
+    (the packed dataset's plan metadata: ``pack_size``, ``max_samples_per_bin``,
+    ``pad_seq_to_mult``, ``vocab_size``) enables the rules about the prepared dataset. Pass
+    ``dataset_meta={}`` when the dataset was looked for and has no metadata file.
+    """
+    problems = collect_problems(cfg, world_size=world_size, dataset_meta=dataset_meta)
+    if problems:
+        raise ConfigError(problems)
