@@ -9,7 +9,8 @@ all-reduces them over DP x CP and scales gradients by ``1 / count`` once. Nothin
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Iterator, Mapping
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -92,3 +93,37 @@ def check_finite(loss_sum: torch.Tensor, batch: Mapping[str, Any]) -> None:
         f"non-finite loss sum ({value}) on unmasked tokens of the pack with sample_ids {ids} "
         f"({batch.get('num_target_tokens', '?')} target tokens); replay those samples alone to find the one "
         "that diverges, lower train.lr, or drop them from data.input.")
+
+
+def _core_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron-core wrappers (DDP, Float16Module)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module):
+    """megatron-core's ``forward_step_func``: next pack, this CP rank's slice, per-token losses.
+
+    Reads the next full THD batch (a pack), keeps this CP rank's chunks (``slice_thd_batch``;
+    cu_seqlens stay global), builds ``PackedSeqParams`` and calls
+    ``model(tokens, position_ids, None, labels=labels, packed_seq_params=...)``, which returns
+    per-token losses [1, T/CP]. Returns ``(losses, partial(loss_func, loss_mask))``: the loss
+    function gives the shard's loss SUM and target count, which the schedule backpropagates as is.
+    The CP group comes from the model (``pg_collection.cp``), not from global state.
+    """
+    from megatron_pack.parallel.cp import slice_thd_batch
+
+    batch = next(data_iterator)
+    core = _core_model(model)
+    cp_group = core.pg_collection.cp
+    local = slice_thd_batch(batch, cp_group.size(), cp_group.rank())
+    params = get_packed_seq_params(batch)
+    device = next(core.parameters()).device
+    if device.type != "cpu":
+        params = PackedSeqParams(**{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
+                                    for k, v in vars(params).items()})
+    tokens, labels, position_ids, loss_mask = (local[k].to(device, non_blocking=True)
+                                               for k in ("tokens", "labels", "position_ids", "loss_mask"))
+    output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params)
+    return output, partial(loss_func, loss_mask)

@@ -1,0 +1,302 @@
+"""The training loop: micro-batches -> per-token loss sums -> one normalisation -> optimizer step.
+
+One optimizer step on every rank:
+
+1. ``ddp.zero_grad_buffer()``;
+2. ``num_microbatches = train.global_batch_size / dp`` forward/backward passes, each on one pack
+   (``forward_step``: next pack, this CP rank's slice, ``PackedSeqParams``), backward on the
+   pack's loss SUM. Nothing divides by the number of micro-batches, CP or DP size. On GPU this
+   is megatron-core's ``get_forward_backward_func()``; on CPU :func:`forward_backward_cpu` runs
+   the same logic without its CUDA-only pieces;
+3. one float64 all-reduce over DP x CP of the loss sums and token counts (metrics, and the
+   non-finite check that stops every rank at the same step);
+4. ``finalize_model_grads([ddp], num_tokens=<local target tokens>)``: megatron-core sums the
+   gradients over DP x CP (``average_in_collective=False``), all-reduces the token count over
+   the same group and scales the gradients by ``1 / count`` exactly once;
+5. clip, AdamW step at the scheduled learning rate, metrics, maybe a checkpoint.
+
+A rank whose tokens are all masked contributes a zero loss sum and zero gradients, never NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_pack.config.schema import Config
+from megatron_pack.training import checkpoint as ckpt
+from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
+from megatron_pack.training.optim import LRSchedule, TrainOptimizer, build_optimizer
+
+log = logging.getLogger("megatron_pack.train")
+
+
+@dataclass
+class PackInfo:
+    """What the loop records about each pack it hands to ``forward_step``."""
+
+    sample_ids: list[int]
+    real_tokens: int
+    slots: int
+
+
+def pack_info(batch: dict) -> PackInfo:
+    """Sample ids (real samples only), real tokens (``cu_seqlens[-1]``) and slots (T) of a THD batch."""
+    ids = batch["sample_ids"]
+    ids = [int(i) for i in (ids.tolist() if torch.is_tensor(ids) else ids) if int(i) >= 0]
+    return PackInfo(sample_ids=ids, real_tokens=int(batch["cu_seqlens"][-1]), slots=int(batch["tokens"].shape[-1]))
+
+
+class RecordingIterator:
+    """Wraps the loader's iterator; remembers every pack handed out since the last ``take()``."""
+
+    def __init__(self, iterable: Iterable[dict]):
+        self._it = iter(iterable)
+        self.packs: list[PackInfo] = []
+        self.batches: list[dict] = []
+
+    def __iter__(self) -> "RecordingIterator":
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self._it)
+        self.packs.append(pack_info(batch))
+        self.batches.append(batch)
+        return batch
+
+    def take(self) -> tuple[list[PackInfo], list[dict]]:
+        packs, batches = self.packs, self.batches
+        self.packs, self.batches = [], []
+        return packs, batches
+
+
+def ddp_process_groups(state) -> Any:
+    """The groups megatron-core's DDP needs: ours plus its expert groups (unused, but required)."""
+    from megatron.core import parallel_state as mpu
+
+    pgs = copy.copy(state.pg_collection)
+    if not hasattr(pgs, "ep"):
+        pgs.ep = mpu.get_expert_model_parallel_group()
+    if not hasattr(pgs, "expt_dp"):
+        pgs.expt_dp = mpu.get_expert_data_parallel_group()
+    return pgs
+
+
+def wrap_ddp(cfg: Config, model: torch.nn.Module, state) -> torch.nn.Module:
+    """megatron-core ``DistributedDataParallel`` with ``average_in_collective`` from ``cfg.ddp``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    d = cfg.ddp
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
+        use_distributed_optimizer=d.use_distributed_optimizer, check_for_nan_in_grad=d.check_for_nan_in_grad,
+        bucket_size=d.bucket_size, average_in_collective=d.average_in_collective)
+    ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=ddp_process_groups(state))
+    model.config.no_sync_func = ddp.no_sync
+    model.config.finalize_model_grads_func = None  # the loop calls it itself, after the loss check
+    return ddp
+
+
+def forward_backward_cpu(*, forward_step_func: Callable, data_iterator: Iterator, model: torch.nn.Module,
+                         num_microbatches: int) -> list[dict]:
+    """megatron-core's ``forward_backward_no_pipelining`` for per-token loss, without CUDA pieces.
+
+    Backward runs on each micro-batch's loss sum as returned; gradient sync is deferred to the
+    last micro-batch (``no_sync``). Returns the per-micro-batch loss reports, in order.
+    """
+    reports = []
+    for i in range(num_microbatches):
+        sync = contextlib.nullcontext() if i == num_microbatches - 1 else model.no_sync()
+        with sync:
+            output, loss_fn = forward_step_func(data_iterator, model)
+            loss_sum, _, report = loss_fn(output)
+            loss_sum.backward()
+        reports.append(report)
+    return reports
+
+
+def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, model: torch.nn.Module,
+                     num_microbatches: int, state, seq_length: int) -> list[dict]:
+    """Run one step's micro-batches: megatron-core's schedule on GPU, the CPU loop otherwise."""
+    if state.device.type != "cuda":
+        return forward_backward_cpu(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                    model=model, num_microbatches=num_microbatches)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=[model],
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=1, forward_only=False,
+        pg_collection=state.pg_collection)
+
+
+@dataclass
+class Trainer:
+    """Everything one run holds; built by :func:`build_trainer`, advanced by :meth:`train_step`."""
+
+    cfg: Config
+    state: Any
+    model: torch.nn.Module
+    optimizer: TrainOptimizer
+    schedule: LRSchedule
+    loader: Any
+    forward_step_func: Callable
+    step: int = 0
+    data_iterator: Optional[RecordingIterator] = None
+    pack_log: list[list[list[int]]] = field(default_factory=list)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.cfg.train.global_batch_size // self.state.dp_size
+
+    def train_step(self) -> StepMetrics:
+        """One optimizer step (see the module docstring); returns its global metrics."""
+        if self.data_iterator is None:
+            self.data_iterator = RecordingIterator(self.loader)
+        start = time.perf_counter()
+        step = self.step + 1
+        self.model.zero_grad_buffer()
+        reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
+                                   model=self.model, num_microbatches=self.num_microbatches, state=self.state,
+                                   seq_length=self.cfg.model.seq_length)
+        packs, batches = self.data_iterator.take()
+        counts, local_tokens = self._count(reports, packs)
+        total = counts.reduce(self.state.dp_cp_group)
+        self._check_finite(step, reports, batches, total)
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model], num_tokens=local_tokens, pg_collection=self.state.pg_collection)
+        lr = self.schedule.next_lr()
+        norm = self.optimizer.step(lr)
+        self.step = step
+        self.pack_log.append([p.sample_ids for p in packs])
+        return StepMetrics(step=step, lm_loss=total.lm_loss(), target_tokens=int(round(total.target_tokens)),
+                           real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
+                           grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start)
+
+    def _count(self, reports: list[dict], packs: list[PackInfo]) -> tuple[StepCounts, torch.Tensor]:
+        counts = StepCounts()
+        # The DP x CP group holds one TP rank, so every TP rank reduces the same global numbers;
+        # pack-level counts come from CP rank 0 alone (all CP ranks see slices of the same pack).
+        owns_pack = self.state.cp_rank == 0
+        local_tokens = torch.zeros((), dtype=torch.int32)
+        for report, pack in zip(reports, packs):
+            loss_sum, num_tokens = report["lm loss"].double().cpu().tolist()
+            counts.add_pack(loss_sum=loss_sum, target_tokens=num_tokens, real_tokens=pack.real_tokens,
+                            slots=pack.slots, samples=len(pack.sample_ids), owns_pack=owns_pack)
+            local_tokens += int(round(num_tokens))
+        return counts, local_tokens.to(self.state.device)
+
+    def _check_finite(self, step: int, reports: list[dict], batches: list[dict], total: StepCounts) -> None:
+        import math
+
+        from megatron_pack.training.step import check_finite
+
+        if math.isfinite(total.loss_sum):
+            return
+        for report, batch in zip(reports, batches):
+            try:
+                check_finite(report["lm loss"][0], batch)
+            except FloatingPointError as exc:
+                raise FloatingPointError(f"step {step}, rank {self.state.rank}: {exc}") from None
+        raise FloatingPointError(f"step {step}, rank {self.state.rank}: the global lm loss is not finite; the "
+                                 "pack that produced it is named in the error of another rank.")
+
+    # ----- checkpoints -----------------------------------------------------------------------
+
+    def _named_params(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.model.module.named_parameters()}
+
+    def _meta(self) -> dict:
+        s = self.state
+        return {"world_size": s.world_size, "tensor_model_parallel_size": s.tp_size,
+                "context_parallel_size": s.cp_size, "data_parallel_size": s.dp_size}
+
+    def save(self, root: str | Path) -> Path:
+        rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
+                      "schedule": self.schedule.state_dict(), "step": self.step}
+        return ckpt.save_checkpoint(root, self.step, model_state=self._named_params(),
+                                    optim_state=self.optimizer.named_state(materialize=True),
+                                    rank_state=rank_state, meta=self._meta(), tp_rank=self.state.tp_rank,
+                                    keep_last=self.cfg.checkpoint.keep_last)
+
+    def load(self, path: str | Path) -> None:
+        rank_state = ckpt.load_checkpoint(path, model_state=self._named_params(),
+                                          optim_state=self.optimizer.named_state(materialize=True),
+                                          meta=self._meta(), tp_rank=self.state.tp_rank)
+        self.loader.load_state_dict(rank_state["loader"])
+        self.schedule.load_state_dict(rank_state["schedule"])
+        ckpt.set_rng_state(rank_state["rng"])
+        self.step = int(rank_state["step"])
+        self.data_iterator = None
+
+
+def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
+    """(where to save, what to resume from or None)."""
+    save = Path(cfg.checkpoint.save or Path(cfg.train.output_dir) / "checkpoints")
+    if cfg.checkpoint.load is not None:
+        found = ckpt.find_latest(cfg.checkpoint.load)
+        if found is None:
+            raise FileNotFoundError(f"checkpoint.load ({cfg.checkpoint.load}) holds no complete checkpoint "
+                                    "(no 'latest' or step_*/meta.json); fix the path or unset checkpoint.load.")
+        return save, found
+    return save, ckpt.find_latest(save)
+
+
+def build_trainer(cfg: Config, state, loader, *, forward_step_func: Optional[Callable] = None) -> Trainer:
+    """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` yields full THD packs
+    for this DP rank and has ``state_dict()`` / ``load_state_dict()`` (resume at the next pack)."""
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.training.step import forward_step
+
+    if cfg.ddp.use_distributed_optimizer:
+        raise ValueError("ddp.use_distributed_optimizer (True) is not supported by this trainer's AdamW "
+                         "(optimizer state is kept whole on each rank); set ddp.use_distributed_optimizer=false.")
+    model = build_model(cfg, state)
+    ddp = wrap_ddp(cfg, model, state)
+    optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group)
+    return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg),
+                   loader=loader, forward_step_func=forward_step_func or forward_step)
+
+
+def _should_save(cfg: Config, step: int) -> bool:
+    c = cfg.checkpoint
+    return c.enabled and (step == cfg.train.train_iters or (c.save_interval > 0 and step % c.save_interval == 0))
+
+
+def run_training(cfg: Config, state, loader, *, forward_step_func: Optional[Callable] = None) -> Trainer:
+    """Train to ``train.train_iters`` (or ``train.exit_after_iters`` steps in this process),
+    resuming from the newest checkpoint when there is one. Returns the trainer (its
+    ``pack_log`` holds the sample ids of every pack this rank consumed in this process)."""
+    trainer = build_trainer(cfg, state, loader, forward_step_func=forward_step_func)
+    save_dir, resume = checkpoint_dirs(cfg)
+    if resume is not None:
+        trainer.load(resume)
+        log.info("resumed from %s at step %d", resume, trainer.step)
+    writer = MetricsWriter(cfg.train.output_dir, enabled=state.rank == 0, log_interval=cfg.logging.log_interval,
+                           tensorboard=cfg.logging.tensorboard, train_iters=cfg.train.train_iters)
+    num_run = 0
+    try:
+        while trainer.step < cfg.train.train_iters:
+            metrics = trainer.train_step()
+            writer.write(metrics)
+            if cfg.logging.log_sample_ids:
+                log.info("step %d rank %d packs %s", trainer.step, state.rank, trainer.pack_log[-1])
+            if _should_save(cfg, trainer.step):
+                path = trainer.save(save_dir)
+                if state.rank == 0:
+                    log.info("saved checkpoint %s", path)
+            num_run += 1
+            if cfg.train.exit_after_iters is not None and num_run >= cfg.train.exit_after_iters:
+                log.info("train.exit_after_iters=%d reached at step %d; stopping", num_run, trainer.step)
+                break
+    finally:
+        writer.close()
+    return trainer
