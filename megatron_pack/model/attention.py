@@ -1,0 +1,244 @@
+"""Pure-PyTorch THD attention with context parallelism: the local-spec core attention.
+
+megatron-core's own ``DotProductAttention`` refuses ``packed_seq_params`` and CP, so the local
+(non Transformer Engine) layer spec uses ``ThdCoreAttention`` instead. It computes causal
+attention *within* each sub-sequence of ``cu_seqlens_padded``, reading only the real (unpadded)
+tokens given by ``cu_seqlens``; padded query rows come out as zeros, as with TE's THD kernels.
+
+Work and memory grow with the sum of squared sub-sequence lengths: the pack is processed one
+sub-sequence at a time and never as a [T, T] score matrix.
+
+Context parallelism (CP > 1): each rank holds 2*CP zigzag chunks of every sub-sequence
+(``megatron_pack.parallel.cp.thd_partition_indices``). K and V are all-gathered over the CP
+group with an autograd-aware all-gather (its backward sums the K/V gradients of every rank and
+hands each rank the rows it owns), put back at their global positions, and every local query
+attends exactly to the keys at or before its global position in its own sub-sequence.
+
+Worked example (one rank, CP=1): ``cu_seqlens=[0, 3, 5]``, ``cu_seqlens_padded=[0, 4, 8]``.
+Rows 0-2 attend causally to rows 0-2; row 3 is padding (output 0); rows 4-5 attend causally to
+rows 4-5; rows 6-7 are padding. With CP=2 the same pack is split into chunks of 1 token per
+sub-sequence: rank 0 holds rows [0, 3, 4, 7], rank 1 holds rows [1, 2, 5, 6]. Rank 1's query
+row 2 (global) attends to global keys 0-2, which it receives from the K/V all-gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+ATTENTION_MODES = ("thd", "pack_causal")
+
+
+def _as_list(values) -> list[int]:
+    return values.tolist() if isinstance(values, Tensor) else [int(v) for v in values]
+
+
+def _check_thd_inputs(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: list[int],
+                      cu_seqlens_padded: list[int], query_index: Tensor) -> None:
+    if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"thd_attention expects query [Tq, heads, dim] and key/value [T, kv_heads, dim]; "
+                         f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}.")
+    if query.size(1) % key.size(1) != 0:
+        raise ValueError(f"query heads ({query.size(1)}) must be a multiple of key/value heads ({key.size(1)}).")
+    if len(cu_seqlens) != len(cu_seqlens_padded) or cu_seqlens_padded[-1] != key.size(0):
+        raise ValueError(f"cu_seqlens ({len(cu_seqlens)} entries) and cu_seqlens_padded ({len(cu_seqlens_padded)} "
+                         f"entries, last {cu_seqlens_padded[-1]}) must have the same length and the padded total "
+                         f"must equal the number of key rows ({key.size(0)}).")
+    for i in range(len(cu_seqlens) - 1):
+        real, padded = cu_seqlens[i + 1] - cu_seqlens[i], cu_seqlens_padded[i + 1] - cu_seqlens_padded[i]
+        if not 0 <= real <= padded:
+            raise ValueError(f"sub-sequence {i}: real length {real} (from cu_seqlens) must be in "
+                             f"[0, padded length {padded}] (from cu_seqlens_padded).")
+    if query_index.numel() != query.size(0):
+        raise ValueError(f"query_index has {query_index.numel()} entries for {query.size(0)} query rows.")
+
+
+def _sequence_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """Causal attention of queries at in-sequence positions ``q_pos`` over keys ``k[0:len]``.
+
+    q [m, hq, d], k/v [n, hk, d] with n = max(q_pos) + 1; returns [m, hq, d].
+    """
+    q_, k_, v_ = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = q_.size(0) != k_.size(0)
+    contiguous_from_zero = q_pos.numel() == k.size(0) and bool(q_pos[0] == 0) and bool(q_pos[-1] == k.size(0) - 1)
+    if contiguous_from_zero:
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=gqa,
+                                             dropout_p=dropout_p)
+    else:
+        mask = torch.arange(k.size(0), device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale, enable_gqa=gqa,
+                                             dropout_p=dropout_p)
+    return out.transpose(0, 1)
+
+
+def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seqlens_padded, *,
+                  softmax_scale: Optional[float] = None, query_index: Optional[Tensor] = None,
+                  mode: str = "thd", dropout_p: float = 0.0) -> Tensor:
+    """Causal attention inside each sub-sequence of a THD pack; padded rows are ignored.
+
+    query [Tq, hq, d]; key, value [T, hk, d] in global pack order (T = cu_seqlens_padded[-1]);
+    hq a multiple of hk (GQA). ``query_index`` [Tq] gives each query row's global row in the
+    pack (default ``arange(T)``; under CP the rank's zigzag rows, grouped by sub-sequence in
+    order). Returns [Tq, hq, d]; rows that are padding come out as zeros. ``dropout_p`` drops
+    attention probabilities (training only; 0 keeps runs deterministic).
+
+    ``mode='pack_causal'`` is the deliberately wrong attention used by ``verify.attention``:
+    plain causal attention over the whole pack, as if it were one sequence.
+
+    Example: cu_seqlens=[0, 3, 5], cu_seqlens_padded=[0, 4, 8]: rows 0-2 and 4-5 attend within
+    their own sub-sequence; rows 3, 6, 7 are zeros.
+    """
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"attention mode {mode!r} must be one of {list(ATTENTION_MODES)}.")
+    total = key.size(0)
+    cu, cu_pad = _as_list(cu_seqlens), _as_list(cu_seqlens_padded)
+    if mode == "pack_causal":
+        cu, cu_pad = [0, total], [0, total]
+    if query_index is None:
+        query_index = torch.arange(query.size(0), device=query.device)
+    _check_thd_inputs(query, key, value, cu, cu_pad, query_index)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.size(-1))
+
+    seq_of_row = torch.searchsorted(torch.tensor(cu_pad, device=query_index.device), query_index, right=True) - 1
+    rows_per_seq = torch.bincount(seq_of_row, minlength=len(cu_pad) - 1).tolist()
+    outputs, real_rows = [], []
+    row = 0
+    for s, num_rows in enumerate(rows_per_seq):
+        start, num_real = cu_pad[s], cu[s + 1] - cu[s]
+        rows = torch.arange(row, row + num_rows, device=query.device)
+        row += num_rows
+        q_pos = query_index[rows] - start
+        keep = q_pos < num_real
+        if num_rows == 0 or not bool(keep.any()):
+            continue
+        rows, q_pos = rows[keep], q_pos[keep]
+        num_keys = int(q_pos.max()) + 1
+        outputs.append(_sequence_attention(query.index_select(0, rows), key[start:start + num_keys],
+                                           value[start:start + num_keys], q_pos, scale, dropout_p))
+        real_rows.append(rows)
+    out = torch.zeros(query.shape[:2] + (value.size(-1),), dtype=query.dtype, device=query.device)
+    if outputs:
+        out = out.index_copy(0, torch.cat(real_rows), torch.cat(outputs))
+    return out
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """All-gather along dim 0; backward sums every rank's gradient and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, group) -> Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        gathered = torch.empty((world * local.size(0),) + tuple(local.shape[1:]), dtype=local.dtype,
+                               device=local.device)
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        world = dist.get_world_size(ctx.group)
+        local = torch.empty((grad.size(0) // world,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(local, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return local, None
+
+
+def gather_cp_rows(local: Tensor, cu_seqlens_padded, cp_group) -> Tensor:
+    """All-gather this rank's zigzag rows over ``cp_group`` and return them in global pack order.
+
+    local [T/CP, ...] -> [T, ...]; autograd-correct (each rank gets back the summed gradient of
+    the rows it owns).
+    """
+    from megatron_pack.parallel.cp import thd_gather_order
+
+    cp_size, gathered = dist.get_world_size(cp_group), _AllGatherRows.apply(local, cp_group)
+    position_in_gathered = torch.argsort(thd_gather_order(torch.as_tensor(_as_list(cu_seqlens_padded)), cp_size))
+    return gathered.index_select(0, position_in_gathered.to(local.device))
+
+
+class _ThdCoreAttentionBody:
+    """Core attention for megatron-core's local layer spec: THD packing, GQA and CP in pure torch.
+
+    Drop-in for the ``core_attention`` submodule of ``SelfAttention``: it receives query
+    [t, heads, dim] and key/value [t, kv_heads, dim] (THD, with ``packed_seq_params``) or
+    [s, b, heads, dim] (SBHD, each row one causal sequence) and returns [t, heads*dim] /
+    [s, b, heads*dim]. ``mode='pack_causal'`` is the broken setting used by ``verify``.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, mode: str = "thd"):
+        super().__init__(config=config)
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"ThdCoreAttention computes causal attention only; got attn_mask_type={attn_mask_type}.")
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"verify.attention / attention mode {mode!r} must be one of {list(ATTENTION_MODES)}.")
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= max(1, layer_number)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.mode = mode
+        self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+
+    def _cp_size_rank(self, packed_seq_params) -> tuple[object, int, int]:
+        group = getattr(packed_seq_params, "cp_group", None)
+        group = group if group is not None else self.cp_group
+        if group is None or not dist.is_initialized():
+            return None, 1, 0
+        return group, dist.get_world_size(group), dist.get_rank(group)
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, cu, cu_pad, packed_seq_params) -> Tensor:
+        group, cp_size, cp_rank = self._cp_size_rank(packed_seq_params)
+        query_index = None
+        if cp_size > 1:
+            from megatron_pack.parallel.cp import thd_partition_indices
+
+            kv = gather_cp_rows(torch.cat([key, value], dim=-1), cu_pad, group)
+            key, value = kv.split([key.size(-1), value.size(-1)], dim=-1)
+            query_index = thd_partition_indices(torch.as_tensor(_as_list(cu_pad)), cp_size, cp_rank).to(query.device)
+        return thd_attention(query, key, value, cu, cu_pad, softmax_scale=self.softmax_scale,
+                             query_index=query_index, mode=self.mode,
+                             dropout_p=self.dropout_p if self.training else 0.0)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("ThdCoreAttention does not support attention_bias.")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q
+            cu_pad = packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None else cu
+            out = self._attend(query, key, value, cu, cu_pad, packed_seq_params)
+            return out.reshape(out.size(0), -1)
+        # SBHD: every batch row is one causal sequence of length s * CP (zigzag-split under CP).
+        _, cp_size, _ = self._cp_size_rank(packed_seq_params)
+        full = query.size(0) * cp_size
+        rows = [self._attend(query[:, b], key[:, b], value[:, b], [0, full], [0, full], packed_seq_params)
+                for b in range(query.size(1))]
+        out = torch.stack(rows, dim=1)
+        return out.reshape(out.size(0), out.size(1), -1)
+
+
+
+@functools.lru_cache(maxsize=None)
+def _core_attention_class() -> type:
+    from megatron.core.transformer.module import MegatronModule
+
+    cls = type("ThdCoreAttention", (_ThdCoreAttentionBody, MegatronModule),
+               {"__doc__": _ThdCoreAttentionBody.__doc__, "__module__": __name__})
+    return cls
+
+
+def __getattr__(name: str):
+    # ThdCoreAttention subclasses megatron-core's MegatronModule; building it on first use keeps
+    # ``thd_attention`` importable (and unit-testable) without importing megatron-core.
+    if name == "ThdCoreAttention":
+        return _core_attention_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,181 @@
+"""Build megatron-core's ``GPTModel`` from our ``Config``: RoPE, GQA, SwiGLU, RMSNorm/LayerNorm.
+
+Two layer specs, chosen by ``model.attention_backend``:
+
+* ``te``    Transformer Engine's layer spec (fused THD attention with CP, ``parallel.cp_comm_type``,
+            TE norms and linears). Needs ``transformer_engine`` and CUDA.
+* ``torch`` megatron-core's local modules with our ``ThdCoreAttention`` (pure torch, THD + CP)
+            and ``SequenceParallelNorm`` (so sequence parallelism works); runs on CPU and GPU.
+* ``auto``  ``te`` when ``transformer_engine`` imports and CUDA is present, else ``torch``.
+
+The whole ``TransformerConfig`` comes from one function, ``transformer_config_from(cfg)``.
+
+Example::
+
+    state = initialize_parallel(cfg)                # groups first (gloo on CPU)
+    model = build_model(cfg, state)                 # GPTModel, float32 on CPU
+    logits = model(tokens, position_ids, None, packed_seq_params=params)   # [1, T/CP, V/TP]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_pack.config.schema import Config
+from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
+from megatron_pack.model.norms import SequenceParallelNorm
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def te_import_error() -> Optional[str]:
+    """None when Transformer Engine's torch extension imports, else why it does not."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # an ImportError, or a broken CUDA install raising anything else
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def choose_backend(requested: str, *, attention_mode: str = "thd") -> str:
+    """Resolve ``model.attention_backend`` to 'te' or 'torch' (see the module docstring)."""
+    if attention_mode != "thd":
+        if requested == "te":
+            raise ValueError(f"verify.attention={attention_mode} exists only in the torch attention; "
+                             "set model.attention_backend=torch (or auto).")
+        return "torch"
+    if requested == "torch":
+        return "torch"
+    te_error = te_import_error()
+    if requested == "te":
+        if te_error is not None or not torch.cuda.is_available():
+            why = te_error if te_error is not None else "CUDA is not available"
+            raise ValueError(f"model.attention_backend ('te') needs Transformer Engine and CUDA ({why}); "
+                             "install megatron_pack[gpu] on a GPU host or set model.attention_backend=torch.")
+        return "te"
+    if requested == "auto":
+        return "te" if te_error is None and torch.cuda.is_available() else "torch"
+    raise ValueError(f"model.attention_backend ({requested!r}) must be one of ['auto', 'torch', 'te'].")
+
+
+def _activation(name: str):
+    return F.silu if name == "swiglu" else F.gelu
+
+
+def transformer_config_from(cfg: Config, *, backend: str = "torch"):
+    """megatron-core ``TransformerConfig`` for ``cfg`` (the one place our config meets megatron's)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p = cfg.model, cfg.parallel
+    on_gpu = torch.cuda.is_available()
+    fused = backend == "te"
+    extra = {}
+    if m.cuda_graph_impl != "none":
+        extra = {"cuda_graph_impl": m.cuda_graph_impl, "cuda_graph_scope": list(m.cuda_graph_scope) or "full"}
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels, normalization=m.normalization,
+        gated_linear_unit=m.activation == "swiglu", activation_func=_activation(m.activation),
+        add_bias_linear=False, init_method_std=m.init_method_std,
+        attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+        params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16, pipeline_dtype=_DTYPES[m.params_dtype],
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        context_parallel_size=p.context_parallel_size, pipeline_model_parallel_size=1,
+        sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type if fused else None,
+        calculate_per_token_loss=m.calculate_per_token_loss,
+        # CPU init builds each full weight from the default generator and slices it, so a model
+        # has the same weights for every TP size (what the parallel-invariance tests rely on).
+        use_cpu_initialization=not on_gpu, perform_initialization=True,
+        deterministic_mode=cfg.train.deterministic and on_gpu,
+        bias_dropout_fusion=fused, apply_rope_fusion=fused, masked_softmax_fusion=False,
+        bias_activation_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        **extra,
+    )
+
+
+def local_block_spec(num_layers: int, *, attention_mode: str = "thd"):
+    """Block spec of megatron-core local modules with our THD attention core and SP-capable norms."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    if attention_mode not in ATTENTION_MODES:
+        raise ValueError(f"verify.attention ({attention_mode!r}) must be one of {list(ATTENTION_MODES)}.")
+    attention = ModuleSpec(
+        module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear, linear_proj=RowParallelLinear,
+            core_attention=ModuleSpec(module=ThdCoreAttention, params={"mode": attention_mode}),
+            q_layernorm=IdentityOp, k_layernorm=IdentityOp))
+    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=SequenceParallelNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=SequenceParallelNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add))
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm)
+
+
+def te_layer_spec():
+    """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False,
+                                                      qk_layernorm=False)
+
+
+def _check_divisibility(cfg: Config) -> None:
+    tp, vocab = cfg.parallel.tensor_model_parallel_size, cfg.model.vocab_size
+    if vocab % tp != 0:
+        padded = -(-vocab // tp) * tp
+        raise ValueError(f"model.vocab_size ({vocab}) must be divisible by parallel.tensor_model_parallel_size "
+                         f"({tp}) so every TP size builds the same model; set model.vocab_size={padded}.")
+
+
+def build_model(cfg: Config, pg=None, *, attention_mode: str = "thd"):
+    """megatron-core ``GPTModel`` for ``cfg`` on this process's groups (``ParallelState``).
+
+    ``pg`` None initialises the groups from ``cfg`` first (a world of one outside torchrun).
+    Seeds the weights with ``train.seed`` (CPU: identical full weights for every TP size).
+    ``attention_mode='pack_causal'`` builds the broken model ``verify.attention`` demonstrates.
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if pg is None:
+        from megatron_pack.parallel.groups import initialize_parallel
+
+        pg = initialize_parallel(cfg)
+    if not torch.cuda.is_available():
+        from megatron_pack.model.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+    _check_divisibility(cfg)
+    backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode)
+    config = transformer_config_from(cfg, backend=backend)
+    torch.manual_seed(cfg.train.seed)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
+    spec = te_layer_spec() if backend == "te" else local_block_spec(cfg.model.num_layers,
+                                                                      attention_mode=attention_mode)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
+        pre_process=True, post_process=True, parallel_output=True,
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
+        pg_collection=pg.pg_collection,
+    )
+    model.attention_backend = backend
+    return model.to(pg.device)

@@ -1,0 +1,172 @@
+"""Process-group setup: the one place that touches megatron-core's ``parallel_state`` globals.
+
+``initialize_parallel`` starts ``torch.distributed`` (from the torchrun environment when it is
+not started yet; gloo without CUDA), asks megatron-core to build its TP / CP / DP groups once,
+and returns a ``ParallelState`` holding every group and rank the rest of the package needs.
+Everything downstream takes that object (or its ``pg_collection``) instead of reading
+megatron's module globals, so a test can build several worlds one after another in the same
+processes: ``destroy_parallel()`` tears the groups down again.
+
+Example (2 processes launched by torchrun, CPU)::
+
+    state = initialize_parallel(cfg.parallel)        # tp=1, cp=2
+    state.cp_size, state.cp_rank, state.dp_size      # (2, <0 or 1>, 1)
+    model = build_model(cfg, state)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_pack.config.schema import Config, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Groups and ranks of this process, built once by ``initialize_parallel``."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes."""
+    backend: str
+    """torch.distributed backend in use ('gloo' or 'nccl')."""
+    device: torch.device
+    """Device the model lives on (cpu without CUDA, else this process's GPU)."""
+    tp_size: int
+    """Tensor-parallel degree."""
+    tp_rank: int
+    """Rank inside the tensor-parallel group."""
+    cp_size: int
+    """Context-parallel degree."""
+    cp_rank: int
+    """Rank inside the context-parallel group."""
+    dp_size: int
+    """Data-parallel degree (without CP)."""
+    dp_rank: int
+    """Rank inside the data-parallel group."""
+    sequence_parallel: bool
+    """Activations are sharded along the sequence inside TP regions."""
+    tp_group: Any
+    """Tensor-parallel process group."""
+    cp_group: Any
+    """Context-parallel process group."""
+    dp_group: Any
+    """Data-parallel process group (without CP)."""
+    dp_cp_group: Any
+    """Data x context-parallel group: gradients and token counts are summed over it."""
+    pg_collection: Any
+    """megatron-core ``ProcessGroupCollection`` with the same groups (for megatron modules)."""
+
+    @property
+    def num_dp_cp_ranks(self) -> int:
+        """Size of the DP x CP group."""
+        return self.dp_size * self.cp_size
+
+
+def _resolve_backend(requested: Optional[str]) -> str:
+    if requested in (None, "auto"):
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend ('nccl') needs CUDA, which is not available here; "
+                         "set parallel.backend=gloo (or auto).")
+    return requested
+
+
+def _init_process_group(backend: str) -> None:
+    """Start torch.distributed from the torchrun env, or as a world of one when no env is set."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        # A single process (verify, a notebook): a private world of one.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _parallel_config(cfg_or_parallel_cfg: Config | ParallelConfig) -> ParallelConfig:
+    if isinstance(cfg_or_parallel_cfg, ParallelConfig):
+        return cfg_or_parallel_cfg
+    return cfg_or_parallel_cfg.parallel
+
+
+def _check_world(pcfg: ParallelConfig, world_size: int) -> None:
+    tp, cp, pp = pcfg.tensor_model_parallel_size, pcfg.context_parallel_size, pcfg.pipeline_model_parallel_size
+    if pp != 1:
+        raise ValueError(f"parallel.pipeline_model_parallel_size ({pp}) must be 1: pipeline parallelism is "
+                         "not supported; set parallel.pipeline_model_parallel_size=1.")
+    if world_size % (tp * cp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size "
+                         f"({tp}) x parallel.context_parallel_size ({cp}) = {tp * cp}; launch a multiple "
+                         f"of {tp * cp} processes or lower TP/CP.")
+    if pcfg.sequence_parallel and tp == 1:
+        raise ValueError("parallel.sequence_parallel (True) needs parallel.tensor_model_parallel_size > 1; "
+                         "set parallel.sequence_parallel=false.")
+
+
+def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend: Optional[str] = None
+                        ) -> ParallelState:
+    """Start torch.distributed and megatron-core's model-parallel groups once; return them.
+
+    ``backend`` overrides ``parallel.backend`` ('auto' picks nccl with CUDA, else gloo). Without
+    CUDA this also turns on ``megatron_pack.model.cpu_compat`` (megatron-core's CPU accommodation).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pcfg = _parallel_config(cfg_or_parallel_cfg)
+    chosen = _resolve_backend(backend if backend is not None else pcfg.backend)
+    if not torch.cuda.is_available():
+        from megatron_pack.model.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+    _init_process_group(chosen)
+    _check_world(pcfg, dist.get_world_size())
+    if mpu.model_parallel_is_initialized():
+        raise RuntimeError("megatron-core model-parallel groups are already initialised; call "
+                           "megatron_pack.parallel.groups.destroy_parallel() before initialising again.")
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=pcfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pcfg.pipeline_model_parallel_size,
+        context_parallel_size=pcfg.context_parallel_size,
+        create_gloo_process_groups=False,
+    )
+    pgs = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "embd", "pos_embd", "tp_dp_cp"])
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    return ParallelState(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend(), device=device,
+        tp_size=pgs.tp.size(), tp_rank=pgs.tp.rank(), cp_size=pgs.cp.size(), cp_rank=pgs.cp.rank(),
+        dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), sequence_parallel=bool(pcfg.sequence_parallel),
+        tp_group=pgs.tp, cp_group=pgs.cp, dp_group=pgs.dp, dp_cp_group=pgs.dp_cp, pg_collection=pgs,
+    )
+
+
+def destroy_parallel(*, destroy_process_group: bool = False) -> None:
+    """Tear down megatron-core's groups (and, when asked, torch.distributed itself)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()
