@@ -174,14 +174,19 @@ def _compose(overrides: list[str], root: Path) -> DictConfig:
 
 
 def _hydra_message(exc: BaseException) -> str:
-    """Hydra's message with OmegaConf's cause, which names the key and the wrong value."""
-    lines = [str(exc).splitlines()[0] if str(exc) else type(exc).__name__]
-    cause = exc.__cause__
-    if cause is not None and str(cause):
-        lines.append(str(cause).splitlines()[0])
-    key = getattr(cause, "full_key", None) or getattr(exc, "full_key", None)
-    fix = f"; check the value of {key} (see docs/configuration.md)" if key else "; see docs/configuration.md"
-    return ": ".join(lines) + fix + "."
+    """One line from Hydra's error chain, naming the key (with a suggestion for unknown keys)."""
+    lines: list[str] = []
+    node: Optional[BaseException] = exc
+    while node is not None:
+        lines += [ln.strip() for ln in str(node).splitlines()
+                  if ln.strip() and not ln.strip().startswith(("reference_type", "object_type"))]
+        node = node.__cause__
+    text = "; ".join(dict.fromkeys(ln.rstrip(":") for ln in lines if not ln.startswith("full_key")))
+    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if key and "not in" in text and key.count(".") == 1:
+        return _unknown_key(text, key, _all_keys())
+    fix = f"; check {key}" if key else ""
+    return f"{text or type(exc).__name__}{fix} (see docs/configuration.md)."
 
 
 def to_config(composed: DictConfig) -> Config:

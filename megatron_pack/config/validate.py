@@ -29,6 +29,10 @@ def _packing_on(cfg: Config) -> bool:
     return cfg.packing.offline or cfg.packing.in_batch
 
 
+def _sp_text(cp: int, tp: int, sp: bool) -> str:
+    return " with sequence_parallel" if sp and tp > 1 else ""
+
+
 def _layout(cfg: Config) -> tuple[int, int, bool]:
     par = cfg.parallel
     return par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel
@@ -164,7 +168,7 @@ def _validate_pad_multiple(cfg: Config) -> list[str]:
         return []
     fix = _ceil_to(value, required)
     return [f"packing.pad_seq_to_mult ({value}) must be a multiple of {_dims.pad_rule_text(cp, tp, sp)} = {required} "
-            f"for cp={cp}, tp={tp}{' with sequence_parallel' if sp else ''}; set packing.pad_seq_to_mult={fix} "
+            f"for cp={cp}, tp={tp}{_sp_text(cp, tp, sp)}; set packing.pad_seq_to_mult={fix} "
             f"(or leave it unset to derive {required})."]
 
 
@@ -175,9 +179,10 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
     problems = []
     size, pad = cfg.packing.packed_sequence_size, effective_pad_multiple(cfg)
     if size % pad:
+        source = ("packing.pad_seq_to_mult" if cfg.packing.pad_seq_to_mult is not None
+                  else f"derived: {_dims.pad_rule_text(*_layout(cfg))}")
         problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
-                        f"(packing.pad_seq_to_mult, or the lcm rule when unset); "
-                        f"set packing.packed_sequence_size={_ceil_to(size, pad)}.")
+                        f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}.")
     longest = cfg.packing.max_single_sequence_length
     if longest is not None and longest > size:
         problems.append(f"packing.max_single_sequence_length ({longest}) must be <= packing.packed_sequence_size "
@@ -270,7 +275,7 @@ def _dataset_pad_problems(cfg: Config, planned: Optional[int], where: str, redo:
     if planned % required:
         return [f"packing.pad_seq_to_mult: the dataset was planned with pad_seq_to_mult={planned} ({where}), which "
                 f"is not a multiple of {_dims.pad_rule_text(cp, tp, sp)} = {required} for cp={cp}, tp={tp}"
-                f"{' with sequence_parallel' if sp else ''}; {redo} (it pads to {required})."]
+                f"{_sp_text(cp, tp, sp)}; {redo} (it pads to {required})."]
     chosen = cfg.packing.pad_seq_to_mult
     if chosen is not None and planned % chosen:
         return [f"packing.pad_seq_to_mult ({chosen}) does not divide pad_seq_to_mult={planned} the dataset was "

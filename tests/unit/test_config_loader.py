@@ -1,0 +1,149 @@
+"""load_config: Hydra composition, presets, typo suggestions, read-only result."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import yaml
+
+from megatron_pack.config import (Config, ConfigError, DataConfig, ModelConfig, config_dir, config_to_yaml,
+                                  load_config)
+from megatron_pack.config.loader import presets
+from megatron_pack.parallel import ParallelDims
+
+TYPOS = [
+    ("key", ["packing.packed_sequnce_size=8"], "unknown key 'packing.packed_sequnce_size'",
+     "did you mean 'packing.packed_sequence_size'?"),
+    ("group-of-key", ["modle.num_layers=2"], "unknown key 'modle.num_layers'", "did you mean 'model.num_layers'?"),
+    ("bare-field", ["num_layers=3"], "unknown key 'num_layers'", "did you mean 'model.num_layers'?"),
+    ("added-key", ["+train.lrr=0.1"], "unknown key 'train.lrr'", "did you mean 'train.lr'?"),
+    ("preset", ["data=synthtic"], "no preset 'synthtic' in configs/data/", "did you mean 'synthetic'?"),
+    ("group", ["paralel=cp2"], "unknown key 'paralel'", "did you mean 'parallel'?"),
+    ("experiment", ["experiment=quickstrat"], "no preset 'quickstrat'", "did you mean 'quickstart'?"),
+    ("no-presets", ["packing=big"], "'packing' has no presets", "packing.packed_sequence_size=<value>"),
+    ("type", ["model.num_layers=abc"], "model.num_layers=abc", "set model.num_layers to a value of type int"),
+    ("not-key-value", ["model.num_layers"], "not a key=value override", "group.key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,problem,fix", [t[1:] for t in TYPOS], ids=[t[0] for t in TYPOS])
+def test_typo_fails_with_suggestion(overrides, problem, fix):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    assert len(info.value.problems) == 1
+    assert problem in info.value.problems[0] and fix in info.value.problems[0]
+
+
+def test_every_typo_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        load_config(["modle.num_layers=2", "data=synthtic", "train.lr=fast", "train.bf16=maybe"])
+    text = str(info.value)
+    assert len(info.value.problems) == 4
+    for part in ("'model.num_layers'", "'synthetic'", "train.lr=fast", "train.bf16=maybe"):
+        assert part in text
+
+
+def test_field_problems_collected_from_every_group():
+    with pytest.raises(ConfigError) as info:
+        load_config(["model.num_layers=0", "train.lr=-1", "parallel.cp_comm_type=ring", "data.source=files"])
+    text = str(info.value)
+    assert len(info.value.problems) == 4
+    for part in ("model.num_layers (0)", "train.lr (-1.0)", "parallel.cp_comm_type ('ring')", "data.input (None)"):
+        assert part in text
+
+
+PRESETS = [  # (overrides, world size, tp, cp, sp, dp, pad multiple)
+    ([], 1, 1, 1, False, 1, 1),
+    (["parallel=cp2"], 2, 1, 2, False, 1, 4),
+    (["parallel=cp4"], 8, 1, 4, False, 2, 8),
+    (["parallel=tp2"], 4, 2, 1, False, 2, 1),
+    (["parallel=tp2_cp2"], 4, 2, 2, False, 1, 4),
+    (["model=tiny", "parallel=tp2_cp2_sp", "data=synthetic"], 8, 2, 2, True, 2, 4),
+    (["experiment=quickstart"], 2, 1, 2, False, 1, 4),
+    (["+experiment=quickstart"], 4, 1, 2, False, 2, 4),
+    (["experiment=quickstart", "parallel=tp2_cp2_sp"], 4, 2, 2, True, 1, 4),
+    (["experiment=llama3_8b_tp2_cp2", "data.input=/data/train.jsonl"], 16, 2, 2, True, 4, 4),
+]
+
+
+@pytest.mark.parametrize("overrides,world,tp,cp,sp,dp,pad", PRESETS, ids=[" ".join(p[0]) or "defaults" for p in PRESETS])
+def test_preset_composition(overrides, world, tp, cp, sp, dp, pad):
+    cfg = load_config(overrides, world_size=world)
+    dims = ParallelDims.from_config(cfg, world)
+    assert (dims.tp, dims.cp, dims.sp, dims.dp, dims.pad_multiple) == (tp, cp, sp, dp, pad)
+
+
+def test_every_parallel_preset_is_covered():
+    selected = {o.split("=")[1] for p in PRESETS for o in p[0] if o.startswith("parallel=")}
+    assert selected | {"cp1"} == set(presets(config_dir())["parallel"])
+
+
+def test_experiment_quickstart_values():
+    cfg = load_config(["experiment=quickstart"])
+    assert (cfg.data.source, cfg.model.name, cfg.parallel.context_parallel_size) == ("synthetic", "tiny", 2)
+    assert cfg.train.train_iters == 50 and cfg.packing.packed_sequence_size == 512
+    later = load_config(["experiment=quickstart", "train.train_iters=3"])
+    assert later.train.train_iters == 3
+
+
+def test_llama_preset_is_real_size():
+    cfg = load_config(["experiment=llama3_8b_tp2_cp2", "data.input=/data/train.jsonl"], world_size=8)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size) == (32, 4096, 128256)
+    assert cfg.model.seq_length == cfg.packing.packed_sequence_size == 8192
+
+
+def test_tiny_yaml_matches_schema_defaults():
+    tiny = yaml.safe_load((config_dir() / "model" / "tiny.yaml").read_text())
+    defaults = dataclasses.asdict(ModelConfig())
+    assert len(tiny) >= 15
+    assert {k: defaults[k] for k in tiny} == tiny
+    assert load_config(["model=tiny"]).model == ModelConfig()
+    assert load_config([]).data == DataConfig()
+
+
+def test_result_is_read_only():
+    cfg = load_config(["parallel=cp2"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel.context_parallel_size = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train = cfg.train
+    changed = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=4))
+    assert changed.parallel.context_parallel_size == 4 and cfg.parallel.context_parallel_size == 2
+
+
+def test_validation_runs_with_world_size_and_meta():
+    with pytest.raises(ConfigError, match=r"world size \(3\)"):
+        load_config(["parallel=cp2"], world_size=3)
+    with pytest.raises(ConfigError, match="pack_size=1024"):
+        load_config([], dataset_meta={"pack_size": 1024})
+
+
+def test_config_to_yaml_round_trips():
+    cfg = load_config(["parallel=tp2_cp2_sp", "train.lr=0.001"])
+    text = config_to_yaml(cfg)
+    assert "context_parallel_size: 2" in text
+    loaded = yaml.safe_load(text)
+    assert Config(**{k: type(getattr(cfg, k))(**v) for k, v in loaded.items()}) == cfg
+
+
+def test_config_dir_from_environment(tmp_path, monkeypatch):
+    custom = tmp_path / "configs"
+    shutil.copytree(config_dir(), custom)
+    (custom / "parallel" / "cp8.yaml").write_text("context_parallel_size: 8\n")
+    monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", str(custom))
+    assert config_dir() == custom
+    assert load_config(["parallel=cp8"]).parallel.context_parallel_size == 8
+    monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="MEGATRON_PACK_CONFIG_DIR"):
+        load_config([])
+
+
+def test_unknown_key_inside_a_yaml_file_fails(tmp_path, monkeypatch):
+    custom = tmp_path / "configs"
+    shutil.copytree(config_dir(), custom)
+    (custom / "model" / "bad.yaml").write_text("num_layer: 2\n")
+    monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", str(custom))
+    with pytest.raises(ConfigError, match="num_layer"):
+        load_config(["model=bad"])

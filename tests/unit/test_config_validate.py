@@ -1,0 +1,193 @@
+"""Every cross-group validator: a passing and a failing case each, messages name key and fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_pack.config import Config, ConfigError, validate
+from megatron_pack.parallel.cp import pad_multiple
+
+# The package re-exports the function ``validate``, which shadows the module's attribute name.
+validate_module = importlib.import_module("megatron_pack.config.validate")
+
+
+def make(**dotted) -> Config:
+    """``make(parallel__context_parallel_size=2)``: the default Config with fields replaced."""
+    by_group: dict[str, dict] = {}
+    for key, value in dotted.items():
+        group, name = key.split("__")
+        by_group.setdefault(group, {})[name] = value
+    base = Config()
+    return Config(**{f.name: dataclasses.replace(getattr(base, f.name), **by_group.get(f.name, {}))
+                     for f in dataclasses.fields(Config)})
+
+
+CP2_TP4_SP = dict(parallel__context_parallel_size=2, parallel__tensor_model_parallel_size=4,
+                  parallel__sequence_parallel=True, model__num_query_groups=4)
+GRAPHS = dict(model__cuda_graph_impl="local", data__pad_to_max_length=True)
+META_OK = {"pack_size": 512, "max_samples_per_bin": 7, "pad_seq_to_mult": 4, "vocab_size": 260}
+
+# (rule, config overrides, extra kwargs for the rule, fragments the problem must contain; () = passes)
+CASES = [
+    ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
+     dict(world_size=8), ()),
+    ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
+     dict(world_size=6), ("world size (6)", "2*2*1 = 4", "launch 4 or 8 ranks")),
+    ("world_size", {}, dict(world_size=None), ()),
+    ("pipeline_parallel", {}, {}, ()),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2), {},
+     ("parallel.pipeline_model_parallel_size (2)", "not supported yet", "set parallel.pipeline_model_parallel_size=1")),
+    ("context_parallel", dict(parallel__context_parallel_size=2), {}, ()),
+    ("context_parallel", dict(parallel__context_parallel_size=4, packing__packed_sequence_size=0, model__seq_length=20),
+     {}, ("model.seq_length (20)", "2*parallel.context_parallel_size = 8", "set model.seq_length=24")),
+    ("per_token_loss", dict(parallel__context_parallel_size=2), {}, ()),
+    ("per_token_loss", dict(parallel__context_parallel_size=2, model__calculate_per_token_loss=False), {},
+     ("model.calculate_per_token_loss (False)", "set model.calculate_per_token_loss=true")),
+    ("per_token_loss", dict(ddp__average_in_collective=True), {},
+     ("ddp.average_in_collective (True)", "set ddp.average_in_collective=false")),
+    ("offline_packing", {}, {}, ()),
+    ("offline_packing", dict(train__micro_batch_size=2), {},
+     ("train.micro_batch_size (2)", "set train.micro_batch_size=1", "train.global_batch_size (e.g. 16)")),
+    ("offline_packing", dict(packing__packed_sequence_size=0, data__pad_to_max_length=True), {},
+     ("data.pad_to_max_length (True)", "set packing.packed_sequence_size=<tokens per pack, > 0>")),
+    ("in_batch_packing", dict(packing__in_batch=True, packing__packed_sequence_size=0, train__micro_batch_size=4), {}, ()),
+    ("in_batch_packing", dict(packing__in_batch=True, train__micro_batch_size=4), {},
+     ("packing.in_batch (True)", "mutually exclusive", "set packing.packed_sequence_size=0")),
+    ("in_batch_packing", dict(packing__in_batch=True, packing__packed_sequence_size=0), {},
+     ("train.micro_batch_size (1)", "set train.micro_batch_size=4")),
+    ("pad_cu_seqlens", dict(packing__pad_cu_seqlens=True, data__pad_to_max_length=True), {}, ()),
+    ("pad_cu_seqlens", dict(packing__pad_cu_seqlens=True), {},
+     ("packing.pad_cu_seqlens (True)", "set data.pad_to_max_length=true")),
+    ("cuda_graphs", dict(GRAPHS, packing__pad_cu_seqlens=True), {}, ()),
+    ("cuda_graphs", dict(GRAPHS, model__cuda_graph_scope=["mlp"]), {}, ()),
+    ("cuda_graphs", dict(model__cuda_graph_impl="local"), {},
+     ("model.cuda_graph_impl (local)", "set data.pad_to_max_length=true", "set packing.pad_cu_seqlens=true")),
+    ("cuda_graphs", dict(GRAPHS, model__cuda_graph_scope=["attn"]), {},
+     ("model.cuda_graph_scope=['attn']", "set packing.pad_cu_seqlens=true", "model.cuda_graph_scope=[mlp]")),
+    ("cuda_graphs", dict(model__cuda_graph_impl="transformer_engine", packing__in_batch=True,
+                         packing__packed_sequence_size=0, train__micro_batch_size=4), {},
+     ("model.cuda_graph_impl (transformer_engine)", "set model.cuda_graph_impl=none")),
+    ("pad_multiple", dict(CP2_TP4_SP, packing__pad_seq_to_mult=8), {}, ()),
+    ("pad_multiple", dict(CP2_TP4_SP, packing__pad_seq_to_mult=4), {},
+     ("packing.pad_seq_to_mult (4) must be a multiple of lcm(2*cp=4, cp*tp=8) = 8 for cp=2, tp=4 with "
+      "sequence_parallel; set packing.pad_seq_to_mult=8",)),
+    ("pad_multiple", dict(parallel__context_parallel_size=2, packing__pad_seq_to_mult=6), {},
+     ("packing.pad_seq_to_mult (6)", "= 4 for cp=2, tp=1;", "set packing.pad_seq_to_mult=8")),
+    ("packed_sizes", {}, {}, ()),
+    ("packed_sizes", dict(packing__packed_sequence_size=510, model__seq_length=510, packing__pad_seq_to_mult=4), {},
+     ("packing.packed_sequence_size (510)", "pad multiple 4", "set packing.packed_sequence_size=512")),
+    ("packed_sizes", dict(packing__max_single_sequence_length=1024), {},
+     ("packing.max_single_sequence_length (1024)", "set packing.max_single_sequence_length=512")),
+    ("packed_sizes", dict(model__seq_length=256), {},
+     ("model.seq_length (256) must equal packing.packed_sequence_size (512)", "set model.seq_length=512")),
+    ("tensor_parallel", dict(parallel__tensor_model_parallel_size=2), {}, ()),
+    ("tensor_parallel", dict(parallel__tensor_model_parallel_size=8), {},
+     ("model.num_attention_heads (4)", "parallel.tensor_model_parallel_size (8)", "set parallel.tensor_model_parallel_size")),
+    ("tensor_parallel", dict(parallel__tensor_model_parallel_size=4), {},
+     ("model.num_query_groups (2)", "set parallel.tensor_model_parallel_size to a divisor of 2")),
+    ("tensor_parallel", dict(parallel__sequence_parallel=True), {},
+     ("parallel.sequence_parallel (True)", "set parallel.sequence_parallel=false")),
+    ("batch_size", {}, dict(world_size=4), ()),
+    ("batch_size", {}, dict(world_size=3),
+     ("train.global_batch_size (8)", "1*3", "set train.global_batch_size=9")),
+    ("device", dict(train__device="cpu"), {}, ()),
+    ("device", dict(train__device="cpu", model__attention_backend="te", parallel__backend="nccl"), {},
+     ("model.attention_backend (te)", "set model.attention_backend=auto", "set parallel.backend=gloo")),
+    ("dataset_meta", dict(parallel__context_parallel_size=2, packing__pad_cu_seqlens=True,
+                          data__pad_to_max_length=True), dict(meta=META_OK), ()),
+    ("dataset_meta", dict(packing__pad_cu_seqlens=True, data__pad_to_max_length=True), dict(meta={}),
+     ("packing.pad_cu_seqlens (True) needs max_samples_per_bin", "data.dataset_dir (data/synthetic)",
+      "re-run `megatron-pack prepare`")),
+    ("dataset_meta", {}, dict(meta=dict(META_OK, pack_size=1024)),
+     ("packing.packed_sequence_size (512)", "pack_size=1024", "set packing.packed_sequence_size=1024")),
+    ("dataset_meta", dict(parallel__context_parallel_size=2), dict(meta=dict(META_OK, pad_seq_to_mult=2)),
+     ("pad_seq_to_mult=2", "lcm(2*cp=4) = 4", "re-run `megatron-pack prepare`")),
+    ("dataset_meta", dict(parallel__context_parallel_size=2, packing__pad_seq_to_mult=8), dict(meta=META_OK),
+     ("packing.pad_seq_to_mult (8) does not divide pad_seq_to_mult=4", "set packing.pad_seq_to_mult=4")),
+    ("dataset_meta", {}, dict(meta=dict(META_OK, vocab_size=50000)),
+     ("model.vocab_size (384)", "set model.vocab_size=50000")),
+]
+
+
+def _case_id(case) -> str:
+    rule, overrides, kwargs, fragments = case
+    return f"{rule}-{'fail' if fragments else 'pass'}-" + "-".join(f"{k.split('__')[1]}" for k in overrides)[:60]
+
+
+def _run_rule(rule: str, cfg: Config, kwargs: dict) -> list[str]:
+    fn = getattr(validate_module, f"_validate_{rule}")
+    return fn(cfg, *kwargs.values())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_rule(case):
+    rule, overrides, kwargs, fragments = case
+    cfg = make(**overrides)
+    problems = _run_rule(rule, cfg, kwargs)
+    validate_kwargs = dict(world_size=kwargs.get("world_size"), dataset_meta=kwargs.get("meta"))
+    if not fragments:
+        assert problems == []
+        validate(cfg, **validate_kwargs)  # the passing case is a fully valid config
+        return
+    assert problems, f"_validate_{rule} found nothing for {overrides}"
+    joined = "\n".join(problems)
+    for fragment in fragments:
+        assert fragment in joined
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, **validate_kwargs)
+    for problem in problems:  # validate reports what the rule found, among any others
+        assert problem in info.value.problems
+
+
+def test_every_rule_has_a_passing_and_a_failing_case():
+    rules = {name[len("_validate_"):] for name, _ in inspect.getmembers(validate_module, inspect.isfunction)
+             if name.startswith("_validate_")}
+    assert len(rules) >= 14
+    passing = {c[0] for c in CASES if not c[3]}
+    failing = {c[0] for c in CASES if c[3]}
+    assert rules == passing == failing
+
+
+def test_several_problems_reported_together():
+    cfg = make(parallel__context_parallel_size=2, model__calculate_per_token_loss=False, train__micro_batch_size=2,
+               parallel__sequence_parallel=True, packing__pad_cu_seqlens=True, packing__pad_seq_to_mult=2,
+               train__global_batch_size=7)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=3)
+    keys = ["world size (3)", "model.calculate_per_token_loss", "train.micro_batch_size (2)",
+            "parallel.sequence_parallel (True)", "packing.pad_cu_seqlens (True)", "packing.pad_seq_to_mult (2)",
+            "train.global_batch_size (7)"]
+    assert len(info.value.problems) >= len(keys)
+    text = str(info.value)
+    assert text.startswith(f"{len(info.value.problems)} config problem(s):")
+    for key in keys:
+        assert key in text
+    assert isinstance(info.value, ValueError)
+
+
+def test_default_config_is_valid():
+    validate(Config(), world_size=1, dataset_meta={"pack_size": 512, "pad_seq_to_mult": 1})
+
+
+@settings(max_examples=60, deadline=None)
+@given(cp=st.integers(1, 8), tp=st.integers(1, 8), sp=st.booleans(), factor=st.integers(1, 6), delta=st.integers(1, 7))
+def test_pad_multiple_rule_property(cp, tp, sp, factor, delta):
+    """Every multiple of the lcm rule passes; every non-multiple fails and names the rule's value."""
+    required = pad_multiple(cp, tp, sp)
+    layout = dict(parallel__context_parallel_size=cp, parallel__tensor_model_parallel_size=tp,
+                  parallel__sequence_parallel=sp)
+    assert validate_module._validate_pad_multiple(make(**layout, packing__pad_seq_to_mult=required * factor)) == []
+    bad = required * factor + delta
+    problems = validate_module._validate_pad_multiple(make(**layout, packing__pad_seq_to_mult=bad))
+    if bad % required:
+        assert len(problems) == 1 and f"= {required} for cp={cp}, tp={tp}" in problems[0]
+        fix = int(problems[0].split("set packing.pad_seq_to_mult=")[1].split(" ")[0])
+        assert fix % required == 0 and fix >= bad
+    else:
+        assert problems == []
