@@ -1,0 +1,73 @@
+"""Single-field checks of each group (``__post_init__``): a passing and a failing case each."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_pack.config import GROUPS, Config, ConfigError
+
+FIELD_CASES = [  # (id, group, fields, fragments of the problem; () = valid)
+    ("model-defaults", "model", {}, ()),
+    ("model-positive", "model", dict(num_layers=0), ("model.num_layers (0) must be a positive integer",
+                                                     "set model.num_layers=<int >= 1>")),
+    ("model-bool-is-not-int", "model", dict(hidden_size=True), ("model.hidden_size (True)",)),
+    ("model-choice", "model", dict(normalization="BatchNorm"), ("model.normalization ('BatchNorm')",
+                                                                "set model.normalization=RMSNorm")),
+    ("model-graph-scope", "model", dict(cuda_graph_scope=["layer"]), ("'layer' must be 'attn' or 'mlp'",)),
+    ("model-dropout", "model", dict(hidden_dropout=1.0), ("model.hidden_dropout (1.0)", "set model.hidden_dropout=0.0")),
+    ("model-gqa", "model", dict(num_query_groups=3), ("model.num_query_groups (3) must divide", "(e.g. 2)")),
+    ("model-head-dim", "model", dict(hidden_size=66), ("model.hidden_size (66)", "set model.kv_channels=<head dim>")),
+    ("model-head-dim-explicit", "model", dict(hidden_size=66, kv_channels=16), ()),
+    ("data-files-need-input", "data", dict(source="files"), ("data.input (None) is required",
+                                                              "set data.input=/path/to/train.jsonl")),
+    ("data-files", "data", dict(source="files", input="/x.jsonl"), ()),
+    ("data-workers-zero-ok", "data", dict(num_workers=0), ()),
+    ("data-workers-negative", "data", dict(num_workers=-1), ("data.num_workers (-1) must be a non-negative integer",)),
+    ("packing-off", "packing", dict(packed_sequence_size=0), ()),
+    ("packing-negative", "packing", dict(packed_sequence_size=-8), ("packing.packed_sequence_size (-8)",)),
+    ("packing-pad-zero", "packing", dict(pad_seq_to_mult=0), ("packing.pad_seq_to_mult (0)",)),
+    ("packing-algorithm", "packing", dict(algorithm="greedy"), ("packing.algorithm ('greedy')", "set packing.algorithm=bfd")),
+    ("parallel-cp0", "parallel", dict(context_parallel_size=0), ("parallel.context_parallel_size (0)",)),
+    ("parallel-comm", "parallel", dict(cp_comm_type="ring"), ("parallel.cp_comm_type ('ring')",)),
+    ("train-lr", "train", dict(lr=0.0), ("train.lr (0.0) must be > 0", "set train.lr=3e-4")),
+    ("train-min-lr", "train", dict(min_lr=1.0), ("train.min_lr (1.0)", "set train.min_lr=")),
+    ("train-clip", "train", dict(clip_grad=-1.0), ("train.clip_grad (-1.0)",)),
+    ("ddp-bucket", "ddp", dict(bucket_size=0), ("ddp.bucket_size (0)",)),
+    ("checkpoint-keep", "checkpoint", dict(keep_last=0), ("checkpoint.keep_last (0)",)),
+    ("logging-level", "logging", dict(level="LOUD"), ("logging.level ('LOUD')",)),
+    ("verify-tolerance", "verify", dict(tolerance=0.0), ("verify.tolerance (0.0)",)),
+]
+
+
+@pytest.mark.parametrize("group,fields,fragments", [c[1:] for c in FIELD_CASES], ids=[c[0] for c in FIELD_CASES])
+def test_field_checks(group, fields, fragments):
+    if not fragments:
+        assert GROUPS[group](**fields).field_problems() == []
+        return
+    with pytest.raises(ConfigError) as info:
+        GROUPS[group](**fields)
+    text = str(info.value)
+    for fragment in fragments:
+        assert fragment in text
+
+
+def test_every_group_has_a_failing_case():
+    assert {c[1] for c in FIELD_CASES if c[3]} == set(GROUPS)
+
+
+def test_several_field_problems_of_one_group_together():
+    with pytest.raises(ConfigError) as info:
+        GROUPS["train"](micro_batch_size=0, lr_decay_style="step", clip_grad=-1.0)
+    assert len(info.value.problems) == 3
+
+
+def test_groups_are_frozen_keyword_only():
+    for cls in (*GROUPS.values(), Config):
+        params = dataclasses.fields(cls)
+        assert all(f.kw_only for f in params), cls
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(cls(), params[0].name, getattr(cls(), params[0].name))
+    with pytest.raises(TypeError):
+        GROUPS["model"](2)  # positional arguments are refused
