@@ -36,16 +36,17 @@ def config_dir() -> Path:
     return Path(override) if override else Path(megatron_pack.__file__).resolve().parents[1] / "configs"
 
 
-def _unfreeze(node: Any) -> None:
+def _unfreeze(node: DictConfig) -> None:
     """Clear the read-only flag OmegaConf derives from frozen dataclasses, so YAML can merge in.
 
     The dataclasses are frozen so the loaded ``Config`` is read-only; OmegaConf would otherwise
     also lock the schema node and refuse every override.
     """
-    node._set_flag("readonly", None)
-    if isinstance(node, DictConfig):
-        for key in node.keys():
-            _unfreeze(node._get_node(key))
+    OmegaConf.set_readonly(node, None)  # only container nodes carry the flag
+    for key in node.keys():
+        child = node[key]
+        if isinstance(child, DictConfig):
+            _unfreeze(child)
 
 
 def register_schema() -> None:
@@ -97,7 +98,7 @@ def _check_selection(text: str, group: str, value: Any, options: dict[str, list[
 
 
 def check_overrides(overrides: list[str], root: Path) -> list[str]:
-    """Problems with override keys and preset names, found before Hydra composes anything."""
+    """Problems with override keys, preset names and value types, found before Hydra composes."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -110,28 +111,31 @@ def check_overrides(overrides: list[str], root: Path) -> list[str]:
             problems.append(f"{text}: not a key=value override ({str(exc).splitlines()[0]}); "
                             "write it as group.key=value, e.g. packing.packed_sequence_size=1024.")
             continue
-        key = override.key_or_group
-        if key.startswith("hydra.") or key == "hydra":
-            continue
-        if "." not in key:
-            if key in options:
-                problem = None if override.is_delete() else _check_selection(text, key, override.value(), options)
-            elif key in GROUPS:
-                problem = (f"{text}: '{key}' has no presets (no configs/{key}/ directory); set its keys instead, "
-                           f"e.g. {_all_keys_of(key)[0]}=<value>.")
-            else:
-                problem = _unknown_key(text, key, keys + list(options))
-        else:
-            group, name = key.split(".")[:2]
-            if f"{group}.{name}" not in keys:
-                problem = _unknown_key(text, f"{group}.{name}", keys)
-            elif key == f"{group}.{name}" and not override.is_delete():
-                problem = _check_type(text, group, name, override.value())
-            else:
-                problem = None
+        problem = _check_override(text, override, options, keys)
         if problem:
             problems.append(problem)
     return problems
+
+
+def _check_override(text: str, override: Any, options: dict[str, list[str]], keys: list[str]) -> Optional[str]:
+    """One parsed override: a preset selection (``data=files``) or a field (``train.lr=1e-4``)."""
+    key = override.key_or_group
+    if key == "hydra" or key.startswith("hydra."):
+        return None
+    if "." not in key:
+        if key in options:
+            return None if override.is_delete() else _check_selection(text, key, override.value(), options)
+        if key in GROUPS:
+            first = dataclasses.fields(GROUPS[key])[0].name
+            return (f"{text}: '{key}' has no presets (no configs/{key}/ directory); set its keys instead, "
+                    f"e.g. {key}.{first}=<value>.")
+        return _unknown_key(text, key, keys + list(options))
+    group, name = key.split(".")[:2]
+    if f"{group}.{name}" not in keys:
+        return _unknown_key(text, f"{group}.{name}", keys)
+    if key == f"{group}.{name}" and not override.is_delete():
+        return _check_type(text, group, name, override.value())
+    return None
 
 
 def _check_type(text: str, group: str, name: str, value: Any) -> Optional[str]:
@@ -146,10 +150,6 @@ def _check_type(text: str, group: str, name: str, value: Any) -> Optional[str]:
         expected = next(f.type for f in dataclasses.fields(GROUPS[group]) if f.name == name)
         return f"{text}: {str(exc).splitlines()[0]}; set {group}.{name} to a value of type {expected}."
     return None
-
-
-def _all_keys_of(group: str) -> list[str]:
-    return [f"{group}.{f.name}" for f in dataclasses.fields(GROUPS[group])]
 
 
 def _normalize(overrides: list[str]) -> list[str]:
