@@ -1,0 +1,69 @@
+"""`megatron-pack prepare key=value ...`: tokenize once into a token store and write a packing plan.
+
+Examples::
+
+    megatron-pack prepare data=synthetic packing.packed_sequence_size=512 parallel.context_parallel_size=2
+    megatron-pack prepare data=files data.input=train.jsonl data.tokenizer=/models/llama3 \\
+        packing.packed_sequence_size=4096 packing.on_overflow=truncate export=bridge
+
+Shorthands: ``export=bridge`` means ``packing.export=bridge``; ``input=PATH`` means
+``data.source=files data.input=PATH``. Under torchrun only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from megatron_pack.config.schema import ConfigError
+
+SHORTHANDS = {"export": ["packing.export={}"], "input": ["data.source=files", "data.input={}"],
+              "tokenizer": ["data.tokenizer={}"], "output": ["data.dataset_dir={}"]}
+
+
+def expand_shorthands(argv: list[str]) -> list[str]:
+    """``export=bridge`` -> ``packing.export=bridge`` (and the other SHORTHANDS); other args unchanged."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        out += [t.format(value) for t in SHORTHANDS[key]] if sep and key in SHORTHANDS else [arg]
+    return out
+
+
+def _barrier():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.barrier
+
+
+def main(argv: list[str]) -> int:
+    from megatron_pack.config import load_config
+    from megatron_pack.data.prepare import prepare
+    from megatron_pack.data.sources import DataError
+    from megatron_pack.data.atomic import read_json
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(expand_shorthands(argv))
+        barrier = _barrier() if world_size > 1 else None
+        plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0)
+    except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:
+        print(f"megatron-pack prepare: {exc}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        meta = read_json(plan_dir / "metadata.json")
+        acc = meta["accounting"]
+        print(f"dataset: {cfg.data.dataset_dir}\nplan:    {plan_dir}\n"
+              f"packs: {meta['num_bins']} (lower bound {meta['lower_bound_bins']}), efficiency "
+              f"{meta['packing_efficiency']}%, samples read {acc['num_samples_read']}, packed "
+              f"{acc['num_samples_packed']}, dropped {acc['num_samples_dropped']}, truncated "
+              f"{acc['num_samples_truncated']}\nreport:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,200 @@
+"""``prepare``: raw records -> token store -> packing plan (+ report, + Megatron-Bridge export).
+
+Idempotent: the store is identified by a fingerprint of its inputs (source files' sha256 or the
+synthetic settings, tokenizer identity, schema, answer-only switch) and the plan by a fingerprint
+of (store, pack size, pad multiple, algorithm, seed, overflow policy, max length); a re-run with
+identical inputs and settings finds both complete and does nothing. In a multi-rank job only
+global rank 0 writes; the others wait at ``barrier`` and then verify the checksums, retrying for
+a while on slow shared filesystems.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from megatron_pack.data.atomic import atomic_directory, read_json, sha256_file, write_json
+from megatron_pack.data.dataset import read_metadata
+from megatron_pack.data.plan import PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings, write_plan
+from megatron_pack.data.sources import Chunk, DataError, iter_chunks, resolve_inputs
+from megatron_pack.data.store import (STORE_ARRAYS, STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore,
+                                      default_num_workers, store_statistics, token_dtype_for, tokenize_stream,
+                                      write_store)
+from megatron_pack.data.synthetic import GENERATOR_VERSION
+from megatron_pack.data.tokenizer import SampleSchema, build_tokenizer
+
+log = logging.getLogger(__name__)
+SYNTHETIC_CHUNK = 1000
+FILE_CHUNK = 512
+
+
+def plan_settings(cfg) -> PlanSettings:
+    """The plan settings of ``cfg``; the pad multiple is packing.pad_seq_to_mult or the lcm rule."""
+    from megatron_pack.config import effective_pad_multiple
+
+    pack_size = cfg.packing.packed_sequence_size
+    if pack_size <= 0:
+        raise DataError("packing.packed_sequence_size (0) turns offline packing off, so there is nothing to "
+                        "prepare; set packing.packed_sequence_size=512 (or another pack size).")
+    max_length = cfg.packing.max_single_sequence_length or pack_size
+    return PlanSettings(pack_size=pack_size, pad_multiple=effective_pad_multiple(cfg),
+                        algorithm=cfg.packing.algorithm, seed=cfg.packing.seed,
+                        on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size))
+
+
+def _schema(cfg) -> SampleSchema:
+    d = cfg.data
+    return SampleSchema(d.schema, prompt_key=d.prompt_key, completion_key=d.completion_key,
+                        messages_key=d.messages_key)
+
+
+def store_inputs(cfg, tokenizer) -> dict:
+    """Everything the token store depends on (hashed into its fingerprint)."""
+    d = cfg.data
+    if d.source == "synthetic":
+        max_length = plan_settings(cfg).truncate_to
+        sources = {"kind": "synthetic", "seed": d.synthetic_seed, "num_samples": d.synthetic_num_samples,
+                   "max_length": max_length, "generator_version": GENERATOR_VERSION,
+                   "files": [{"path": f"<synthetic seed={d.synthetic_seed}>", "sha256": None}]}
+    else:
+        files = resolve_inputs(d.input)
+        sources = {"kind": "files", "input": d.input,
+                   "files": [{"path": str(f), "sha256": sha256_file(f), "size": f.stat().st_size} for f in files]}
+    schema = _schema(cfg)
+    return {"sources": sources, "tokenizer": tokenizer.identity(), "answer_only_loss": d.answer_only_loss,
+            "schema": {"kind": schema.kind, "prompt_key": schema.prompt_key,
+                       "completion_key": schema.completion_key, "messages_key": schema.messages_key},
+            "format_version": STORE_FORMAT_VERSION}
+
+
+def fingerprint(inputs: dict) -> str:
+    identity = {k: v for k, v in inputs.items()}
+    identity["sources"] = {k: v for k, v in inputs["sources"].items() if k != "input"}
+    identity["sources"]["files"] = [{"name": Path(f["path"]).name, "sha256": f["sha256"]}
+                                    for f in inputs["sources"]["files"]]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def _chunks(cfg, inputs: dict):
+    src = inputs["sources"]
+    if src["kind"] == "synthetic":
+        n, label = src["num_samples"], src["files"][0]["path"]
+        for start in range(0, n, SYNTHETIC_CHUNK):
+            stop = min(n, start + SYNTHETIC_CHUNK)
+            yield Chunk("synthetic", 0, label, start, (src["seed"], start, stop, src["max_length"]))
+    else:
+        yield from iter_chunks([Path(f["path"]) for f in src["files"]], FILE_CHUNK)
+
+
+def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = True) -> TokenStore:
+    """Tokenize into a temporary directory beside ``target`` and rename it into place."""
+    num_workers = default_num_workers(cfg.data.tokenize_workers)
+    total = inputs["sources"].get("num_samples")
+    start = time.perf_counter()
+    with atomic_directory(target, replace=True) as tmp:
+        results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_schema(cfg),
+                                  answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers)
+        counts = write_store(tmp, results, token_dtype=token_dtype_for(tokenizer.vocab_size), total=total,
+                             progress=progress)
+        if counts["num_samples"] == 0:
+            raise DataError(f"data.input ({cfg.data.input}) holds no records; nothing to prepare.")
+        meta = {**inputs, **counts, **store_statistics(tmp), "format": STORE_FORMAT,
+                "fingerprint": fingerprint(inputs), "vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
+                "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
+                "token_dtype": np.dtype(token_dtype_for(tokenizer.vocab_size)).name,
+                "num_tokenize_workers": num_workers, "tokenize_seconds": round(time.perf_counter() - start, 3),
+                "files": {f"{n}.npy": {"sha256": sha256_file(tmp / f"{n}.npy"), "size": (tmp / f"{n}.npy").stat().st_size}
+                          for n in STORE_ARRAYS}}
+        write_json(tmp / "metadata.json", meta)
+    return TokenStore(target, meta)
+
+
+def ensure_store(cfg, *, progress: bool = True) -> TokenStore:
+    """The token store at data.dataset_dir, built (or rebuilt, when its inputs changed) if needed."""
+    target = Path(cfg.data.dataset_dir)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    inputs = store_inputs(cfg, tokenizer)
+    if (target / "metadata.json").is_file():
+        old = read_json(target / "metadata.json")
+        if old.get("fingerprint") == fingerprint(inputs) and old.get("format_version") == STORE_FORMAT_VERSION:
+            try:
+                return TokenStore(target, read_metadata(target, STORE_FORMAT, STORE_FORMAT_VERSION))
+            except DataError as exc:
+                log.warning("rebuilding the token store: %s", exc)
+        else:
+            log.warning("data.dataset_dir %s holds a token store built from other inputs (sources, tokenizer, "
+                        "schema or answer_only_loss changed); replacing it and its plans.", target)
+    return build_store(cfg, target, inputs, tokenizer, progress=progress)
+
+
+def ensure_plan(store: TokenStore, settings: PlanSettings) -> Path:
+    """The plan directory for ``settings``, written unless an intact one exists."""
+    plan_dir = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
+    if (plan_dir / "metadata.json").is_file():
+        try:
+            read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
+            return plan_dir
+        except DataError as exc:
+            log.warning("rewriting the packing plan: %s", exc)
+    return write_plan(store, settings)
+
+
+def _prepare_here(cfg, *, progress: bool) -> Path:
+    settings = plan_settings(cfg)
+    store = ensure_store(cfg, progress=progress)
+    plan_dir = ensure_plan(store, settings)
+    from megatron_pack.data.report import write_report
+
+    if not (plan_dir / "report.json").is_file():
+        write_report(store, plan_dir)
+    if cfg.packing.export == "bridge":
+        from megatron_pack.data.bridge import export_bridge
+
+        export_bridge(store, plan_dir)
+    return plan_dir
+
+
+def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
+            verify_timeout_s: float = 300.0, progress: bool = True) -> Path:
+    """Tokenize and plan per ``cfg``; return the plan directory. Idempotent.
+
+    With ``world_size > 1`` rank 0 prepares while the others wait at ``barrier`` (it is called
+    once on every rank, by rank 0 after it finished or failed), then verify the files, retrying
+    until ``verify_timeout_s`` for slow shared filesystems.
+    """
+    if world_size > 1 and barrier is None:
+        raise ValueError("prepare(world_size > 1) needs a barrier callable (e.g. torch.distributed.barrier).")
+    if rank == 0:
+        try:
+            return _prepare_here(cfg, progress=progress)
+        finally:
+            if world_size > 1:
+                barrier()
+    barrier()
+    return _wait_for_plan(cfg, verify_timeout_s)
+
+
+def _wait_for_plan(cfg, timeout_s: float) -> Path:
+    """On ranks other than 0: the plan rank 0 wrote, verified; retried while the filesystem catches up."""
+    deadline = time.monotonic() + timeout_s
+    settings = plan_settings(cfg)
+    dataset_dir = Path(cfg.data.dataset_dir)
+    while True:
+        try:
+            store_meta = read_metadata(dataset_dir, STORE_FORMAT, STORE_FORMAT_VERSION)
+            plan_dir = dataset_dir / "plans" / settings.dirname(store_meta["fingerprint"])
+            read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
+            return plan_dir
+        except (DataError, OSError, ValueError) as exc:
+            if time.monotonic() > deadline:
+                raise DataError(f"rank 0 did not leave a complete, verified dataset at {dataset_dir} within "
+                                f"{timeout_s:.0f} s ({exc}); check rank 0's log for its error, or run "
+                                "`megatron-pack prepare` once before launching the job.") from exc
+            time.sleep(min(2.0, max(0.05, timeout_s / 100)))
+

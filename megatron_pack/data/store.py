@@ -1,0 +1,214 @@
+"""The token store: every sample tokenized once, as flat memory-mapped ``.npy`` arrays.
+
+Files (one directory; ``N`` samples, ``T`` tokens)::
+
+    tokens.npy        uint16 [T] (int32 when the vocabulary has more than 65536 ids)
+    answer_mask.npy   uint8  [T]  1 on answer tokens (completion / assistant and their eos)
+    offsets.npy       int64  [N+1] sample i is tokens[offsets[i]:offsets[i+1]]
+    num_targets.npy   int32  [N]  answer_mask[1:] summed per sample (0: nothing to learn)
+    source_file.npy   int32  [N]  index into metadata["sources"]["files"]
+    source_line.npy   int64  [N]  1-based JSONL line, or 0-based Parquet / synthetic row
+    metadata.json             see docs/data.md
+
+Tokenization streams chunks through a process pool with a bounded number of chunks in flight,
+so memory stays flat whatever the input size; arrays are appended to ``.npy`` files whose
+header is written last.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from megatron_pack.data.sources import Chunk, DataError, parse_chunk
+from megatron_pack.data.synthetic import synthetic_records
+from megatron_pack.data.tokenizer import RecordError, SampleSchema, build_tokenizer
+
+STORE_FORMAT = "megatron_pack.token_store"
+STORE_FORMAT_VERSION = 1
+STORE_ARRAYS = ("tokens", "answer_mask", "offsets", "num_targets", "source_file", "source_line")
+_HEADER_BYTES = 128
+
+
+class NpyAppender:
+    """Append 1-D arrays to a ``.npy`` file of unknown final length; the header is fixed up on close."""
+
+    def __init__(self, path: Path, dtype):
+        self.path, self.dtype, self.length = Path(path), np.dtype(dtype), 0
+        self.file = open(self.path, "wb")
+        self.file.write(b"\0" * _HEADER_BYTES)
+
+    def append(self, array) -> None:
+        array = np.ascontiguousarray(array, dtype=self.dtype)
+        self.file.write(array.tobytes())
+        self.length += array.size
+
+    def close(self) -> None:
+        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
+                  "shape": (self.length,)}
+        text = repr(header).encode("latin1")
+        prefix = b"\x93NUMPY\x01\x00"
+        pad = _HEADER_BYTES - len(prefix) - 2 - len(text) - 1
+        self.file.seek(0)
+        self.file.write(prefix + (_HEADER_BYTES - len(prefix) - 2).to_bytes(2, "little") + text + b" " * pad + b"\n")
+        self.file.close()
+
+
+@dataclass
+class ChunkResult:
+    ids: np.ndarray
+    mask: np.ndarray
+    num_ids: np.ndarray
+    num_targets: np.ndarray
+    file_index: int
+    positions: np.ndarray
+    num_blank: int
+
+
+_WORKER: dict = {}
+
+
+def init_worker(tokenizer: str, schema: SampleSchema, answer_only_loss: bool) -> None:
+    """Per-process state: each worker builds its own tokenizer (nothing is pickled but the name)."""
+    _WORKER.update(tokenizer=build_tokenizer(tokenizer), schema=schema, answer_only_loss=answer_only_loss)
+
+
+def _records(chunk: Chunk) -> Iterator[tuple[int, dict]]:
+    if chunk.kind == "synthetic":
+        seed, start, stop, max_length = chunk.items
+        yield from zip(range(start, stop), synthetic_records(seed, start, stop, max_length))
+    else:
+        yield from parse_chunk(chunk)
+
+
+def tokenize_chunk(chunk: Chunk) -> ChunkResult:
+    """Tokenize one chunk in a worker; a bad record raises ``DataError`` naming file and line."""
+    tok, schema, answer_only = _WORKER["tokenizer"], _WORKER["schema"], _WORKER["answer_only_loss"]
+    ids, masks, positions = [], [], []
+    where = "line" if chunk.kind == "jsonl" else "row"
+    for position, record in _records(chunk):
+        try:
+            sample_ids, mask = tok.encode_sample(record, schema, answer_only_loss=answer_only)
+        except RecordError as exc:
+            raise DataError(f"{chunk.path}: {where} {position}: {exc}.") from None
+        ids.append(sample_ids)
+        masks.append(mask)
+        positions.append(position)
+    num_ids = np.array([len(x) for x in ids], dtype=np.int64)  # >= 1: every sample ends with eos
+    flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+    starts = np.cumsum(num_ids) - num_ids
+    num_targets = np.zeros(0, np.int64)
+    if ids:  # loss_mask = answer_mask[1:]: the first id of a sample is never a target
+        num_targets = np.add.reduceat(flat_mask, starts, dtype=np.int64) - flat_mask[starts]
+    num_blank = len(chunk.items) - len(positions) if chunk.kind == "jsonl" else 0
+    return ChunkResult(np.concatenate(ids) if ids else np.zeros(0, np.int32), flat_mask, num_ids, num_targets,
+                       chunk.file_index, np.array(positions, dtype=np.int64), num_blank)
+
+
+def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSchema, answer_only_loss: bool,
+                    num_workers: int) -> Iterator[ChunkResult]:
+    """Results in input order, from ``num_workers`` processes (inline when it is 1)."""
+    if num_workers <= 1:
+        init_worker(tokenizer, schema, answer_only_loss)
+        yield from map(tokenize_chunk, chunks)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(num_workers, initializer=init_worker,
+                                      initargs=(tokenizer, schema, answer_only_loss)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
+            if len(pending) >= 4 * num_workers:  # bounded memory: never read far ahead
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, total: int | None = None,
+                progress: bool = True) -> dict:
+    """Append tokenized chunks to the store arrays in ``out_dir``; return counts for the metadata."""
+    from tqdm import tqdm
+
+    files = {name: NpyAppender(out_dir / f"{name}.npy", dtype) for name, dtype in (
+        ("tokens", token_dtype), ("answer_mask", np.uint8), ("offsets", np.int64), ("num_targets", np.int32),
+        ("source_file", np.int32), ("source_line", np.int64))}
+    files["offsets"].append([0])
+    num_tokens, num_blank, num_samples = 0, 0, 0
+    bar = tqdm(total=total, unit="samples", desc="tokenize", disable=not progress, mininterval=1.0)
+    start = time.perf_counter()
+    for result in results:
+        files["tokens"].append(result.ids)
+        files["answer_mask"].append(result.mask)
+        files["offsets"].append(num_tokens + np.cumsum(result.num_ids))
+        files["num_targets"].append(result.num_targets)
+        files["source_file"].append(np.full(len(result.num_ids), result.file_index))
+        files["source_line"].append(result.positions)
+        num_tokens += int(result.num_ids.sum())
+        num_samples += len(result.num_ids)
+        num_blank += result.num_blank
+        bar.update(len(result.num_ids))
+        bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s", refresh=False)
+    bar.close()
+    for f in files.values():
+        f.close()
+    return {"num_samples": num_samples, "num_tokens": num_tokens, "num_blank_lines_skipped": num_blank}
+
+
+def token_dtype_for(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.int32
+
+
+def store_statistics(out_dir: Path) -> dict:
+    """Length percentiles and prompt vs answer token counts, read back from the written arrays."""
+    offsets = np.load(out_dir / "offsets.npy", mmap_mode="r", allow_pickle=False)
+    mask = np.load(out_dir / "answer_mask.npy", mmap_mode="r", allow_pickle=False)
+    num_ids = np.diff(offsets)
+    num_answer = int(np.count_nonzero(mask))
+    num_tokens = int(offsets[-1])
+    pct = {f"p{q}": int(np.percentile(num_ids, q, method="higher")) if num_ids.size else 0 for q in (50, 90, 95, 99)}
+    pct["max"] = int(num_ids.max()) if num_ids.size else 0
+    return {"num_answer_tokens": num_answer, "num_prompt_tokens": num_tokens - num_answer,
+            "answer_token_share": num_answer / num_tokens if num_tokens else 0.0,
+            "prompt_to_answer_ratio": (num_tokens - num_answer) / num_answer if num_answer else None,
+            "sample_num_ids_percentiles": pct}
+
+
+class TokenStore:
+    """Read-only, memory-mapped view of a token store directory."""
+
+    def __init__(self, path: Path, metadata: dict):
+        self.path = Path(path)
+        self.metadata = metadata
+        arrays = {name: np.load(self.path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+                  for name in STORE_ARRAYS}
+        self.tokens, self.answer_mask, self.offsets = arrays["tokens"], arrays["answer_mask"], arrays["offsets"]
+        self.num_targets, self.source_file, self.source_line = (arrays["num_targets"], arrays["source_file"],
+                                                                 arrays["source_line"])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def num_ids(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[start:stop], self.answer_mask[start:stop]
+
+    def where(self, i: int) -> str:
+        """``file: line N`` (or ``row N``) of sample ``i``."""
+        files = self.metadata["sources"]["files"]
+        name = files[int(self.source_file[i])]["path"]
+        unit = "line" if name.endswith((".jsonl", ".json")) else "row"
+        return f"{name}: {unit} {int(self.source_line[i])}"
+
+
+def default_num_workers(requested: int) -> int:
+    return requested if requested > 0 else (os.cpu_count() or 1)
