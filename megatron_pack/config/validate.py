@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.parallel import dims as _dims
+from megatron_pack.parallel.dims import effective_pad_multiple
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -38,11 +39,6 @@ def _layout(cfg: Config) -> tuple[int, int, bool]:
     return par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel
 
 
-def effective_pad_multiple(cfg: Config) -> int:
-    """packing.pad_seq_to_mult when set, else the lcm rule for the configured degrees."""
-    if cfg.packing.pad_seq_to_mult is not None:
-        return cfg.packing.pad_seq_to_mult
-    return _dims.required_pad_multiple(*_layout(cfg))
 
 
 def _validate_world_size(cfg: Config, world_size: Optional[int]) -> list[str]:

@@ -1,5 +1,5 @@
 """Parallel layout (``ParallelDims``), process groups and context-parallel slicing."""
 
-from megatron_pack.parallel.dims import ParallelDims
+from megatron_pack.parallel.dims import ParallelDims, effective_pad_multiple
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "effective_pad_multiple"]

@@ -33,6 +33,14 @@ def required_pad_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
     return pad_multiple(cp, tp, sequence_parallel)
 
 
+def effective_pad_multiple(cfg: "Config") -> int:
+    """packing.pad_seq_to_mult when set, else the lcm rule for the configured degrees (no world size needed)."""
+    if cfg.packing.pad_seq_to_mult is not None:
+        return cfg.packing.pad_seq_to_mult
+    par = cfg.parallel
+    return required_pad_multiple(par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel)
+
+
 def pad_rule_text(cp: int, tp: int, sequence_parallel: bool) -> str:
     """The rule with its numbers filled in, for messages: ``lcm(2*cp=4, cp*tp=8)``."""
     terms = []
@@ -76,10 +84,9 @@ class ParallelDims:
             raise ConfigError([f"world size ({world_size!r}) must be a positive integer."])
         if world_size % model_parallel:
             raise ConfigError([world_size_message(world_size, tp, cp, pp)])
-        explicit = cfg.packing.pad_seq_to_mult
-        pad = explicit if explicit is not None else required_pad_multiple(cp, tp, par.sequence_parallel)
         return cls(world_size=world_size, tp=tp, cp=cp, pp=pp, dp=world_size // model_parallel,
-                   sp=par.sequence_parallel, pad_multiple=pad, pad_multiple_explicit=explicit is not None)
+                   sp=par.sequence_parallel, pad_multiple=effective_pad_multiple(cfg),
+                   pad_multiple_explicit=cfg.packing.pad_seq_to_mult is not None)
 
     @property
     def tp_enabled(self) -> bool:

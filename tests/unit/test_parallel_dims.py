@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pack.config import Config, ConfigError, PackingConfig, ParallelConfig
+from megatron_pack.config import Config, ConfigError, PackingConfig, ParallelConfig, effective_pad_multiple
 from megatron_pack.parallel import ParallelDims
 
 
@@ -33,8 +33,9 @@ PAD_TABLE = [  # (id, cp, tp, sp, explicit pad_seq_to_mult, expected pad multipl
 
 @pytest.mark.parametrize("cp,tp,sp,pad,expected", [c[1:] for c in PAD_TABLE], ids=[c[0] for c in PAD_TABLE])
 def test_pad_multiple(cp, tp, sp, pad, expected):
-    dims = ParallelDims.from_config(config(cp=cp, tp=tp, sp=sp, pad=pad), world_size=cp * tp * 2)
-    assert dims.pad_multiple == expected
+    cfg = config(cp=cp, tp=tp, sp=sp, pad=pad)
+    dims = ParallelDims.from_config(cfg, world_size=cp * tp * 2)
+    assert dims.pad_multiple == expected == effective_pad_multiple(cfg)
     assert dims.pad_multiple_explicit == (pad is not None)
     assert dims.pad_multiple % dims.required_pad_multiple == 0
 
