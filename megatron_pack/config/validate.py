@@ -21,6 +21,8 @@ from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.parallel import dims as _dims
 from megatron_pack.parallel.dims import effective_pad_multiple
 
+__all__ = ["collect_problems", "effective_pad_multiple", "validate"]
+
 
 def _ceil_to(value: int, multiple: int) -> int:
     return max(multiple, -(-value // multiple) * multiple)
@@ -37,8 +39,6 @@ def _sp_text(cp: int, tp: int, sp: bool) -> str:
 def _layout(cfg: Config) -> tuple[int, int, bool]:
     par = cfg.parallel
     return par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel
-
-
 
 
 def _validate_world_size(cfg: Config, world_size: Optional[int]) -> list[str]:
