@@ -28,7 +28,7 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2"],
+        "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2", "transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
         "hf": ["transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
         # apex has no PyPI release: build it from source (docs/model.md) after installing this extra.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
