@@ -115,21 +115,16 @@ def collate_thd(samples: Sequence[Mapping[str, Any]], *, pack_size: int, pad_mul
     cu_real, cu_padded = _cumsum0(real), _cumsum0(padded)
     num_tokens = int(cu_padded[-1])
 
-    # every real position j of sub-sequence i: token = ids_i[j], label/mask = ids_i[j + 1] / m_i[j + 1]
-    num_samples = len(ids)
-    flat_ids, flat_mask = np.concatenate(ids), np.concatenate(masks).astype(np.float32)
-    if np.any((flat_mask != 0) & (flat_mask != 1)):
-        raise ValueError(f"pack with sample_ids {sample_ids.tolist()} has loss_mask values other than 0 and 1; "
-                         "the answer mask must be 0/1: re-run `megatron-pack prepare`.")
-    seq_of = np.repeat(np.arange(num_samples), real[:num_samples])
-    offset = np.arange(int(cu_real[num_samples])) - cu_real[seq_of]
-    src = _cumsum0(num_ids)[seq_of] + offset
-    dst = cu_padded[seq_of] + offset
-
+    # sub-sequence i fills [cu_padded[i], cu_padded[i] + real[i]): one slice copy per sample, no per-token loop
     tokens = np.full(num_tokens, pad_id, dtype=np.int64)
     labels = np.full(num_tokens, pad_id, dtype=np.int64)
     loss_mask = np.zeros(num_tokens, dtype=np.float32)
-    tokens[dst], labels[dst], loss_mask[dst] = flat_ids[src], flat_ids[src + 1], flat_mask[src + 1]
+    for x, m, start in zip(ids, masks, cu_padded.tolist()):
+        end = start + x.size - 1
+        tokens[start:end], labels[start:end], loss_mask[start:end] = x[:-1], x[1:], m[1:]
+    if np.any((loss_mask != 0) & (loss_mask != 1)):
+        raise ValueError(f"pack with sample_ids {sample_ids.tolist()} has loss_mask values other than 0 and 1; "
+                         "the answer mask must be 0/1: re-run `megatron-pack prepare`.")
     position_ids = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu_padded[:-1], padded)
 
     longest = int(padded.max(initial=0))

@@ -92,16 +92,14 @@ def thd_partition_indices(cu_seqlens_padded: Any, cp_size: int, cp_rank: int) ->
         return torch.arange(int(cu[-1]), dtype=torch.int64)
     _check_divisible(cu, cp_size)
     chunk = (cu[1:] - cu[:-1]) // (2 * cp_size)
-    local_len = 2 * chunk
-    seq_of = torch.repeat_interleave(torch.arange(chunk.numel()), local_len)
-    local_start = torch.cumsum(local_len, 0) - local_len
-    offset = torch.arange(int(local_len.sum()), dtype=torch.int64) - local_start[seq_of]
-    chunk_of = chunk[seq_of]
-    late = offset >= chunk_of
-    # early half: chunk r; late half: chunk 2*CP-1-r (offset - chunk inside it)
-    within = torch.where(late, offset - chunk_of, offset)
-    chunk_index = torch.where(late, 2 * cp_size - 1 - cp_rank, cp_rank)
-    return cu[:-1][seq_of] + chunk_index * chunk_of + within
+    # rank r keeps two contiguous blocks per sub-sequence, [early, late]; inside a block the global
+    # index is local index + (global block start - local block start)
+    block_start = cu[:-1].unsqueeze(1) + torch.stack([chunk * cp_rank, chunk * (2 * cp_size - 1 - cp_rank)], 1)
+    block_len = chunk.repeat_interleave(2)
+    num_local = int(block_len.sum())
+    local_start = torch.cumsum(block_len, 0) - block_len
+    shift = torch.repeat_interleave(block_start.reshape(-1) - local_start, block_len, output_size=num_local)
+    return torch.arange(num_local, dtype=torch.int64) + shift
 
 
 def thd_gather_order(cu_seqlens_padded: Any, cp_size: int) -> torch.Tensor:
