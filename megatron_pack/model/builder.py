@@ -162,11 +162,11 @@ def build_model(cfg: Config, pg=None, *, attention_mode: str = "thd"):
     _check_divisibility(cfg)
     backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode)
     config = transformer_config_from(cfg, backend=backend)
-    torch.manual_seed(cfg.train.seed)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
+    torch.manual_seed(cfg.train.seed)
+    # megatron's named RNG streams (CPU generator states under cpu_compat)
+    model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
     spec = te_layer_spec() if backend == "te" else local_block_spec(cfg.model.num_layers,
                                                                       attention_mode=attention_mode)
     model = GPTModel(

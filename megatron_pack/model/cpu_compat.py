@@ -1,16 +1,27 @@
 """megatron-core on a machine without CUDA: the one place that accommodates its device assumptions.
 
-megatron-core 0.16.1 asks ``torch.cuda.current_device()`` for the device of new tensors in many
-places (RoPE frequencies, TP collective buffers, the grad buffers of its DDP). Without CUDA that
-call raises. ``enable_cpu_compat()`` makes it answer ``"cpu"``, a valid ``device=`` argument,
-so those tensors land on the CPU. Nothing else is changed.
+megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
 
-It is called only when ``torch.cuda.is_available()`` is False (by
+1. ``torch.cuda.current_device()`` names the device of new tensors (RoPE frequencies, TP
+   collective buffers, its DDP grad buffers). Without CUDA that call raises; here it answers
+   ``"cpu"``, a valid ``device=`` argument, so those tensors land on the CPU.
+2. Its RNG tracker (``get_cuda_rng_tracker()``, forked around dropout in TP / sequence-parallel
+   regions, e.g. the embedding under sequence parallelism) saves and restores *CUDA* generator
+   states. ``CpuRNGStatesTracker`` keeps the same named streams as CPU generator states, so
+   ``model_parallel_cuda_manual_seed`` and ``fork()`` work unchanged.
+
+gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
+
+``enable_cpu_compat()`` is called only when ``torch.cuda.is_available()`` is False (by
 ``megatron_pack.parallel.groups.initialize_parallel`` and ``megatron_pack.model.builder``), and
-refuses to run when CUDA is present, so the GPU path never goes through it. It is idempotent.
+refuses to run when CUDA is present, so the GPU path never goes through this module. It is
+idempotent.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -21,14 +32,48 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+def _cpu_tracker_class() -> type:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron-core's named RNG streams, kept as CPU generator states."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added; call model_parallel_cuda_manual_seed first")
+            outside = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outside)
+
+    return CpuRNGStatesTracker
+
+
 def enable_cpu_compat() -> None:
-    """Make megatron-core's ``torch.cuda.current_device()`` calls answer ``"cpu"`` (CPU-only hosts)."""
+    """Install the CPU answers to megatron-core's CUDA assumptions (hosts without CUDA only)."""
     global _ENABLED
     if torch.cuda.is_available():
         raise RuntimeError("enable_cpu_compat() is for hosts without CUDA; the GPU path must not use it.")
     if _ENABLED:
         return
+    from megatron.core.tensor_parallel import random as mrandom
+
     torch.cuda.current_device = _cpu_current_device
+    mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _ENABLED = True
 
 

@@ -70,6 +70,12 @@ class ParallelState:
         return self.dp_size * self.cp_size
 
 
+_MEGATRON_GROUPS = ("tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "intra_dp_cp", "tp_dp_cp", "embd", "pos_embd",
+                    "ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp", "intra_expt_dp", "intra_dist_opt")
+"""Groups put into ``ParallelState.pg_collection`` (everything megatron-core's GPTModel, DDP and
+``finalize_model_grads`` ask for; expert groups are trivial without MoE but DDP requires them)."""
+
+
 def _resolve_backend(requested: Optional[str]) -> str:
     if requested in (None, "auto"):
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -115,9 +121,9 @@ def _check_world(pcfg: ParallelConfig, world_size: int) -> None:
         raise ValueError(f"parallel.pipeline_model_parallel_size ({pp}) must be 1: pipeline parallelism is "
                          "not supported; set parallel.pipeline_model_parallel_size=1.")
     if world_size % (tp * cp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size "
-                         f"({tp}) x parallel.context_parallel_size ({cp}) = {tp * cp}; launch a multiple "
-                         f"of {tp * cp} processes or lower TP/CP.")
+        from megatron_pack.parallel.dims import world_size_message
+
+        raise ValueError(world_size_message(world_size, tp, cp, pp))
     if pcfg.sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel (True) needs parallel.tensor_model_parallel_size > 1; "
                          "set parallel.sequence_parallel=false.")
@@ -150,8 +156,7 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
         context_parallel_size=pcfg.context_parallel_size,
         create_gloo_process_groups=False,
     )
-    pgs = ProcessGroupCollection.use_mpu_process_groups(
-        required_pgs=["tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "embd", "pos_embd", "tp_dp_cp"])
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(_MEGATRON_GROUPS))
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
               else torch.device("cpu"))
     return ParallelState(
