@@ -3,9 +3,10 @@
 Record ``i`` depends only on ``(seed, i, max_length)``, so any worker can generate any range.
 Tasks: copy, reverse, sort, arithmetic and key-value recall, each as a prompt/completion
 record or a chat record (one in two). The payload size is drawn from a log-normal (median
-~70 tokens) and capped so the record's THD length, in byte-tokenizer tokens, never exceeds
-``max_length``: most samples are tens to a couple of hundred tokens, a long tail reaches the
-cap (several thousand bytes when the pack is large).
+~70 tokens), and 2% of records are long documents of 30-120% of ``max_length``; every record
+is shrunk until its THD length, in byte-tokenizer tokens, is at most ``max_length``. So most
+samples are tens to a couple of hundred tokens and a thin tail reaches the cap (several
+thousand bytes when the pack is large).
 
 Example (seed 0): ``{"prompt": "reverse: kqzt\\n", "completion": "tzqk"}`` or
 ``{"messages": [{"role": "user", "content": "sort: 7 2 9\\n"}, {"role": "assistant", "content": "2 7 9"}]}``.
@@ -78,6 +79,8 @@ def synthetic_record(seed: int, index: int, max_length: int = 4096) -> dict:
                          "raise packing.packed_sequence_size or packing.max_single_sequence_length.")
     rng = random.Random(seed * 1_000_003 + index)
     size = int(min(math.exp(rng.gauss(math.log(70), 1.1)), 2 * max_length))
+    if rng.random() < 0.02:  # long documents: the tail reaches the cap whatever the cap
+        size = int(max_length * rng.uniform(0.3, 1.2))
     chat = rng.random() < 0.5
     start = rng.getstate()
     while True:

@@ -1,0 +1,50 @@
+"""The prepare and inspect commands end to end (in-process), with the report files."""
+
+import json
+
+import pytest
+
+from megatron_pack.cli.main import main
+from megatron_pack.cli.prepare import expand_shorthands
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["export=bridge"], ["packing.export=bridge"]),
+    (["input=a.jsonl", "packing.seed=2"], ["data.source=files", "data.input=a.jsonl", "packing.seed=2"]),
+    (["data.tokenizer=byte"], ["data.tokenizer=byte"])], ids=["export", "input", "untouched"])
+def test_shorthands(argv, expected):
+    assert expand_shorthands(argv) == expected
+
+
+@pytest.mark.slow
+def test_prepare_then_inspect(tmp_path, capsys):
+    ds_dir = tmp_path / "ds"
+    rc = main(["prepare", "data=synthetic", "data.synthetic_num_samples=300", f"data.dataset_dir={ds_dir}",
+               "data.tokenize_workers=1", "packing.packed_sequence_size=512", "parallel.context_parallel_size=2",
+               "export=bridge"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "efficiency" in out and "report.png" in out
+    plan_dir = next((ds_dir / "plans").iterdir())
+    assert plan_dir.name.startswith("pack512_mult4_bfd_seed0_error_")
+    assert (plan_dir / "training_512.idx.parquet").is_file()
+    (plan_dir / "report.png").unlink()  # inspect writes missing reports
+    for argv in (["inspect", str(ds_dir)], ["inspect", f"data.dataset_dir={ds_dir}"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "300 samples" in out and "pack512_mult4_bfd" in out and str(plan_dir / "report.json") in out
+    report = json.loads((plan_dir / "report.json").read_text())
+    assert report["num_samples_packed"] == 300 and report["pack_size"] == 512
+    assert sum(report["sample_length_histogram"]["counts"]) == 300
+    assert sum(report["pack_fill_histogram"]["counts"]) == report["num_packs"]
+    assert 0 <= report["padding_share"] < 0.5 and (plan_dir / "report.png").stat().st_size > 1000
+
+
+def test_cli_errors_are_one_clear_line(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+    assert "no metadata.json" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n')
+    rc = main(["prepare", f"input={bad}", f"data.dataset_dir={tmp_path / 'ds'}", "data.tokenize_workers=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{bad}: line 1: missing key 'completion'" in err
+    assert not (tmp_path / "ds").exists()
