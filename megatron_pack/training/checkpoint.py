@@ -16,13 +16,15 @@ complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Repli
 CP hold identical keys, so DCP writes each tensor once; TP shards carry their TP rank in the key,
 so a checkpoint is resumed with the same tensor-parallel size (checked, with a clear error).
 
-Everything is read back with ``torch.load(..., weights_only=True)``: no pickle.
+Everything is read back with ``torch.load(..., weights_only=True)``, and DCP's ``.metadata`` (which torch
+unpickles with plain ``pickle.load``) through an allowlist of its own types: no arbitrary pickle.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -143,6 +145,39 @@ def read_meta(path: str | Path) -> dict:
     return json.loads((Path(path) / META).read_text(encoding="utf-8"))
 
 
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+                         ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                         ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` admitting only its own types (torch reads it with plain
+    ``pickle.load``, which would run any code a tampered checkpoint carries)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if module in ("torch", _DCP_METADATA_MODULE) else None
+        if ((module, name) in _DCP_METADATA_GLOBALS or isinstance(found, torch.dtype)
+                or (isinstance(found, type) and found.__module__ == _DCP_METADATA_MODULE)):
+            return found if found is not None else super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed in a DCP "
+                                     "metadata file; the checkpoint is corrupt or tampered with: do not load it.")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses the allowlist unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _DCPMetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
                     optim_state: dict[str, torch.Tensor], meta: dict, tp_rank: int = 0,
                     group: Optional[dist.ProcessGroup] = None) -> dict:
@@ -157,7 +192,9 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
                          "same parallel.* and world size, or point checkpoint.load at another directory.")
     state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
     state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
-    dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
+    reader = _SafeReader(str(path))
+    reader.read_metadata()  # refuse a tampered .metadata here, before DCP wraps the error
+    dcp.load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
     rank_file = path / f"rank_{_rank():05d}.pt"
     return torch.load(rank_file, weights_only=True)
 
