@@ -86,27 +86,17 @@ def _resolve_backend(requested: Optional[str]) -> str:
 
 
 def _init_process_group(backend: str) -> None:
-    """Start torch.distributed from the torchrun env, or as a world of one when no env is set."""
+    """Start torch.distributed from the torchrun env, or as a private world of one without it."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        # A single process (verify, a notebook): a private world of one.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    timeout = datetime.timedelta(minutes=30)
+    if "RANK" not in os.environ:
+        # A single process (verify, a notebook, a unit test): no env vars are set or needed.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def _parallel_config(cfg_or_parallel_cfg: Config | ParallelConfig) -> ParallelConfig:
