@@ -78,7 +78,38 @@ def _messages(record: dict, key: str) -> list[dict]:
             raise RecordError(f"{key}[{i}] must be a dict with a string 'content', got {message!r:.80}")
         if message.get("role") not in ROLES:
             raise RecordError(f"{key}[{i}].role ({message.get('role')!r}) must be one of {list(ROLES)}")
+    _check_role_order(messages, key)
+    if not any(m["content"] for m in messages):
+        raise RecordError(f"the sample is empty: every {key}[i].content is an empty string; remove the record "
+                          "or fill it in")
     return messages
+
+
+_ALLOWED_NEXT = {None: ("system", "user"), "system": ("user",), "user": ("assistant",),
+                 "assistant": ("user", "tool"), "tool": ("assistant", "tool")}
+"""Roles that may follow each role: optional system first, then user/assistant alternating, tool
+results only after an assistant turn (the order chat templates accept)."""
+
+
+def _check_role_order(messages: list[dict], key: str) -> None:
+    previous = None
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role not in _ALLOWED_NEXT[previous]:
+            after = f"after {previous!r}" if previous else "as the first message"
+            raise RecordError(f"{key}[{i}].role ({role!r}) is out of order {after} (allowed: "
+                              f"{list(_ALLOWED_NEXT[previous])}); a chat is an optional system message, then user "
+                              "and assistant turns alternating (tool only after assistant): fix the record's order")
+        previous = role
+
+
+def _prompt_completion(record: dict, schema: SampleSchema) -> tuple[str, str]:
+    """The prompt and completion strings; both empty is an empty sample, an error."""
+    prompt, completion = _text(record, schema.prompt_key), _text(record, schema.completion_key)
+    if not prompt and not completion:
+        raise RecordError(f"the sample is empty: {schema.prompt_key!r} and {schema.completion_key!r} are both "
+                          "empty strings; remove the record or fill it in")
+    return prompt, completion
 
 
 class ByteTokenizer:
@@ -116,8 +147,7 @@ class ByteTokenizer:
     def encode_sample(self, record: dict, schema: SampleSchema, *, answer_only_loss: bool = True):
         """``(ids, answer_mask)`` as int32 / uint8 arrays; see the module docstring for the layout."""
         if record_kind(record, schema) == "prompt_completion":
-            prompt = _text(record, schema.prompt_key).encode("utf-8")
-            completion = _text(record, schema.completion_key).encode("utf-8")
+            prompt, completion = (t.encode("utf-8") for t in _prompt_completion(record, schema))
             pieces = [([self.bos_id], 0), (prompt, 0), (completion, 1), ([self.eos_id], 1)]
         else:
             pieces = [([self.bos_id], 0)]
@@ -181,8 +211,9 @@ class HFTokenizer:
 
     def encode_sample(self, record: dict, schema: SampleSchema, *, answer_only_loss: bool = True):
         if record_kind(record, schema) == "prompt_completion":
-            prompt = self.tok.encode(_text(record, schema.prompt_key), add_special_tokens=True)
-            completion = self.encode(_text(record, schema.completion_key))
+            prompt_text, completion_text = _prompt_completion(record, schema)
+            prompt = self.tok.encode(prompt_text, add_special_tokens=True)
+            completion = self.encode(completion_text)
             pieces = [(prompt, 0), (completion, 1), ([self.eos_id], 1)]
             return _join(pieces, answer_only_loss)
         messages = _messages(record, schema.messages_key)
