@@ -151,17 +151,20 @@ class Trainer:
     step: int = 0
     data_iterator: Optional[RecordingIterator] = None
     pack_log: list[list[list[int]]] = field(default_factory=list)
+    """Sample ids of every pack this rank consumed, per step (in this process)."""
+    history: list[StepMetrics] = field(default_factory=list)
+    """Metrics of every step run in this process."""
 
     @property
     def num_microbatches(self) -> int:
         return self.cfg.train.global_batch_size // self.state.dp_size
 
-    def train_step(self) -> StepMetrics:
-        """One optimizer step (see the module docstring); returns its global metrics."""
+    def compute_gradients(self) -> tuple[StepCounts, list[PackInfo]]:
+        """Forward/backward over this step's micro-batches, the loss check, and
+        ``finalize_model_grads``: afterwards ``param.main_grad`` holds the gradient of the
+        token-weighted mean loss of the global batch. Returns the global counts and this rank's packs."""
         if self.data_iterator is None:
             self.data_iterator = RecordingIterator(self.loader)
-        start = time.perf_counter()
-        step = self.step + 1
         self.model.zero_grad_buffer()
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model=self.model, num_microbatches=self.num_microbatches, state=self.state,
@@ -169,17 +172,25 @@ class Trainer:
         packs, batches = self.data_iterator.take()
         counts, local_tokens = self._count(reports, packs)
         total = counts.reduce(self.state.dp_cp_group)
-        self._check_finite(step, reports, batches, total)
+        self._check_finite(self.step + 1, reports, batches, total)
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model], num_tokens=local_tokens, pg_collection=self.state.pg_collection)
+        return total, packs
+
+    def train_step(self) -> StepMetrics:
+        """One optimizer step (see the module docstring); returns its global metrics."""
+        start = time.perf_counter()
+        total, packs = self.compute_gradients()
         lr = self.schedule.next_lr()
         norm = self.optimizer.step(lr)
-        self.step = step
+        self.step += 1
         self.pack_log.append([p.sample_ids for p in packs])
-        return StepMetrics(step=step, lm_loss=total.lm_loss(), target_tokens=int(round(total.target_tokens)),
-                           real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
-                           grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start)
+        metrics = StepMetrics(step=self.step, lm_loss=total.lm_loss(), target_tokens=int(round(total.target_tokens)),
+                              real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
+                              grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start)
+        self.history.append(metrics)
+        return metrics
 
     def _count(self, reports: list[dict], packs: list[PackInfo]) -> tuple[StepCounts, torch.Tensor]:
         counts = StepCounts()

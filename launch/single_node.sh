@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One machine: torchrun --nproc-per-node N, Hydra overrides passed through to `megatron_pack.train`.
+#   bash launch/single_node.sh 2 experiment=quickstart                  # 2 CPU processes (gloo), CP=2
+#   bash launch/single_node.sh 8 model=llama3_8b parallel=tp2_cp2       # 8 GPUs (nccl)
+# The backend is nccl when torch sees a GPU, else gloo (an explicit parallel.backend=... wins).
+set -euo pipefail
+NPROC=${1:?usage: launch/single_node.sh NPROC_PER_NODE [key=value ...]}
+shift
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
+BACKEND=()
+if [[ " $* " != *" parallel.backend="* ]]; then
+  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    BACKEND=(parallel.backend=nccl)
+  else
+    BACKEND=(parallel.backend=gloo)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  fi
+fi
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+  -m megatron_pack.train "${BACKEND[@]}" "$@"
