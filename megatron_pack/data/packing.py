@@ -52,7 +52,7 @@ class PackingPlan:
     """
 
     order: np.ndarray
-    """int64 [num_samples]: sample indices, grouped by bin."""
+    """[num_samples] sample indices (int32 when they fit, else int64), grouped by bin."""
     bin_offsets: np.ndarray
     """int64 [num_bins + 1]: start of each bin in ``order``; last entry is num_samples."""
     lengths: np.ndarray
@@ -65,8 +65,8 @@ class PackingPlan:
         return len(self.bin_offsets) - 1
 
     def bins(self) -> list[np.ndarray]:
-        """One int64 array of sample indices per bin."""
-        return np.split(self.order, self.bin_offsets[1:-1])
+        """One integer array of sample indices per bin."""
+        return np.split(self.order, self.bin_offsets[1:-1]) if self.num_bins else []
 
     def bin_loads(self) -> np.ndarray:
         """Sum of lengths in each bin (int64 [num_bins])."""
@@ -187,7 +187,11 @@ def _decreasing(lengths: np.ndarray, capacity: int, *, best_fit: bool) -> tuple[
                                                                                  int(lengths.min()))
     histogram = np.bincount(lengths, minlength=capacity + 1)
     events: list = []
-    for length in np.flatnonzero(histogram)[::-1].tolist():
+    half = capacity // 2  # samples longer than half the capacity never share a bin: one event for all
+    singles = np.repeat(np.arange(capacity, half, -1), histogram[capacity:half:-1])
+    if singles.size:
+        state.open_singletons(singles, events)
+    for length in np.flatnonzero(histogram[:half + 1])[::-1].tolist():
         k = state.fill(length, int(histogram[length]), events)
         if k:
             state.open_new(length, k, events)
@@ -209,6 +213,13 @@ class _Bins:
             take = np.full(bins.shape, take, dtype=np.int64)
         events.append((length, bins, self.count[bins], take))
         self.count[bins] += take
+
+    def open_singletons(self, lengths: np.ndarray, events: list) -> None:
+        """One new bin per sample, for samples (longest first) that no other sample can join."""
+        new = np.arange(self.num_bins, self.num_bins + lengths.size, dtype=np.int64)
+        self._record(0, new, 1, events)
+        self.num_bins += lengths.size
+        self._placed(new, self.capacity - lengths)
 
     def open_new(self, length: int, k: int, events: list) -> None:
         per_bin = self.capacity // length
@@ -246,9 +257,14 @@ class _BestFitBins(_Bins):
             self.num_in_bucket[r] += bins.size
 
     def _placed(self, bins: np.ndarray, remaining: np.ndarray) -> None:
-        # New bins: all but the last are equally full.
-        self._push(int(remaining[0]), bins[:-1])
-        self._push(int(remaining[-1]), bins[-1:])
+        if remaining.size < 2 or remaining[0] == remaining[-2]:  # open_new: all but the last equally full
+            self._push(int(remaining[0]), bins[:-1])
+            self._push(int(remaining[-1]), bins[-1:])
+            return
+        by_room = np.argsort(remaining, kind="stable")
+        values, starts = np.unique(remaining[by_room], return_index=True)
+        for r, group in zip(values.tolist(), np.split(bins[by_room], starts[1:])):
+            self._push(r, group)
 
     def fill(self, length: int, k: int, events: list) -> int:
         rs = np.flatnonzero(self.num_in_bucket[length:]) + length

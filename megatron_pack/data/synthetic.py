@@ -19,32 +19,38 @@ import random
 import string
 
 TASKS = ("copy", "reverse", "sort", "add", "recall")
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 _LETTERS = string.ascii_lowercase
 
 
-def _word(rng: random.Random, n: int) -> str:
-    return "".join(rng.choices(_LETTERS, k=n))
+_TO_LETTER = bytes(ord(_LETTERS[b % 26]) for b in range(256))
+_TO_DIGIT = bytes(ord(str(b % 10)) for b in range(256))
+
+
+def _random_text(rng: random.Random, n: int, table: bytes) -> str:
+    """``n`` random characters through a byte table (one getrandbits call, not n)."""
+    return rng.getrandbits(8 * n).to_bytes(n, "little").translate(table).decode("ascii") if n else ""
 
 
 def _task(rng: random.Random, task: str, size: int) -> tuple[str, str]:
     """(prompt, completion) of about ``size`` payload bytes."""
     if task == "copy":
-        s = _word(rng, max(1, size // 2))
+        s = _random_text(rng, max(1, size // 2), _TO_LETTER)
         return f"copy: {s}\n", s
     if task == "reverse":
-        s = _word(rng, max(1, size // 2))
+        s = _random_text(rng, max(1, size // 2), _TO_LETTER)
         return f"reverse: {s}\n", s[::-1]
     if task == "sort":
-        xs = [rng.randrange(10) for _ in range(max(2, size // 4))]
-        return f"sort: {' '.join(map(str, xs))}\n", " ".join(map(str, sorted(xs)))
+        xs = _random_text(rng, max(2, size // 4), _TO_DIGIT)
+        return f"sort: {' '.join(xs)}\n", " ".join(sorted(xs))
     if task == "add":
         digits = max(1, min(size // 6, 12))
         a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
         return f"add: {a}+{b}=", str(a + b)
     num_pairs = max(1, size // 9)
     keys = rng.sample(range(10 * num_pairs + 10), num_pairs)
-    values = [_word(rng, 3) for _ in keys]
+    letters = _random_text(rng, 3 * num_pairs, _TO_LETTER)
+    values = [letters[3 * i:3 * i + 3] for i in range(num_pairs)]
     pick = rng.randrange(num_pairs)
     table = "; ".join(f"k{k}={v}" for k, v in zip(keys, values))
     return f"recall: {table}\nk{keys[pick]}?", values[pick]
@@ -57,17 +63,10 @@ def _byte_thd_length(record: dict) -> int:
     return len(record["prompt"].encode()) + len(record["completion"].encode()) + 1
 
 
-def _record(rng: random.Random, size: int, chat: bool) -> dict:
-    task = rng.choice(TASKS)
-    state = rng.getstate()
-    prompt, completion = _task(rng, task, size)
+def _record(task: str, prompt: str, completion: str, chat: bool, system: bool) -> dict:
     if not chat:
         return {"prompt": prompt, "completion": completion, "task": task}
-    rng.setstate(state)
-    messages = []
-    if rng.random() < 0.3:
-        messages.append({"role": "system", "content": "Answer exactly."})
-    prompt, completion = _task(rng, task, size)
+    messages = [{"role": "system", "content": "Answer exactly."}] if system else []
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     return {"messages": messages, "task": task}
 
@@ -81,14 +80,14 @@ def synthetic_record(seed: int, index: int, max_length: int = 4096) -> dict:
     size = int(min(math.exp(rng.gauss(math.log(70), 1.1)), 2 * max_length))
     if rng.random() < 0.02:  # long documents: the tail reaches the cap whatever the cap
         size = int(max_length * rng.uniform(0.3, 1.2))
-    chat = rng.random() < 0.5
-    start = rng.getstate()
+    chat, system, task = rng.random() < 0.5, rng.random() < 0.3, rng.choice(TASKS)
+    overhead = 2 + (19 if system else 0) + (2 if chat else 0) + 12  # markers, eos, task prefix
+    size = max(4, min(size, max_length - overhead))
     while True:
-        rng.setstate(start)
-        record = _record(rng, max(size, 4), chat)
+        record = _record(task, *_task(rng, task, size), chat, system)
         if _byte_thd_length(record) <= max_length:
             return record
-        size = size * 3 // 4
+        size = max(4, size * 3 // 4)  # recall tables can overshoot the estimate: shrink and redraw
 
 
 def synthetic_records(seed: int, start: int, stop: int, max_length: int = 4096):

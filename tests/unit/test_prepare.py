@@ -15,6 +15,7 @@ import pytest
 
 from megatron_pack.config import Config, DataConfig, PackingConfig, ParallelConfig
 from megatron_pack.data.dataset import PackedSFTDataset
+from megatron_pack.data import prepare as prepare_module
 from megatron_pack.data.prepare import prepare
 from megatron_pack.data.sources import DataError
 from megatron_pack.data.store import token_dtype_for
@@ -49,7 +50,8 @@ def mixed_records(n: int, seed: int = 0):
 
 @pytest.mark.parametrize("workers,cp,algorithm", [(1, 1, "bfd"), (2, 2, "first_fit_shuffle"), (1, 4, "sequential")],
                          ids=["inline-cp1-bfd", "pool2-cp2-ffs", "inline-cp4-seq"])
-def test_round_trip(tmp_path, workers, cp, algorithm):
+def test_round_trip(tmp_path, monkeypatch, workers, cp, algorithm):
+    monkeypatch.setattr(prepare_module, "FILE_CHUNK", 16)  # many chunks, so the pool really reorders work
     records = mixed_records(300)
     write_jsonl(tmp_path / "train.jsonl", records)
     cfg = make_cfg(tmp_path, data={"tokenize_workers": workers},
@@ -167,7 +169,8 @@ def test_waiting_rank_fails_clearly_when_rank0_wrote_nothing(tmp_path):
 KILL_SCRIPT = textwrap.dedent("""
     import sys
     from megatron_pack.config import Config, DataConfig, PackingConfig
-    from megatron_pack.data.prepare import prepare
+    from megatron_pack.data import prepare as prepare_module
+from megatron_pack.data.prepare import prepare
     cfg = Config(data=DataConfig(source="synthetic", synthetic_num_samples=int(sys.argv[2]), dataset_dir=sys.argv[1],
                                  tokenize_workers=1), packing=PackingConfig(packed_sequence_size=512))
     print(prepare(cfg, progress=False))
