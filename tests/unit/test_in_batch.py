@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_pack.data.in_batch import IGNORE_INDEX, pack_batch_sequences
 from megatron_pack.data.thd import THD_KEYS
@@ -98,3 +102,22 @@ def test_pack_batch_sequences_errors(kwargs, pattern):
     tokens, labels, loss_mask, position_ids, _ = _rows([2, 2])
     with pytest.raises(ValueError, match=pattern):
         pack_batch_sequences(tokens, labels, loss_mask, position_ids, pad_token_id=PAD, **kwargs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=6).filter(any), st.sampled_from([1, 2, 4, 8]))
+def test_in_batch_properties(lengths, multiple):
+    tokens, labels, loss_mask, position_ids, _ = _rows(lengths, row_size=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = pack_batch_sequences(tokens, labels, loss_mask, position_ids, pad_token_id=PAD,
+                                   pad_to_multiple_of=multiple, lengths=lengths)
+    kept = [n for n in lengths if n]
+    padded = [-(-n // multiple) * multiple for n in kept]
+    assert out["cu_seqlens"].tolist() == [0] + list(itertools.accumulate(kept))
+    assert out["cu_seqlens_padded"].tolist() == [0] + list(itertools.accumulate(padded))
+    assert out["max_seqlen"] == max(padded) and out["tokens"].shape == (1, sum(padded))
+    # every real token appears once, in row order, and nothing else carries a target
+    real = out["loss_mask"][0] > 0
+    expected = [10 * (b + 1) + j for b, n in enumerate(lengths) for j in range(n)]
+    assert out["tokens"][0][real].tolist() == expected and int(real.sum()) == sum(lengths) > 0
