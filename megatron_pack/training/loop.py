@@ -261,6 +261,27 @@ def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
     return save, ckpt.find_latest(save)
 
 
+def open_dataset(cfg: Config):
+    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command)."""
+    from megatron_pack.data.dataset import PackedSFTDataset
+
+    return PackedSFTDataset.from_config(cfg)
+
+
+def build_loader(cfg: Config, state, dataset):
+    """This DP rank's resumable loader of full THD packs: ``PackSampler`` (seeded by
+    ``train.seed``, dealt over DP ranks; every CP/TP rank of a DP rank reads the same packs)
+    and the collate configured from the dataset's metadata and the config's fixed-shape flags."""
+    from megatron_pack.data.sampler import PackSampler, build_pack_loader
+    from megatron_pack.data.thd import make_collate_fn
+
+    collate = make_collate_fn(dataset.metadata, pad_to_max_length=cfg.data.pad_to_max_length,
+                              pad_cu_seqlens=cfg.packing.pad_cu_seqlens)
+    sampler = PackSampler(len(dataset), dp_rank=state.dp_rank, dp_size=state.dp_size, seed=cfg.train.seed)
+    return build_pack_loader(dataset, collate, sampler, num_workers=cfg.data.num_workers,
+                             pin_memory=state.device.type == "cuda")
+
+
 def build_trainer(cfg: Config, state, loader, *, forward_step_func: Optional[Callable] = None) -> Trainer:
     """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` yields full THD packs
     for this DP rank and has ``state_dict()`` / ``load_state_dict()`` (resume at the next pack)."""
@@ -311,3 +332,23 @@ def run_training(cfg: Config, state, loader, *, forward_step_func: Optional[Call
     finally:
         writer.close()
     return trainer
+
+
+def run_summary(cfg: Config, dataset) -> str:
+    """The lines a run ends with: first and last loss, and where its report, logs and checkpoints are."""
+    from megatron_pack.training.metrics import read_metrics
+
+    out = Path(cfg.train.output_dir)
+    lines = []
+    if (out / "metrics.jsonl").is_file():
+        records = read_metrics(out / "metrics.jsonl")
+        first, last = records[0], records[-1]
+        lines.append(f"lm loss: first {first['lm_loss']:.4f} (step {first['step']}) -> "
+                     f"last {last['lm_loss']:.4f} (step {last['step']})")
+    plan = Path(dataset.plan_dir)
+    lines += [f"packing report: {plan / 'report.json'} and {plan / 'report.png'}",
+              f"metrics: {out / 'metrics.jsonl'}",
+              f"TensorBoard: tensorboard --logdir {out / 'tensorboard'}"]
+    if cfg.checkpoint.enabled:
+        lines.append(f"checkpoints: {checkpoint_dirs(cfg)[0]}")
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""`megatron-pack train key=value ...` (also `python -m megatron_pack.train`), launched by torchrun.
+
+Order: load and validate the whole config with the world size and the prepared dataset's
+metadata (nothing is built before that), initialise the process groups once, print the
+resolved config and the parallel layout (rank 0), then train (``megatron_pack.training.loop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from megatron_pack.config.schema import ConfigError
+from megatron_pack.data.sources import DataError
+
+
+def _setup_logging(level: str, rank: int) -> None:
+    logging.basicConfig(level=getattr(logging, level) if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout, force=True)
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-module INFO setup lines
+
+
+def main(argv: list[str]) -> int:
+    from megatron_pack.config import config_to_yaml, load_config, validate
+    from megatron_pack.parallel.dims import ParallelDims
+    from megatron_pack.training.loop import build_loader, open_dataset, run_summary, run_training
+
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(argv, world_size=world_size)
+        dataset = open_dataset(cfg)
+        validate(cfg, world_size=world_size, dataset_meta=dict(dataset.metadata))
+    except (ConfigError, DataError) as exc:
+        print(f"megatron-pack train: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(cfg.logging.level, rank)
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    state = initialize_parallel(cfg)
+    if rank == 0:
+        print("resolved config:\n" + config_to_yaml(cfg), flush=True)
+        print("parallel layout: " + ParallelDims.from_config(cfg, world_size).describe(), flush=True)
+    try:
+        run_training(cfg, state, build_loader(cfg, state, dataset))
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    if rank == 0:
+        print(run_summary(cfg, dataset), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
