@@ -151,8 +151,8 @@ def _prepare_here(cfg, *, progress: bool) -> Path:
     plan_dir = ensure_plan(store, settings)
     from megatron_pack.data.report import write_report
 
-    if not (plan_dir / "report.json").is_file():
-        write_report(store, plan_dir)
+    if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
+        write_report(store, plan_dir)  # both: a run killed between the two files must not leave one forever
     if cfg.packing.export == "bridge":
         from megatron_pack.data.bridge import export_bridge
 
