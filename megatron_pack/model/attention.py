@@ -40,7 +40,7 @@ def _as_list(values) -> list[int]:
 
 
 def _check_thd_inputs(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: list[int],
-                      cu_seqlens_padded: list[int], query_index: Tensor) -> None:
+                      cu_seqlens_padded: list[int], query_index: list[int]) -> None:
     if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"thd_attention expects query [Tq, heads, dim] and key/value [T, kv_heads, dim]; "
                          f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}.")
@@ -55,26 +55,49 @@ def _check_thd_inputs(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: lis
         if not 0 <= real <= padded:
             raise ValueError(f"sub-sequence {i}: real length {real} (from cu_seqlens) must be in "
                              f"[0, padded length {padded}] (from cu_seqlens_padded).")
-    if query_index.numel() != query.size(0):
-        raise ValueError(f"query_index has {query_index.numel()} entries for {query.size(0)} query rows.")
+    if len(query_index) != query.size(0):
+        raise ValueError(f"query_index has {len(query_index)} entries for {query.size(0)} query rows.")
+    if query_index and not 0 <= min(query_index) <= max(query_index) < cu_seqlens_padded[-1]:
+        raise ValueError(f"query_index must lie in [0, {cu_seqlens_padded[-1]}) (rows of the pack).")
 
 
-def _sequence_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, dropout_p: float) -> Tensor:
+def _sequence_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: list[int], scale: float, dropout_p: float
+                        ) -> Tensor:
     """Causal attention of queries at in-sequence positions ``q_pos`` over keys ``k[0:len]``.
 
-    q [m, hq, d], k/v [n, hk, d] with n = max(q_pos) + 1; returns [m, hq, d].
+    q [m, hq, d], k/v [n, hk, d] with n = max(q_pos) + 1; returns [m, hq, d]. Queries at
+    positions 0..n-1 in order take SDPA's causal kernel; any other set (CP chunks) an explicit
+    [m, n] boolean mask.
     """
     q_, k_, v_ = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = q_.size(0) != k_.size(0)
-    contiguous_from_zero = q_pos.numel() == k.size(0) and bool(q_pos[0] == 0) and bool(q_pos[-1] == k.size(0) - 1)
-    if contiguous_from_zero:
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=gqa,
-                                             dropout_p=dropout_p)
+    kwargs = {"scale": scale, "enable_gqa": q_.size(0) != k_.size(0), "dropout_p": dropout_p}
+    if q_pos == list(range(k.size(0))):
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, **kwargs)
     else:
-        mask = torch.arange(k.size(0), device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale, enable_gqa=gqa,
-                                             dropout_p=dropout_p)
+        positions = torch.tensor(q_pos, device=q.device)
+        mask = torch.arange(k.size(0), device=q.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, **kwargs)
     return out.transpose(0, 1)
+
+
+def _real_query_rows(query_index: list[int], cu: list[int], cu_pad: list[int]):
+    """Per sub-sequence with real queries: (sequence, local rows, in-sequence positions); host-side ints.
+
+    Local rows must be grouped by sub-sequence in pack order (true for CP zigzag slices).
+    Example: query_index [0, 3, 4, 7], cu [0, 3, 5], cu_pad [0, 4, 8] -> (0, [0], [0]) and
+    (1, [2], [0]): rows 1 and 3 are padding.
+    """
+    seq = 0
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    for row, index in enumerate(query_index):
+        while index >= cu_pad[seq + 1]:
+            seq += 1
+        position = index - cu_pad[seq]
+        if position < cu[seq + 1] - cu[seq]:
+            rows, positions = groups.setdefault(seq, ([], []))
+            rows.append(row)
+            positions.append(position)
+    return [(s, rows, positions) for s, (rows, positions) in groups.items()]
 
 
 def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seqlens_padded, *,
@@ -86,7 +109,8 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
     hq a multiple of hk (GQA). ``query_index`` [Tq] gives each query row's global row in the
     pack (default ``arange(T)``; under CP the rank's zigzag rows, grouped by sub-sequence in
     order). Returns [Tq, hq, d]; rows that are padding come out as zeros. ``dropout_p`` drops
-    attention probabilities (training only; 0 keeps runs deterministic).
+    attention probabilities (training only; 0 keeps runs deterministic). The bookkeeping runs on
+    host-side ints, so a GPU call does not synchronise once per sub-sequence.
 
     ``mode='pack_causal'`` is the deliberately wrong attention used by ``verify.attention``:
     plain causal attention over the whole pack, as if it were one sequence.
@@ -100,32 +124,28 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
     cu, cu_pad = _as_list(cu_seqlens), _as_list(cu_seqlens_padded)
     if mode == "pack_causal":
         cu, cu_pad = [0, total], [0, total]
-    if query_index is None:
-        query_index = torch.arange(query.size(0), device=query.device)
-    _check_thd_inputs(query, key, value, cu, cu_pad, query_index)
+    rows_index = list(range(query.size(0))) if query_index is None else _as_list(query_index)
+    _check_thd_inputs(query, key, value, cu, cu_pad, rows_index)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.size(-1))
 
-    seq_of_row = torch.searchsorted(torch.tensor(cu_pad, device=query_index.device), query_index, right=True) - 1
-    rows_per_seq = torch.bincount(seq_of_row, minlength=len(cu_pad) - 1).tolist()
     outputs, real_rows = [], []
-    row = 0
-    for s, num_rows in enumerate(rows_per_seq):
-        start, num_real = cu_pad[s], cu[s + 1] - cu[s]
-        rows = torch.arange(row, row + num_rows, device=query.device)
-        row += num_rows
-        q_pos = query_index[rows] - start
-        keep = q_pos < num_real
-        if num_rows == 0 or not bool(keep.any()):
-            continue
-        rows, q_pos = rows[keep], q_pos[keep]
-        num_keys = int(q_pos.max()) + 1
-        outputs.append(_sequence_attention(query.index_select(0, rows), key[start:start + num_keys],
-                                           value[start:start + num_keys], q_pos, scale, dropout_p))
-        real_rows.append(rows)
+    for seq, rows, positions in _real_query_rows(rows_index, cu, cu_pad):
+        start, num_keys = cu_pad[seq], max(positions) + 1
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        q = query[rows[0]:rows[-1] + 1] if contiguous else query.index_select(0, torch.tensor(rows, device=query.device))
+        outputs.append(_sequence_attention(q, key[start:start + num_keys], value[start:start + num_keys],
+                                           positions, scale, dropout_p))
+        real_rows += rows
+    if outputs and real_rows == list(range(query.size(0))):
+        return torch.cat(outputs)  # every row real and in order: nothing to scatter
     out = torch.zeros(query.shape[:2] + (value.size(-1),), dtype=query.dtype, device=query.device)
     if outputs:
-        out = out.index_copy(0, torch.cat(real_rows), torch.cat(outputs))
+        out = out.index_copy(0, torch.tensor(real_rows, device=query.device), torch.cat(outputs))
     return out
+
+
+# torch 2.13 deprecates reduce_scatter_tensor in favour of reduce_scatter_single (same signature).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -144,7 +164,7 @@ class _AllGatherRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         world = dist.get_world_size(ctx.group)
         local = torch.empty((grad.size(0) // world,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(local, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter(local, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return local, None
 
 
