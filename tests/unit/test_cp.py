@@ -140,7 +140,7 @@ def _layouts(draw):
     return cp, tp, sp, real, padded
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(_layouts())
 def test_partition_properties(layout):
     cp, tp, sp, real, padded = layout

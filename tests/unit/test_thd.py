@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pack.data.thd import THD_KEYS, collate_thd, make_collate_fn
-from megatron_pack.parallel.cp import pad_multiple, slice_thd_batch, thd_unslice
+from megatron_pack.parallel.cp import pad_multiple, slice_thd_batch, thd_gather_order
 
 A, B, C, D, EOS, P = 11, 12, 13, 14, 2, 0
 
@@ -146,7 +146,7 @@ def _packs(draw):
     return cp, pad_multiple(cp, tp, sp), num_ids, draw(st.booleans())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(_packs())
 def test_collate_then_slice_properties(pack):
     cp, multiple, num_ids, to_max = pack
@@ -165,7 +165,8 @@ def test_collate_then_slice_properties(pack):
     # every rank gets T/CP tokens and every real token lands on exactly one rank
     shards = [slice_thd_batch(batch, cp, r) for r in range(cp)]
     assert {s["tokens"].shape[1] for s in shards} == {num_tokens // cp}
+    inverse = torch.argsort(thd_gather_order(batch["cu_seqlens_padded"], cp))
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
-        assert torch.equal(thd_unslice([s[key] for s in shards], batch["cu_seqlens_padded"]), batch[key])
+        assert torch.equal(torch.cat([s[key] for s in shards], dim=1)[:, inverse], batch[key])
     real_tokens = torch.cat([s["tokens"][s["tokens"] >= 1000] for s in shards])
     assert sorted(real_tokens.tolist()) == sorted(1000 * (k + 1) + j for k, n in enumerate(num_ids) for j in range(n - 1))
