@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -29,6 +30,8 @@ from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
 from megatron_pack.model.norms import SequenceParallelNorm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CP_COMM_TYPES = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather", "a2a+p2p": "a2a+p2p"}
+"""parallel.cp_comm_type -> megatron-core / Transformer Engine spelling."""
 
 
 def te_import_error() -> Optional[str]:
@@ -72,9 +75,6 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
     fused = backend == "te"
-    extra = {}
-    if m.cuda_graph_impl != "none":
-        extra = {"cuda_graph_impl": m.cuda_graph_impl, "cuda_graph_scope": list(m.cuda_graph_scope) or "full"}
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
@@ -85,15 +85,15 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16, pipeline_dtype=_DTYPES[m.params_dtype],
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         context_parallel_size=p.context_parallel_size, pipeline_model_parallel_size=1,
-        sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type if fused else None,
+        sequence_parallel=p.sequence_parallel, cp_comm_type=_CP_COMM_TYPES[p.cp_comm_type] if fused else None,
         calculate_per_token_loss=m.calculate_per_token_loss,
         # CPU init builds each full weight from the default generator and slices it, so a model
         # has the same weights for every TP size (what the parallel-invariance tests rely on).
         use_cpu_initialization=not on_gpu, perform_initialization=True,
-        deterministic_mode=cfg.train.deterministic and on_gpu,
+        deterministic_mode=cfg.train.deterministic and fused,
         bias_dropout_fusion=fused, apply_rope_fusion=fused, masked_softmax_fusion=False,
         bias_activation_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        **extra,
+        cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
     )
 
 
@@ -134,6 +134,23 @@ def te_layer_spec():
                                                       qk_layernorm=False)
 
 
+def _deterministic_te_env(cfg: Config, backend: str) -> None:
+    """TE attention in megatron's deterministic mode needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0."""
+    if backend != "te" or not cfg.train.deterministic:
+        return
+    current = os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    if current != "0":
+        raise ValueError(f"train.deterministic (True) with Transformer Engine needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, "
+                         f"but the environment sets it to {current!r}; unset it or set train.deterministic=false.")
+
+
+def _check_cuda_graphs(cfg: Config, backend: str) -> None:
+    if backend == "torch" and cfg.model.cuda_graph_impl != "none":
+        raise ValueError(f"model.cuda_graph_impl ({cfg.model.cuda_graph_impl!r}) needs the Transformer Engine backend "
+                         "(the torch THD attention reads cu_seqlens on the host, which a CUDA graph cannot "
+                         "capture); set model.attention_backend=te or model.cuda_graph_impl=none.")
+
+
 def _check_divisibility(cfg: Config) -> None:
     tp, vocab = cfg.parallel.tensor_model_parallel_size, cfg.model.vocab_size
     if vocab % tp != 0:
@@ -161,6 +178,8 @@ def build_model(cfg: Config, pg=None, *, attention_mode: str = "thd"):
         enable_cpu_compat()
     _check_divisibility(cfg)
     backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode)
+    _check_cuda_graphs(cfg, backend)
+    _deterministic_te_env(cfg, backend)
     config = transformer_config_from(cfg, backend=backend)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

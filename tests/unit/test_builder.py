@@ -189,3 +189,37 @@ def test_cpu_rng_tracker_forks_a_named_cpu_stream():
     model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0)
     with get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(3), first)  # and is reproducible from its seed
+
+
+def test_cuda_graphs_need_the_te_backend():
+    cfg = _cfg(cuda_graph_impl="local")
+    with pytest.raises(ValueError, match=r"model.cuda_graph_impl \('local'\) needs the Transformer Engine backend"):
+        builder._check_cuda_graphs(cfg, "torch")
+    builder._check_cuda_graphs(cfg, "te")
+
+
+@pytest.mark.parametrize("env,deterministic,backend,expected", [
+    (None, True, "te", "0"),
+    ("0", True, "te", "0"),
+    (None, False, "te", None),
+    (None, True, "torch", None),
+], ids=["te_sets_env", "te_env_already_0", "te_not_deterministic", "torch_untouched"])
+def test_deterministic_te_env(monkeypatch, env, deterministic, backend, expected):
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
+    if env is not None:
+        monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", env)
+    builder._deterministic_te_env(Config(train=TrainConfig(deterministic=deterministic)), backend)
+    import os
+
+    assert os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == expected
+
+
+def test_deterministic_te_env_conflict_names_the_fix(monkeypatch):
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
+    with pytest.raises(ValueError, match="set train.deterministic=false"):
+        builder._deterministic_te_env(Config(), "te")
+
+
+def test_cp_comm_type_spelling_covers_every_choice():
+    assert set(builder._CP_COMM_TYPES) == {"p2p", "a2a", "allgather", "a2a+p2p"}
+    assert builder._CP_COMM_TYPES["allgather"] == "all_gather"  # megatron-core / TE spelling
