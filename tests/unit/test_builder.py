@@ -223,3 +223,22 @@ def test_deterministic_te_env_conflict_names_the_fix(monkeypatch):
 def test_cp_comm_type_spelling_covers_every_choice():
     assert set(builder._CP_COMM_TYPES) == {"p2p", "a2a", "allgather", "a2a+p2p"}
     assert builder._CP_COMM_TYPES["allgather"] == "all_gather"  # megatron-core / TE spelling
+
+
+def test_sbhd_batches_attend_causally_per_row(world_of_one):
+    """Without packed_seq_params (a plain [b, s] batch) every row is one causal sequence."""
+    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.parallel.groups import initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    cfg = _cfg()
+    state = initialize_parallel(cfg)
+    model = builder.build_model(cfg, state)
+    tokens = torch.randint(3, 380, (2, 10), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(10).expand(2, 10)
+    logits = model(tokens, positions, None)
+    for row in range(2):
+        sample = {"input_ids": tokens[row].tolist() + [2], "loss_mask": [1] * 11}
+        batch = collate_thd([sample], pack_size=16)
+        alone = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
+        torch.testing.assert_close(logits[row], alone[0], atol=1e-5, rtol=1e-5)
