@@ -99,10 +99,21 @@ class PackedSFTDataset:
         self.metadata = read_metadata(self.plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
         if self.metadata["store_fingerprint"] != self.store_metadata["fingerprint"]:
             raise DataError(f"plan {self.plan_dir} was made for another token store; re-run `megatron-pack prepare`.")
+        self._open_arrays()
+
+    def _open_arrays(self) -> None:
         self.store = TokenStore(self.dataset_dir, self.store_metadata)
         load = lambda name: np.load(self.plan_dir / f"{name}.npy", mmap_mode="r", allow_pickle=False)  # noqa: E731
         self.bin_offsets, self.sample_order, self.sample_num_ids = (
             load("bin_offsets"), load("sample_order"), load("sample_num_ids"))
+
+    def __getstate__(self) -> dict:
+        """Paths and metadata only (for spawned DataLoader workers): the arrays are re-mapped, not copied."""
+        return {k: getattr(self, k) for k in ("dataset_dir", "plan_dir", "metadata", "store_metadata")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open_arrays()  # verified by the process that opened the dataset
 
     def _resolve_plan(self, plan_dir) -> Path:
         if plan_dir is not None:

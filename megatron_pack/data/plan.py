@@ -142,6 +142,9 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
     """Plan ``store`` under ``settings`` into ``<store>/plans/<name>`` (atomically); return the directory."""
     target = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
     selection = select_samples(store, settings)
+    if selection.kept.size == 0:
+        raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
+                        "data.answer_only_loss, data.schema and packing.on_overflow.")
     plan = plan_packing(thd_lengths(selection.num_ids, settings.pad_multiple), settings.pack_size,
                         settings.algorithm, settings.seed)
     metadata = plan_metadata(store, settings, selection, plan)

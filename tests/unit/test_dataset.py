@@ -112,3 +112,13 @@ def test_checksums_verified_once_per_file_version(prepared, monkeypatch):
     monkeypatch.setattr(dataset_module, "sha256_file", lambda p: calls.append(p) or "x")
     PackedSFTDataset(cfg.data.dataset_dir, plan_dir)
     assert calls == []  # cached by (path, size, mtime)
+
+
+def test_state_carries_paths_not_arrays(prepared):
+    cfg, plan_dir = prepared
+    ds = PackedSFTDataset(cfg.data.dataset_dir, plan_dir)
+    state = ds.__getstate__()
+    assert set(state) == {"dataset_dir", "plan_dir", "metadata", "store_metadata"}
+    clone = PackedSFTDataset.__new__(PackedSFTDataset)
+    clone.__setstate__(state)
+    assert len(clone) == len(ds) and [s["sample_id"] for s in clone[2]] == [s["sample_id"] for s in ds[2]]

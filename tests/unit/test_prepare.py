@@ -169,8 +169,7 @@ def test_waiting_rank_fails_clearly_when_rank0_wrote_nothing(tmp_path):
 KILL_SCRIPT = textwrap.dedent("""
     import sys
     from megatron_pack.config import Config, DataConfig, PackingConfig
-    from megatron_pack.data import prepare as prepare_module
-from megatron_pack.data.prepare import prepare
+    from megatron_pack.data.prepare import prepare
     cfg = Config(data=DataConfig(source="synthetic", synthetic_num_samples=int(sys.argv[2]), dataset_dir=sys.argv[1],
                                  tokenize_workers=1), packing=PackingConfig(packed_sequence_size=512))
     print(prepare(cfg, progress=False))
@@ -193,3 +192,9 @@ def test_killed_prepare_leaves_no_dataset(tmp_path):
                                  tokenize_workers=1), packing=PackingConfig(packed_sequence_size=512))
     assert len(PackedSFTDataset(target, prepare(cfg, progress=False))) > 0
     assert not list(tmp_path.glob(".ds.tmp-*"))  # the re-run removed the killed writer's temporary
+
+
+def test_nothing_left_to_pack_is_an_error(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"messages": [{"role": "user", "content": "no answer"}]}] * 3)
+    with pytest.raises(DataError, match=r"no sample .* is left to pack \(dropped: \{'no_answer_tokens': 3"):
+        prepare(make_cfg(tmp_path, packing={"packed_sequence_size": 64}), progress=False)
