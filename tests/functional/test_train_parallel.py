@@ -179,6 +179,25 @@ def _per_token_reference(tmp: str, packs: list[dict]) -> dict:
     return out
 
 
+def _non_finite_error(tmp: str) -> str:
+    """The error a NaN loss raises (a NaN output-layer row makes every token's loss NaN)."""
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = make_config(tmp, global_batch_size=2)
+    state = initialize_parallel(cfg)
+    trainer = build_trainer(cfg, state, ListLoader(make_packs(2, seed=5)))
+    with torch.no_grad():
+        trainer.model.module.output_layer.weight[0].fill_(float("nan"))
+    try:
+        trainer.compute_gradients()
+        message = "no error"
+    except FloatingPointError as exc:
+        message = str(exc)
+    destroy_parallel()
+    return message
+
+
 def _world1(rank: int, world_size: int, tmp: str) -> dict:
     out = {f"train.{k}": v for k, v in _train_layout(tmp + "/w1", 1, 1).items()}
     packs = make_packs(40, seed=3)
@@ -186,6 +205,7 @@ def _world1(rank: int, world_size: int, tmp: str) -> dict:
     out.update({f"tok.{k}": v for k, v in _per_token_reference(tmp + "/tok", [by_count[0], by_count[-1]]).items()})
     grads, loss = _gradients_of(tmp + "/m1", 1, [masked_cp_pack()])
     out.update({f"mask.{k}": v for k, v in grads.items()}, **{"mask.loss": loss})
+    out["nan_error"] = _non_finite_error(tmp + "/nan")
     return out
 
 
@@ -272,3 +292,11 @@ def test_fully_masked_cp_rank_gives_reference_gradients(worlds):
             assert np.all(np.isfinite(got[name])), name
             _assert_rel_close(got[name], ref[name], 1e-5, name)
     assert max(float(np.abs(ref[n]).max()) for n in names) > 0
+
+
+@pytest.mark.slow
+def test_non_finite_loss_names_step_rank_and_sample_ids(worlds):
+    message = str(worlds[1]["nan_error"])
+    first_pack_ids = make_packs(2, seed=5)[0]["sample_ids"].tolist()
+    assert message.startswith("step 1, rank 0: non-finite loss sum"), message
+    assert f"sample_ids {first_pack_ids}" in message and len(first_pack_ids) >= 1
