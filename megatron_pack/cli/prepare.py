@@ -7,7 +7,9 @@ Examples::
         packing.packed_sequence_size=4096 packing.on_overflow=truncate export=bridge
 
 Shorthands: ``export=bridge`` means ``packing.export=bridge``; ``input=PATH`` means
-``data.source=files data.input=PATH``. Under torchrun only global rank 0 writes.
+``data.source=files data.input=PATH``; ``tokenizer=X`` means ``data.tokenizer=X``; ``output=DIR``
+means ``data.dataset_dir=DIR``. A pack size given without ``model.seq_length`` sets it too.
+Under torchrun only global rank 0 writes.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ SHORTHANDS = {"export": ["packing.export={}"], "input": ["data.source=files", "d
 
 
 def expand_shorthands(argv: list[str]) -> list[str]:
-    """``export=bridge`` -> ``packing.export=bridge`` (and the other SHORTHANDS); other args unchanged."""
+    """``export=bridge`` -> ``packing.export=bridge`` (and the other SHORTHANDS); other args unchanged.
+
+    prepare never builds the model, so a pack size given without ``model.seq_length`` also sets
+    it (the config requires them equal): ``packing.packed_sequence_size=4096`` adds
+    ``model.seq_length=4096``.
+    """
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
         out += [t.format(value) for t in SHORTHANDS[key]] if sep and key in SHORTHANDS else [arg]
+    keys = {a.partition("=")[0]: a.partition("=")[2] for a in out}
+    if "packing.packed_sequence_size" in keys and "model.seq_length" not in keys:
+        out.append(f"model.seq_length={keys['packing.packed_sequence_size']}")
     return out
 
 

@@ -11,7 +11,11 @@ from megatron_pack.cli.prepare import expand_shorthands
 @pytest.mark.parametrize("argv,expected", [
     (["export=bridge"], ["packing.export=bridge"]),
     (["input=a.jsonl", "packing.seed=2"], ["data.source=files", "data.input=a.jsonl", "packing.seed=2"]),
-    (["data.tokenizer=byte"], ["data.tokenizer=byte"])], ids=["export", "input", "untouched"])
+    (["data.tokenizer=byte"], ["data.tokenizer=byte"]),
+    (["packing.packed_sequence_size=256"], ["packing.packed_sequence_size=256", "model.seq_length=256"]),
+    (["packing.packed_sequence_size=256", "model.seq_length=512"],
+     ["packing.packed_sequence_size=256", "model.seq_length=512"])],
+    ids=["export", "input", "untouched", "pack-size-sets-seq-length", "explicit-seq-length-kept"])
 def test_shorthands(argv, expected):
     assert expand_shorthands(argv) == expected
 
