@@ -200,10 +200,9 @@ class _ThdCoreAttentionBody:
             raise ValueError(f"ThdCoreAttention computes causal attention only; got attn_mask_type={attn_mask_type}.")
         if mode not in ATTENTION_MODES:
             raise ValueError(f"verify.attention / attention mode {mode!r} must be one of {list(ATTENTION_MODES)}.")
-        head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-        if config.apply_query_key_layer_scaling:
-            self.softmax_scale /= max(1, layer_number)
+        # apply_query_key_layer_scaling only trades a 1/layer factor between the scores and the
+        # fp16 softmax in megatron's kernel; in exact arithmetic it is a no-op, so it is not applied.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.mode = mode
         self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
@@ -244,7 +243,6 @@ class _ThdCoreAttentionBody:
                 for b in range(query.size(1))]
         out = torch.stack(rows, dim=1)
         return out.reshape(out.size(0), out.size(1), -1)
-
 
 
 @functools.lru_cache(maxsize=None)
