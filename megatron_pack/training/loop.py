@@ -34,9 +34,11 @@ import torch.distributed as dist
 from megatron_pack.config.schema import Config
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
-from megatron_pack.training.optim import LRSchedule, TrainOptimizer, build_optimizer
+from megatron_pack.training.optim import LRSchedule, MegatronTrainOptimizer, TrainOptimizer, build_optimizer
 
 log = logging.getLogger("megatron_pack.train")
+sample_log = logging.getLogger("megatron_pack.train.samples")
+"""logging.log_sample_ids lines; INFO on every rank (each DP rank reads other packs), see cli/train.py."""
 
 
 @dataclass
@@ -144,7 +146,7 @@ class Trainer:
     cfg: Config
     state: Any
     model: torch.nn.Module
-    optimizer: TrainOptimizer
+    optimizer: TrainOptimizer | MegatronTrainOptimizer
     schedule: LRSchedule
     loader: Any
     forward_step_func: Callable
@@ -232,7 +234,8 @@ class Trainer:
 
     def save(self, root: str | Path) -> Path:
         rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
-                      "schedule": self.schedule.state_dict(), "step": self.step}
+                      "schedule": self.schedule.state_dict(), "step": self.step,
+                      "optimizer": self.optimizer.rank_state()}
         return ckpt.save_checkpoint(root, self.step, model_state=self._named_params(),
                                     optim_state=self.optimizer.named_state(materialize=True),
                                     rank_state=rank_state, meta=self._meta(), tp_rank=self.state.tp_rank,
@@ -242,6 +245,7 @@ class Trainer:
         rank_state = ckpt.load_checkpoint(path, model_state=self._named_params(),
                                           optim_state=self.optimizer.named_state(materialize=True),
                                           meta=self._meta(), tp_rank=self.state.tp_rank)
+        self.optimizer.load_rank_state(rank_state["optimizer"])
         self.loader.load_state_dict(rank_state["loader"])
         self.schedule.load_state_dict(rank_state["schedule"])
         ckpt.set_rng_state(rank_state["rng"])
@@ -292,8 +296,13 @@ def build_trainer(cfg: Config, state, loader, *, forward_step_func: Optional[Cal
         raise ValueError("ddp.use_distributed_optimizer (True) is not supported by this trainer's AdamW "
                          "(optimizer state is kept whole on each rank); set ddp.use_distributed_optimizer=false.")
     model = build_model(cfg, state)
+    if cfg.train.bf16:  # megatron-core's bf16 wrapper: casts inputs, keeps fp32 main grads
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)
     ddp = wrap_ddp(cfg, model, state)
-    optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group)
+    optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
+                                device=state.device.type)
     return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg),
                    loader=loader, forward_step_func=forward_step_func or forward_step)
 
@@ -319,8 +328,9 @@ def run_training(cfg: Config, state, loader, *, forward_step_func: Optional[Call
         while trainer.step < cfg.train.train_iters:
             metrics = trainer.train_step()
             writer.write(metrics)
-            if cfg.logging.log_sample_ids:
-                log.info("step %d rank %d packs %s", trainer.step, state.rank, trainer.pack_log[-1])
+            if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0:
+                sample_log.info("step %d rank %d dp_rank %d packs %s", trainer.step, state.rank, state.dp_rank,
+                                trainer.pack_log[-1])
             if _should_save(cfg, trainer.step):
                 path = trainer.save(save_dir)
                 if state.rank == 0:

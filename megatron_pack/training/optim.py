@@ -167,6 +167,13 @@ class TrainOptimizer:
                 out[f"{self.names[param]}.{key}"] = value
         return out
 
+    def rank_state(self) -> Optional[dict]:
+        """Per-rank optimizer state outside ``named_state`` (none: AdamW's state is all in it)."""
+        return None
+
+    def load_rank_state(self, state: Optional[dict]) -> None:
+        return None
+
     def load_named_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy tensors produced by ``named_state`` back into the optimizer state."""
         current = self.named_state(materialize=True)
@@ -178,7 +185,52 @@ class TrainOptimizer:
             tensor.copy_(state[key])
 
 
+class MegatronTrainOptimizer:
+    """GPU: megatron-core's optimizer (``get_megatron_optimizer``: Adam, fp32 master weights with
+    bf16, its own TP-aware clipping) behind the :class:`TrainOptimizer` interface. Its state is
+    checkpointed whole per rank (``rank_state``), not through DCP names."""
+
+    def __init__(self, cfg: Config, model_chunks: list[torch.nn.Module]):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = cfg.train
+        config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
+            params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            use_distributed_optimizer=cfg.ddp.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(config, model_chunks)
+
+    def step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, norm, _ = self.optimizer.step()
+        self.optimizer.zero_grad()  # drop grad aliases of main_grad before the next backward
+        return float(norm) if norm is not None else 0.0
+
+    def named_state(self, *, materialize: bool = False) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_named_state(self, state: dict[str, torch.Tensor]) -> None:
+        return None
+
+    def rank_state(self) -> Optional[dict]:
+        return self.optimizer.state_dict()
+
+    def load_rank_state(self, state: Optional[dict]) -> None:
+        if state is None:
+            raise ValueError("the checkpoint holds no megatron-core optimizer state (it was written by a CPU run); "
+                             "resume on the device it was written on, or start without checkpoint.load.")
+        self.optimizer.load_state_dict(state)
+
+
 def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
-                    tp_group: Optional[dist.ProcessGroup] = None) -> TrainOptimizer:
-    """The training optimizer: torch AdamW over DDP's ``main_grad`` with TP-aware clipping."""
+                    tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model: Optional[torch.nn.Module] = None,
+                    device: str = "cpu"):
+    """torch AdamW over DDP's ``main_grad`` with TP-aware clipping on CPU; megatron-core's
+    optimizer over ``ddp_model`` on CUDA."""
+    if device == "cuda":
+        if ddp_model is None:
+            raise ValueError("build_optimizer(device='cuda') needs ddp_model (the megatron-core DDP-wrapped model).")
+        return MegatronTrainOptimizer(cfg, [ddp_model])
     return TrainOptimizer(cfg, named_params, tp_group)
