@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several machines: run this once on every node, same arguments except NODE_RANK.
-#   node 0: bash launch/multi_node.sh 2 0 10.0.0.1:29500 8 experiment=llama3_8b_tp2_cp2
-#   node 1: bash launch/multi_node.sh 2 1 10.0.0.1:29500 8 experiment=llama3_8b_tp2_cp2
+#   node 0: bash launch/multi_node.sh 2 0 10.0.0.1:29500 8 experiment=llama3_8b_tp2_cp2 data.input=/data/train.jsonl data.tokenizer=/models/llama3
+#   node 1: bash launch/multi_node.sh 2 1 10.0.0.1:29500 8 experiment=llama3_8b_tp2_cp2 data.input=/data/train.jsonl data.tokenizer=/models/llama3
 # Arguments: NNODES NODE_RANK RDZV_HOST:PORT NPROC_PER_NODE, then Hydra overrides.
 # The backend is nccl when torch sees a GPU, else gloo (an explicit parallel.backend=... wins).
 # checkpoint.save / train.output_dir must be on a filesystem every node sees.
