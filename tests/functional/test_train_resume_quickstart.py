@@ -75,7 +75,7 @@ def test_kill_and_resume_replays_losses_and_packs(prepared_dataset, tmp_path):
     assert len(full) == 6 and len(killed) == 4 and list(r["resumed_steps"]) == [4, 5, 6]
     assert len(set(np.round(full, 6))) == 6  # every step is a different number
     np.testing.assert_array_equal(killed, full[:4])
-    np.testing.assert_allclose(resumed, full[3:], rtol=1e-7, atol=0)
+    np.testing.assert_array_equal(resumed, full[3:])  # bit for bit: float32 CPU runs are deterministic
     assert r["full_packs"].shape == (6, 4) and all(len(p) > 0 for p in r["full_packs"].ravel())
     np.testing.assert_array_equal(r["resumed_packs"], r["full_packs"][3:])
     np.testing.assert_array_equal(r["killed_packs"], r["full_packs"][:4])
