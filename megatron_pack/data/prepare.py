@@ -170,14 +170,27 @@ def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callab
     """
     if world_size > 1 and barrier is None:
         raise ValueError("prepare(world_size > 1) needs a barrier callable (e.g. torch.distributed.barrier).")
+    marker = _failure_marker(cfg)
     if rank == 0:
+        marker.unlink(missing_ok=True)
         try:
             return _prepare_here(cfg, progress=progress)
+        except Exception as exc:
+            if world_size > 1:  # tell the waiting ranks at once instead of letting them time out
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                write_json(marker, {"error": f"{type(exc).__name__}: {exc}"})
+            raise
         finally:
             if world_size > 1:
                 barrier()
     barrier()
     return _wait_for_plan(cfg, verify_timeout_s)
+
+
+def _failure_marker(cfg) -> Path:
+    """Where rank 0 leaves its error for the other ranks: a hidden file beside data.dataset_dir."""
+    target = Path(cfg.data.dataset_dir)
+    return target.parent / f".{target.name}.prepare-error.json"
 
 
 def _wait_for_plan(cfg, timeout_s: float) -> Path:
@@ -186,6 +199,9 @@ def _wait_for_plan(cfg, timeout_s: float) -> Path:
     settings = plan_settings(cfg)
     dataset_dir = Path(cfg.data.dataset_dir)
     while True:
+        marker = _failure_marker(cfg)
+        if marker.is_file():
+            raise DataError(f"rank 0 failed to prepare {dataset_dir}: {read_json(marker)['error']}")
         try:
             store_meta = read_metadata(dataset_dir, STORE_FORMAT, STORE_FORMAT_VERSION)
             plan_dir = dataset_dir / "plans" / settings.dirname(store_meta["fingerprint"])

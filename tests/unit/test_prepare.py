@@ -198,3 +198,27 @@ def test_nothing_left_to_pack_is_an_error(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"messages": [{"role": "user", "content": "no answer"}]}] * 3)
     with pytest.raises(DataError, match=r"no sample .* is left to pack \(dropped: \{'no_answer_tokens': 3"):
         prepare(make_cfg(tmp_path, packing={"packed_sequence_size": 64}), progress=False)
+
+
+def test_waiting_rank_reports_rank0_error_at_once(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a"}])
+    cfg = make_cfg(tmp_path, packing={"packed_sequence_size": 64})
+    barrier = threading.Barrier(2)
+    errors = {}
+
+    def run(rank):
+        try:
+            prepare(cfg, rank=rank, world_size=2, barrier=barrier.wait, verify_timeout_s=60, progress=False)
+        except DataError as exc:
+            errors[rank] = str(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]
+    start = time.monotonic()
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert time.monotonic() - start < 20  # not the 60 s verify timeout
+    assert "missing key 'completion'" in errors[0]
+    assert errors[1].startswith("rank 0 failed to prepare") and "missing key 'completion'" in errors[1]
+    prepare(make_cfg(tmp_path, data={"input": str(write_jsonl(tmp_path / "ok.jsonl", mixed_records(5)))},
+                     packing={"packed_sequence_size": 64}), progress=False)
+    assert not list(tmp_path.glob(".ds.prepare-error.json"))  # a new rank-0 run clears the marker
