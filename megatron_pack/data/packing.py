@@ -183,9 +183,13 @@ def _decreasing(lengths: np.ndarray, capacity: int, *, best_fit: bool) -> tuple[
 
     Returns the number of samples in each bin and the placement events (see ``_materialize``).
     """
-    state = _BestFitBins(capacity, len(lengths)) if best_fit else _FirstFitBins(capacity, len(lengths),
-                                                                                 int(lengths.min()))
     histogram = np.bincount(lengths, minlength=capacity + 1)
+    present = np.flatnonzero(histogram)
+    scale = int(np.gcd.reduce(np.append(present, capacity)))
+    if scale > 1:  # e.g. lengths padded to a multiple: plan in units of that multiple
+        histogram, capacity = histogram[::scale], capacity // scale
+    state = (_BestFitBins(capacity, len(lengths)) if best_fit else
+             _FirstFitBins(capacity, len(lengths), int(present[0]) // scale))
     events: list = []
     half = capacity // 2  # samples longer than half the capacity never share a bin: one event for all
     singles = np.repeat(np.arange(capacity, half, -1), histogram[capacity:half:-1])
@@ -237,22 +241,29 @@ class _BestFitBins(_Bins):
 
     Sequential best fit keeps adding samples of one length to the bin it chose (the smallest
     remaining space that fits) until that bin has no room, so the bins of bucket ``r`` each take
-    ``r // length`` samples, buckets in increasing ``r``.
+    ``r // length`` samples, buckets in increasing ``r``. A second level counts the non-empty
+    buckets per block of 64, so finding the next buckets costs O(capacity / 64), not O(capacity).
     """
+
+    BLOCK_BITS = 6
 
     def __init__(self, capacity: int, max_bins: int):
         super().__init__(capacity, max_bins)
         self.buckets: list[list[np.ndarray]] = [[] for _ in range(capacity + 1)]
         self.num_in_bucket = np.zeros(capacity + 1, dtype=np.int64)
+        self.num_filled_in_block = np.zeros((capacity >> self.BLOCK_BITS) + 1, dtype=np.int64)
 
     def _pop(self, r: int) -> np.ndarray:
         parts = self.buckets[r]
         self.buckets[r] = []
         self.num_in_bucket[r] = 0
+        self.num_filled_in_block[r >> self.BLOCK_BITS] -= 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _push(self, r: int, bins: np.ndarray) -> None:
         if bins.size:
+            if not self.buckets[r]:
+                self.num_filled_in_block[r >> self.BLOCK_BITS] += 1
             self.buckets[r].append(bins)
             self.num_in_bucket[r] += bins.size
 
@@ -267,9 +278,19 @@ class _BestFitBins(_Bins):
             self._push(r, group)
 
     def fill(self, length: int, k: int, events: list) -> int:
-        rs = np.flatnonzero(self.num_in_bucket[length:]) + length
-        if rs.size == 0:
-            return k
+        first_block = length >> self.BLOCK_BITS
+        for block in (np.flatnonzero(self.num_filled_in_block[first_block:]) + first_block).tolist():
+            lo = max(block << self.BLOCK_BITS, length)
+            hi = min((block + 1) << self.BLOCK_BITS, self.capacity + 1)
+            rs = np.flatnonzero(self.num_in_bucket[lo:hi]) + lo
+            if rs.size:
+                k = self._fill_buckets(rs, length, k, events)
+                if k == 0:
+                    return 0
+        return k
+
+    def _fill_buckets(self, rs: np.ndarray, length: int, k: int, events: list) -> int:
+        """Fill buckets ``rs`` (increasing) with up to ``k`` samples of ``length``; return how many are left."""
         room = np.cumsum(self.num_in_bucket[rs] * (rs // length))
         num_full = int(np.searchsorted(room, k))  # buckets rs[:num_full] are emptied completely
         for r in rs[:num_full].tolist():

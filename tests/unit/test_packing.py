@@ -150,3 +150,25 @@ def test_large_plan_is_tight():
     assert plan.bin_loads().max() <= 4096
     assert plan.num_bins <= plan.lower_bound * 1.001 + 1
     assert np.array_equal(np.sort(plan.order), np.arange(len(lengths)))
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "ffd"])
+@settings(max_examples=40, deadline=None)
+@given(case=lengths_strategy, multiple=st.sampled_from([2, 4, 8]))
+def test_padded_lengths_plan_in_units_of_the_multiple(algorithm, case, multiple):
+    """Lengths padded to a multiple are planned on a histogram scaled down by it: same packs."""
+    capacity, lengths = case
+    scaled = [length * multiple for length in lengths]
+    plan = plan_packing(scaled, capacity * multiple, algorithm)
+    assert sorted((capacity * multiple - plan.bin_loads()).tolist()) == [
+        r * multiple for r in _reference_fit(lengths, capacity, algorithm == "bfd")]
+
+
+def test_large_capacity_uses_block_index():
+    """Long-context packs (128k tokens): many distinct lengths and buckets spread over 2048 blocks."""
+    rng = np.random.default_rng(2)
+    lengths = np.clip(rng.lognormal(np.log(8000), 1.2, 30_000).astype(np.int64), 1, 131072)
+    plan = plan_packing(lengths, 131072, "bfd")
+    assert len(np.unique(lengths)) > 10_000
+    assert plan.bin_loads().max() <= 131072 and plan.num_bins <= plan.lower_bound + 2
+    assert np.array_equal(np.sort(plan.order), np.arange(len(lengths)))
