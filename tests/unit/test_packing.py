@@ -167,8 +167,8 @@ def test_padded_lengths_plan_in_units_of_the_multiple(algorithm, case, multiple)
 def test_large_capacity_uses_block_index():
     """Long-context packs (128k tokens): many distinct lengths and buckets spread over 2048 blocks."""
     rng = np.random.default_rng(2)
-    lengths = np.clip(rng.lognormal(np.log(8000), 1.2, 30_000).astype(np.int64), 1, 131072)
+    lengths = np.clip(rng.lognormal(np.log(8000), 1.2, 8_000).astype(np.int64), 1, 131072)
     plan = plan_packing(lengths, 131072, "bfd")
-    assert len(np.unique(lengths)) > 10_000
+    assert len(np.unique(lengths)) > 5_000
     assert plan.bin_loads().max() <= 131072 and plan.num_bins <= plan.lower_bound + 2
     assert np.array_equal(np.sort(plan.order), np.arange(len(lengths)))
