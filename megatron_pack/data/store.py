@@ -75,7 +75,7 @@ _WORKER: dict = {}
 
 
 def init_worker(tokenizer: str, schema: SampleSchema, answer_only_loss: bool) -> None:
-    """Per-process state: each worker builds its own tokenizer (nothing is pickled but the name)."""
+    """Per-process state: each worker builds its own tokenizer from its name (the object is never sent)."""
     _WORKER.update(tokenizer=build_tokenizer(tokenizer), schema=schema, answer_only_loss=answer_only_loss)
 
 
