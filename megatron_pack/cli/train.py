@@ -20,6 +20,8 @@ def _setup_logging(level: str, rank: int) -> None:
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-module INFO setup lines
+    # the sample-id audit (logging.log_sample_ids) must cover every DP rank, not only rank 0
+    logging.getLogger("megatron_pack.train.samples").setLevel(logging.INFO)
 
 
 def main(argv: list[str]) -> int:
