@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,8 +209,6 @@ class Trainer:
         return counts, local_tokens.to(self.state.device)
 
     def _check_finite(self, step: int, reports: list[dict], batches: list[dict], total: StepCounts) -> None:
-        import math
-
         from megatron_pack.training.step import check_finite
 
         if math.isfinite(total.loss_sum):
