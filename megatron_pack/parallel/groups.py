@@ -96,7 +96,13 @@ def _init_process_group(backend: str) -> None:
         # A single process (verify, a notebook, a unit test): no env vars are set or needed.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
-    dist.init_process_group(backend=backend, timeout=timeout)
+    # torchrun's agent keeps its store across restarts (--max-restarts): keys left by the killed
+    # attempt's groups make this attempt's gloo rendezvous wait forever on dead peers, so every
+    # attempt rendezvouses under its own prefix.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"megatron_pack/attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _parallel_config(cfg_or_parallel_cfg: Config | ParallelConfig) -> ParallelConfig:
