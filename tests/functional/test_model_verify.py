@@ -55,6 +55,20 @@ def test_verify_console_script_passes(dataset_args):
 
 
 @pytest.mark.slow
+def test_verify_passes_with_fixed_shapes(dataset_args, capsys):
+    """CUDA-graph shapes: every pack padded to the pack size, fixed-length cu_seqlens, max_seqlen = T.
+
+    With max_seqlen equal to the pack length megatron-core's THD RoPE offsets each sub-sequence's
+    positions by its start; the offset is constant per sub-sequence, so attention is unchanged.
+    """
+    rc, out = _verify_in_process(dataset_args + ["data.pad_to_max_length=true", "packing.pad_cu_seqlens=true"],
+                                 capsys)
+    packs = _pack_lines(out)
+    assert rc == 0 and len(packs) == NUM_PACKS
+    assert all(p[4] == "PASS" and p[2] <= 1e-5 for p in packs)
+
+
+@pytest.mark.slow
 def test_verify_pack_causal_fails(dataset_args, capsys):
     rc, out = _verify_in_process(dataset_args + ["verify.attention=pack_causal"], capsys)
     packs = _pack_lines(out)

@@ -168,3 +168,24 @@ def test_every_sequence_equals_itself_alone(lengths, extra):
         s = slice(cu_pad[i], cu_pad[i + 1])
         alone = thd_attention(q[s], k[s], v[s], [0, n], [0, cu_pad[i + 1] - cu_pad[i]])
         torch.testing.assert_close(out[s], alone, atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 3), min_size=1, max_size=4), cp=st.sampled_from([2, 4]),
+       fill=st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4))
+def test_cp_ranks_reproduce_the_full_pack(lengths, cp, fill):
+    """Property: with any padded lengths (multiples of 2*CP), every rank's zigzag rows equal the full rows."""
+    cu, cu_pad = [0], [0]
+    for chunks, share in zip(lengths, fill):
+        padded = chunks * 2 * cp
+        cu.append(cu[-1] + int(round(share * padded)))
+        cu_pad.append(cu_pad[-1] + padded)
+    q, k, v = _qkv(cu_pad[-1], seed=cp)
+    full = thd_attention(q, k, v, cu, cu_pad)
+    covered = 0
+    for rank in range(cp):
+        rows = thd_partition_indices(torch.tensor(cu_pad), cp, rank)
+        torch.testing.assert_close(thd_attention(q[rows], k, v, cu, cu_pad, query_index=rows), full[rows],
+                                   atol=1e-6, rtol=1e-5)
+        covered += rows.numel()
+    assert covered == cu_pad[-1]
