@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,8 +45,9 @@ def _verify_in_process(argv: list[str], capsys) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_verify_console_script_passes(dataset_args):
-    proc = subprocess.run([sys.executable, "-m", "megatron_pack.cli.main", "verify", *dataset_args],
-                          capture_output=True, text=True, timeout=300)
+    script = Path(sys.executable).with_name("megatron-pack")  # the installed console script
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "megatron_pack.cli.main"]
+    proc = subprocess.run([*command, "verify", *dataset_args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     packs = _pack_lines(proc.stdout)
     assert [p[0] for p in packs] == list(range(NUM_PACKS))
