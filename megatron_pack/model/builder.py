@@ -43,6 +43,17 @@ def te_import_error() -> Optional[str]:
     return None
 
 
+def apex_wgrad_fusion_available() -> bool:
+    """True on a CUDA host where apex's ``fused_weight_gradient_mlp_cuda`` extension imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401  (apex built with --cuda_ext)
+    except ImportError:
+        return False
+    return True
+
+
 def choose_backend(requested: str, *, attention_mode: str = "thd") -> str:
     """Resolve ``model.attention_backend`` to 'te' or 'torch' (see the module docstring)."""
     if attention_mode != "thd":
@@ -92,7 +103,9 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         deterministic_mode=cfg.train.deterministic and fused,
         bias_dropout_fusion=fused, apply_rope_fusion=fused, masked_softmax_fusion=False,
-        bias_activation_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # apex's fused weight-gradient accumulation into DDP's main_grad (GPU, when apex is built)
+        bias_activation_fusion=False, gradient_accumulation_fusion=apex_wgrad_fusion_available(),
+        persist_layer_norm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
     )
 

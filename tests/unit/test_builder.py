@@ -242,3 +242,10 @@ def test_sbhd_batches_attend_causally_per_row(world_of_one):
         batch = collate_thd([sample], pack_size=16)
         alone = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
         torch.testing.assert_close(logits[row], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_apex_wgrad_fusion_only_with_cuda_and_apex(monkeypatch):
+    assert builder.apex_wgrad_fusion_available() is False  # this CPU host
+    assert builder.transformer_config_from(Config()).gradient_accumulation_fusion is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert builder.apex_wgrad_fusion_available() is False  # CUDA but no apex extension
