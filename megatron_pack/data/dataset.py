@@ -142,7 +142,13 @@ class PackedSFTDataset:
         if not plan_dir.is_dir():
             have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
             raise DataError(f"{dataset_dir} has no packing plan for {_describe(settings)} (plans there: {have}); {fix}.")
-        return cls(dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
+        dataset = cls(dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
+        expected = settings.fingerprint(dataset.store_metadata["fingerprint"])
+        if dataset.metadata.get("fingerprint") != expected:  # a plan copied or renamed into this name
+            raise DataError(f"plan {plan_dir} holds a plan made with other settings (fingerprint "
+                            f"{str(dataset.metadata.get('fingerprint'))[:12]}, expected {expected[:12]} for "
+                            f"{_describe(settings)}); delete it and {fix}.")
+        return dataset
 
     def __len__(self) -> int:
         return len(self.bin_offsets) - 1
