@@ -244,7 +244,7 @@ class Trainer:
         rank_state = ckpt.load_checkpoint(path, model_state=self._named_params(),
                                           optim_state=self.optimizer.named_state(materialize=True),
                                           meta=self._meta(), tp_rank=self.state.tp_rank)
-        self.optimizer.load_rank_state(rank_state["optimizer"])
+        self.optimizer.load_rank_state(rank_state.get("optimizer"))
         self.loader.load_state_dict(rank_state["loader"])
         self.schedule.load_state_dict(rank_state["schedule"])
         ckpt.set_rng_state(rank_state["rng"])
