@@ -188,8 +188,10 @@ def _decreasing(lengths: np.ndarray, capacity: int, *, best_fit: bool) -> tuple[
     scale = int(np.gcd.reduce(np.append(present, capacity)))
     if scale > 1:  # e.g. lengths padded to a multiple: plan in units of that multiple
         histogram, capacity = histogram[::scale], capacity // scale
-    state = (_BestFitBins(capacity, len(lengths)) if best_fit else
-             _FirstFitBins(capacity, len(lengths), int(present[0]) // scale))
+    # Any-fit plans never leave two bins at most half full, so they use <= 2 * lower bound + 1 bins.
+    max_bins = min(len(lengths), 2 * int(math.ceil(int(histogram @ np.arange(len(histogram))) / capacity)) + 2)
+    state = (_BestFitBins(capacity, max_bins) if best_fit else
+             _FirstFitBins(capacity, max_bins, int(present[0]) // scale))
     events: list = []
     half = capacity // 2  # samples longer than half the capacity never share a bin: one event for all
     singles = np.repeat(np.arange(capacity, half, -1), histogram[capacity:half:-1])
