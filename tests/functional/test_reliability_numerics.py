@@ -1,0 +1,192 @@
+"""Numerics on real gloo ranks (CPU, float32): NaN is reported precisely, masked ranks train normally.
+
+One spawned world of 2 ranks runs both parts:
+
+1. DP=2, 4 steps. A NaN put into the per-token losses of one micro-batch at *masked* positions
+   (prompt, padding) on rank 0 at step 2 changes nothing: ``loss_func`` never lets a masked
+   position through. A NaN at one *target* position on rank 1 at step 3 stops both ranks at
+   step 3, before the optimizer step: rank 1's error names the step, the rank and the sample ids
+   of the pack; rank 0's says another rank holds the culprit. Parameters stay finite.
+2. CP=2, 3 steps on packs whose targets all sit in CP rank 0's chunks, so CP rank 1 never holds
+   a target token: losses and parameters equal a DP=2 run of the same packs (1e-5; Adam's eps
+   is 1e-3 there so near-zero gradients do not amplify rounding), and the loss falls. (One
+   step's gradients are also checked in
+   tests/functional/test_train_parallel.py::test_fully_masked_cp_rank_gives_reference_gradients.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _dist import spawn_world
+
+NAN_MASKED_AT, NAN_TARGET_AT, NUM_STEPS, CP_STEPS = (2, 0), (3, 1), 4, 3
+"""(step, rank) of each injected NaN; steps of the NaN run and of the masked-CP runs."""
+
+
+def _config(out: str, *, cp: int, global_batch: int, num_steps: int = NUM_STEPS, adam_eps: float = 1e-8):
+    from megatron_pack.config.schema import (CheckpointConfig, Config, LoggingConfig, ModelConfig, PackingConfig,
+                                             ParallelConfig, TrainConfig)
+
+    return Config(model=ModelConfig(seq_length=64), packing=PackingConfig(packed_sequence_size=64),
+                  parallel=ParallelConfig(context_parallel_size=cp),
+                  train=TrainConfig(global_batch_size=global_batch, train_iters=num_steps, lr=1e-2, min_lr=1e-3,
+                                    lr_warmup_iters=1, output_dir=out, adam_eps=adam_eps),
+                  checkpoint=CheckpointConfig(enabled=False), logging=LoggingConfig(tensorboard=False))
+
+
+class ListLoader:
+    """Fixed packs with the resumable state the trainer checkpoints."""
+
+    def __init__(self, packs: list[dict]):
+        self.packs, self.next = packs, 0
+
+    def __iter__(self):
+        while self.next < len(self.packs):
+            self.next += 1
+            yield self.packs[self.next - 1]
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next = int(state["next"])
+
+
+def _packs(num_packs: int, seed: int, *, masked_cp_rank: bool) -> list[dict]:
+    """Packs of 2 samples (THD length 16, padded to 4). With ``masked_cp_rank`` every target sits
+    at THD positions 0-3 and 12-15 of its sample: CP=2 rank 0's chunks; rank 1 gets none."""
+    from megatron_pack.data.thd import collate_thd
+
+    rng = np.random.default_rng(seed)
+    packs, next_id = [], 1000 * seed
+    for _ in range(num_packs):
+        samples = []
+        for _ in range(2):
+            ids = rng.integers(1, 380, size=17).tolist()
+            mask = [0] + [1] * 4 + [0] * 8 + [1] * 4 if masked_cp_rank else [0] * 6 + [1] * 11
+            samples.append({"input_ids": ids, "loss_mask": mask, "sample_id": next_id})
+            next_id += 1
+        packs.append(collate_thd(samples, pack_size=64, pad_multiple=4))
+    return packs
+
+
+def _nan_forward_step(rank: int, trainer_box: list):
+    """forward_step that poisons the per-token losses of the first micro-batch at the chosen (step, rank)."""
+    from megatron_pack.training.step import forward_step
+
+    calls: dict[int, int] = {}
+
+    def step_func(data_iterator, model):
+        output, loss_fn = forward_step(data_iterator, model)
+        step = trainer_box[0].step + 1
+        calls[step] = calls.get(step, 0) + 1
+        mask = loss_fn.args[0].reshape(output.shape) != 0
+        if calls[step] > 1:  # only the step's first micro-batch is poisoned
+            return output, loss_fn
+        if (step, rank) == NAN_MASKED_AT:
+            poison = ~mask  # prompt and padding positions only
+        elif (step, rank) == NAN_TARGET_AT:
+            poison = torch.zeros_like(mask)
+            poison.view(-1)[int(torch.nonzero(mask.view(-1))[0])] = True  # one target token
+        else:
+            return output, loss_fn
+        assert poison.any()
+        return output + torch.where(poison, torch.full_like(output, float("nan")), torch.zeros_like(output)), loss_fn
+
+    return step_func
+
+
+def _nan_case(rank: int, tmp: str) -> dict:
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = _config(f"{tmp}/nan", cp=1, global_batch=4)
+    state = initialize_parallel(cfg)
+    packs = _packs(2 * NUM_STEPS, seed=10 + rank, masked_cp_rank=False)
+    box: list = []
+    trainer = build_trainer(cfg, state, ListLoader(packs), forward_step_func=_nan_forward_step(rank, box))
+    box.append(trainer)
+    losses, error = [], ""
+    try:
+        while trainer.step < NUM_STEPS:
+            losses.append(trainer.train_step().lm_loss)
+    except FloatingPointError as exc:
+        error = str(exc)
+    params_finite = all(bool(torch.isfinite(p).all()) for p in trainer.model.module.parameters())
+    nan_pack_ids = packs[2 * (NAN_TARGET_AT[0] - 1)]["sample_ids"]
+    destroy_parallel()
+    return {"nan.losses": np.array(losses), "nan.error": np.array(error), "nan.step": trainer.step,
+            "nan.params_finite": params_finite, "nan.pack_ids": nan_pack_ids}
+
+
+def _train(tmp: str, *, cp: int, packs: list[dict], global_batch: int) -> dict:
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.loop import run_training
+
+    # adam_eps 1e-3: Adam's g / (sqrt(v) + eps) turns float32 summation-order noise on gradients
+    # near eps into large update differences; a larger eps keeps the comparison well-conditioned
+    cfg = _config(tmp, cp=cp, global_batch=global_batch, num_steps=CP_STEPS, adam_eps=1e-3)
+    state = initialize_parallel(cfg)
+    trainer = run_training(cfg, state, ListLoader(packs))
+    out = {"losses": np.array([m.lm_loss for m in trainer.history]),
+           "target_tokens": np.array([m.target_tokens for m in trainer.history])}
+    out.update({f"param.{n}": p.detach().clone() for n, p in trainer.model.module.named_parameters()})
+    destroy_parallel()
+    return out
+
+
+def _world(rank: int, world_size: int, tmp: str) -> dict:
+    out = _nan_case(rank, tmp)
+    packs = _packs(1, seed=3, masked_cp_rank=True) * CP_STEPS  # the same pack each step: the loss must fall
+    out.update({f"cp2.{k}": v for k, v in _train(f"{tmp}/cp2", cp=2, packs=packs, global_batch=1).items()})
+    # DP=2 with the same pack on both ranks: the gradient of that one pack, the world-1 result
+    out.update({f"dp2.{k}": v for k, v in _train(f"{tmp}/dp2", cp=1, packs=packs, global_batch=2).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("numerics")
+    return spawn_world(_world, 2, tmp, str(tmp))
+
+
+@pytest.mark.slow
+def test_nan_in_one_micro_batch_is_reported_with_step_rank_and_sample_ids(ranks):
+    r0, r1 = ranks
+    ids = r1["nan.pack_ids"].tolist()
+    assert ids == [11008, 11009]  # rank 1's first pack of step 3 (seed 11: ids from 11000, 2 per pack)
+    message = str(r1["nan.error"])
+    assert message.startswith(f"step {NAN_TARGET_AT[0]}, rank 1: non-finite loss sum (nan)"), message
+    assert f"sample_ids {ids}" in message and "replay those samples" in message
+    other = str(r0["nan.error"])
+    assert other.startswith(f"step {NAN_TARGET_AT[0]}, rank 0:") and "named in the error of another rank" in other
+    for r in ranks:  # the masked NaN at step 2 changed nothing; no optimizer step ran at step 3
+        assert len(r["nan.losses"]) == NAN_TARGET_AT[0] - 1 and np.all(np.isfinite(r["nan.losses"]))
+        assert int(r["nan.step"]) == NAN_TARGET_AT[0] - 1 and bool(r["nan.params_finite"])
+
+
+@pytest.mark.slow
+def test_cp_rank_without_target_tokens_trains_normally(ranks):
+    from megatron_pack.parallel.cp import slice_thd_batch
+
+    for pack in _packs(1, seed=3, masked_cp_rank=True):  # guard: CP rank 1 really holds no target
+        assert float(slice_thd_batch(pack, 2, 1)["loss_mask"].sum()) == 0
+        assert float(slice_thd_batch(pack, 2, 0)["loss_mask"].sum()) == 16
+    r = ranks[0]
+    cp2 = {k[4:]: v for k, v in r.items() if k.startswith("cp2.")}
+    dp2 = {k[4:]: v for k, v in r.items() if k.startswith("dp2.")}
+    assert len(cp2["losses"]) == CP_STEPS and np.all(np.isfinite(cp2["losses"]))
+    assert cp2["losses"][0] - cp2["losses"][-1] > 0.05  # it trained
+    np.testing.assert_array_equal(cp2["target_tokens"], np.full(CP_STEPS, 16))
+    np.testing.assert_allclose(cp2["losses"], dp2["losses"], rtol=1e-5, atol=0)
+    names = [k for k in cp2 if k.startswith("param.")]
+    assert len(names) >= 10
+    for name in names:
+        assert np.all(np.isfinite(cp2[name])), name
+        scale = max(float(np.abs(dp2[name]).max()), 1e-12)
+        assert float(np.abs(cp2[name] - dp2[name]).max()) / scale <= 1e-5, name
+    for name in names:  # the masked CP rank holds the same parameters as its peer
+        np.testing.assert_array_equal(ranks[1][f"cp2.{name}"], cp2[name])
