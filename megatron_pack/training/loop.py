@@ -281,6 +281,12 @@ def build_loader(cfg: Config, state, dataset):
     collate = make_collate_fn(dataset.metadata, pad_to_max_length=cfg.data.pad_to_max_length,
                               pad_cu_seqlens=cfg.packing.pad_cu_seqlens)
     sampler = PackSampler(len(dataset), dp_rank=state.dp_rank, dp_size=state.dp_size, seed=cfg.train.seed)
+    num_left_out = len(dataset) % state.dp_size
+    if num_left_out and state.rank == 0:  # PackSampler's drop_last: count and report, never silent
+        log.warning("%d packs do not split evenly over %d data-parallel ranks: each epoch trains %d of them and "
+                    "leaves out the last %d of its shuffled order (a different %d each epoch); use a data-parallel "
+                    "size that divides %d to train every pack every epoch.", len(dataset), state.dp_size,
+                    len(dataset) - num_left_out, num_left_out, num_left_out, len(dataset))
     return build_pack_loader(dataset, collate, sampler, num_workers=cfg.data.num_workers,
                              pin_memory=state.device.type == "cuda")
 
