@@ -13,16 +13,7 @@ fi
 NNODES=$1 NODE_RANK=$2 RDZV=$3 NPROC=$4
 shift 4
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
-BACKEND=()
-if [[ " $* " != *" parallel.backend="* ]]; then
-  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    BACKEND=(parallel.backend=nccl)
-  else
-    BACKEND=(parallel.backend=gloo)
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  fi
-fi
+source launch/common.sh "$@"
 exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --rdzv-backend c10d --rdzv-endpoint "$RDZV" --rdzv-id "${RDZV_ID:-megatron_pack}" \
   --nproc-per-node "$NPROC" -m megatron_pack.train "${BACKEND[@]}" "$@"

@@ -7,15 +7,6 @@ set -euo pipefail
 NPROC=${1:?usage: launch/single_node.sh NPROC_PER_NODE [key=value ...]}
 shift
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
-BACKEND=()
-if [[ " $* " != *" parallel.backend="* ]]; then
-  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    BACKEND=(parallel.backend=nccl)
-  else
-    BACKEND=(parallel.backend=gloo)
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  fi
-fi
+source launch/common.sh "$@"
 exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   -m megatron_pack.train "${BACKEND[@]}" "$@"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 SUBCOMMANDS = {
     "prepare": ("megatron_pack.cli.prepare", "tokenize a raw SFT file into a token store and write a packing plan"),
@@ -31,8 +32,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_optional_backend_warnings() -> None:
+    """Hide megatron-core's import-time notices that Transformer Engine / Apex are absent.
+
+    They are expected on CPU (and printed once per rank per module); which backend was chosen is
+    printed by the commands themselves (docs/model.md).
+    """
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed",
+                            category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_optional_backend_warnings()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         parser = _parser()
         if argv and argv[0] not in ("-h", "--help"):

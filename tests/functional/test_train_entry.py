@@ -47,7 +47,17 @@ def test_launch_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     text = path.read_text()
     assert "-m megatron_pack.train" in text and '"$@"' in text  # overrides pass through
-    assert "parallel.backend=gloo" in text and "parallel.backend=nccl" in text
+    assert 'source launch/common.sh "$@"' in text  # one place picks the backend
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["experiment=quickstart"], "parallel.backend=gloo"),  # no GPU here: gloo
+    (["experiment=quickstart", "parallel.backend=nccl"], ""),  # an explicit backend wins
+], ids=["auto-gloo", "explicit-wins"])
+def test_launch_backend_choice(overrides, expected):
+    proc = subprocess.run(["bash", "-c", 'source launch/common.sh "$@"; echo "${BACKEND[@]}"', "_", *overrides],
+                          cwd=REPO, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == expected
 
 
 @pytest.mark.parametrize("script,args", [("single_node.sh", []), ("multi_node.sh", ["2", "0"])],
