@@ -63,7 +63,8 @@ def _text(record: dict, key: str) -> str:
                           f"set data.prompt_key / data.completion_key / data.messages_key to the right column")
     value = record[key]
     if not isinstance(value, str):
-        raise RecordError(f"key {key!r} must be a string, got {type(value).__name__}")
+        raise RecordError(f"key {key!r} must be a string, got {type(value).__name__} ({value!r:.40}); store text "
+                          f"there, or point data.prompt_key / data.completion_key at the text columns")
     return value
 
 
@@ -72,12 +73,15 @@ def _messages(record: dict, key: str) -> list[dict]:
         raise RecordError(f"missing key {key!r} (keys present: {sorted(record)}); set data.messages_key")
     messages = record[key]
     if not isinstance(messages, list) or not messages:
-        raise RecordError(f"key {key!r} must be a non-empty list of {{role, content}}, got {type(messages).__name__}")
+        raise RecordError(f"key {key!r} must be a non-empty list of {{role, content}}, got {type(messages).__name__} "
+                          f"({messages!r:.40}); write the conversation as a list of messages or remove the record")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise RecordError(f"{key}[{i}] must be a dict with a string 'content', got {message!r:.80}")
+            raise RecordError(f"{key}[{i}] must be a dict with a string 'content', got {message!r:.80}; write "
+                              "each message as {\"role\": ..., \"content\": \"text\"}")
         if message.get("role") not in ROLES:
-            raise RecordError(f"{key}[{i}].role ({message.get('role')!r}) must be one of {list(ROLES)}")
+            raise RecordError(f"{key}[{i}].role ({message.get('role')!r}) must be one of {list(ROLES)}; rename the "
+                              "role in the data")
     _check_role_order(messages, key)
     if not any(m["content"] for m in messages):
         raise RecordError(f"the sample is empty: every {key}[i].content is an empty string; remove the record "
