@@ -4,13 +4,16 @@ and the logged sample ids show that no pack was skipped or repeated.
 The real entry (``megatron_pack.cli.train.main``) runs under torchrun with 2 ranks (DP=2, tiny
 model, 240 synthetic samples in 512-token packs, 6 steps of 2 packs per rank, a checkpoint every
 2 steps, ``logging.log_sample_ids=true``). A wrapper script (test instrumentation only) sends
-SIGKILL to rank 1 as it starts step 4 of the first attempt, so step 3 finished but was never
-checkpointed. torchrun tears the job down and restarts it; the new attempt resumes from step 2.
+SIGKILL to rank 1 in the first attempt, either as it starts step 4 (step 3 finished but was never
+checkpointed) or in the middle of the step-4 checkpoint save (its DCP shards written, its state
+file not; rank 0 waits at the save's barrier). torchrun tears the job down and restarts it; the
+new attempt resumes from step 2, the last complete checkpoint.
 
 Checked from the logs: the second attempt starts at step 3; the steps that count (1-2 from the
 first attempt, 3-6 from the second) consumed, rank by rank, exactly the packs an uninterrupted
-``PackSampler`` deals, each pack once; the lost step 3 was replayed with the same packs and the
-same loss, bit for bit. (A graceful stop and resume is tests/functional/test_train_resume_quickstart.py.)
+``PackSampler`` deals, each pack once; the lost steps were replayed with the same packs and the
+same losses, bit for bit; the killed save left no folder behind. (A graceful stop and resume is
+tests/functional/test_train_resume_quickstart.py.)
 """
 
 from __future__ import annotations
@@ -28,29 +31,43 @@ import pytest
 NUM_STEPS, KILL_AT_STEP, SAVE_INTERVAL, DP_SIZE, PACKS_PER_RANK = 6, 4, 2, 2, 2
 WRAPPER = textwrap.dedent("""
     import logging, os, signal, sys
+    import torch
     from megatron_pack.cli import train
     from megatron_pack.training import loop
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    kill_at = int(os.environ["RELIABILITY_KILL_AT_STEP"])
-    real_step = loop.Trainer.train_step
+    kill_at, mode = int(os.environ["RELIABILITY_KILL_AT_STEP"]), os.environ["RELIABILITY_KILL_MODE"]
+    real_step, real_save, real_torch_save = loop.Trainer.train_step, loop.Trainer.save, torch.save
+
+    def die(*args, **kwargs):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup, no checkpoint
 
     def train_step(self):
-        if attempt == 0 and self.state.rank == 1 and self.step + 1 == kill_at:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup, no checkpoint
+        if mode == "step-start" and attempt == 0 and self.state.rank == 1 and self.step + 1 == kill_at:
+            die()
         return real_step(self)
+
+    def save(self, root):
+        if mode == "mid-save" and attempt == 0 and self.state.rank == 1 and self.step == kill_at:
+            torch.save = die  # DCP shards written, this rank's state file not: rank 0 waits at the barrier
+        try:
+            return real_save(self, root)
+        finally:
+            torch.save = real_torch_save
 
     class Attempt(logging.Filter):
         def filter(self, record):
             record.msg = f"attempt {attempt} " + str(record.msg)
             return True
 
-    loop.Trainer.train_step = train_step
+    loop.Trainer.train_step, loop.Trainer.save = train_step, save
     loop.sample_log.addFilter(Attempt())
     loop.log.addFilter(Attempt())
     sys.exit(train.main(sys.argv[1:]))
 """)
+# mode -> last step the first attempt logged (its packs were consumed, then lost with the kill)
+KILL_MODES = {"step-start": KILL_AT_STEP - 1, "mid-save": KILL_AT_STEP}
 SAMPLE_LINE = re.compile(r"attempt (\d+) step (\d+) rank (\d+) dp_rank (\d+) packs (\[.*\])")
 
 
@@ -93,7 +110,8 @@ def _losses(metrics: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_rank_killed_mid_training_resumes_without_skipping_or_repeating(tmp_path):
+@pytest.mark.parametrize("mode", list(KILL_MODES), ids=list(KILL_MODES))
+def test_rank_killed_mid_training_resumes_without_skipping_or_repeating(tmp_path, mode):
     from megatron_pack.config import load_config
     from megatron_pack.data.prepare import prepare
 
@@ -102,33 +120,35 @@ def test_rank_killed_mid_training_resumes_without_skipping_or_repeating(tmp_path
     wrapper = tmp_path / "train_with_kill.py"
     wrapper.write_text(WRAPPER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "RELIABILITY_KILL_AT_STEP": str(KILL_AT_STEP)}
+           "RELIABILITY_KILL_AT_STEP": str(KILL_AT_STEP), "RELIABILITY_KILL_MODE": mode}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(DP_SIZE),
            "--max-restarts", "1", "--monitor-interval", "0.5", str(wrapper), *_overrides(dataset_dir, out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
+    assert "exitcode: -9" in log and "local_rank: 1" in log  # torchrun saw the SIGKILL, then restarted
     assert "attempt 1 resumed from" in log and f"at step {SAVE_INTERVAL}" in log, log[-4000:]
 
     logged = _logged(log)
     first = {k[1:]: v for k, v in logged.items() if k[0] == 0}
     second = {k[1:]: v for k, v in logged.items() if k[0] == 1}
-    assert {s for s, _ in first} == set(range(1, KILL_AT_STEP))  # the first attempt reached step 3, then died
+    last_logged = KILL_MODES[mode]
+    assert {s for s, _ in first} == set(range(1, last_logged + 1))  # the first attempt got this far, then died
     assert {s for s, _ in second} == set(range(SAVE_INTERVAL + 1, NUM_STEPS + 1))  # resumed after step 2
     counted = {k: v for k, v in first.items() if k[0] <= SAVE_INTERVAL} | second
-    expected = _expected_packs(dataset_dir, out)
-    assert counted == expected  # rank by rank, step by step, the uninterrupted order
-    packs = [tuple(map(tuple, v)) for v in counted.values()]
-    flat = [pack for step_packs in packs for pack in step_packs]
+    assert counted == _expected_packs(dataset_dir, out)  # rank by rank, step by step, the uninterrupted order
+    flat = [tuple(pack) for step_packs in counted.values() for pack in step_packs]
     assert len(flat) == NUM_STEPS * DP_SIZE * PACKS_PER_RANK == len(set(flat))  # each pack exactly once
-    for dp_rank in range(DP_SIZE):  # the step lost with the kill was replayed with the same packs
-        assert first[KILL_AT_STEP - 1, dp_rank] == second[KILL_AT_STEP - 1, dp_rank]
+    for step in range(SAVE_INTERVAL + 1, last_logged + 1):  # steps lost with the kill replay the same packs
+        for dp_rank in range(DP_SIZE):
+            assert first[step, dp_rank] == second[step, dp_rank]
 
-    losses = _losses(out / "metrics.jsonl")
-    by_attempt = {}
-    for step, loss in losses:
-        by_attempt.setdefault(step, []).append(loss)
-    assert sorted(by_attempt) == list(range(1, NUM_STEPS + 1))
-    replayed = by_attempt[KILL_AT_STEP - 1]
-    assert len(replayed) == 2 and replayed[0] == replayed[1]  # the lost step replays bit for bit
-    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{NUM_STEPS:08d}"
+    by_step: dict[int, list[float]] = {}
+    for step, loss in _losses(out / "metrics.jsonl"):
+        by_step.setdefault(step, []).append(loss)
+    assert sorted(by_step) == list(range(1, NUM_STEPS + 1))
+    for step in range(SAVE_INTERVAL + 1, last_logged + 1):  # ... and the same loss, bit for bit
+        assert len(by_step[step]) == 2 and by_step[step][0] == by_step[step][1]
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == f"step_{NUM_STEPS:08d}"
+    assert not list(checkpoints.glob("tmp.step_*"))  # the killed save's folder was cleaned up
