@@ -97,6 +97,10 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
             sample_ids, mask = tok.encode_sample(record, schema, answer_only_loss=answer_only)
         except RecordError as exc:
             raise DataError(f"{chunk.path}: {where} {position}: {exc}.") from None
+        except UnicodeEncodeError as exc:  # JSON "\ud800" escapes decode to text that is not valid Unicode
+            raise DataError(f"{chunk.path}: {where} {position}: the text holds an unpaired surrogate "
+                            f"({exc.object[exc.start]!r}), which is not valid Unicode; fix the \\uXXXX escapes "
+                            "(surrogates must come in pairs) or drop the record.") from None
         ids.append(sample_ids)
         masks.append(mask)
         positions.append(position)
