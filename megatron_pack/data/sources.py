@@ -122,5 +122,6 @@ def _parse_line(raw: bytes, path: str, line_no: int) -> dict:
         raise DataError(f"{path}: line {line_no}: malformed JSON ({exc.msg} at column {exc.colno}); "
                         "each line must be one JSON object.") from None
     if not isinstance(record, dict):
-        raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(record).__name__}.")
+        raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(record).__name__}; write one "
+                        "record object per line (JSONL), not a JSON array or a bare value.")
     return record
