@@ -77,6 +77,11 @@ ERROR_CASES = [
      "prompt_completion", "row 0", "key 'completion' must be a string, got int (1)", "store text there"),
     ("parquet-null-cell", "t.parquet", lambda p: _parquet(p, {"prompt": ["a", "b", "c"], "completion": ["x", "y", None]}),
      "prompt_completion", "row 2", "key 'completion' must be a string, got NoneType (None)", "store text there"),
+    ("pretty-printed-json-array", "t.json",
+     lambda p: p.write_text(json.dumps([GOOD, GOOD], indent=2), encoding="utf-8"), "auto",
+     "line 1", "malformed JSON", "each line must be one JSON object"),
+    ("one-line-json-array", "t.jsonl", lambda p: p.write_text(json.dumps([GOOD, GOOD]) + "\n"), "auto",
+     "line 1", "expected a JSON object, got list", "write one record object per line (JSONL)"),
     ("not-parquet", "t.parquet", lambda p: p.write_bytes(b"PAR1 this is not parquet"), "auto",
      "row 0", "not a readable Parquet file", "Parquet"),
 ]
