@@ -221,7 +221,13 @@ class HFTokenizer:
             pieces = [(prompt, 0), (completion, 1), ([self.eos_id], 1)]
             return _join(pieces, answer_only_loss)
         messages = _messages(record, schema.messages_key)
-        ids, mask = self.chat_ids_and_mask(messages)
+        from jinja2 import TemplateError
+
+        try:
+            ids, mask = self.chat_ids_and_mask(messages)
+        except TemplateError as exc:  # e.g. a template that raises for a system message
+            raise RecordError(f"the chat template of {self.path} refuses this conversation ({exc}); change the "
+                              "record's roles to what the template accepts, or use another data.tokenizer") from None
         if ids[-1] != self.eos_id:  # the sample contract: ids end with eos
             ids, mask = ids + [self.eos_id], mask + [mask[-1]]
         ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
