@@ -171,3 +171,26 @@ def test_50mb_single_line_under_each_overflow_policy(tmp_path, capsys):
         assert_accounted(tmp_path / "ds", plan_dir, {1, 2, 3}, dropped, num_truncated)
         sizes = np.load(plan_dir / "sample_num_ids.npy", allow_pickle=False)
         assert sizes.max() <= 65  # a truncated sample fits the 64-token pack: 64 positions + 1
+
+
+def test_chat_template_refusal_names_file_and_line(tmp_path, capsys):
+    """A Hugging Face chat template that raises (as Gemma's does for a system message) is a clear error."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>", "hi", "hello", "be", "brief"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                          "{{ raise_exception('System role not supported') }}{% endif %}"
+                          "{{ m['content'] }}{{ eos_token }}{% endfor %}")
+    fast.save_pretrained(tmp_path / "hf")
+    system_chat = {"messages": [{"role": "system", "content": "be brief"}] + CHAT["messages"]}
+    path = _jsonl(tmp_path / "t.jsonl", [CHAT, system_chat])
+    assert prepare_main(_argv(tmp_path, path, "auto", f"data.tokenizer={tmp_path / 'hf'}")) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: line 2: the chat template of {tmp_path / 'hf'} refuses this conversation" in err, err
+    assert "System role not supported" in err and "use another data.tokenizer" in err
+    assert not (tmp_path / "ds").exists()
