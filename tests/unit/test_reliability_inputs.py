@@ -194,3 +194,13 @@ def test_chat_template_refusal_names_file_and_line(tmp_path, capsys):
     assert f"{path}: line 2: the chat template of {tmp_path / 'hf'} refuses this conversation" in err, err
     assert "System role not supported" in err and "use another data.tokenizer" in err
     assert not (tmp_path / "ds").exists()
+
+
+def test_bad_input_is_a_clear_error_from_worker_processes(tmp_path, capsys):
+    """With a tokenize pool (data.tokenize_workers=2) the worker's error reaches the user unchanged."""
+    path = _jsonl(tmp_path / "t.jsonl", [GOOD] * 600 + [{"prompt": 3, "completion": "x"}])  # line 601: 2nd chunk
+    argv = [a for a in _argv(tmp_path, path) if not a.startswith("data.tokenize_workers=")]
+    assert prepare_main(argv + ["data.tokenize_workers=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: line 601: key 'prompt' must be a string, got int (3)" in err, err
+    assert not (tmp_path / "ds").exists() and not list(tmp_path.glob(".ds*"))
