@@ -30,7 +30,7 @@ import pytest
 
 NUM_STEPS, KILL_AT_STEP, SAVE_INTERVAL, DP_SIZE, PACKS_PER_RANK = 6, 4, 2, 2, 2
 WRAPPER = textwrap.dedent("""
-    import logging, os, signal, sys
+    import logging, os, signal, sys, time
     import torch
     from megatron_pack.cli import train
     from megatron_pack.training import loop
@@ -41,6 +41,7 @@ WRAPPER = textwrap.dedent("""
 
     def die(*args, **kwargs):
         sys.stdout.flush()
+        time.sleep(2)  # let rank 0 finish logging the step both ranks completed, however loaded the machine
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup, no checkpoint
 
     def train_step(self):
