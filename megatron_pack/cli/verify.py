@@ -92,7 +92,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
     """
     import torch.distributed.checkpoint as dcp
 
-    from megatron_pack.training.checkpoint import find_latest, read_meta
+    from megatron_pack.training.checkpoint import checkpoint_reader, find_latest, read_meta
 
     path = Path(checkpoint)
     if not (path / "meta.json").is_file():
@@ -102,7 +102,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
                                     "no 'latest'); point it at checkpoint.save of a training run or a step_* folder.")
         path = latest
     tp = int(read_meta(path).get("tensor_model_parallel_size", 1))
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = checkpoint_reader(path).read_metadata().state_dict_metadata  # .metadata via the allowlist, not pickle
     state = {}
     for name, param in model.named_parameters():
         keys = [f"model/tp{r}/{name}" for r in range(tp)]
@@ -111,7 +111,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
             raise ValueError(f"checkpoint {path} has no {missing[0]}: it was written for another model; "
                              "use the same model.* settings as the training run.")
         state.update({k: torch.empty(tuple(stored[k].size), dtype=param.dtype) for k in keys})
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
     with torch.no_grad():
         for name, param in model.named_parameters():
             full = _merge_tp_shards([state[f"model/tp{r}/{name}"] for r in range(tp)], param)

@@ -178,6 +178,12 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+def checkpoint_reader(path: str | Path) -> dcp.FileSystemReader:
+    """A DCP reader for ``path`` that reads ``.metadata`` through the allowlist; use it for every
+    ``dcp.load(..., storage_reader=...)`` and ``read_metadata()`` (never a plain ``FileSystemReader``)."""
+    return _SafeReader(str(path))
+
+
 def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
                     optim_state: dict[str, torch.Tensor], meta: dict, tp_rank: int = 0,
                     group: Optional[dist.ProcessGroup] = None) -> dict:
@@ -192,7 +198,7 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
                          "same parallel.* and world size, or point checkpoint.load at another directory.")
     state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
     state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
-    reader = _SafeReader(str(path))
+    reader = checkpoint_reader(path)
     reader.read_metadata()  # refuse a tampered .metadata here, before DCP wraps the error
     dcp.load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
     rank_file = path / f"rank_{_rank():05d}.pt"
