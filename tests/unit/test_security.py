@@ -7,7 +7,8 @@
    ``weights_only=True``; ``eval`` / ``exec`` / ``__import__``; ``shell=True``, ``os.system``,
    ``os.popen``; ``yaml.load`` / ``yaml.unsafe_load``; ``trust_remote_code=True``; Hydra's
    ``instantiate`` / ``call`` / ``get_method`` / ``get_class`` (which import and call whatever a
-   config names). The scanner is itself tested on a snippet holding every violation, so a
+   config names); a plain DCP ``FileSystemReader`` or a ``dcp.load`` without our
+   ``checkpoint_reader`` (torch unpickles ``.metadata`` with plain ``pickle.load``). The scanner is itself tested on a snippet holding every violation, so a
    broken scanner cannot pass vacuously.
 2. Poisoned files carrying a pickle payload (a checkpoint's per-rank file, its DCP
    ``.metadata``, a token-store array) are refused without running the payload.
@@ -32,6 +33,9 @@ import megatron_pack
 PACKAGE_DIR = Path(megatron_pack.__file__).resolve().parent
 PICKLE_MODULES = ("pickle", "cPickle", "_pickle", "dill", "marshal", "shelve", "cloudpickle", "joblib")
 PICKLE_LOADERS = ("load", "loads", "Unpickler", "open")
+DCP_READERS = ("torch.distributed.checkpoint.FileSystemReader",
+               "torch.distributed.checkpoint.filesystem.FileSystemReader")
+DCP_LOADS = ("torch.distributed.checkpoint.load", "torch.distributed.checkpoint.state_dict_loader.load")
 BANNED_CALLS = {
     "eval": "eval() on a value", "exec": "exec() on a value", "__import__": "__import__() of a name",
     "os.system": "os.system (a shell)", "os.popen": "os.popen (a shell)",
@@ -86,6 +90,10 @@ def _call_problems(call: ast.Call, name: str) -> list[str]:
         problems.append("np.load without allow_pickle=False")
     if name == "torch.load" and _kw(call, "weights_only") is not True:
         problems.append("torch.load without weights_only=True")
+    if name in DCP_READERS:
+        problems.append(f"{name.rsplit('.', 1)[1]} reads DCP .metadata with plain pickle (use checkpoint_reader)")
+    if name in DCP_LOADS and _kw(call, "storage_reader") == "missing":
+        problems.append("dcp.load without storage_reader=checkpoint_reader(...) (plain pickle of .metadata)")
     if head.split(".")[0] in PICKLE_MODULES and tail in PICKLE_LOADERS:
         problems.append(f"bare {name}")
     if name in BANNED_CALLS:
@@ -138,11 +146,16 @@ BAD_SNIPPET = textwrap.dedent("""
     yaml.load(text)
     instantiate(cfg)
     AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    import torch.distributed.checkpoint as dcp
+    dcp.FileSystemReader(path).read_metadata()
+    dcp.load(state, checkpoint_id=path)
 """)
 EXPECTED = ["allow_pickle=True", "np.load without allow_pickle=False", "bare pickle.load", "bare pickle.loads",
             "bare pickle.Unpickler", "torch.load without weights_only=True", "eval() on a value",
             "exec() on a value", "shell=True", "os.system (a shell)", "yaml.load (use yaml.safe_load)",
-            "hydra instantiate (calls what a config names)", "trust_remote_code=True"]
+            "hydra instantiate (calls what a config names)", "trust_remote_code=True",
+            "FileSystemReader reads DCP .metadata with plain pickle (use checkpoint_reader)",
+            "dcp.load without storage_reader=checkpoint_reader(...) (plain pickle of .metadata)"]
 
 
 @pytest.mark.parametrize("what", EXPECTED, ids=[e.split(" ")[0] + f"-{i}" for i, e in enumerate(EXPECTED)])
@@ -250,3 +263,19 @@ def test_config_paths_are_never_executed(tmp_path, template, capsys):
                 or "config problem" in err), err
     assert not marker.exists()
     assert not (tmp_path / "ds").exists()
+
+
+def test_verify_refuses_a_poisoned_checkpoint(tmp_path):
+    """`megatron-pack verify verify.checkpoint=...` reads the same .metadata through the allowlist."""
+    import torch
+
+    from megatron_pack.cli.verify import load_model_weights
+    from megatron_pack.training.checkpoint import save_checkpoint
+
+    path = save_checkpoint(tmp_path / "ckpt", 1, model_state={"w": torch.zeros(2)}, optim_state={},
+                           rank_state={"step": 1}, meta={"tensor_model_parallel_size": 1})
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        load_model_weights(torch.nn.Linear(2, 2), path)
+    assert not marker.exists()
