@@ -1,7 +1,8 @@
 """Property: every token of every kept sample reaches exactly one rank, once per epoch.
 
 Hypothesis draws a mix of sample lengths (some longer than the pack), a pack size, a packing
-algorithm and seed, an overflow policy, ``pad_to_max_length``, and a layout (DP, CP, TP, SP).
+algorithm and seed, an overflow policy, ``pad_to_max_length`` (with or without fixed-length
+cu_seqlens), and a layout (DP, CP, TP, SP).
 Each example runs the real path: a JSONL file -> token store (``ensure_store``) -> packing plan
 (``ensure_plan``) -> ``PackedSFTDataset`` -> one epoch of ``PackSampler`` per DP rank -> the
 training collate (``make_collate_fn``) -> ``slice_thd_batch`` per CP rank -> the sequence-parallel
@@ -51,6 +52,7 @@ def scenarios(draw):
             "lengths": lengths, "algorithm": draw(st.sampled_from(["bfd", "ffd", "first_fit_shuffle", "sequential"])),
             "plan_seed": draw(st.integers(0, 5)), "train_seed": draw(st.integers(0, 5)),
             "on_overflow": draw(st.sampled_from(["drop", "truncate"])), "pad_to_max_length": draw(st.booleans()),
+            "pad_cu_seqlens": draw(st.booleans()),  # used only with pad_to_max_length (the config requires it)
             "chat_every": draw(st.integers(2, 5))}
 
 
@@ -145,7 +147,8 @@ def test_every_kept_token_reaches_exactly_one_rank_once_per_epoch(s):
         ds = _prepare(Path(tmp), s)
         order = _check_accounting(ds, len(s["lengths"]))
         take = dict(zip(order.tolist(), np.asarray(ds.sample_num_ids).tolist()))
-        collate = make_collate_fn(ds.metadata, pad_to_max_length=s["pad_to_max_length"])
+        fixed_cu = s["pad_to_max_length"] and s["pad_cu_seqlens"]
+        collate = make_collate_fn(ds.metadata, pad_to_max_length=s["pad_to_max_length"], pad_cu_seqlens=fixed_cu)
         if len(ds) < s["dp"]:  # fewer packs than DP ranks: refused clearly, then checked with one rank
             with pytest.raises(ValueError, match="gives every rank nothing"):
                 PackSampler(len(ds), dp_rank=0, dp_size=s["dp"], seed=s["train_seed"])
@@ -160,6 +163,8 @@ def test_every_kept_token_reaches_exactly_one_rank_once_per_epoch(s):
                 batch = collate(ds[index])
                 if s["pad_to_max_length"]:
                     assert batch["tokens"].shape[1] == s["pack_size"]
+                if fixed_cu:
+                    assert len(batch["cu_seqlens"]) == ds.metadata["max_samples_per_bin"] + 2
                 for (cp_rank, tp_rank), local in _shards(batch, s):
                     _check_values(local, ds.store, take)
                     tags = local["tag"].reshape(-1)
