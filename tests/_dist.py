@@ -65,3 +65,21 @@ def spawn_world(worker: Callable[..., dict], world_size: int, tmp_path: Path | s
         with np.load(store_dir / f"rank{rank}.npz", allow_pickle=False) as data:
             results.append({key: data[key] for key in data.files})
     return results
+
+
+class ListLoader:
+    """A loader over fixed packs with the resumable state the trainer checkpoints (``next``)."""
+
+    def __init__(self, packs: list[dict]):
+        self.packs, self.next = packs, 0
+
+    def __iter__(self):
+        while self.next < len(self.packs):
+            self.next += 1
+            yield self.packs[self.next - 1]
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next = int(state["next"])

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from _dist import spawn_world
+from _dist import ListLoader, spawn_world
 
 NAN_MASKED_AT, NAN_TARGET_AT, NUM_STEPS, CP_STEPS = (2, 0), (3, 1), 4, 3
 """(step, rank) of each injected NaN; steps of the NaN run and of the masked-CP runs."""
@@ -37,22 +37,6 @@ def _config(out: str, *, cp: int, global_batch: int, num_steps: int = NUM_STEPS,
                   checkpoint=CheckpointConfig(enabled=False), logging=LoggingConfig(tensorboard=False))
 
 
-class ListLoader:
-    """Fixed packs with the resumable state the trainer checkpoints."""
-
-    def __init__(self, packs: list[dict]):
-        self.packs, self.next = packs, 0
-
-    def __iter__(self):
-        while self.next < len(self.packs):
-            self.next += 1
-            yield self.packs[self.next - 1]
-
-    def state_dict(self) -> dict:
-        return {"next": self.next}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.next = int(state["next"])
 
 
 def _packs(num_packs: int, seed: int, *, masked_cp_rank: bool) -> list[dict]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from _dist import spawn_world
+from _dist import ListLoader, spawn_world
 
 NUM_STEPS, GLOBAL_BATCH, PAD_MULTIPLE = 5, 4, 4
 LAYOUTS = {"world1": (1, 1, 1), "cp2": (2, 1, 2), "dp2": (2, 1, 1), "tp2_cp2": (4, 2, 2)}
@@ -45,22 +45,6 @@ def make_packs(num_packs: int, seed: int = 0) -> list[dict]:
     return packs
 
 
-class ListLoader:
-    """A loader over fixed packs with the resumable state the trainer checkpoints."""
-
-    def __init__(self, packs: list[dict]):
-        self.packs, self.next = packs, 0
-
-    def __iter__(self):
-        while self.next < len(self.packs):
-            self.next += 1
-            yield self.packs[self.next - 1]
-
-    def state_dict(self) -> dict:
-        return {"next": self.next}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.next = int(state["next"])
 
 
 def dp_share(packs: list[dict], dp_size: int, dp_rank: int, global_batch: int) -> list[dict]:
