@@ -7,7 +7,8 @@ with the same ``dp_rank`` and therefore read the same packs. Example, 5 packs, 2
 ``shuffle=False``::
 
     epoch order [0, 1, 2, 3, 4]
-    drop_last=True:  rank 0 -> [0, 2], rank 1 -> [1, 3]           (pack 4 waits for the next epoch's order)
+    drop_last=True:  rank 0 -> [0, 2], rank 1 -> [1, 3]           (pack 4 waits for the next epoch, whose
+                                                                  order is rotated: [4, 0, 1, 2, 3])
     drop_last=False: rank 0 -> [0, 2, 4], rank 1 -> [1, 3, 0]     (wraps around to give rank 1 a pack)
 
 The resume point is ``(epoch, consumed)``: ``consumed`` packs of the epoch's order have been
@@ -62,7 +63,12 @@ class PackSampler(Sampler[int]):
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All pack indices in the order of ``epoch`` (the same on every rank)."""
         if not self.shuffle:
-            return np.arange(self.num_packs, dtype=np.int64)
+            order = np.arange(self.num_packs, dtype=np.int64)
+            if not self.drop_last:
+                return order
+            # drop_last leaves num_packs % dp_size packs out of every epoch; rotating the order by
+            # that many per epoch leaves a different tail out each time, never the same packs forever
+            return np.roll(order, (epoch * (self.num_packs % self.dp_size)) % self.num_packs)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_packs).astype(np.int64)
 
     def _num_rounds(self, consumed: int) -> int:

@@ -16,8 +16,9 @@ def _take(sampler, n):
 
 
 ORDER_CASES = [
-    ("drop-last-r0", dict(num_packs=5, dp_rank=0, dp_size=2, drop_last=True), [0, 2, 0, 2]),
-    ("drop-last-r1", dict(num_packs=5, dp_rank=1, dp_size=2, drop_last=True), [1, 3, 1, 3]),
+    # epoch 1's order is rotated by the 1 pack epoch 0 left out: [4, 0, 1, 2, 3]
+    ("drop-last-r0", dict(num_packs=5, dp_rank=0, dp_size=2, drop_last=True), [0, 2, 4, 1]),
+    ("drop-last-r1", dict(num_packs=5, dp_rank=1, dp_size=2, drop_last=True), [1, 3, 0, 2]),
     ("wrap-r0", dict(num_packs=5, dp_rank=0, dp_size=2, drop_last=False), [0, 2, 4, 0, 2, 4]),
     ("wrap-r1", dict(num_packs=5, dp_rank=1, dp_size=2, drop_last=False), [1, 3, 0, 1, 3, 0]),
     ("single-rank", dict(num_packs=3, dp_rank=0, dp_size=1), [0, 1, 2, 0, 1, 2]),
@@ -29,6 +30,22 @@ def test_unshuffled_order(kwargs, expected):
     sampler = PackSampler(**kwargs, seed=0, shuffle=False)
     assert _take(sampler, len(expected)) == expected
     assert sampler.num_packs_per_epoch == len(expected) // 2
+
+
+@pytest.mark.parametrize("num_packs,dp_size", [(5, 2), (23, 3), (10, 4)], ids=["5-over-2", "23-over-3", "10-over-4"])
+def test_unshuffled_drop_last_leaves_out_a_different_tail_each_epoch(num_packs, dp_size):
+    samplers = [PackSampler(num_packs, dp_rank=r, dp_size=dp_size, seed=0, shuffle=False) for r in range(dp_size)]
+    per_epoch = samplers[0].num_packs_per_epoch
+    num_epochs = num_packs  # enough rotations for every pack to be left out at most once in a row
+    streams = [_take(s, num_epochs * per_epoch) for s in samplers]
+    left_out = []
+    for e in range(num_epochs):
+        trained = sum((st[e * per_epoch:(e + 1) * per_epoch] for st in streams), [])
+        assert len(set(trained)) == len(trained) == per_epoch * dp_size  # no pack twice in an epoch
+        left_out.append(frozenset(range(num_packs)) - set(trained))
+    assert all(len(s) == num_packs % dp_size > 0 for s in left_out)  # the case really drops packs
+    assert left_out[0] != left_out[1]  # not the same packs every epoch
+    assert frozenset().union(*(frozenset(range(num_packs)) - s for s in left_out)) == frozenset(range(num_packs))
 
 
 def test_shuffle_is_seeded_per_epoch_and_shards_cover_each_pack_once():
