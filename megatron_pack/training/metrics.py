@@ -120,6 +120,7 @@ class MetricsWriter:
         self._tb = None
         if enabled:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            _drop_torn_record(self.jsonl_path)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -145,6 +146,20 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _drop_torn_record(path: Path) -> None:
+    """Cut a last record that a kill left half-written (no closing newline) so the resumed run
+    appends whole lines; that step is replayed from the checkpoint and logged again."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        log.warning("metrics: %s ended in a torn record (%d bytes, from a killed run); cut it, the step "
+                    "is logged again when it is replayed", path, len(data) - keep)
+        with path.open("r+b") as f:
+            f.truncate(keep)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

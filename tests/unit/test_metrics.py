@@ -48,3 +48,23 @@ def test_disabled_writer_writes_nothing(tmp_path):
     w.write(StepMetrics(step=1, lm_loss=1.0, target_tokens=1, real_tokens=1, slots=1, samples=1, grad_norm=0.0,
                         lr=0.1, step_time_s=0.1))
     assert not (tmp_path / "x").exists()
+
+
+def _metrics(step: int, loss: float) -> StepMetrics:
+    return StepMetrics(step=step, lm_loss=loss, target_tokens=10, real_tokens=20, slots=32, samples=4,
+                       grad_norm=1.0, lr=1e-3, step_time_s=0.1)
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 3, "lm_lo', b"{", b""], ids=["torn-record", "torn-brace", "clean"])
+def test_resumed_writer_cuts_a_torn_last_record(tmp_path, tail):
+    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False)
+    w.write(_metrics(1, 2.0))
+    w.write(_metrics(2, 1.5))
+    path = tmp_path / "metrics.jsonl"
+    with path.open("ab") as f:  # a kill -9 in the middle of writing step 3's line
+        f.write(tail)
+    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False)  # the restarted run
+    w.write(_metrics(3, 1.0))  # step 3 replayed from the checkpoint
+    records = read_metrics(path)
+    assert [(r["step"], r["lm_loss"]) for r in records] == [(1, 2.0), (2, 1.5), (3, 1.0)]
+    assert path.read_bytes().count(b"\n") == 3
