@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from megatron_pack.data.thd import collate_thd
+from megatron_pack.data.batches.thd import collate_thd
 from megatron_pack.parallel.cp import pad_multiple, slice_thd_batch
 
 PACK_SIZES = (4096, 32768, 131072)

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from megatron_pack.data.packing import plan_packing
+from megatron_pack.data.packing.algorithms import plan_packing
 
 CAPACITY = 4096
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 def child(args) -> None:
     from megatron_pack.config import Config, DataConfig, PackingConfig
-    from megatron_pack.data.atomic import read_json
+    from megatron_pack.data.store.atomic import read_json
     from megatron_pack.data.prepare import prepare
 
     cfg = Config(data=DataConfig(source="synthetic", synthetic_num_samples=args.num_samples,

@@ -36,7 +36,7 @@ OVERRIDES = ["experiment=quickstart", "data.synthetic_num_samples=600"]
 
 def _setup(dataset_dir: str):
     from megatron_pack.config import load_config
-    from megatron_pack.data.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
     from megatron_pack.data.prepare import prepare
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import initialize_parallel
@@ -91,7 +91,7 @@ def _time(model, batches: list[dict], packed: bool, repeats: int) -> float:
 
 
 def throughput(cfg, dataset, model, num_packs: int, repeats: int) -> tuple[dict, float]:
-    from megatron_pack.data.thd import make_collate_fn
+    from megatron_pack.data.batches.thd import make_collate_fn
 
     collate = make_collate_fn(dataset.metadata)
     packs = [dataset[i] for i in range(num_packs)]
@@ -129,7 +129,7 @@ def contiguous_index(cu_padded: np.ndarray, cp: int, rank: int) -> np.ndarray:
 
 
 def load_balance(dataset, cp_sizes=(2, 4, 8), num_packs: int = 200) -> list[dict]:
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.parallel.cp import thd_partition_indices
 
     rows = []
@@ -150,7 +150,7 @@ def load_balance(dataset, cp_sizes=(2, 4, 8), num_packs: int = 200) -> list[dict
 
 
 def data_share(dataset, step_s_per_pack: float, num_packs: int, repeats: int) -> dict:
-    from megatron_pack.data.thd import make_collate_fn
+    from megatron_pack.data.batches.thd import make_collate_fn
     from megatron_pack.parallel.cp import slice_thd_batch
 
     collate = make_collate_fn(dataset.metadata)

@@ -40,9 +40,9 @@ def _plan_row(plan_dir: Path, m: dict) -> list[str]:
 
 def summarize(dataset_dir: Path) -> str:
     """The text ``inspect`` prints; every plan's report files are written when missing."""
-    from megatron_pack.data.dataset import PackedSFTDataset, list_plans, read_metadata
-    from megatron_pack.data.report import write_report
-    from megatron_pack.data.store import STORE_FORMAT, STORE_FORMAT_VERSION
+    from megatron_pack.data.batches.dataset import PackedSFTDataset, list_plans, read_metadata
+    from megatron_pack.data.packing.report import write_report
+    from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION
 
     store = read_metadata(dataset_dir, STORE_FORMAT, STORE_FORMAT_VERSION)
     pct = store["sample_num_ids_percentiles"]
@@ -67,7 +67,7 @@ def summarize(dataset_dir: Path) -> str:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.config.schema import ConfigError
-    from megatron_pack.data.sources import DataError
+    from megatron_pack.data.formats.sources import DataError
 
     try:
         print(summarize(_dataset_dir(argv)))

@@ -52,8 +52,8 @@ def _barrier():
 def main(argv: list[str]) -> int:
     from megatron_pack.config import load_config
     from megatron_pack.data.prepare import prepare
-    from megatron_pack.data.sources import DataError
-    from megatron_pack.data.atomic import read_json
+    from megatron_pack.data.formats.sources import DataError
+    from megatron_pack.data.store.atomic import read_json
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

@@ -12,7 +12,7 @@ import os
 import sys
 
 from megatron_pack.config.schema import ConfigError
-from megatron_pack.data.sources import DataError
+from megatron_pack.data.formats.sources import DataError
 
 
 def _setup_logging(level: str, rank: int) -> None:
@@ -38,8 +38,10 @@ def main(argv: list[str]) -> int:
         print(f"megatron-pack train: {exc}", file=sys.stderr)
         return 2
     _setup_logging(cfg.logging.level, rank)
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
+    enable_cpu_compat_without_cuda()  # megatron-core's CUDA assumptions, answered on a CPU host
     state = initialize_parallel(cfg)
     if rank == 0:
         print("resolved config:\n" + config_to_yaml(cfg), flush=True)

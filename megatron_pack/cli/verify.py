@@ -145,7 +145,7 @@ def _mean_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -
 def compare_pack(model, samples: list[dict], collate, *, pack_size: int, pad_id: int, device: torch.device,
                  index: int = 0) -> PackResult:
     """Run one pack packed and each of its samples alone; the differences per sample."""
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     batch = collate(samples)
     packed = _logits(model, batch, device)
@@ -183,9 +183,10 @@ def format_pack(result: PackResult, tolerance: float) -> str:
 
 def run_verify(cfg, *, out=print) -> int:
     """Verify ``cfg.verify.num_packs`` packs of ``cfg.data.dataset_dir``; 0 when all pass, else 1."""
-    from megatron_pack.data.dataset import PackedSFTDataset
-    from megatron_pack.data.thd import make_collate_fn
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.thd import make_collate_fn
     from megatron_pack.model.builder import build_model
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
     dataset = PackedSFTDataset.from_config(cfg)
@@ -196,6 +197,7 @@ def run_verify(cfg, *, out=print) -> int:
 
     local_cfg = single_process_config(cfg)
     owns_process_group = not dist.is_initialized()
+    enable_cpu_compat_without_cuda()
     state = initialize_parallel(local_cfg)
     try:
         model = build_model(local_cfg, state, attention_mode=cfg.verify.attention)
@@ -221,7 +223,7 @@ def run_verify(cfg, *, out=print) -> int:
 def main(argv: list[str]) -> int:
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError
-    from megatron_pack.data.sources import DataError
+    from megatron_pack.data.formats.sources import DataError
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     try:

@@ -18,14 +18,15 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from megatron_pack.config.schema import Config, ConfigError
-from megatron_pack.parallel import dims as _dims
-from megatron_pack.parallel.dims import effective_pad_multiple
+from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
+                                         world_size_problem)
 
 __all__ = ["collect_problems", "effective_pad_multiple", "validate"]
 
 
 def _ceil_to(value: int, multiple: int) -> int:
-    return max(multiple, -(-value // multiple) * multiple)
+    """The smallest positive multiple of ``multiple`` that is >= ``value`` (a suggested fix)."""
+    return max(multiple, round_up(value, multiple))
 
 
 def _packing_on(cfg: Config) -> bool:
@@ -47,11 +48,8 @@ def _validate_world_size(cfg: Config, world_size: Optional[int]) -> list[str]:
         return []
     par = cfg.parallel
     tp, cp, pp = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        return [f"world size ({world_size!r}) must be a positive integer; launch at least one rank."]
-    if world_size % (tp * cp * pp):
-        return [_dims.world_size_message(world_size, tp, cp, pp)]
-    return []
+    problem = world_size_problem(world_size, tp, cp, pp)
+    return [problem] if problem else []
 
 
 def _validate_pipeline_parallel(cfg: Config) -> list[str]:
@@ -159,11 +157,11 @@ def _validate_pad_multiple(cfg: Config) -> list[str]:
     """An explicit pad_seq_to_mult must be a multiple of the lcm rule."""
     value = cfg.packing.pad_seq_to_mult
     cp, tp, sp = _layout(cfg)
-    required = _dims.required_pad_multiple(cp, tp, sp)
+    required = required_pad_multiple(cp, tp, sp)
     if value is None or value % required == 0:
         return []
     fix = _ceil_to(value, required)
-    return [f"packing.pad_seq_to_mult ({value}) must be a multiple of {_dims.pad_rule_text(cp, tp, sp)} = {required} "
+    return [f"packing.pad_seq_to_mult ({value}) must be a multiple of {pad_rule_text(cp, tp, sp)} = {required} "
             f"for cp={cp}, tp={tp}{_sp_text(cp, tp, sp)}; set packing.pad_seq_to_mult={fix} "
             f"(or leave it unset to derive {required})."]
 
@@ -176,7 +174,7 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
     size, pad = cfg.packing.packed_sequence_size, effective_pad_multiple(cfg)
     if size % pad:
         source = ("packing.pad_seq_to_mult" if cfg.packing.pad_seq_to_mult is not None
-                  else f"derived: {_dims.pad_rule_text(*_layout(cfg))}")
+                  else f"derived: {pad_rule_text(*_layout(cfg))}")
         problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
                         f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}.")
     longest = cfg.packing.max_single_sequence_length
@@ -267,10 +265,10 @@ def _dataset_pad_problems(cfg: Config, planned: Optional[int], where: str, redo:
     if planned is None or not cfg.packing.offline:
         return []
     cp, tp, sp = _layout(cfg)
-    required = _dims.required_pad_multiple(cp, tp, sp)
+    required = required_pad_multiple(cp, tp, sp)
     if planned % required:
         return [f"packing.pad_seq_to_mult: the dataset was planned with pad_seq_to_mult={planned} ({where}), which "
-                f"is not a multiple of {_dims.pad_rule_text(cp, tp, sp)} = {required} for cp={cp}, tp={tp}"
+                f"is not a multiple of {pad_rule_text(cp, tp, sp)} = {required} for cp={cp}, tp={tp}"
                 f"{_sp_text(cp, tp, sp)}; {redo} (it pads to {required})."]
     chosen = cfg.packing.pad_seq_to_mult
     if chosen is not None and planned % chosen:

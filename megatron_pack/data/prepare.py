@@ -19,33 +19,19 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megatron_pack.data.atomic import atomic_directory, read_json, sha256_file, write_json
-from megatron_pack.data.dataset import read_metadata
-from megatron_pack.data.plan import PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings, write_plan
-from megatron_pack.data.sources import Chunk, DataError, iter_chunks, resolve_inputs
-from megatron_pack.data.store import (STORE_ARRAYS, STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore,
+from megatron_pack.data.store.atomic import atomic_directory, read_json, sha256_file, write_json
+from megatron_pack.data.packing.plan import write_plan
+from megatron_pack.data.formats.sources import Chunk, DataError, iter_chunks, resolve_inputs
+from megatron_pack.data.store.metadata import PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings, plan_settings, read_metadata
+from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore,
                                       default_num_workers, store_statistics, token_dtype_for, tokenize_stream,
                                       write_store)
-from megatron_pack.data.synthetic import GENERATOR_VERSION
-from megatron_pack.data.tokenizer import SampleSchema, build_tokenizer
+from megatron_pack.data.formats.synthetic import GENERATOR_VERSION
+from megatron_pack.data.formats.tokenizer import SampleSchema, build_tokenizer
 
 log = logging.getLogger(__name__)
 SYNTHETIC_CHUNK = 1000
 FILE_CHUNK = 512
-
-
-def plan_settings(cfg) -> PlanSettings:
-    """The plan settings of ``cfg``; the pad multiple is packing.pad_seq_to_mult or the lcm rule."""
-    from megatron_pack.config import effective_pad_multiple
-
-    pack_size = cfg.packing.packed_sequence_size
-    if pack_size <= 0:
-        raise DataError("packing.packed_sequence_size (0) turns offline packing off, so there is nothing to "
-                        "prepare; set packing.packed_sequence_size=512 (or another pack size).")
-    max_length = cfg.packing.max_single_sequence_length or pack_size
-    return PlanSettings(pack_size=pack_size, pad_multiple=effective_pad_multiple(cfg),
-                        algorithm=cfg.packing.algorithm, seed=cfg.packing.seed,
-                        on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size))
 
 
 def _schema(cfg) -> SampleSchema:
@@ -149,12 +135,12 @@ def _prepare_here(cfg, *, progress: bool) -> Path:
     settings = plan_settings(cfg)
     store = ensure_store(cfg, progress=progress)
     plan_dir = ensure_plan(store, settings)
-    from megatron_pack.data.report import write_report
+    from megatron_pack.data.packing.report import write_report
 
     if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
         write_report(store, plan_dir)  # both: a run killed between the two files must not leave one forever
     if cfg.packing.export == "bridge":
-        from megatron_pack.data.bridge import export_bridge
+        from megatron_pack.data.packing.bridge import export_bridge
 
         export_bridge(store, plan_dir)
     return plan_dir

@@ -185,10 +185,9 @@ def build_model(cfg: Config, pg=None, *, attention_mode: str = "thd"):
         from megatron_pack.parallel.groups import initialize_parallel
 
         pg = initialize_parallel(cfg)
-    if not torch.cuda.is_available():
-        from megatron_pack.model.cpu_compat import enable_cpu_compat
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
 
-        enable_cpu_compat()
+    enable_cpu_compat_without_cuda()
     _check_divisibility(cfg)
     backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode)
     _check_cuda_graphs(cfg, backend)

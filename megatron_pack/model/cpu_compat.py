@@ -13,10 +13,11 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
 
-``enable_cpu_compat()`` is called only when ``torch.cuda.is_available()`` is False (by
-``megatron_pack.parallel.groups.initialize_parallel`` and ``megatron_pack.model.builder``), and
-refuses to run when CUDA is present, so the GPU path never goes through this module. It is
-idempotent.
+The entry points (``megatron-pack train`` / ``verify``) call ``enable_cpu_compat_without_cuda()``
+before they start process groups, and ``megatron_pack.model.builder.build_model`` calls it too, so
+no model is built without it. Nothing else imports this module (it imports nothing of the
+package: a leaf). ``enable_cpu_compat()`` refuses to run when CUDA is present, so the GPU path
+never goes through here. Both are idempotent.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def enable_cpu_compat() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _ENABLED = True
+
+
+def enable_cpu_compat_without_cuda() -> bool:
+    """``enable_cpu_compat()`` when this host has no CUDA (what an entry point calls); True when it is on."""
+    if torch.cuda.is_available():
+        return False
+    enable_cpu_compat()
+    return True
 
 
 def cpu_compat_enabled() -> bool:

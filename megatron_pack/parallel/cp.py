@@ -18,30 +18,14 @@ Everything here is pure: tensors and ints in, new tensors out, no process group.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from megatron_pack.config.layout import pad_multiple  # re-exported: the public path of the rule
+
 SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 """THD batch keys holding one value per token ([1, T]); ``slice_thd_batch`` cuts these."""
-
-
-def pad_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
-    """The multiple every sub-sequence is padded to for this parallel layout.
-
-    ``lcm(2*CP if CP > 1 else 1, CP*TP if sequence_parallel and TP > 1 else 1)``: the THD CP
-    split needs ``2*CP`` equal chunks, and sequence parallelism shards each CP rank's tokens over
-    TP. Examples: ``(1, 1, False) -> 1``, ``(2, 1, False) -> 4``, ``(2, 4, True) -> 8``,
-    ``(4, 2, False) -> 8``, ``(1, 4, True) -> 4``.
-    """
-    for name, value in (("cp", cp), ("tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"pad_multiple: {name} ({value!r}) must be a positive integer "
-                             f"(parallel.{'context' if name == 'cp' else 'tensor_model'}_parallel_size).")
-    cp_multiple = 2 * cp if cp > 1 else 1
-    sp_multiple = cp * tp if sequence_parallel and tp > 1 else 1
-    return math.lcm(cp_multiple, sp_multiple)
 
 
 def _as_cu(cu_seqlens_padded: Any) -> torch.Tensor:

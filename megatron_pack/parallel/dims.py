@@ -16,39 +16,12 @@ Example (8 ranks, ``parallel=tp2_cp2_sp``)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megatron_pack.config.schema import Config
+from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple,
+                                         world_size_message, world_size_problem)
+from megatron_pack.config.schema import Config, ConfigError
 
-
-def required_pad_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
-    """The smallest multiple every packed sub-sequence must be padded to for this layout.
-
-    The rule itself is ``megatron_pack.parallel.cp.pad_multiple``, imported here on first use so
-    that loading a config does not import torch until a pad multiple is needed.
-    """
-    from megatron_pack.parallel.cp import pad_multiple
-
-    return pad_multiple(cp, tp, sequence_parallel)
-
-
-def effective_pad_multiple(cfg: "Config") -> int:
-    """packing.pad_seq_to_mult when set, else the lcm rule for the configured degrees (no world size needed)."""
-    if cfg.packing.pad_seq_to_mult is not None:
-        return cfg.packing.pad_seq_to_mult
-    par = cfg.parallel
-    return required_pad_multiple(par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel)
-
-
-def pad_rule_text(cp: int, tp: int, sequence_parallel: bool) -> str:
-    """The rule with its numbers filled in, for messages: ``lcm(2*cp=4, cp*tp=8)``."""
-    terms = []
-    if cp > 1:
-        terms.append(f"2*cp={2 * cp}")
-    if sequence_parallel and tp > 1:
-        terms.append(f"cp*tp={cp * tp}")
-    return f"lcm({', '.join(terms)})" if terms else "1 (no CP, no TP sequence parallelism)"
+__all__ = ["ParallelDims", "effective_pad_multiple", "pad_rule_text", "required_pad_multiple", "world_size_message"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +46,14 @@ class ParallelDims:
     """True when pad_multiple came from packing.pad_seq_to_mult rather than the rule."""
 
     @classmethod
-    def from_config(cls, cfg: "Config", world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
         """Derive the layout; raises ``ConfigError`` when world_size does not divide into it."""
-        from megatron_pack.config.schema import ConfigError  # here, so config may import this module
-
         par = cfg.parallel
         tp, cp, pp = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
-        model_parallel = tp * cp * pp
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError([f"world size ({world_size!r}) must be a positive integer."])
-        if world_size % model_parallel:
-            raise ConfigError([world_size_message(world_size, tp, cp, pp)])
-        return cls(world_size=world_size, tp=tp, cp=cp, pp=pp, dp=world_size // model_parallel,
+        problem = world_size_problem(world_size, tp, cp, pp)
+        if problem:
+            raise ConfigError([problem])
+        return cls(world_size=world_size, tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp),
                    sp=par.sequence_parallel, pad_multiple=effective_pad_multiple(cfg),
                    pad_multiple_explicit=cfg.packing.pad_seq_to_mult is not None)
 
@@ -121,14 +90,3 @@ class ParallelDims:
                   if self.pad_multiple_explicit else f"derived: {rule}")
         return (f"world {self.world_size} = dp {self.dp} x cp {self.cp} x tp {self.tp} x pp {self.pp}; "
                 f"sequence_parallel {'on' if self.sp else 'off'}; pad multiple {self.pad_multiple} ({source})")
-
-
-def world_size_message(world_size: int, tp: int, cp: int, pp: int) -> str:
-    """The problem message for a world size that tp*cp*pp does not divide."""
-    model_parallel = tp * cp * pp
-    lower = (world_size // model_parallel) * model_parallel
-    upper = lower + model_parallel
-    hint = f"{upper}" if lower == 0 else f"{lower} or {upper}"
-    return (f"world size ({world_size}) must be divisible by tensor_model_parallel_size * context_parallel_size * "
-            f"pipeline_model_parallel_size = {tp}*{cp}*{pp} = {model_parallel}; launch {hint} ranks "
-            f"or change parallel.context_parallel_size / parallel.tensor_model_parallel_size.")

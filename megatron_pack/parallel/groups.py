@@ -130,17 +130,14 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
     """Start torch.distributed and megatron-core's model-parallel groups once; return them.
 
     ``backend`` overrides ``parallel.backend`` ('auto' picks nccl with CUDA, else gloo). Without
-    CUDA this also turns on ``megatron_pack.model.cpu_compat`` (megatron-core's CPU accommodation).
+    CUDA the entry point turns on ``megatron_pack.model.cpu_compat`` itself (this layer does not
+    import the model layer); ``build_model`` does it too, so a model is never built without it.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pcfg = _parallel_config(cfg_or_parallel_cfg)
     chosen = _resolve_backend(backend if backend is not None else pcfg.backend)
-    if not torch.cuda.is_available():
-        from megatron_pack.model.cpu_compat import enable_cpu_compat
-
-        enable_cpu_compat()
     _init_process_group(chosen)
     _check_world(pcfg, dist.get_world_size())
     if mpu.model_parallel_is_initialized():

@@ -266,7 +266,7 @@ def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
 
 def open_dataset(cfg: Config):
     """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command)."""
-    from megatron_pack.data.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
 
     return PackedSFTDataset.from_config(cfg)
 
@@ -275,8 +275,8 @@ def build_loader(cfg: Config, state, dataset):
     """This DP rank's resumable loader of full THD packs: ``PackSampler`` (seeded by
     ``train.seed``, dealt over DP ranks; every CP/TP rank of a DP rank reads the same packs)
     and the collate configured from the dataset's metadata and the config's fixed-shape flags."""
-    from megatron_pack.data.sampler import PackSampler, build_pack_loader
-    from megatron_pack.data.thd import make_collate_fn
+    from megatron_pack.data.batches.sampler import PackSampler, build_pack_loader
+    from megatron_pack.data.batches.thd import make_collate_fn
 
     collate = make_collate_fn(dataset.metadata, pad_to_max_length=cfg.data.pad_to_max_length,
                               pad_cu_seqlens=cfg.packing.pad_cu_seqlens)

@@ -253,7 +253,7 @@ def _run_case(cfg, pg, batches, changed, ref, rank) -> dict:
 def _world_worker(rank: int, world_size: int) -> dict:
     """Rank 0 computes the reference, then every case runs on all 4 ranks; rank 0 returns the numbers."""
     import torch.distributed as dist
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 

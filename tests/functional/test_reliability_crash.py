@@ -31,7 +31,9 @@ PREPARE_DRIVER = textwrap.dedent("""
     # imports once; each kill point runs in a forked child that SIGKILLs itself at its point
     import json, os, signal, sys
     from megatron_pack.config import Config, DataConfig, PackingConfig
-    from megatron_pack.data import atomic, plan, prepare, report
+    from megatron_pack.data import prepare
+    from megatron_pack.data.packing import plan, report
+    from megatron_pack.data.store import atomic
     source, base, points = sys.argv[1], sys.argv[2], sys.argv[3:]
 
     def die(*args, **kwargs):
@@ -114,7 +116,7 @@ def _samples(dataset) -> list[tuple[int, list[int]]]:
 
 def _tree_digest(root: Path) -> dict[str, str]:
     """sha256 of every array and of the plan layout (metadata holds timings, so it is left out)."""
-    from megatron_pack.data.atomic import sha256_file
+    from megatron_pack.data.store.atomic import sha256_file
 
     return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*.npy"))}
 
@@ -125,8 +127,8 @@ def _fingerprint(dataset_dir: Path) -> str:
 
 def _reader_state(target: Path, cfg_b, fingerprints: dict[str, str]) -> str:
     """What a training job pointed at ``target`` finds: previous / none / new-store-no-plan / new-complete."""
-    from megatron_pack.data.dataset import PackedSFTDataset
-    from megatron_pack.data.sources import DataError
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
+    from megatron_pack.data.formats.sources import DataError
 
     if not target.exists():
         return "none"
@@ -145,7 +147,7 @@ def _reader_state(target: Path, cfg_b, fingerprints: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def prepare_kills(tmp_path_factory):
     """Dataset A prepared once; every kill point replaces a copy of it with B and is killed."""
-    from megatron_pack.data.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
     from megatron_pack.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("prepare_kills")
@@ -164,7 +166,7 @@ def prepare_kills(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("point", list(PREPARE_POINTS), ids=list(PREPARE_POINTS))
 def test_kill_during_prepare_leaves_previous_or_none(prepare_kills, point):
-    from megatron_pack.data.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
     from megatron_pack.data.prepare import prepare
 
     root, expected, status = prepare_kills

@@ -42,7 +42,7 @@ def _config(out: str, *, cp: int, global_batch: int, num_steps: int = NUM_STEPS,
 def _packs(num_packs: int, seed: int, *, masked_cp_rank: bool) -> list[dict]:
     """Packs of 2 samples (THD length 16, padded to 4). With ``masked_cp_rank`` every target sits
     at THD positions 0-3 and 12-15 of its sample: CP=2 rank 0's chunks; rank 1 gets none."""
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     rng = np.random.default_rng(seed)
     packs, next_id = [], 1000 * seed

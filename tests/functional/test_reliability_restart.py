@@ -82,8 +82,8 @@ def _overrides(dataset_dir: Path, out: Path) -> list[str]:
 def _expected_packs(dataset_dir: Path, out: Path) -> dict[tuple[int, int], list[list[int]]]:
     """(step, dp_rank) -> sample ids of each pack, as an uninterrupted PackSampler deals them."""
     from megatron_pack.config import load_config
-    from megatron_pack.data.dataset import PackedSFTDataset
-    from megatron_pack.data.sampler import PackSampler
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.sampler import PackSampler
 
     cfg = load_config(_overrides(dataset_dir, out), world_size=DP_SIZE)
     dataset = PackedSFTDataset.from_config(cfg)

@@ -31,7 +31,7 @@ def _sample(rng: np.random.Generator, sample_id: int, length: int, num_prompt: i
 
 def make_packs(num_packs: int, seed: int = 0) -> list[dict]:
     """Deterministic THD packs of 1-4 samples (lengths 6-40, half-prompt), padded to 4."""
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     rng = np.random.default_rng(seed)
     packs, next_id = [], 0
@@ -106,7 +106,7 @@ def _train_layout(tmp: str, tp: int, cp: int) -> dict:
 
 def masked_cp_pack() -> dict:
     """One 16-token sample whose targets all sit in CP=2 rank 0's chunks (0-3, 12-15)."""
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     rng = np.random.default_rng(7)
     ids = rng.integers(1, 380, size=17).tolist()

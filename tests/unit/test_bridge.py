@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from megatron_pack.config import Config, DataConfig, PackingConfig, ParallelConfig
-from megatron_pack.data.dataset import PackedSFTDataset
+from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.prepare import prepare
 
 

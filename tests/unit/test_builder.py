@@ -124,7 +124,7 @@ def test_initialize_parallel_rejects_bad_layouts(world_of_one, parallel, match):
 
 
 def test_build_model_local_spec_and_thd_forward(world_of_one):
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.attention import ThdCoreAttention
     from megatron_pack.parallel.groups import initialize_parallel
     from megatron_pack.training.step import get_packed_seq_params
@@ -227,7 +227,7 @@ def test_cp_comm_type_spelling_covers_every_choice():
 
 def test_sbhd_batches_attend_causally_per_row(world_of_one):
     """Without packed_seq_params (a plain [b, s] batch) every row is one causal sequence."""
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.parallel.groups import initialize_parallel
     from megatron_pack.training.step import get_packed_seq_params
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from megatron_pack.config import Config, DataConfig, PackingConfig, ParallelConfig
-from megatron_pack.data import dataset as dataset_module
-from megatron_pack.data.dataset import PackedSFTDataset
+from megatron_pack.data.store import metadata as metadata_module
+from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.prepare import prepare
-from megatron_pack.data.sources import DataError
-from megatron_pack.data.thd import collate_thd
+from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.batches.thd import collate_thd
 
 BRIDGE_KEYS = ("pack_size", "max_samples_per_bin", "dataset_max_seqlen", "min_packed_seqlen", "packing_factor",
                "packing_efficiency")
@@ -100,7 +100,7 @@ def test_detects_damage(tmp_path, victim, match):
     else:
         data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    dataset_module._VERIFIED.clear()
+    metadata_module._VERIFIED.clear()
     with pytest.raises(DataError, match=f"is damaged.*{match}.*re-run `megatron-pack prepare`"):
         PackedSFTDataset(cfg.data.dataset_dir, plan_dir)
 
@@ -109,7 +109,7 @@ def test_checksums_verified_once_per_file_version(prepared, monkeypatch):
     cfg, plan_dir = prepared
     PackedSFTDataset(cfg.data.dataset_dir, plan_dir)
     calls = []
-    monkeypatch.setattr(dataset_module, "sha256_file", lambda p: calls.append(p) or "x")
+    monkeypatch.setattr(metadata_module, "sha256_file", lambda p: calls.append(p) or "x")
     PackedSFTDataset(cfg.data.dataset_dir, plan_dir)
     assert calls == []  # cached by (path, size, mtime)
 

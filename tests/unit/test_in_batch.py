@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pack.data.in_batch import IGNORE_INDEX, pack_batch_sequences
-from megatron_pack.data.thd import THD_KEYS
+from megatron_pack.data.batches.in_batch import IGNORE_INDEX, pack_batch_sequences
+from megatron_pack.data.batches.thd import THD_KEYS
 from megatron_pack.parallel.cp import pad_multiple, slice_thd_batch
 from megatron_pack.training.step import get_packed_seq_params
 

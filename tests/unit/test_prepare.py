@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from megatron_pack.config import Config, DataConfig, PackingConfig, ParallelConfig
-from megatron_pack.data.dataset import PackedSFTDataset
+from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data import prepare as prepare_module
 from megatron_pack.data.prepare import prepare
-from megatron_pack.data.sources import DataError
-from megatron_pack.data.store import token_dtype_for
-from megatron_pack.data.tokenizer import ByteTokenizer, SampleSchema
+from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.store.token_store import token_dtype_for
+from megatron_pack.data.formats.tokenizer import ByteTokenizer, SampleSchema
 
 BYTE = ByteTokenizer()
 

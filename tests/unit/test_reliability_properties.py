@@ -70,7 +70,7 @@ def _write_input(path: Path, lengths: list[tuple[int, int]], chat_every: int) ->
 
 def _prepare(tmp: Path, s: dict):
     from megatron_pack.config import Config, DataConfig, ModelConfig, PackingConfig, ParallelConfig
-    from megatron_pack.data.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
     from megatron_pack.data.prepare import ensure_plan, ensure_store, plan_settings
 
     _write_input(tmp / "train.jsonl", s["lengths"], s["chat_every"])
@@ -140,8 +140,8 @@ def _check_values(local: dict, store, take: dict[int, int]) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_every_kept_token_reaches_exactly_one_rank_once_per_epoch(s):
-    from megatron_pack.data.sampler import PackSampler
-    from megatron_pack.data.thd import make_collate_fn
+    from megatron_pack.data.batches.sampler import PackSampler
+    from megatron_pack.data.batches.thd import make_collate_fn
 
     with tempfile.TemporaryDirectory() as tmp:
         ds = _prepare(Path(tmp), s)

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_pack.data.sampler import PackSampler, build_pack_loader
-from megatron_pack.data.thd import make_collate_fn
+from megatron_pack.data.batches.sampler import PackSampler, build_pack_loader
+from megatron_pack.data.batches.thd import make_collate_fn
 
 
 def _take(sampler, n):

@@ -225,8 +225,8 @@ def test_poisoned_dcp_metadata_is_refused(tmp_path):
 def test_poisoned_store_array_is_refused(tmp_path):
     """An object array (a pickle inside .npy) with matching checksums still never unpickles."""
     from megatron_pack.config import Config, DataConfig, PackingConfig
-    from megatron_pack.data.atomic import sha256_file
-    from megatron_pack.data.dataset import PackedSFTDataset
+    from megatron_pack.data.store.atomic import sha256_file
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
     from megatron_pack.data.prepare import prepare
 
     cfg = Config(data=DataConfig(synthetic_num_samples=40, dataset_dir=str(tmp_path / "ds"), tokenize_workers=1),

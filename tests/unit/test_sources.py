@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_pack.data.sources import DataError, iter_chunks, parse_chunk, resolve_inputs
-from megatron_pack.data.store import init_worker, tokenize_chunk
-from megatron_pack.data.tokenizer import SampleSchema
+from megatron_pack.data.formats.sources import DataError, iter_chunks, parse_chunk, resolve_inputs
+from megatron_pack.data.store.token_store import init_worker, tokenize_chunk
+from megatron_pack.data.formats.tokenizer import SampleSchema
 
 GOOD = json.dumps({"prompt": "p", "completion": "c"})
 

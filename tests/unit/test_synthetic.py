@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megatron_pack.data.synthetic import TASKS, _byte_thd_length, synthetic_record, synthetic_records
+from megatron_pack.data.formats.synthetic import TASKS, _byte_thd_length, synthetic_record, synthetic_records
 
 
 def _answer_is_right(record) -> bool:

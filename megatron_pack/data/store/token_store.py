@@ -26,9 +26,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from megatron_pack.data.sources import Chunk, DataError, parse_chunk
-from megatron_pack.data.synthetic import synthetic_records
-from megatron_pack.data.tokenizer import RecordError, SampleSchema, build_tokenizer
+from megatron_pack.data.formats.sources import Chunk, DataError, parse_chunk
+from megatron_pack.data.formats.synthetic import synthetic_records
+from megatron_pack.data.formats.tokenizer import RecordError, SampleSchema, build_tokenizer
 
 STORE_FORMAT = "megatron_pack.token_store"
 STORE_FORMAT_VERSION = 1

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_pack.config.layout import round_up
+
 ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
 
 
@@ -41,7 +43,7 @@ def thd_lengths(num_ids, pad_multiple: int = 1) -> np.ndarray:
     n = np.asarray(num_ids, dtype=np.int64) - 1
     if n.size and n.min() < 0:
         raise ValueError("every sample needs at least one id; got a sample with 0 ids.")
-    return -(-n // pad_multiple) * pad_multiple
+    return round_up(n, pad_multiple)
 
 
 @dataclass(frozen=True)

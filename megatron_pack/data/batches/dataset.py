@@ -1,0 +1,106 @@
+"""``PackedSFTDataset``: a token store plus a packing plan, read by O(1) memory-mapped slicing.
+
+``len(ds)`` is the number of packs; ``ds[i]`` is pack ``i`` as the list of per-sample dicts that
+``megatron_pack.data.thd.collate_thd`` takes::
+
+    >>> ds = PackedSFTDataset("data/synthetic")          # the only plan, or pass plan_dir
+    >>> [s["sample_id"] for s in ds[0]]                   # store sample indices in this pack
+    [1207, 88, 3051]
+    >>> ds[0][0]["input_ids"][-1] == ds.metadata["eos_id"], ds[0][0]["loss_mask"].dtype
+    (True, dtype('int64'))
+
+Opening validates the format version, the sha256 of every array (once per process, cached by
+file size and mtime) and, when given, that the tokenizer is the one the training config names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.store.atomic import read_json
+from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, check_tokenizer, describe_settings,
+                                               list_plans, plan_settings, read_metadata)
+from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
+
+class PackedSFTDataset:
+    """Packs of samples from a prepared dataset directory (token store + plan)."""
+
+    def __init__(self, dataset_dir, plan_dir=None, *, expected_tokenizer=None):
+        self.dataset_dir = Path(dataset_dir)
+        self.store_metadata = read_metadata(self.dataset_dir, STORE_FORMAT, STORE_FORMAT_VERSION)
+        check_tokenizer(self.store_metadata["tokenizer"], expected_tokenizer, str(self.dataset_dir))
+        self.plan_dir = self._resolve_plan(plan_dir)
+        self.metadata = read_metadata(self.plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
+        if self.metadata["store_fingerprint"] != self.store_metadata["fingerprint"]:
+            raise DataError(f"plan {self.plan_dir} was made for another token store; re-run `megatron-pack prepare`.")
+        self._open_arrays()
+
+    def _open_arrays(self) -> None:
+        self.store = TokenStore(self.dataset_dir, self.store_metadata)
+        load = lambda name: np.load(self.plan_dir / f"{name}.npy", mmap_mode="r", allow_pickle=False)  # noqa: E731
+        self.bin_offsets, self.sample_order, self.sample_num_ids = (
+            load("bin_offsets"), load("sample_order"), load("sample_num_ids"))
+
+    def __getstate__(self) -> dict:
+        """Paths and metadata only (for spawned DataLoader workers): the arrays are re-mapped, not copied."""
+        return {k: getattr(self, k) for k in ("dataset_dir", "plan_dir", "metadata", "store_metadata")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open_arrays()  # verified by the process that opened the dataset
+
+    def _resolve_plan(self, plan_dir) -> Path:
+        if plan_dir is not None:
+            plan_dir = Path(plan_dir)
+            return plan_dir if plan_dir.is_absolute() or plan_dir.exists() else self.dataset_dir / "plans" / plan_dir
+        plans = list_plans(self.dataset_dir)
+        if len(plans) != 1:
+            names = ", ".join(p.name for p in plans) or "none"
+            raise DataError(f"{self.dataset_dir} has {len(plans)} packing plans ({names}); pass plan_dir=... or use "
+                            "PackedSFTDataset.from_config(cfg), which picks the plan matching the config.")
+        return plans[0]
+
+    @classmethod
+    def from_config(cls, cfg) -> "PackedSFTDataset":
+        """The dataset at ``data.dataset_dir`` with the plan matching ``cfg``'s packing settings."""
+        dataset_dir = Path(cfg.data.dataset_dir)
+        fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} "
+               f"packing.packed_sequence_size={cfg.packing.packed_sequence_size} ...` with the same config first")
+        if not (dataset_dir / "metadata.json").is_file():
+            raise DataError(f"data.dataset_dir ({dataset_dir}) holds no prepared dataset; {fix}.")
+        store_meta = read_json(dataset_dir / "metadata.json")
+        settings = plan_settings(cfg)
+        plan_dir = dataset_dir / "plans" / settings.dirname(store_meta.get("fingerprint", ""))
+        if not plan_dir.is_dir():
+            have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
+            raise DataError(f"{dataset_dir} has no packing plan for {describe_settings(settings)} (plans there: {have}); {fix}.")
+        dataset = cls(dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
+        expected = settings.fingerprint(dataset.store_metadata["fingerprint"])
+        if dataset.metadata.get("fingerprint") != expected:  # a plan copied or renamed into this name
+            raise DataError(f"plan {plan_dir} holds a plan made with other settings (fingerprint "
+                            f"{str(dataset.metadata.get('fingerprint'))[:12]}, expected {expected[:12]} for "
+                            f"{describe_settings(settings)}); delete it and {fix}.")
+        return dataset
+
+    def __len__(self) -> int:
+        return len(self.bin_offsets) - 1
+
+    def sample_ids(self, i: int) -> np.ndarray:
+        """Store sample indices in pack ``i``."""
+        return np.asarray(self.sample_order[self.bin_offsets[i]:self.bin_offsets[i + 1]])
+
+    def __getitem__(self, i: int) -> list[dict]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"pack {i} out of range for {len(self)} packs")
+        i = i % len(self)
+        lo, hi = int(self.bin_offsets[i]), int(self.bin_offsets[i + 1])
+        samples = []
+        for sample_id, num_ids in zip(self.sample_order[lo:hi].tolist(), self.sample_num_ids[lo:hi].tolist()):
+            start = int(self.store.offsets[sample_id])
+            samples.append({"input_ids": self.store.tokens[start:start + num_ids].astype(np.int64),
+                            "loss_mask": self.store.answer_mask[start:start + num_ids].astype(np.int64),
+                            "sample_id": sample_id})
+        return samples

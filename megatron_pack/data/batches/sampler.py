@@ -1,0 +1,175 @@
+"""Which pack each data-parallel rank trains on, and resuming at the exact next pack.
+
+``PackSampler`` orders the packs of an epoch with a permutation seeded by ``(seed, epoch)``
+and deals them round-robin over data-parallel ranks: in every *round* each DP rank takes one
+pack, rank ``r`` the ``r``-th of the round. All CP and TP ranks of one DP rank build the sampler
+with the same ``dp_rank`` and therefore read the same packs. Example, 5 packs, 2 DP ranks,
+``shuffle=False``::
+
+    epoch order [0, 1, 2, 3, 4]
+    drop_last=True:  rank 0 -> [0, 2], rank 1 -> [1, 3]           (pack 4 waits for the next epoch, whose
+                                                                  order is rotated: [4, 0, 1, 2, 3])
+    drop_last=False: rank 0 -> [0, 2, 4], rank 1 -> [1, 3, 0]     (wraps around to give rank 1 a pack)
+
+The resume point is ``(epoch, consumed)``: ``consumed`` packs of the epoch's order have been
+trained on by the DP ranks together. Since rounds deal the order front to back, those are
+exactly ``order[:consumed]``, so a run can even resume with another DP size.
+
+**Consumed, not prefetched.** With ``num_workers > 0`` a ``DataLoader`` pulls indices from the
+sampler ahead of the training loop. So iterating the sampler never moves the resume point;
+``PackLoader`` (built by ``build_pack_loader``) moves it by one pack each time it *hands a batch
+to the loop*. ``loader.state_dict()`` taken after a step therefore names the next pack the loop
+has not seen, however many batches the workers had prepared. Resume with
+``loader.load_state_dict(state)`` before iterating.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+STATE_VERSION = 1
+
+
+class PackSampler(Sampler[int]):
+    """Seeded per-epoch shuffle of pack indices, sharded over DP ranks, endless across epochs.
+
+    ``iter(sampler)`` yields this rank's pack indices from the resume point on, epoch after
+    epoch, without moving the resume point; ``advance(n)`` moves it (``PackLoader`` calls it per
+    consumed batch).
+    """
+
+    def __init__(self, num_packs: int, *, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True,
+                 drop_last: bool = True):
+        if num_packs < 1:
+            raise ValueError(f"PackSampler: num_packs ({num_packs}) must be >= 1; the packed dataset is empty: "
+                             "re-run `megatron-pack prepare` on a non-empty data.input.")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"PackSampler: dp_rank ({dp_rank}) must be in [0, dp_size={dp_size}).")
+        if drop_last and num_packs < dp_size:
+            raise ValueError(f"PackSampler: {num_packs} pack(s) for {dp_size} data-parallel ranks with drop_last=True "
+                             "gives every rank nothing; prepare more data, use fewer data-parallel ranks, or set "
+                             "drop_last=False.")
+        self.num_packs, self.dp_rank, self.dp_size = num_packs, dp_rank, dp_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.epoch = 0
+        """Epoch of the next pack to consume."""
+        self.consumed = 0
+        """Packs of this epoch's order consumed by all DP ranks together (a multiple of dp_size)."""
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All pack indices in the order of ``epoch`` (the same on every rank)."""
+        if not self.shuffle:
+            order = np.arange(self.num_packs, dtype=np.int64)
+            if not self.drop_last:
+                return order
+            # drop_last leaves num_packs % dp_size packs out of every epoch; rotating the order by
+            # that many per epoch leaves a different tail out each time, never the same packs forever
+            return np.roll(order, (epoch * (self.num_packs % self.dp_size)) % self.num_packs)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_packs).astype(np.int64)
+
+    def _num_rounds(self, consumed: int) -> int:
+        """Rounds left in an epoch after ``consumed`` packs of its order."""
+        rest = self.num_packs - consumed
+        return rest // self.dp_size if self.drop_last else -(-rest // self.dp_size)
+
+    def _rounds(self, epoch: int, consumed: int) -> np.ndarray:
+        """The rest of ``epoch`` from ``consumed`` on, as [num_rounds, dp_size] pack indices."""
+        order = self.epoch_order(epoch)
+        rest = order[consumed:]
+        num_rounds = self._num_rounds(consumed)
+        fill = num_rounds * self.dp_size - len(rest)
+        if fill > 0:  # drop_last=False: wrap around to the start of the order
+            rest = np.concatenate([rest, np.resize(order, fill)])
+        return rest[: num_rounds * self.dp_size].reshape(num_rounds, self.dp_size)
+
+    @property
+    def num_packs_per_epoch(self) -> int:
+        """Packs this rank reads in one whole epoch."""
+        return self._num_rounds(0)
+
+    def __iter__(self) -> Iterator[int]:
+        return self._iterate(self.epoch, self.consumed)
+
+    def _iterate(self, epoch: int, consumed: int) -> Iterator[int]:
+        while True:
+            for pack in self._rounds(epoch, consumed)[:, self.dp_rank]:
+                yield int(pack)
+            epoch, consumed = epoch + 1, 0
+
+    def advance(self, num_consumed: int = 1) -> None:
+        """Move the resume point past ``num_consumed`` more packs of this rank (one round each)."""
+        while num_consumed > 0:
+            left = self._num_rounds(self.consumed)
+            if num_consumed < left:
+                self.consumed += num_consumed * self.dp_size
+                return
+            num_consumed -= left
+            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        """Plain ints and bools (checkpoint-safe): the resume point and what it depends on."""
+        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
+                "num_packs": self.num_packs, "seed": self.seed, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "dp_size": self.dp_size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state``'s next pack; refuses a state from another dataset, seed or order."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"sampler state version {state.get('version')!r} is not {STATE_VERSION}; this "
+                             "checkpoint was written by another megatron_pack version: start without checkpoint.load.")
+        for key in ("num_packs", "seed", "shuffle"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"sampler state from the checkpoint has {key}={state.get(key)!r} but this run has "
+                    f"{getattr(self, key)!r}; resume with the same packed dataset and train.seed, or start without "
+                    "checkpoint.load to begin a new run.")
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= self.num_packs:
+            raise ValueError(f"sampler state consumed={consumed} is outside [0, num_packs={self.num_packs}].")
+        self.epoch, self.consumed = int(state["epoch"]), consumed
+
+
+class PackLoader:
+    """Iterates THD batches for the training loop; its state counts batches handed out.
+
+    Wraps a ``DataLoader(dataset, sampler=PackSampler, batch_size=None, collate_fn=...)``: the
+    dataset's item is one pack (a list of samples) and ``collate_fn`` turns it into one THD
+    batch, in the worker processes when ``num_workers > 0``. Each batch yielded advances the
+    sampler by one pack, so ``state_dict()`` reflects consumption, never worker prefetch.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable, sampler: PackSampler, num_workers: int = 0,
+                 **loader_kwargs: Any):
+        self.sampler = sampler
+        self._loader = DataLoader(dataset, batch_size=None, sampler=sampler, collate_fn=collate_fn,
+                                  num_workers=num_workers, **loader_kwargs)
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self._loader:  # the DataLoader snapshots the sampler's resume point here
+            self.sampler.advance(1)
+            yield batch
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch."""
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore before calling ``iter``; an iterator created earlier keeps its old position."""
+        self.sampler.load_state_dict(state)
+
+
+def build_pack_loader(dataset: Any, collate_fn: Callable, sampler: PackSampler, num_workers: int = 0,
+                      *, prefetch_factor: Optional[int] = None, pin_memory: bool = False) -> PackLoader:
+    """A ``PackLoader`` over ``dataset`` (``len`` = number of packs, item = list of samples)."""
+    kwargs: dict[str, Any] = {"pin_memory": pin_memory and torch.cuda.is_available()}
+    if num_workers > 0:
+        kwargs["prefetch_factor"] = prefetch_factor or 2
+    return PackLoader(dataset, collate_fn, sampler, num_workers, **kwargs)

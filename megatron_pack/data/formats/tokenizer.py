@@ -1,0 +1,274 @@
+"""Tokenizers: the embedded byte-level tokenizer (default, no download) and local Hugging Face ones.
+
+Both turn one record into ``(ids, answer_mask)`` with ``encode_sample``: ``ids`` end with eos and
+the answer mask is 1 on completion / assistant tokens and their eos (or everywhere when
+``answer_only_loss`` is off). Sequence boundaries are never found from token values: the
+caller keeps one record per sample.
+
+Byte tokenizer layout (ids 0-255 are the UTF-8 bytes)::
+
+    prompt/completion:  <bos> prompt-bytes completion-bytes <eos>
+    answer mask:          0      0 ... 0    1 ... 1          1
+    chat:               <bos> <|user|> text <eos> <|assistant|> text <eos> ...
+    answer mask:          0      0      0    0          0       1 ... 1  1
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+
+
+@dataclass(frozen=True)
+class SampleSchema:
+    """How to read one record: which layout and which keys."""
+
+    kind: str
+    """'prompt_completion', 'chat', or 'auto' (per record: 'chat' when it has the messages key)."""
+    prompt_key: str = "prompt"
+    """Prompt column (prompt_completion)."""
+    completion_key: str = "completion"
+    """Completion column (prompt_completion)."""
+    messages_key: str = "messages"
+    """Messages column (chat): a list of {"role", "content"}."""
+
+
+def record_kind(record: dict, schema: SampleSchema) -> str:
+    """The layout of one record under ``schema`` ('auto' decides per record)."""
+    if schema.kind != "auto":
+        return schema.kind
+    if schema.messages_key in record:
+        return "chat"
+    if schema.prompt_key in record or schema.completion_key in record:
+        return "prompt_completion"
+    raise RecordError(f"record has keys {sorted(record)}: neither {schema.messages_key!r} (chat) nor "
+                      f"{schema.prompt_key!r}+{schema.completion_key!r}; set data.schema and "
+                      "data.prompt_key / data.completion_key / data.messages_key")
+
+
+class RecordError(ValueError):
+    """A record that cannot be tokenized; ``str`` names what is wrong (the caller adds file and line)."""
+
+
+def _text(record: dict, key: str) -> str:
+    if key not in record:
+        raise RecordError(f"missing key {key!r} (keys present: {sorted(record)}); "
+                          f"set data.prompt_key / data.completion_key / data.messages_key to the right column")
+    value = record[key]
+    if not isinstance(value, str):
+        raise RecordError(f"key {key!r} must be a string, got {type(value).__name__} ({value!r:.40}); store text "
+                          f"there, or point data.prompt_key / data.completion_key at the text columns")
+    return value
+
+
+def _messages(record: dict, key: str) -> list[dict]:
+    if key not in record:
+        raise RecordError(f"missing key {key!r} (keys present: {sorted(record)}); set data.messages_key")
+    messages = record[key]
+    if not isinstance(messages, list) or not messages:
+        raise RecordError(f"key {key!r} must be a non-empty list of {{role, content}}, got {type(messages).__name__} "
+                          f"({messages!r:.40}); write the conversation as a list of messages or remove the record")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise RecordError(f"{key}[{i}] must be a dict with a string 'content', got {message!r:.80}; write "
+                              "each message as {\"role\": ..., \"content\": \"text\"}")
+        if message.get("role") not in ROLES:
+            raise RecordError(f"{key}[{i}].role ({message.get('role')!r}) must be one of {list(ROLES)}; rename the "
+                              "role in the data")
+    _check_role_order(messages, key)
+    if not any(m["content"] for m in messages):
+        raise RecordError(f"the sample is empty: every {key}[i].content is an empty string; remove the record "
+                          "or fill it in")
+    return messages
+
+
+_ALLOWED_NEXT = {None: ("system", "user"), "system": ("user",), "user": ("assistant",),
+                 "assistant": ("user", "tool"), "tool": ("assistant", "tool")}
+"""Roles that may follow each role: optional system first, then user/assistant alternating, tool
+results only after an assistant turn (the order chat templates accept)."""
+
+
+def _check_role_order(messages: list[dict], key: str) -> None:
+    previous = None
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role not in _ALLOWED_NEXT[previous]:
+            after = f"after {previous!r}" if previous else "as the first message"
+            raise RecordError(f"{key}[{i}].role ({role!r}) is out of order {after} (allowed: "
+                              f"{list(_ALLOWED_NEXT[previous])}); a chat is an optional system message, then user "
+                              "and assistant turns alternating (tool only after assistant): fix the record's order")
+        previous = role
+
+
+def _prompt_completion(record: dict, schema: SampleSchema) -> tuple[str, str]:
+    """The prompt and completion strings; both empty is an empty sample, an error."""
+    prompt, completion = _text(record, schema.prompt_key), _text(record, schema.completion_key)
+    if not prompt and not completion:
+        raise RecordError(f"the sample is empty: {schema.prompt_key!r} and {schema.completion_key!r} are both "
+                          "empty strings; remove the record or fill it in")
+    return prompt, completion
+
+
+class ByteTokenizer:
+    """UTF-8 bytes (ids 0-255) plus special tokens; needs no files and no download."""
+
+    name = "byte"
+
+    def __init__(self):
+        self.specials = {tok: 256 + i for i, tok in enumerate(BYTE_SPECIALS)}
+        self.vocab_size = 256 + len(BYTE_SPECIALS)
+        self.pad_id = self.specials["<pad>"]
+        self.bos_id = self.specials["<bos>"]
+        self.eos_id = self.specials["<eos>"]
+        self.role_ids = {role: self.specials[f"<|{role}|>"] for role in ROLES}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        names = {v: k for k, v in self.specials.items()}
+        out, run = [], bytearray()
+        for i in (int(x) for x in ids):
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append(names.get(i, f"<unk:{i}>"))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def identity(self) -> dict:
+        return _identity(self.name, {"bytes": 256, "specials": self.specials}, self)
+
+    def encode_sample(self, record: dict, schema: SampleSchema, *, answer_only_loss: bool = True):
+        """``(ids, answer_mask)`` as int32 / uint8 arrays; see the module docstring for the layout."""
+        if record_kind(record, schema) == "prompt_completion":
+            prompt, completion = (t.encode("utf-8") for t in _prompt_completion(record, schema))
+            pieces = [([self.bos_id], 0), (prompt, 0), (completion, 1), ([self.eos_id], 1)]
+        else:
+            pieces = [([self.bos_id], 0)]
+            for message in _messages(record, schema.messages_key):
+                answer = int(message["role"] == "assistant")
+                pieces += [([self.role_ids[message["role"]]], 0), (message["content"].encode("utf-8"), answer),
+                           ([self.eos_id], answer)]
+        return _join(pieces, answer_only_loss)
+
+
+def _join(pieces, answer_only_loss: bool):
+    ids = np.concatenate([np.frombuffer(p, dtype=np.uint8) if isinstance(p, bytes) else np.asarray(p)
+                          for p, _ in pieces]).astype(np.int32)
+    if answer_only_loss:
+        mask = np.repeat(np.array([a for _, a in pieces], dtype=np.uint8), [len(p) for p, _ in pieces])
+    else:
+        mask = np.ones(len(ids), dtype=np.uint8)
+    return ids, mask
+
+
+def _identity(name: str, vocab, tok) -> dict:
+    digest = hashlib.sha256(json.dumps(vocab, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return {"name": name, "vocab_size": tok.vocab_size, "vocab_hash": digest,
+            "special_ids": {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}}
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local directory (``pip install megatron_pack[hf]``).
+
+    Chat records use the tokenizer's chat template. Assistant spans come from the template's
+    ``{% generation %}`` markers when it has them; otherwise from growing prefixes: the
+    assistant turn ``i`` is what ``template(messages[:i+1])`` adds after
+    ``template(messages[:i], add_generation_prompt=True)``.
+    """
+
+    def __init__(self, path: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ImportError(f"data.tokenizer={path!r} is a Hugging Face tokenizer, which needs transformers: "
+                              "pip install 'megatron_pack[hf]', or use data.tokenizer=byte.") from exc
+        self.path = str(path)
+        self.tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.name = Path(self.path).name
+        self.vocab_size = len(self.tok)
+        if self.tok.eos_token_id is None:
+            raise ValueError(f"tokenizer {self.path} has no eos token; set eos_token in its tokenizer_config.json.")
+        self.eos_id = int(self.tok.eos_token_id)
+        self.bos_id = None if self.tok.bos_token_id is None else int(self.tok.bos_token_id)
+        self.pad_id = int(self.tok.pad_token_id) if self.tok.pad_token_id is not None else self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def identity(self) -> dict:
+        vocab = {"vocab": self.tok.get_vocab(), "chat_template": self.tok.chat_template}
+        return _identity(self.name, vocab, self)
+
+    def encode_sample(self, record: dict, schema: SampleSchema, *, answer_only_loss: bool = True):
+        if record_kind(record, schema) == "prompt_completion":
+            prompt_text, completion_text = _prompt_completion(record, schema)
+            prompt = self.tok.encode(prompt_text, add_special_tokens=True)
+            completion = self.encode(completion_text)
+            pieces = [(prompt, 0), (completion, 1), ([self.eos_id], 1)]
+            return _join(pieces, answer_only_loss)
+        messages = _messages(record, schema.messages_key)
+        from jinja2 import TemplateError
+
+        try:
+            ids, mask = self.chat_ids_and_mask(messages)
+        except TemplateError as exc:  # e.g. a template that raises for a system message
+            raise RecordError(f"the chat template of {self.path} refuses this conversation ({exc}); change the "
+                              "record's roles to what the template accepts, or use another data.tokenizer") from None
+        if ids[-1] != self.eos_id:  # the sample contract: ids end with eos
+            ids, mask = ids + [self.eos_id], mask + [mask[-1]]
+        ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+        return ids, (mask if answer_only_loss else np.ones_like(mask))
+
+    def _template(self, messages, add_generation_prompt=False) -> list[int]:
+        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                           return_dict=True)
+        return list(out["input_ids"])
+
+    def chat_ids_and_mask(self, messages: list[dict], *, use_generation_markers: bool | None = None):
+        """Template ids and the assistant mask (lists); markers when the template has them."""
+        if use_generation_markers is None:
+            use_generation_markers = "{% generation %}" in (self.tok.chat_template or "")
+        if use_generation_markers:
+            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                               return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+        return self._prefix_mask(messages)
+
+    def _prefix_mask(self, messages: list[dict]):
+        ids = self._template(messages)
+        mask = [0] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prefix = self._template(messages[:i], add_generation_prompt=True) if i else []
+            end_ids = self._template(messages[:i + 1])
+            start = len(prefix)
+            if ids[:len(end_ids)] != end_ids or end_ids[:start] != prefix:
+                raise RecordError(f"chat template of {self.path} is not prefix-stable at message {i}, so "
+                                  "assistant spans cannot be found; add {% generation %} markers to the template")
+            mask[start:len(end_ids)] = [1] * (len(end_ids) - start)
+        return ids, mask
+
+
+def build_tokenizer(name_or_path: str):
+    """``'byte'`` -> ``ByteTokenizer``; a local directory -> ``HFTokenizer``."""
+    if name_or_path == "byte":
+        return ByteTokenizer()
+    if not Path(name_or_path).is_dir():
+        raise ValueError(f"data.tokenizer ({name_or_path!r}) is neither 'byte' nor a local directory; "
+                         "set data.tokenizer=byte or data.tokenizer=/path/to/hf_tokenizer_dir (no downloads).")
+    return HFTokenizer(name_or_path)

@@ -1,0 +1,12 @@
+"""Packing: algorithms (``algorithms``), plans on disk (``plan``), the plan report (``report``),
+the Megatron-Bridge export (``bridge``).
+
+``megatron_pack.data.packing.plan_packing`` (public) and the other names of the algorithms
+module are re-exported here.
+"""
+
+from megatron_pack.data.packing.algorithms import (  # noqa: F401
+    ALGORITHMS, thd_lengths, PackingPlan, lower_bound_bins, plan_packing,
+)
+
+__all__ = ['ALGORITHMS', 'thd_lengths', 'PackingPlan', 'lower_bound_bins', 'plan_packing']
