@@ -17,9 +17,7 @@ MOVED = [
     ("megatron_pack.data.sources", "megatron_pack.data.formats.sources"),
     ("megatron_pack.data.tokenizer", "megatron_pack.data.formats.tokenizer"),
     ("megatron_pack.data.synthetic", "megatron_pack.data.formats.synthetic"),
-    ("megatron_pack.data.store", "megatron_pack.data.store.token_store"),
     ("megatron_pack.data.atomic", "megatron_pack.data.store.atomic"),
-    ("megatron_pack.data.packing", "megatron_pack.data.packing.algorithms"),
     ("megatron_pack.data.plan", "megatron_pack.data.packing.plan"),
     ("megatron_pack.data.report", "megatron_pack.data.packing.report"),
     ("megatron_pack.data.bridge", "megatron_pack.data.packing.bridge"),
@@ -29,11 +27,30 @@ MOVED = [
     ("megatron_pack.data.sampler", "megatron_pack.data.batches.sampler"),
 ]
 
+# old modules that are packages now, and the module whose names they re-export
+PACKAGES = [
+    ("megatron_pack.data.store", "megatron_pack.data.store.token_store"),
+    ("megatron_pack.data.packing", "megatron_pack.data.packing.algorithms"),
+]
+
+
+def _defined_public_names(module) -> list[str]:
+    tree = ast.parse(inspect.getsource(module))
+    names = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return [n for n in names if not n.startswith("_")]
+
+
 # names that moved out of a module into the metadata format, the pad rules or the loader
 MOVED_NAMES = [
     ("megatron_pack.data.dataset", "read_metadata", "megatron_pack.data.store.metadata"),
     ("megatron_pack.data.dataset", "verify_files", "megatron_pack.data.store.metadata"),
     ("megatron_pack.data.dataset", "list_plans", "megatron_pack.data.store.metadata"),
+    ("megatron_pack.data.plan", "PLAN_FORMAT_VERSION", "megatron_pack.data.store.metadata"),
     ("megatron_pack.data.dataset", "check_tokenizer", "megatron_pack.data.store.metadata"),
     ("megatron_pack.data.plan", "PlanSettings", "megatron_pack.data.store.metadata"),
     ("megatron_pack.data.plan", "PLAN_FORMAT", "megatron_pack.data.store.metadata"),
@@ -56,24 +73,29 @@ PUBLIC = [
 ]
 
 
-def _defined_public_names(module) -> list[str]:
-    tree = ast.parse(inspect.getsource(module))
-    names = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.append(node.name)
-        elif isinstance(node, ast.Assign):
-            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
-    return [n for n in names if not n.startswith("_")]
-
-
 @pytest.mark.parametrize("old,new", MOVED, ids=[o.rsplit(".", 1)[1] for o, _ in MOVED])
-def test_old_path_reexports_every_public_name(old, new):
+def test_old_module_path_imports_the_moved_module(old, new):
+    """``import megatron_pack.data.thd`` gives the module now at data/batches/thd.py: one object."""
     old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
+    assert old_mod is new_mod
+    assert sys.modules[old] is new_mod
+
+
+@pytest.mark.parametrize("package,new", PACKAGES, ids=[p.rsplit(".", 1)[1] for p, _ in PACKAGES])
+def test_old_module_turned_package_reexports_every_public_name(package, new):
+    pkg, new_mod = importlib.import_module(package), importlib.import_module(new)
     names = _defined_public_names(new_mod)
-    assert names, f"{new} defines no public name: the check would pass vacuously"
+    assert len(names) >= 4, f"{new} defines too few public names: the check would pass vacuously"
     for name in names:
-        assert getattr(old_mod, name) is getattr(new_mod, name), f"{old}.{name} is not {new}.{name}"
+        assert getattr(pkg, name) is getattr(new_mod, name), f"{package}.{name} is not {new}.{name}"
+
+
+def test_old_paths_table_matches_the_moves():
+    from megatron_pack.data import OLD_PATHS
+
+    assert {f"megatron_pack.data.{o}": f"megatron_pack.data.{n}" for o, n in OLD_PATHS.items()} == dict(MOVED)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("megatron_pack.data.no_such_module")
 
 
 @pytest.mark.parametrize("old,name,new", MOVED_NAMES, ids=[f"{o.rsplit('.', 1)[1]}.{n}" for o, n, _ in MOVED_NAMES])

@@ -23,6 +23,7 @@ from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.atomic import read_json
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, check_tokenizer, describe_settings,
                                                list_plans, plan_settings, read_metadata)
+from megatron_pack.data.store.metadata import verify_files  # noqa: F401  (this module's name before the split)
 from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
 
 class PackedSFTDataset:
