@@ -26,8 +26,8 @@ def _setup_logging(level: str, rank: int) -> None:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.config import config_to_yaml, load_config, validate
-    from megatron_pack.parallel.dims import ParallelDims
-    from megatron_pack.training.loop import build_loader, open_dataset, run_summary, run_training
+    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.training.loop import build_loader, run_summary, run_training
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     state = initialize_parallel(cfg)
     if rank == 0:
         print("resolved config:\n" + config_to_yaml(cfg), flush=True)
-        print("parallel layout: " + ParallelDims.from_config(cfg, world_size).describe(), flush=True)
+        print("parallel layout: " + state.describe(), flush=True)
     try:
         run_training(cfg, state, build_loader(cfg, state, dataset))
     finally:

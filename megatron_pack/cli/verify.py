@@ -183,16 +183,14 @@ def format_pack(result: PackResult, tolerance: float) -> str:
 
 def run_verify(cfg, *, out=print) -> int:
     """Verify ``cfg.verify.num_packs`` packs of ``cfg.data.dataset_dir``; 0 when all pass, else 1."""
-    from megatron_pack.data.batches.dataset import PackedSFTDataset
-    from megatron_pack.data.batches.thd import make_collate_fn
+    from megatron_pack.data.batches.loader import collate_from_config, open_dataset
     from megatron_pack.model.builder import build_model
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
-    dataset = PackedSFTDataset.from_config(cfg)
+    dataset = open_dataset(cfg)
     meta = dataset.metadata
-    collate = make_collate_fn(meta, pad_to_max_length=cfg.data.pad_to_max_length,
-                              pad_cu_seqlens=cfg.packing.pad_cu_seqlens)
+    collate = collate_from_config(cfg, meta)
     import torch.distributed as dist
 
     local_cfg = single_process_config(cfg)

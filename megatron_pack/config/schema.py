@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_pack.config.choices import ATTENTION_MODES, CP_COMM_TYPES, PACKING_ALGORITHMS
+
 
 class ConfigError(ValueError):
     """One or more config problems; ``problems`` holds one message per problem."""
@@ -222,7 +224,7 @@ class PackingConfig(_Group):
         g = self.GROUP
         problems = _positive(g, self, ("packed_sequence_size", "pad_seq_to_mult", "max_single_sequence_length",
                                        "seed"), allow_zero=("packed_sequence_size", "seed"))
-        problems += _choice(g, self, "algorithm", ("bfd", "ffd", "first_fit_shuffle", "sequential"))
+        problems += _choice(g, self, "algorithm", PACKING_ALGORITHMS)
         problems += _choice(g, self, "on_overflow", ("error", "drop", "truncate"))
         problems += _choice(g, self, "export", ("none", "bridge"))
         return problems
@@ -254,7 +256,7 @@ class ParallelConfig(_Group):
         g = self.GROUP
         problems = _positive(g, self, ("tensor_model_parallel_size", "context_parallel_size",
                                        "pipeline_model_parallel_size"))
-        problems += _choice(g, self, "cp_comm_type", ("p2p", "a2a", "allgather", "a2a+p2p"))
+        problems += _choice(g, self, "cp_comm_type", CP_COMM_TYPES)
         problems += _choice(g, self, "backend", ("auto", "nccl", "gloo"))
         return problems
 
@@ -390,7 +392,7 @@ class VerifyConfig(_Group):
 
     def field_problems(self) -> list[str]:
         problems = _positive(self.GROUP, self, ("num_packs",))
-        problems += _choice(self.GROUP, self, "attention", ("thd", "pack_causal"))
+        problems += _choice(self.GROUP, self, "attention", ATTENTION_MODES)
         if not self.tolerance > 0:
             problems.append(f"verify.tolerance ({self.tolerance}) must be > 0; set verify.tolerance=1e-4.")
         return problems

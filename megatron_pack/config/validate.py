@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["collect_problems", "effective_pad_multiple", "validate"]
+__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "validate",
+           "validate_parallel", "vocab_problems"]
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -42,23 +43,38 @@ def _layout(cfg: Config) -> tuple[int, int, bool]:
     return par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel
 
 
-def _validate_world_size(cfg: Config, world_size: Optional[int]) -> list[str]:
-    """world size divisible by TP*CP*PP (only where the world size is known)."""
+def _world_size_problems(par: ParallelConfig, world_size: Optional[int]) -> list[str]:
     if world_size is None:
         return []
-    par = cfg.parallel
     tp, cp, pp = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
     problem = world_size_problem(world_size, tp, cp, pp)
     return [problem] if problem else []
 
 
-def _validate_pipeline_parallel(cfg: Config) -> list[str]:
-    pp = cfg.parallel.pipeline_model_parallel_size
+def _pipeline_problems(par: ParallelConfig) -> list[str]:
+    pp = par.pipeline_model_parallel_size
     if pp > 1:
         return [f"parallel.pipeline_model_parallel_size ({pp}) > 1 is not supported yet (packed THD batches are "
                 "not split into pipeline stages); set parallel.pipeline_model_parallel_size=1 and use "
                 "parallel.tensor_model_parallel_size or parallel.context_parallel_size instead."]
     return []
+
+
+def _sequence_parallel_problems(par: ParallelConfig) -> list[str]:
+    tp = par.tensor_model_parallel_size
+    if par.sequence_parallel and tp <= 1:
+        return ["parallel.sequence_parallel (True) requires parallel.tensor_model_parallel_size > 1 "
+                f"(it is {tp}); set parallel.sequence_parallel=false or parallel.tensor_model_parallel_size=2."]
+    return []
+
+
+def _validate_world_size(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """world size divisible by TP*CP*PP (only where the world size is known)."""
+    return _world_size_problems(cfg.parallel, world_size)
+
+
+def _validate_pipeline_parallel(cfg: Config) -> list[str]:
+    return _pipeline_problems(cfg.parallel)
 
 
 def _validate_context_parallel(cfg: Config) -> list[str]:
@@ -198,9 +214,45 @@ def _validate_tensor_parallel(cfg: Config) -> list[str]:
             problems.append(f"model.{key} ({value}) must be divisible by parallel.tensor_model_parallel_size ({tp}); "
                             f"set parallel.tensor_model_parallel_size to a divisor of {value}, "
                             f"or model.{key}={_ceil_to(value, tp)}.")
-    if cfg.parallel.sequence_parallel and tp <= 1:
-        problems.append("parallel.sequence_parallel (True) requires parallel.tensor_model_parallel_size > 1 "
-                        f"(it is {tp}); set parallel.sequence_parallel=false or parallel.tensor_model_parallel_size=2.")
+    return problems + _sequence_parallel_problems(cfg.parallel)
+
+
+def vocab_problems(cfg: Config) -> list[str]:
+    """model.vocab_size divisible by TP (the embedding and output layer are split over TP ranks)."""
+    tp, vocab = cfg.parallel.tensor_model_parallel_size, cfg.model.vocab_size
+    if vocab % tp:
+        return [f"model.vocab_size ({vocab}) must be divisible by parallel.tensor_model_parallel_size ({tp}) so every "
+                f"TP size builds the same model; set model.vocab_size={_ceil_to(vocab, tp)}."]
+    return []
+
+
+def _validate_vocab_size(cfg: Config) -> list[str]:
+    return vocab_problems(cfg)
+
+
+def distributed_optimizer_problems(cfg: Config) -> list[str]:
+    """ddp.use_distributed_optimizer is refused: the trainer's AdamW keeps whole optimizer state per rank."""
+    if cfg.ddp.use_distributed_optimizer:
+        return ["ddp.use_distributed_optimizer (True) is not supported by this trainer's AdamW (optimizer state is "
+                "kept whole on each rank); set ddp.use_distributed_optimizer=false."]
+    return []
+
+
+def _validate_distributed_optimizer(cfg: Config) -> list[str]:
+    return distributed_optimizer_problems(cfg)
+
+
+def _validate_attention_backend(cfg: Config) -> list[str]:
+    """The torch THD attention cannot be captured in a CUDA graph, and the broken verify mode exists only there."""
+    problems = []
+    backend, impl, mode = cfg.model.attention_backend, cfg.model.cuda_graph_impl, cfg.verify.attention
+    if backend == "torch" and impl != "none":
+        problems.append(f"model.cuda_graph_impl ({impl}) needs the Transformer Engine backend (the torch THD attention "
+                        "reads cu_seqlens on the host, which a CUDA graph cannot capture), but model.attention_backend="
+                        "torch; set model.attention_backend=te or model.cuda_graph_impl=none.")
+    if backend == "te" and mode != "thd":
+        problems.append(f"verify.attention ({mode}) exists only in the torch attention, but model.attention_backend=te; "
+                        "set model.attention_backend=torch (or auto).")
     return problems
 
 
@@ -290,6 +342,9 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_pad_multiple,
     _validate_packed_sizes,
     _validate_device,
+    _validate_vocab_size,
+    _validate_distributed_optimizer,
+    _validate_attention_backend,
 )
 
 
@@ -313,5 +368,13 @@ def validate(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Opt
     ``dataset_meta={}`` when the dataset was looked for and has no metadata file.
     """
     problems = collect_problems(cfg, world_size=world_size, dataset_meta=dataset_meta)
+    if problems:
+        raise ConfigError(problems)
+
+
+def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None:
+    """The layout rules of ``validate`` alone (world size, PP, sequence parallelism), for code that
+    holds only ``parallel.*``: ``initialize_parallel`` calls it before any process group starts."""
+    problems = _world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
     if problems:
         raise ConfigError(problems)

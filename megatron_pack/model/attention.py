@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-ATTENTION_MODES = ("thd", "pack_causal")
+from megatron_pack.config.choices import ATTENTION_MODES  # re-exported: model.attention.ATTENTION_MODES
+
 
 
 def _as_list(values) -> list[int]:

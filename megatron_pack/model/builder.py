@@ -25,13 +25,22 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_pack.config.schema import Config
+from megatron_pack.config.choices import CP_COMM_TYPES
+from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.config.validate import vocab_problems
 from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
 from megatron_pack.model.norms import SequenceParallelNorm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_CP_COMM_TYPES = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather", "a2a+p2p": "a2a+p2p"}
-"""parallel.cp_comm_type -> megatron-core / Transformer Engine spelling."""
+_TE_CP_COMM_SPELLING = {"allgather": "all_gather"}
+"""parallel.cp_comm_type values (``config.choices.CP_COMM_TYPES``) that Transformer Engine spells otherwise."""
+
+
+def te_cp_comm_type(value: str) -> str:
+    """``parallel.cp_comm_type`` in megatron-core / Transformer Engine spelling: ``allgather -> all_gather``."""
+    if value not in CP_COMM_TYPES:
+        raise ValueError(f"parallel.cp_comm_type ({value!r}) must be one of {list(CP_COMM_TYPES)}.")
+    return _TE_CP_COMM_SPELLING.get(value, value)
 
 
 def te_import_error() -> Optional[str]:
@@ -96,7 +105,7 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16, pipeline_dtype=_DTYPES[m.params_dtype],
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         context_parallel_size=p.context_parallel_size, pipeline_model_parallel_size=1,
-        sequence_parallel=p.sequence_parallel, cp_comm_type=_CP_COMM_TYPES[p.cp_comm_type] if fused else None,
+        sequence_parallel=p.sequence_parallel, cp_comm_type=te_cp_comm_type(p.cp_comm_type) if fused else None,
         calculate_per_token_loss=m.calculate_per_token_loss,
         # CPU init builds each full weight from the default generator and slices it, so a model
         # has the same weights for every TP size (what the parallel-invariance tests rely on).
@@ -165,11 +174,10 @@ def _check_cuda_graphs(cfg: Config, backend: str) -> None:
 
 
 def _check_divisibility(cfg: Config) -> None:
-    tp, vocab = cfg.parallel.tensor_model_parallel_size, cfg.model.vocab_size
-    if vocab % tp != 0:
-        padded = -(-vocab // tp) * tp
-        raise ValueError(f"model.vocab_size ({vocab}) must be divisible by parallel.tensor_model_parallel_size "
-                         f"({tp}) so every TP size builds the same model; set model.vocab_size={padded}.")
+    """validate()'s vocab rule again, for a ``Config`` built in Python without ``load_config``."""
+    problems = vocab_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
 
 
 def build_model(cfg: Config, pg=None, *, attention_mode: str = "thd"):

@@ -16,10 +16,11 @@ Example (8 ranks, ``parallel=tp2_cp2_sp``)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple,
                                          world_size_message, world_size_problem)
-from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 
 __all__ = ["ParallelDims", "effective_pad_multiple", "pad_rule_text", "required_pad_multiple", "world_size_message"]
 
@@ -48,14 +49,20 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
         """Derive the layout; raises ``ConfigError`` when world_size does not divide into it."""
-        par = cfg.parallel
+        return cls.from_parallel_config(cfg.parallel, world_size, pad_seq_to_mult=cfg.packing.pad_seq_to_mult)
+
+    @classmethod
+    def from_parallel_config(cls, par: ParallelConfig, world_size: int, *,
+                             pad_seq_to_mult: Optional[int] = None) -> "ParallelDims":
+        """The layout of ``parallel.*`` on ``world_size`` ranks; ``pad_seq_to_mult`` None derives the pad multiple."""
         tp, cp, pp = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
         problem = world_size_problem(world_size, tp, cp, pp)
         if problem:
             raise ConfigError([problem])
+        rule = required_pad_multiple(cp, tp, par.sequence_parallel)
         return cls(world_size=world_size, tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp),
-                   sp=par.sequence_parallel, pad_multiple=effective_pad_multiple(cfg),
-                   pad_multiple_explicit=cfg.packing.pad_seq_to_mult is not None)
+                   sp=par.sequence_parallel, pad_multiple=rule if pad_seq_to_mult is None else pad_seq_to_mult,
+                   pad_multiple_explicit=pad_seq_to_mult is not None)
 
     @property
     def tp_enabled(self) -> bool:

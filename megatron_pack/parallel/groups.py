@@ -19,61 +19,95 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_pack.config.schema import Config, ParallelConfig
+from megatron_pack.config.validate import validate_parallel
+from megatron_pack.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
 class ParallelState:
-    """Groups and ranks of this process, built once by ``initialize_parallel``."""
+    """The parallel layout of this run and this process's place in it: one object, built once.
 
+    ``dims`` holds the degrees (``ParallelDims``: world = dp x cp x tp x pp, the pad multiple),
+    the same object ``megatron-pack train`` describes before groups start; the rest is what
+    only exists once ``torch.distributed`` runs: this process's ranks and its process groups,
+    expert groups included (``pg_collection.ep`` / ``.expt_dp``, for megatron-core's DDP).
+    """
+
+    dims: ParallelDims
+    """Degrees of the run (the sizes below are read from here)."""
     rank: int
     """Global rank."""
-    world_size: int
-    """Number of processes."""
     backend: str
     """torch.distributed backend in use ('gloo' or 'nccl')."""
     device: torch.device
     """Device the model lives on (cpu without CUDA, else this process's GPU)."""
-    tp_size: int
-    """Tensor-parallel degree."""
     tp_rank: int
     """Rank inside the tensor-parallel group."""
-    cp_size: int
-    """Context-parallel degree."""
     cp_rank: int
     """Rank inside the context-parallel group."""
-    dp_size: int
-    """Data-parallel degree (without CP)."""
     dp_rank: int
     """Rank inside the data-parallel group."""
-    sequence_parallel: bool
-    """Activations are sharded along the sequence inside TP regions."""
-    tp_group: Any
+    tp_group: dist.ProcessGroup
     """Tensor-parallel process group."""
-    cp_group: Any
+    cp_group: dist.ProcessGroup
     """Context-parallel process group."""
-    dp_group: Any
+    dp_group: dist.ProcessGroup
     """Data-parallel process group (without CP)."""
-    dp_cp_group: Any
+    dp_cp_group: dist.ProcessGroup
     """Data x context-parallel group: gradients and token counts are summed over it."""
-    pg_collection: Any
-    """megatron-core ``ProcessGroupCollection`` with the same groups (for megatron modules)."""
+    pg_collection: "ProcessGroupCollection"
+    """megatron-core ``ProcessGroupCollection`` with the same groups plus the expert groups (for
+    megatron modules, DDP and ``finalize_model_grads``); nothing reads megatron's globals for them."""
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return self.dims.world_size
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel degree."""
+        return self.dims.tp
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel degree."""
+        return self.dims.cp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree (without CP)."""
+        return self.dims.dp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Activations are sharded along the sequence inside TP regions."""
+        return self.dims.sp
 
     @property
     def num_dp_cp_ranks(self) -> int:
         """Size of the DP x CP group."""
-        return self.dp_size * self.cp_size
+        return self.dims.dp_cp
+
+    def describe(self) -> str:
+        """One line naming every degree and where the pad multiple comes from."""
+        return self.dims.describe()
 
 
 _MEGATRON_GROUPS = ("tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "intra_dp_cp", "tp_dp_cp", "embd", "pos_embd",
                     "ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp", "intra_expt_dp", "intra_dist_opt")
 """Groups put into ``ParallelState.pg_collection`` (everything megatron-core's GPTModel, DDP and
-``finalize_model_grads`` ask for; expert groups are trivial without MoE but DDP requires them)."""
+``finalize_model_grads`` ask for; the expert groups ``ep`` / ``expt_dp`` are trivial without MoE but
+DDP requires them, so they come from here rather than from megatron's globals)."""
 
 
 def _resolve_backend(requested: Optional[str]) -> str:
@@ -111,18 +145,11 @@ def _parallel_config(cfg_or_parallel_cfg: Config | ParallelConfig) -> ParallelCo
     return cfg_or_parallel_cfg.parallel
 
 
-def _check_world(pcfg: ParallelConfig, world_size: int) -> None:
-    tp, cp, pp = pcfg.tensor_model_parallel_size, pcfg.context_parallel_size, pcfg.pipeline_model_parallel_size
-    if pp != 1:
-        raise ValueError(f"parallel.pipeline_model_parallel_size ({pp}) must be 1: pipeline parallelism is "
-                         "not supported; set parallel.pipeline_model_parallel_size=1.")
-    if world_size % (tp * cp) != 0:
-        from megatron_pack.parallel.dims import world_size_message
-
-        raise ValueError(world_size_message(world_size, tp, cp, pp))
-    if pcfg.sequence_parallel and tp == 1:
-        raise ValueError("parallel.sequence_parallel (True) needs parallel.tensor_model_parallel_size > 1; "
-                         "set parallel.sequence_parallel=false.")
+def _launched_world_size() -> int:
+    """The world size this process will join, known before any process group starts."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
 
 
 def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend: Optional[str] = None
@@ -138,8 +165,10 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
 
     pcfg = _parallel_config(cfg_or_parallel_cfg)
     chosen = _resolve_backend(backend if backend is not None else pcfg.backend)
+    validate_parallel(pcfg, world_size=_launched_world_size())  # ConfigError before any group starts
     _init_process_group(chosen)
-    _check_world(pcfg, dist.get_world_size())
+    pad_seq_to_mult = cfg_or_parallel_cfg.packing.pad_seq_to_mult if isinstance(cfg_or_parallel_cfg, Config) else None
+    dims = ParallelDims.from_parallel_config(pcfg, dist.get_world_size(), pad_seq_to_mult=pad_seq_to_mult)
     if mpu.model_parallel_is_initialized():
         raise RuntimeError("megatron-core model-parallel groups are already initialised; call "
                            "megatron_pack.parallel.groups.destroy_parallel() before initialising again.")
@@ -152,10 +181,11 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(_MEGATRON_GROUPS))
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
               else torch.device("cpu"))
+    sizes = {"tp": (pgs.tp.size(), dims.tp), "cp": (pgs.cp.size(), dims.cp), "dp": (pgs.dp.size(), dims.dp)}
+    assert all(got == want for got, want in sizes.values()), f"megatron-core built other groups than {dims}: {sizes}"
     return ParallelState(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend(), device=device,
-        tp_size=pgs.tp.size(), tp_rank=pgs.tp.rank(), cp_size=pgs.cp.size(), cp_rank=pgs.cp.rank(),
-        dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), sequence_parallel=bool(pcfg.sequence_parallel),
+        dims=dims, rank=dist.get_rank(), backend=dist.get_backend(), device=device,
+        tp_rank=pgs.tp.rank(), cp_rank=pgs.cp.rank(), dp_rank=pgs.dp.rank(),
         tp_group=pgs.tp, cp_group=pgs.cp, dp_group=pgs.dp, dp_cp_group=pgs.dp_cp, pg_collection=pgs,
     )
 

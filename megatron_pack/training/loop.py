@@ -21,18 +21,23 @@ A rank whose tokens are all masked contributes a zero loss sum and zero gradient
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megatron_pack.config.schema import Config
+from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.config.validate import distributed_optimizer_problems
+from megatron_pack.data.batches import loader as loader_lib
+from megatron_pack.data.batches.dataset import PackedSFTDataset
+from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
+from megatron_pack.data.batches.sampler import PackLoader
+from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, MegatronTrainOptimizer, TrainOptimizer, build_optimizer
@@ -40,6 +45,17 @@ from megatron_pack.training.optim import LRSchedule, MegatronTrainOptimizer, Tra
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
 """logging.log_sample_ids lines; INFO on every rank (each DP rank reads other packs), see cli/train.py."""
+
+
+class ResumableLoader(Protocol):
+    """What the loop needs of a loader (``PackLoader``, or a test's list of batches): THD batches
+    in order, and a state that resumes at the next one."""
+
+    def __iter__(self) -> Iterator[dict]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclass
@@ -81,19 +97,7 @@ class RecordingIterator:
         return packs, batches
 
 
-def ddp_process_groups(state) -> Any:
-    """The groups megatron-core's DDP needs: ours plus its expert groups (unused, but required)."""
-    from megatron.core import parallel_state as mpu
-
-    pgs = copy.copy(state.pg_collection)
-    if not hasattr(pgs, "ep"):
-        pgs.ep = mpu.get_expert_model_parallel_group()
-    if not hasattr(pgs, "expt_dp"):
-        pgs.expt_dp = mpu.get_expert_data_parallel_group()
-    return pgs
-
-
-def wrap_ddp(cfg: Config, model: torch.nn.Module, state) -> torch.nn.Module:
+def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch.nn.Module:
     """megatron-core ``DistributedDataParallel`` with ``average_in_collective`` from ``cfg.ddp``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -102,7 +106,8 @@ def wrap_ddp(cfg: Config, model: torch.nn.Module, state) -> torch.nn.Module:
         grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
         use_distributed_optimizer=d.use_distributed_optimizer, check_for_nan_in_grad=d.check_for_nan_in_grad,
         bucket_size=d.bucket_size, average_in_collective=d.average_in_collective)
-    ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=ddp_process_groups(state))
+    # the expert groups DDP asks for are in state.pg_collection (initialize_parallel), not megatron's globals
+    ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=state.pg_collection)
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = None  # the loop calls it itself, after the loss check
     return ddp
@@ -127,7 +132,7 @@ def forward_backward_cpu(*, forward_step_func: Callable, data_iterator: Iterator
 
 
 def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, model: torch.nn.Module,
-                     num_microbatches: int, state, seq_length: int) -> list[dict]:
+                     num_microbatches: int, state: ParallelState, seq_length: int) -> list[dict]:
     """Run one step's micro-batches: megatron-core's schedule on GPU, the CPU loop otherwise."""
     if state.device.type != "cuda":
         return forward_backward_cpu(forward_step_func=forward_step_func, data_iterator=data_iterator,
@@ -145,11 +150,11 @@ class Trainer:
     """Everything one run holds; built by :func:`build_trainer`, advanced by :meth:`train_step`."""
 
     cfg: Config
-    state: Any
+    state: ParallelState
     model: torch.nn.Module
     optimizer: TrainOptimizer | MegatronTrainOptimizer
     schedule: LRSchedule
-    loader: Any
+    loader: ResumableLoader
     forward_step_func: Callable
     step: int = 0
     data_iterator: Optional[RecordingIterator] = None
@@ -264,42 +269,22 @@ def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
     return save, ckpt.find_latest(save)
 
 
-def open_dataset(cfg: Config):
-    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command)."""
-    from megatron_pack.data.batches.dataset import PackedSFTDataset
-
-    return PackedSFTDataset.from_config(cfg)
-
-
-def build_loader(cfg: Config, state, dataset):
-    """This DP rank's resumable loader of full THD packs: ``PackSampler`` (seeded by
-    ``train.seed``, dealt over DP ranks; every CP/TP rank of a DP rank reads the same packs)
-    and the collate configured from the dataset's metadata and the config's fixed-shape flags."""
-    from megatron_pack.data.batches.sampler import PackSampler, build_pack_loader
-    from megatron_pack.data.batches.thd import make_collate_fn
-
-    collate = make_collate_fn(dataset.metadata, pad_to_max_length=cfg.data.pad_to_max_length,
-                              pad_cu_seqlens=cfg.packing.pad_cu_seqlens)
-    sampler = PackSampler(len(dataset), dp_rank=state.dp_rank, dp_size=state.dp_size, seed=cfg.train.seed)
-    num_left_out = len(dataset) % state.dp_size
-    if num_left_out and state.rank == 0:  # PackSampler's drop_last: count and report, never silent
-        log.warning("%d packs do not split evenly over %d data-parallel ranks: each epoch trains %d of them and "
-                    "leaves out the last %d of its shuffled order (a different %d each epoch); use a data-parallel "
-                    "size that divides %d to train every pack every epoch.", len(dataset), state.dp_size,
-                    len(dataset) - num_left_out, num_left_out, num_left_out, len(dataset))
-    return build_pack_loader(dataset, collate, sampler, num_workers=cfg.data.num_workers,
-                             pin_memory=state.device.type == "cuda")
+def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
+    """This DP rank's loader (``megatron_pack.data.batches.loader.build_loader``) for ``state``'s ranks."""
+    return loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
+                                   pin_memory=state.device.type == "cuda", announce=state.rank == 0)
 
 
-def build_trainer(cfg: Config, state, loader, *, forward_step_func: Optional[Callable] = None) -> Trainer:
+def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
+                  forward_step_func: Optional[Callable] = None) -> Trainer:
     """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` yields full THD packs
     for this DP rank and has ``state_dict()`` / ``load_state_dict()`` (resume at the next pack)."""
     from megatron_pack.model.builder import build_model
     from megatron_pack.training.step import forward_step
 
-    if cfg.ddp.use_distributed_optimizer:
-        raise ValueError("ddp.use_distributed_optimizer (True) is not supported by this trainer's AdamW "
-                         "(optimizer state is kept whole on each rank); set ddp.use_distributed_optimizer=false.")
+    refused = distributed_optimizer_problems(cfg)  # validate()'s rule, for a Config built without load_config
+    if refused:
+        raise ConfigError(refused)
     model = build_model(cfg, state)
     if cfg.train.bf16:  # megatron-core's bf16 wrapper: casts inputs, keeps fp32 main grads
         from megatron.core.transformer.module import Float16Module
@@ -317,7 +302,8 @@ def _should_save(cfg: Config, step: int) -> bool:
     return c.enabled and (step == cfg.train.train_iters or (c.save_interval > 0 and step % c.save_interval == 0))
 
 
-def run_training(cfg: Config, state, loader, *, forward_step_func: Optional[Callable] = None) -> Trainer:
+def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
+                 forward_step_func: Optional[Callable] = None) -> Trainer:
     """Train to ``train.train_iters`` (or ``train.exit_after_iters`` steps in this process),
     resuming from the newest checkpoint when there is one. Returns the trainer (its
     ``pack_log`` holds the sample ids of every pack this rank consumed in this process)."""
@@ -349,7 +335,7 @@ def run_training(cfg: Config, state, loader, *, forward_step_func: Optional[Call
     return trainer
 
 
-def run_summary(cfg: Config, dataset) -> str:
+def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
     """The lines a run ends with: first and last loss, and where its report, logs and checkpoints are."""
     from megatron_pack.training.metrics import read_metrics
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
+from megatron_pack.config.schema import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from megatron_pack.model import builder
 from megatron_pack.model.norms import SequenceParallelNorm
 
@@ -69,8 +69,9 @@ def test_transformer_config_from(overrides, parallel, expected):
 
 
 def test_vocab_not_divisible_by_tp_names_the_fix():
+    """validate()'s rule (config/validate.py), kept as the builder's backstop for Python-built configs."""
     cfg = Config(model=ModelConfig(vocab_size=385), parallel=ParallelConfig(tensor_model_parallel_size=2))
-    with pytest.raises(ValueError, match=r"model.vocab_size \(385\).*set model.vocab_size=386"):
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(385\).*set model.vocab_size=386"):
         builder._check_divisibility(cfg)
 
 
@@ -117,10 +118,36 @@ def test_initialize_parallel_world_of_one(world_of_one):
     ({"sequence_parallel": True}, "sequence_parallel"),
 ], ids=["pp2", "cp2_in_world_of_one", "sp_without_tp"])
 def test_initialize_parallel_rejects_bad_layouts(world_of_one, parallel, match):
+    """validate()'s layout rules, raised before any process group starts."""
+    import torch.distributed as dist
+
     from megatron_pack.parallel.groups import initialize_parallel
 
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         initialize_parallel(ParallelConfig(**parallel))
+    assert not dist.is_initialized()
+
+
+def test_initialize_parallel_state_is_one_typed_layout(world_of_one):
+    """ParallelState carries the degrees (ParallelDims) and the groups, expert groups included."""
+    from megatron_pack.parallel.dims import ParallelDims
+    from megatron_pack.parallel.groups import initialize_parallel
+
+    state = initialize_parallel(Config())
+    assert isinstance(state.dims, ParallelDims) and state.dims == ParallelDims.from_config(Config(), world_size=1)
+    assert state.describe() == state.dims.describe()
+    assert state.pg_collection.ep.size() == 1 and state.pg_collection.expt_dp.size() == 1
+
+
+def test_build_trainer_refuses_the_distributed_optimizer_with_the_validate_message():
+    from megatron_pack.config.schema import DDPConfig
+    from megatron_pack.config.validate import distributed_optimizer_problems
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = Config(ddp=DDPConfig(use_distributed_optimizer=True))
+    with pytest.raises(ConfigError) as info:
+        build_trainer(cfg, state=None, loader=[])  # refused before anything is built
+    assert info.value.problems == distributed_optimizer_problems(cfg) != []
 
 
 def test_build_model_local_spec_and_thd_forward(world_of_one):
@@ -220,9 +247,18 @@ def test_deterministic_te_env_conflict_names_the_fix(monkeypatch):
         builder._deterministic_te_env(Config(), "te")
 
 
-def test_cp_comm_type_spelling_covers_every_choice():
-    assert set(builder._CP_COMM_TYPES) == {"p2p", "a2a", "allgather", "a2a+p2p"}
-    assert builder._CP_COMM_TYPES["allgather"] == "all_gather"  # megatron-core / TE spelling
+@pytest.mark.parametrize("value,spelled", [("p2p", "p2p"), ("a2a", "a2a"), ("allgather", "all_gather"),
+                                           ("a2a+p2p", "a2a+p2p")], ids=["p2p", "a2a", "allgather", "a2a+p2p"])
+def test_cp_comm_type_spelling_covers_every_choice(value, spelled):
+    from megatron_pack.config.choices import CP_COMM_TYPES
+
+    assert value in CP_COMM_TYPES and len(CP_COMM_TYPES) == 4  # the table above is the whole list
+    assert builder.te_cp_comm_type(value) == spelled  # megatron-core / TE spelling
+
+
+def test_cp_comm_type_outside_the_list_is_refused():
+    with pytest.raises(ValueError, match=r"parallel.cp_comm_type \('ring'\)"):
+        builder.te_cp_comm_type("ring")
 
 
 def test_sbhd_batches_attend_causally_per_row(world_of_one):

@@ -112,6 +112,20 @@ CASES = [
      ("packing.pad_seq_to_mult (8) does not divide pad_seq_to_mult=4", "set packing.pad_seq_to_mult=4")),
     ("dataset_meta", {}, dict(meta=dict(META_OK, vocab_size=50000)),
      ("model.vocab_size (384)", "set model.vocab_size=50000")),
+    # item 10 of issue 11: refused late (builder, loop) before; refused by validate() now
+    ("vocab_size", dict(parallel__tensor_model_parallel_size=2, model__vocab_size=384), {}, ()),
+    ("vocab_size", dict(parallel__tensor_model_parallel_size=2, model__vocab_size=385), {},
+     ("model.vocab_size (385)", "parallel.tensor_model_parallel_size (2)", "set model.vocab_size=386")),
+    ("vocab_size", dict(parallel__tensor_model_parallel_size=4, model__vocab_size=258, model__num_query_groups=4), {},
+     ("model.vocab_size (258)", "set model.vocab_size=260")),
+    ("distributed_optimizer", {}, {}, ()),
+    ("distributed_optimizer", dict(ddp__use_distributed_optimizer=True), {},
+     ("ddp.use_distributed_optimizer (True)", "set ddp.use_distributed_optimizer=false")),
+    ("attention_backend", dict(model__attention_backend="te"), {}, ()),
+    ("attention_backend", dict(model__attention_backend="torch", **GRAPHS, packing__pad_cu_seqlens=True), {},
+     ("model.cuda_graph_impl (local) needs the Transformer Engine backend", "set model.attention_backend=te")),
+    ("attention_backend", dict(model__attention_backend="te", verify__attention="pack_causal"), {},
+     ("verify.attention (pack_causal)", "set model.attention_backend=torch")),
 ]
 
 
@@ -191,3 +205,26 @@ def test_pad_multiple_rule_property(cp, tp, sp, factor, delta):
         assert fix % required == 0 and fix >= bad
     else:
         assert problems == []
+
+
+# (what the late check was, how it is reached now) -- the backstops give validate()'s message
+def test_builder_backstop_gives_the_validate_message():
+    from megatron_pack.model import builder
+
+    cfg = make(parallel__tensor_model_parallel_size=2, model__vocab_size=385)
+    with pytest.raises(ConfigError) as info:
+        builder._check_divisibility(cfg)
+    assert info.value.problems == validate_module._validate_vocab_size(cfg) != []
+
+
+def test_validate_parallel_is_validate_world_rules():
+    """initialize_parallel's check (validate_parallel) reports exactly validate()'s layout problems."""
+    cfg = make(parallel__pipeline_model_parallel_size=2, parallel__sequence_parallel=True,
+               parallel__context_parallel_size=2)
+    with pytest.raises(ConfigError) as info:
+        validate_module.validate_parallel(cfg.parallel, world_size=3)
+    assert len(info.value.problems) == 3
+    with pytest.raises(ConfigError) as full:
+        validate(cfg, world_size=3)
+    assert set(info.value.problems) <= set(full.value.problems)
+    validate_module.validate_parallel(make().parallel, world_size=4)  # a valid layout passes

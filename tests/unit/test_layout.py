@@ -156,3 +156,85 @@ def test_loading_a_config_does_not_import_torch():
             "print(pad_multiple(2, 4, True), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["8", "False"], out.stdout + out.stderr
+
+
+# key, its value list in config.choices, the schema group and field
+VALUE_LISTS = [
+    ("packing.algorithm", "PACKING_ALGORITHMS"),
+    ("verify.attention", "ATTENTION_MODES"),
+    ("parallel.cp_comm_type", "CP_COMM_TYPES"),
+]
+
+
+@pytest.mark.parametrize("key,name", VALUE_LISTS, ids=[k for k, _ in VALUE_LISTS])
+def test_value_list_is_what_the_schema_accepts_and_the_docs_name(key, name):
+    from megatron_pack.config import GROUPS, ConfigError, choices
+
+    values = getattr(choices, name)
+    assert len(values) >= 2
+    group, field = key.split(".")
+    for value in values:
+        GROUPS[group](**{field: value})  # every listed value validates
+    with pytest.raises(ConfigError, match=f"must be one of {list(values)}".replace("[", r"\[").replace("+", r"\+")):
+        GROUPS[group](**{field: "not_a_value"})
+    row = next(line for line in (ROOT / "docs/configuration.md").read_text().splitlines() if line.startswith(f"| `{key}` |"))
+    assert all(f"'{v}'" in row for v in values), f"docs/configuration.md's {key} row must name every value: {row}"
+
+
+def test_value_lists_are_defined_once():
+    """The consumers use the config list itself, not a copy of its values."""
+    from megatron_pack.config import choices
+    from megatron_pack.data.packing import algorithms
+    from megatron_pack.model import attention
+
+    assert algorithms.ALGORITHMS is choices.PACKING_ALGORITHMS
+    assert attention.ATTENTION_MODES is choices.ATTENTION_MODES
+    literals = {tuple(getattr(choices, n)) for n, _ in [(v, k) for k, v in VALUE_LISTS]}
+    found = []
+    for f in (ROOT / "megatron_pack").rglob("*.py"):
+        if f.name == "choices.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
+                if tuple(e.value for e in node.elts) in literals:
+                    found.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"value lists written again (import them from megatron_pack.config.choices): {found}"
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "ffd", "first_fit_shuffle", "sequential"])
+def test_every_listed_algorithm_plans(algorithm):
+    from megatron_pack.config.choices import PACKING_ALGORITHMS
+    from megatron_pack.data.packing import plan_packing
+
+    assert algorithm in PACKING_ALGORITHMS
+    plan = plan_packing([5, 3, 4, 2, 6], capacity=8, algorithm=algorithm, seed=0)
+    assert sorted(int(i) for b in plan.bins() for i in b) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("value,multiple,expected", [
+    (0, 4, 0), (1, 4, 4), (4, 4, 4), (5, 4, 8), (13, 8, 16), (7, 1, 7)],
+    ids=["zero", "one", "exact", "over", "13_to_16", "multiple_1"])
+def test_round_up_hand_computed(value, multiple, expected):
+    from megatron_pack.config.layout import round_up
+
+    assert round_up(value, multiple) == expected
+
+
+def test_packer_and_collate_round_alike():
+    """The plan's padded lengths are the lengths the collate pads each sample to (one round_up)."""
+    import numpy as np
+    from hypothesis import given, settings, strategies as st
+
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.data.packing import thd_lengths
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.integers(2, 20), min_size=1, max_size=5), st.sampled_from([1, 2, 4, 8]))
+    def check(num_ids, multiple):
+        samples = [{"input_ids": list(range(3, 2 + n)) + [2], "loss_mask": [1] * n} for n in num_ids]
+        planned = thd_lengths(num_ids, multiple)
+        batch = collate_thd(samples, pack_size=int(planned.sum()), pad_multiple=multiple)
+        cu = np.asarray(batch["cu_seqlens_padded"])
+        assert (np.diff(cu) == planned).all()
+
+    check()

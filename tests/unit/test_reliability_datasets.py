@@ -137,7 +137,7 @@ def test_refused_before_training_starts(prepared, tmp_path, monkeypatch, capsys,
 def test_the_undamaged_copy_is_accepted(prepared, tmp_path):
     """Guard: the refusals above come from the damage, not from the setup."""
     from megatron_pack.config import load_config, validate
-    from megatron_pack.training.loop import open_dataset
+    from megatron_pack.data.batches.loader import open_dataset
 
     root, plan, *_ = prepared
     shutil.copytree(root / "good", tmp_path / "ds")

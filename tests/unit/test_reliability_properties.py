@@ -182,10 +182,8 @@ def test_every_kept_token_reaches_exactly_one_rank_once_per_epoch(s):
 
 def test_packs_left_out_per_epoch_are_reported(tmp_path, caplog):
     """The count the property above checks (num_packs % dp) is what the training start reports."""
-    from types import SimpleNamespace
-
     from megatron_pack.config import Config
-    from megatron_pack.training.loop import build_loader
+    from megatron_pack.data.batches.loader import build_loader
 
     s = {"cp": 1, "tp": 1, "sp": False, "pack_size": 64, "lengths": [(20, 20)] * 16, "algorithm": "sequential",
          "plan_seed": 0, "on_overflow": "drop", "chat_every": 4}
@@ -193,8 +191,7 @@ def test_packs_left_out_per_epoch_are_reported(tmp_path, caplog):
     assert len(ds) % 3  # the guard: this dataset does not split over 3 ranks
     for dp_size, expect_warning in ((3, True), (1, False)):
         caplog.clear()
-        state = SimpleNamespace(dp_rank=0, dp_size=dp_size, rank=0, device=torch.device("cpu"))
         with caplog.at_level("WARNING", logger="megatron_pack.train"):
-            build_loader(Config(), state, ds)
+            build_loader(Config(), ds, dp_rank=0, dp_size=dp_size)
         left_out = f"leaves out the last {len(ds) % 3} of its shuffled order"
         assert (left_out in caplog.text) is expect_warning, caplog.text

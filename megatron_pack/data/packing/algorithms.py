@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_pack.config.choices import PACKING_ALGORITHMS
 from megatron_pack.config.layout import round_up
 
-ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
+ALGORITHMS = PACKING_ALGORITHMS
+"""The algorithms ``plan_packing`` runs (``packing.algorithm``); the list lives in ``megatron_pack.config.choices``."""
 
 
 def thd_lengths(num_ids, pad_multiple: int = 1) -> np.ndarray:
