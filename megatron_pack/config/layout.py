@@ -24,11 +24,11 @@ if TYPE_CHECKING:
 
 
 def round_up(value, multiple: int):
-    """``value`` rounded up to a multiple of ``multiple`` (ints or numpy integer arrays).
+    """``value`` rounded up to a multiple of ``multiple`` (ints, numpy or torch integer arrays).
 
-    The one rounding rule of the package: the packer's padded lengths (``thd_lengths``) and the
-    collate's padded sub-sequences use it, so a plan never holds a length the collate pads
-    differently. ``round_up(5, 4) -> 8``, ``round_up(8, 4) -> 8``, ``round_up(0, 4) -> 0``.
+    The one rounding rule of the package: the packer's padded lengths (``thd_lengths``), the
+    collate's padded sub-sequences and in-batch packing use it, so a plan never holds a length
+    the collate pads differently. ``round_up(5, 4) -> 8``, ``round_up(8, 4) -> 8``, ``round_up(0, 4) -> 0``.
     """
     return -(-value // multiple) * multiple
 

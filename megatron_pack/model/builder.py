@@ -30,6 +30,7 @@ from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.config.validate import vocab_problems
 from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
 from megatron_pack.model.norms import SequenceParallelNorm
+from megatron_pack.parallel.groups import ParallelState
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _TE_CP_COMM_SPELLING = {"allgather": "all_gather"}
@@ -180,7 +181,7 @@ def _check_divisibility(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
-def build_model(cfg: Config, pg=None, *, attention_mode: str = "thd"):
+def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mode: str = "thd"):
     """megatron-core ``GPTModel`` for ``cfg`` on this process's groups (``ParallelState``).
 
     ``pg`` None initialises the groups from ``cfg`` first (a world of one outside torchrun).

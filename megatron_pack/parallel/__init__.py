@@ -1,4 +1,6 @@
-"""Parallel layout (``ParallelDims``), process groups and context-parallel slicing."""
+"""The parallel layout: ``ParallelDims`` (degrees, torch-free, here), ``groups.ParallelState`` (the
+degrees plus this process's ranks and groups, built once by ``groups.initialize_parallel``) and
+context-parallel slicing (``cp``)."""
 
 from megatron_pack.parallel.dims import ParallelDims, effective_pad_multiple
 

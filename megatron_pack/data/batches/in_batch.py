@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_pack.config.layout import round_up
+
 IGNORE_INDEX = -100
 """Label written on padding slots of an in-batch pack."""
 
@@ -83,7 +85,7 @@ def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: 
         warnings.warn(f"pack_batch_sequences: skipping {empty.numel()} empty row(s) {empty.tolist()}.", stacklevel=2)
     rows = torch.nonzero(row_lengths > 0).reshape(-1)
     real = row_lengths[rows]
-    padded = (real + pad_to_multiple_of - 1) // pad_to_multiple_of * pad_to_multiple_of
+    padded = round_up(real, pad_to_multiple_of)
     zero = torch.zeros(1, dtype=torch.int64)
     cu_real, cu_padded = torch.cat([zero, real.cumsum(0)]), torch.cat([zero, padded.cumsum(0)])
     num_tokens = int(cu_padded[-1])
