@@ -20,13 +20,20 @@ them back with ``allow_pickle=False``. torchrun-style env vars (RANK, WORLD_SIZE
 are set so code that reads them behaves as under torchrun. A failing rank fails the test with
 its traceback. Each rank runs single-threaded (2-core CI) and deterministic.
 
+Every world has a deadline (``timeout_s``, default ``DEFAULT_TIMEOUT_S``): a world still running
+then (typically a rank stuck in a collective its peers never enter) is killed and the test fails
+with ``WorldTimeout`` naming the worker, the ranks still alive and each live rank's Python stack
+at the deadline (``faulthandler`` dumps them into ``stacks<r>.txt``), instead of blocking CI.
+
 ``tests/functional/conftest.py`` (and ``tests/unit`` via ``sys.path``) make this importable
 as ``_dist``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +43,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: str, args: tuple) -> None:
+DEFAULT_TIMEOUT_S = 300.0
+"""Deadline of one world: the slowest world in the suite takes ~60 s on a quiet 2-core machine."""
+
+
+class WorldTimeout(AssertionError):
+    """A spawned world did not finish before its deadline (a hang): the ranks were killed."""
+
+
+def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: str, args: tuple,
+           dump_stacks_at: float) -> None:
+    stacks = open(os.path.join(store_dir, f"stacks{rank}.txt"), "w")  # noqa: SIM115 (open until exit)
+    faulthandler.dump_traceback_later(max(0.1, dump_stacks_at - time.time()), exit=False, file=stacks)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -50,16 +68,44 @@ def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: s
         np.savez(os.path.join(store_dir, f"rank{rank}.npz"), **arrays)
         dist.barrier()
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
-def spawn_world(worker: Callable[..., dict], world_size: int, tmp_path: Path | str, *args: Any
-                ) -> list[dict[str, np.ndarray]]:
-    """Run ``worker(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's dict."""
+def _kill_world(context: mp.ProcessContext, worker_name: str, store_dir: Path, timeout_s: float) -> None:
+    """Kill every rank still alive and raise ``WorldTimeout`` with their stacks at the deadline."""
+    alive = [rank for rank, proc in enumerate(context.processes) if proc.is_alive()]
+    for proc in context.processes:
+        if proc.is_alive():
+            proc.kill()
+    for proc in context.processes:
+        proc.join(10)
+    stacks = []
+    for rank in alive:
+        path = store_dir / f"stacks{rank}.txt"
+        text = path.read_text(errors="replace").strip() if path.is_file() else ""
+        stacks.append(f"--- rank {rank} at the deadline ---\n{text or '(no stack written)'}")
+    raise WorldTimeout(f"the world of {len(context.processes)} ranks running {worker_name} did not finish within "
+                       f"{timeout_s:.0f} s (ranks {alive} still running: a rank waits in a collective its peers "
+                       "never enter, or the world is too slow); killed.\n" + "\n".join(stacks))
+
+
+def spawn_world(worker: Callable[..., dict], world_size: int, tmp_path: Path | str, *args: Any,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, np.ndarray]]:
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's dict.
+
+    Raises ``WorldTimeout`` (an ``AssertionError``: the test fails) when the world is still running
+    after ``timeout_s`` seconds; every rank is killed first.
+    """
     store_dir = Path(tmp_path) / f"world{world_size}_{worker.__name__}"
     store_dir.mkdir(parents=True, exist_ok=False)
-    mp.start_processes(_entry, args=(worker, world_size, str(store_dir), args), nprocs=world_size,
-                       join=True, start_method="spawn")
+    dump_stacks_at = time.time() + timeout_s - min(5.0, 0.05 * timeout_s)  # just before the deadline
+    context = mp.start_processes(_entry, args=(worker, world_size, str(store_dir), args, dump_stacks_at),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            _kill_world(context, worker.__name__, store_dir, timeout_s)
     results = []
     for rank in range(world_size):
         with np.load(store_dir / f"rank{rank}.npz", allow_pickle=False) as data:

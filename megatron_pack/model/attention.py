@@ -141,8 +141,11 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
         return torch.cat(outputs)  # every row real and in order: nothing to scatter
     out = torch.zeros(query.shape[:2] + (value.size(-1),), dtype=query.dtype, device=query.device)
     if outputs:
-        out = out.index_copy(0, torch.tensor(real_rows, device=query.device), torch.cat(outputs))
-    return out
+        return out.index_copy(0, torch.tensor(real_rows, device=query.device), torch.cat(outputs))
+    # No real query row (a CP slice of padding only): the zeros must still depend on query, key
+    # and value, so this rank's backward reaches the K/V all-gather and enters its reduce-scatter,
+    # which the other CP ranks wait in. Empty slices add exactly 0 (even where a value is inf/NaN).
+    return out + (query[:0].sum() + key[:0].sum() + value[:0].sum()).to(out.dtype)
 
 
 # torch 2.13 deprecates reduce_scatter_tensor in favour of reduce_scatter_single (same signature).

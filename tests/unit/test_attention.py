@@ -125,6 +125,29 @@ def test_cp_query_rows_match_full_pack(cu, cu_pad, cp):
     assert num_nonzero == cu[-1]  # every real token was checked, every padded one is zero
 
 
+PADDING_ONLY_CASES = [  # (cu, cu_pad, cp, rank whose query rows are all padding)
+    ([0, 1, 2, 3, 4, 4], [0, 4, 8, 12, 16, 20], 2, 1),  # four 1-token sequences + tail: the issue's repro
+    ([0, 1, 2, 2], [0, 8, 16, 24], 4, 3),
+    ([0, 1, 2, 2], [0, 8, 16, 24], 4, 1),
+]
+
+
+@pytest.mark.parametrize("cu,cu_pad,cp,rank", PADDING_ONLY_CASES, ids=["cp2-rank1", "cp4-rank3", "cp4-rank1"])
+def test_padding_only_rank_output_depends_on_key_and_value(cu, cu_pad, cp, rank):
+    """A rank without a real query row returns zeros that still reach K and V in backward (so
+    its backward enters the K/V reduce-scatter under CP), with zero gradients, never NaN."""
+    q, k, v = _qkv(cu_pad[-1], requires_grad=True)
+    rows = thd_partition_indices(torch.tensor(cu_pad), cp, rank)
+    local_q = q[rows]
+    with torch.no_grad():
+        k[0, 0, 0] = float("inf")  # a non-finite key must not turn the zero gradient into NaN
+    out = thd_attention(local_q, k, v, cu, cu_pad, query_index=rows)
+    assert out.shape == local_q.shape and bool((out == 0).all())
+    grads = torch.autograd.grad(out.sum(), [q, k, v])  # raises if k or v is not in the graph
+    for grad in grads:
+        assert grad.shape[0] == cu_pad[-1] and bool((grad == 0).all())
+
+
 def test_bad_inputs_name_the_problem():
     q, k, v = _qkv(8)
     with pytest.raises(ValueError, match="padded total"):
