@@ -86,15 +86,29 @@ def _validate_context_parallel(cfg: Config) -> list[str]:
     return []
 
 
+def _packing_text(cfg: Config) -> str:
+    if cfg.packing.in_batch:
+        return "packing.in_batch=true"
+    return f"offline packing (packing.packed_sequence_size={cfg.packing.packed_sequence_size})"
+
+
 def _validate_per_token_loss(cfg: Config) -> list[str]:
-    """CP>1 needs per-token loss; per-token loss needs summed (not averaged) gradient reduction."""
+    """CP>1 and packing need per-token loss; per-token loss needs summed (not averaged) gradient reduction.
+
+    Without per-token loss megatron-core pre-scales gradients by 1/(DP*CP) and averages per-pack
+    means (a pack's weight would not follow its target tokens), a different objective from the
+    token-weighted mean that packing trains.
+    """
     problems = []
     cp = cfg.parallel.context_parallel_size
-    if cp > 1 and not cfg.model.calculate_per_token_loss:
+    if not cfg.model.calculate_per_token_loss and (cp > 1 or _packing_on(cfg)):
+        why = [f"parallel.context_parallel_size={cp}"] if cp > 1 else []
+        why += [_packing_text(cfg)] if _packing_on(cfg) else []
         problems.append(
-            f"model.calculate_per_token_loss (False) must be True with parallel.context_parallel_size={cp}: "
-            "CP ranks hold different numbers of target tokens, so the loss is a sum scaled once by the global "
-            "token count; set model.calculate_per_token_loss=true.")
+            f"model.calculate_per_token_loss (False) must be True with {' and '.join(why)}: packs and CP ranks hold "
+            "different numbers of target tokens, so the loss is a sum scaled once by the global token count "
+            "(without it gradients are averaged over DP x CP on top: another objective); "
+            "set model.calculate_per_token_loss=true.")
     if (cp > 1 or cfg.model.calculate_per_token_loss) and cfg.ddp.average_in_collective:
         problems.append(
             "ddp.average_in_collective (True) must be False with per-token loss (gradients are summed over "

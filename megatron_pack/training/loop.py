@@ -12,7 +12,9 @@ One optimizer step on every rank:
    non-finite check that stops every rank at the same step);
 4. ``finalize_model_grads([ddp], num_tokens=<local target tokens>)``: megatron-core sums the
    gradients over DP x CP (``average_in_collective=False``), all-reduces the token count over
-   the same group and scales the gradients by ``1 / count`` exactly once;
+   the same group and scales the gradients by ``1 / count`` exactly once (per-token loss, which
+   ``validate()`` requires with packing; without it ``num_tokens`` is not passed, as in
+   megatron-core's schedules);
 5. clip, AdamW step at the scheduled learning rate, metrics, maybe a checkpoint.
 
 A rank whose tokens are all masked contributes a zero loss sum and zero gradients, never NaN.
@@ -114,18 +116,22 @@ def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch
 
 
 def forward_backward_cpu(*, forward_step_func: Callable, data_iterator: Iterator, model: torch.nn.Module,
-                         num_microbatches: int) -> list[dict]:
-    """megatron-core's ``forward_backward_no_pipelining`` for per-token loss, without CUDA pieces.
+                         num_microbatches: int, per_token_loss: bool = True) -> list[dict]:
+    """megatron-core's ``forward_backward_no_pipelining``, without CUDA pieces.
 
-    Backward runs on each micro-batch's loss sum as returned; gradient sync is deferred to the
-    last micro-batch (``no_sync``). Returns the per-micro-batch loss reports, in order.
+    With ``per_token_loss`` (``model.calculate_per_token_loss``, always with packing) backward runs
+    on each micro-batch's loss sum as returned; without it, as megatron-core's schedule does, on
+    the sum divided by the micro-batch's target count and by ``num_microbatches``. Gradient sync
+    is deferred to the last micro-batch (``no_sync``). Returns the per-micro-batch loss reports.
     """
     reports = []
     for i in range(num_microbatches):
         sync = contextlib.nullcontext() if i == num_microbatches - 1 else model.no_sync()
         with sync:
             output, loss_fn = forward_step_func(data_iterator, model)
-            loss_sum, _, report = loss_fn(output)
+            loss_sum, num_tokens, report = loss_fn(output)
+            if not per_token_loss:
+                loss_sum = loss_sum / torch.clamp(num_tokens, min=1) / num_microbatches
             loss_sum.backward()
         reports.append(report)
     return reports
@@ -136,7 +142,8 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
     """Run one step's micro-batches: megatron-core's schedule on GPU, the CPU loop otherwise."""
     if state.device.type != "cuda":
         return forward_backward_cpu(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                                    model=model, num_microbatches=num_microbatches)
+                                    model=model, num_microbatches=num_microbatches,
+                                    per_token_loss=model.config.calculate_per_token_loss)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(
@@ -183,7 +190,11 @@ class Trainer:
         self._check_finite(self.step + 1, reports, batches, total)
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.model], num_tokens=local_tokens, pg_collection=self.state.pg_collection)
+        # as megatron-core's schedules: the 1/global-token scaling belongs to per-token loss only
+        # (without it DDP already averages over DP x CP and each micro-batch loss is a mean)
+        per_token = self.model.config.calculate_per_token_loss
+        finalize_model_grads([self.model], num_tokens=local_tokens if per_token else None,
+                             pg_collection=self.state.pg_collection)
         return total, packs
 
     def train_step(self) -> StepMetrics:
