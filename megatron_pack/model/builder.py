@@ -5,7 +5,8 @@ Two layer specs, chosen by ``model.attention_backend``:
 * ``te``    Transformer Engine's layer spec (fused THD attention with CP, ``parallel.cp_comm_type``,
             TE norms and linears). Needs ``transformer_engine`` and CUDA.
 * ``torch`` megatron-core's local modules with our ``ThdCoreAttention`` (pure torch, THD + CP)
-            and ``SequenceParallelNorm`` (so sequence parallelism works); runs on CPU and GPU.
+            and ``SequenceParallelNorm`` (so sequence parallelism works), and RoPE by in-sequence
+            position whatever ``max_seqlen`` says (``model/rope.py``); runs on CPU and GPU.
 * ``auto``  ``te`` when ``transformer_engine`` imports and CUDA is present, else ``torch``.
 
 The whole ``TransformerConfig`` comes from one function, ``transformer_config_from(cfg)``.
@@ -217,5 +218,9 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
         pg_collection=pg.pg_collection,
     )
+    if backend == "torch":  # TE's fused RoPE already rotates by in-sequence position
+        from megatron_pack.model.rope import use_in_sequence_rope
+
+        use_in_sequence_rope(model)
     model.attention_backend = backend
     return model.to(pg.device)
