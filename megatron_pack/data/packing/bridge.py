@@ -2,14 +2,22 @@
 
 Files written into the plan directory (``N`` = pack size)::
 
-    training_<N>.idx.parquet   one row per pack: input_ids list<int32> (the samples' ids, concatenated,
-                               unpadded), loss_mask list<uint8> (answer mask aligned with input_ids),
+    training_<N>.idx.parquet   one row per pack: input_ids list<int32> (the samples' ids, concatenated),
+                               loss_mask list<uint8> (answer mask aligned with input_ids),
                                seq_start_id list<int32> (start of every sample inside input_ids)
     <N>_metadata.jsonl         a JSON array with one dict: pack_size, max_samples_per_bin,
                                dataset_max_seqlen, min_packed_seqlen, packing_factor, packing_efficiency
+                               (+ pad_seq_to_mult when the plan's multiple is > 1)
+
+Bridge's packed collate takes each stored sample's length minus 1 as its THD length, which it
+must be able to cut into 2*CP chunks: with a plan pad multiple ``m > 1`` (CP > 1, or sequence
+parallelism) every sample of ``n`` ids is stored pre-padded, as Bridge's own packer does, to
+``ceil((n - 1) / m) * m + 1`` entries with the plan's ``pad_id`` (loss mask 0), and
+``dataset_max_seqlen`` counts padded lengths. With ``m = 1`` samples are stored as they are.
 
 Example: a pack of samples ``[A, B, eos]`` and ``[C, eos]`` becomes ``input_ids [A, B, eos, C, eos]``,
-``seq_start_id [0, 3]``.
+``seq_start_id [0, 3]``; with ``m = 4`` it becomes ``[A, B, eos, p, p, C, eos, p, p, p]``,
+``seq_start_id [0, 5]`` (THD lengths 4 and 4).
 """
 
 from __future__ import annotations
@@ -27,20 +35,43 @@ BRIDGE_FIELDS = ("pack_size", "max_samples_per_bin", "dataset_max_seqlen", "min_
 ROWS_PER_GROUP = 1000
 
 
-def _pack_rows(store: TokenStore, order, num_ids, offsets, lo: int, hi: int):
+def stored_length(num_ids: int, multiple: int) -> int:
+    """Entries a sample of ``num_ids`` ids takes in the export: its THD length padded to ``multiple``, plus 1."""
+    return -(-(num_ids - 1) // multiple) * multiple + 1 if multiple > 1 else num_ids
+
+
+def _pack_rows(store: TokenStore, order, num_ids, offsets, lo: int, hi: int, multiple: int, pad_id: int):
     ids_col, mask_col, start_col = [], [], []
     for b in range(lo, hi):
         ids, mask, starts, pos = [], [], [], 0
         for s, n in zip(order[offsets[b]:offsets[b + 1]].tolist(), num_ids[offsets[b]:offsets[b + 1]].tolist()):
-            begin = int(store.offsets[s])
+            begin, num_pad = int(store.offsets[s]), stored_length(n, multiple) - n
             ids.append(store.tokens[begin:begin + n])
             mask.append(store.answer_mask[begin:begin + n])
+            if num_pad:
+                ids.append(np.full(num_pad, pad_id, dtype=np.int64))
+                mask.append(np.zeros(num_pad, dtype=np.uint8))
             starts.append(pos)
-            pos += n
+            pos += n + num_pad
         ids_col.append(np.concatenate(ids).astype(np.int32))
         mask_col.append(np.concatenate(mask).astype(np.uint8))
         start_col.append(np.array(starts, dtype=np.int32))
     return ids_col, mask_col, start_col
+
+
+def bridge_metadata(meta: dict) -> dict:
+    """The dict Bridge reads from ``<N>_metadata.jsonl``, from our plan metadata.
+
+    With a pad multiple ``m > 1`` the samples are stored pre-padded, so ``dataset_max_seqlen``
+    (Bridge's bound on a sub-sequence, its ``max_seqlen`` with ``pad_cu_seqlens``) is rounded up
+    to ``m`` and ``pad_seq_to_mult`` records ``m``; with ``m = 1`` the dict is the six fields.
+    """
+    out = {k: meta[k] for k in BRIDGE_FIELDS}
+    multiple = int(meta.get("pad_seq_to_mult", 1))
+    if multiple > 1:
+        out["dataset_max_seqlen"] = -(-int(out["dataset_max_seqlen"]) // multiple) * multiple
+        out["pad_seq_to_mult"] = multiple
+    return out
 
 
 def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
@@ -50,7 +81,7 @@ def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
 
     plan_dir = Path(plan_dir)
     meta = read_json(plan_dir / "metadata.json")
-    n = meta["pack_size"]
+    n, multiple = meta["pack_size"], int(meta.get("pad_seq_to_mult", 1))
     parquet_path, meta_path = plan_dir / f"training_{n}.idx.parquet", plan_dir / f"{n}_metadata.jsonl"
     order = np.load(plan_dir / "sample_order.npy", mmap_mode="r", allow_pickle=False)
     num_ids = np.load(plan_dir / "sample_num_ids.npy", mmap_mode="r", allow_pickle=False)
@@ -60,10 +91,11 @@ def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
     tmp = plan_dir / f".{parquet_path.name}.tmp"
     with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
         for lo in range(0, len(offsets) - 1, ROWS_PER_GROUP):
-            cols = _pack_rows(store, order, num_ids, offsets, lo, min(lo + ROWS_PER_GROUP, len(offsets) - 1))
+            cols = _pack_rows(store, order, num_ids, offsets, lo, min(lo + ROWS_PER_GROUP, len(offsets) - 1),
+                              multiple, int(meta["pad_id"]))
             writer.write_table(pa.table([pa.array(c, type=t.type) for c, t in zip(cols, schema)], schema=schema))
     tmp.replace(parquet_path)
     tmp_meta = plan_dir / f".{meta_path.name}.tmp"
-    tmp_meta.write_text(json.dumps([{k: meta[k] for k in BRIDGE_FIELDS}]) + "\n", encoding="utf-8")
+    tmp_meta.write_text(json.dumps([bridge_metadata(meta)]) + "\n", encoding="utf-8")
     tmp_meta.replace(meta_path)
     return parquet_path, meta_path
