@@ -20,10 +20,12 @@ them back with ``allow_pickle=False``. torchrun-style env vars (RANK, WORLD_SIZE
 are set so code that reads them behaves as under torchrun. A failing rank fails the test with
 its traceback. Each rank runs single-threaded (2-core CI) and deterministic.
 
-Every world has a deadline (``timeout_s``, default ``DEFAULT_TIMEOUT_S``): a world still running
-then (typically a rank stuck in a collective its peers never enter) is killed and the test fails
-with ``WorldTimeout`` naming the worker, the ranks still alive and each live rank's Python stack
-at the deadline (``faulthandler`` dumps them into ``stacks<r>.txt``), instead of blocking CI.
+Every world has a deadline: ``timeout_s`` (default ``DEFAULT_TIMEOUT_S``) from the moment every
+rank has joined the process group (starting the ranks, mostly importing torch, may take up to
+``STARTUP_TIMEOUT_S`` more on a loaded machine). A world still running then (typically a rank
+stuck in a collective its peers never enter) is killed and the test fails with ``WorldTimeout``
+naming the worker, the ranks still alive and each live rank's Python stack just before the
+deadline (``faulthandler`` dumps them into ``stacks<r>.txt``), instead of blocking CI.
 
 ``tests/functional/conftest.py`` (and ``tests/unit`` via ``sys.path``) make this importable
 as ``_dist``.
@@ -44,23 +46,32 @@ import torch.multiprocessing as mp
 
 
 DEFAULT_TIMEOUT_S = 300.0
-"""Deadline of one world: the slowest world in the suite takes ~60 s on a quiet 2-core machine."""
+"""Deadline of one world's work: the slowest world in the suite takes ~60 s on a quiet 2-core machine."""
+STARTUP_TIMEOUT_S = 300.0
+"""Deadline for every rank to start and join the process group."""
 
 
 class WorldTimeout(AssertionError):
     """A spawned world did not finish before its deadline (a hang): the ranks were killed."""
 
 
+def _stack_margin(timeout_s: float) -> float:
+    """How long before the deadline the ranks dump their stacks."""
+    return min(5.0, 0.1 * timeout_s)
+
+
 def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: str, args: tuple,
-           dump_stacks_at: float) -> None:
-    stacks = open(os.path.join(store_dir, f"stacks{rank}.txt"), "w")  # noqa: SIM115 (open until exit)
-    faulthandler.dump_traceback_later(max(0.1, dump_stacks_at - time.time()), exit=False, file=stacks)
+           timeout_s: float) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.barrier()  # every rank started: the deadline counts from here
+    stacks = open(os.path.join(store_dir, f"stacks{rank}.txt"), "w")  # noqa: SIM115 (open until exit)
+    faulthandler.dump_traceback_later(timeout_s - _stack_margin(timeout_s), exit=False, file=stacks)
+    Path(store_dir, f"ready{rank}").touch()
     try:
         result = worker(rank, world_size, *args) or {}
         arrays = {key: np.asarray(value.detach().cpu() if torch.is_tensor(value) else value)
@@ -72,7 +83,7 @@ def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: s
         dist.destroy_process_group()
 
 
-def _kill_world(context: mp.ProcessContext, worker_name: str, store_dir: Path, timeout_s: float) -> None:
+def _kill_world(context: mp.ProcessContext, worker_name: str, store_dir: Path, what: str) -> None:
     """Kill every rank still alive and raise ``WorldTimeout`` with their stacks at the deadline."""
     alive = [rank for rank, proc in enumerate(context.processes) if proc.is_alive()]
     for proc in context.processes:
@@ -85,9 +96,9 @@ def _kill_world(context: mp.ProcessContext, worker_name: str, store_dir: Path, t
         path = store_dir / f"stacks{rank}.txt"
         text = path.read_text(errors="replace").strip() if path.is_file() else ""
         stacks.append(f"--- rank {rank} at the deadline ---\n{text or '(no stack written)'}")
-    raise WorldTimeout(f"the world of {len(context.processes)} ranks running {worker_name} did not finish within "
-                       f"{timeout_s:.0f} s (ranks {alive} still running: a rank waits in a collective its peers "
-                       "never enter, or the world is too slow); killed.\n" + "\n".join(stacks))
+    raise WorldTimeout(f"the world of {len(context.processes)} ranks running {worker_name} {what} (ranks {alive} "
+                       "still running: a rank waits in a collective its peers never enter, or the machine is too "
+                       "slow); killed.\n" + "\n".join(stacks))
 
 
 def spawn_world(worker: Callable[..., dict], world_size: int, tmp_path: Path | str, *args: Any,
@@ -95,17 +106,21 @@ def spawn_world(worker: Callable[..., dict], world_size: int, tmp_path: Path | s
     """Run ``worker(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's dict.
 
     Raises ``WorldTimeout`` (an ``AssertionError``: the test fails) when the world is still running
-    after ``timeout_s`` seconds; every rank is killed first.
+    ``timeout_s`` seconds after every rank joined the process group, or has not joined within
+    ``STARTUP_TIMEOUT_S``; every rank is killed first.
     """
     store_dir = Path(tmp_path) / f"world{world_size}_{worker.__name__}"
     store_dir.mkdir(parents=True, exist_ok=False)
-    dump_stacks_at = time.time() + timeout_s - min(5.0, 0.05 * timeout_s)  # just before the deadline
-    context = mp.start_processes(_entry, args=(worker, world_size, str(store_dir), args, dump_stacks_at),
+    context = mp.start_processes(_entry, args=(worker, world_size, str(store_dir), args, timeout_s),
                                  nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            _kill_world(context, worker.__name__, store_dir, timeout_s)
+    deadline, started = time.monotonic() + STARTUP_TIMEOUT_S, False
+    while not context.join(timeout=max(0.0, min(0.5, deadline - time.monotonic()))):
+        if not started and all((store_dir / f"ready{r}").exists() for r in range(world_size)):
+            deadline, started = time.monotonic() + timeout_s, True
+        elif time.monotonic() >= deadline:
+            what = (f"did not finish within {timeout_s:.0f} s" if started else
+                    f"did not start (join the process group) within {STARTUP_TIMEOUT_S:.0f} s")
+            _kill_world(context, worker.__name__, store_dir, what)
     results = []
     for rank in range(world_size):
         with np.load(store_dir / f"rank{rank}.npz", allow_pickle=False) as data:
