@@ -83,9 +83,17 @@ def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: s
         dist.destroy_process_group()
 
 
+def _stack_written(store_dir: Path, rank: int) -> bool:
+    path = store_dir / f"stacks{rank}.txt"
+    return path.is_file() and path.stat().st_size > 0
+
+
 def _kill_world(context: mp.ProcessContext, worker_name: str, store_dir: Path, what: str) -> None:
     """Kill every rank still alive and raise ``WorldTimeout`` with their stacks at the deadline."""
     alive = [rank for rank, proc in enumerate(context.processes) if proc.is_alive()]
+    wait_until = time.monotonic() + 10.0  # a loaded machine may write the stacks a little late
+    while time.monotonic() < wait_until and not all(_stack_written(store_dir, rank) for rank in alive):
+        time.sleep(0.2)
     for proc in context.processes:
         if proc.is_alive():
             proc.kill()
