@@ -1,8 +1,14 @@
-# Sourced by the launch scripts (run from the repository root). Sets:
-#   PY       the Python to run (PYTHON, else .venv/bin/python, else python3)
+# Sourced by the launch scripts; never changes directory, so relative paths in the overrides
+# (data, tokenizer, output) resolve against the caller's folder. Sets:
+#   REPO     the repository holding these scripts (prepended to PYTHONPATH, so its megatron_pack runs)
+#   PY       the Python to run (PYTHON, else $REPO/.venv/bin/python, else python3)
 #   BACKEND  an array holding parallel.backend=nccl when torch sees a GPU, else parallel.backend=gloo
 #            (with OMP_NUM_THREADS defaulting to 1); empty when the overrides "$@" already name one.
-PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
+# and defines check_config WORLD_SIZE [key=value ...]: `megatron_pack.train --check` as a run of
+# WORLD_SIZE ranks, so a refused config prints once and the script exits 2 before torchrun starts.
+REPO=${MEGATRON_PACK_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-$([ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || command -v python3)}
 BACKEND=()
 if [[ " $* " != *" parallel.backend="* ]]; then
   if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -12,3 +18,9 @@ if [[ " $* " != *" parallel.backend="* ]]; then
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   fi
 fi
+
+check_config() {
+  local world_size=$1
+  shift
+  WORLD_SIZE=$world_size RANK=0 LOCAL_RANK=0 "$PY" -m megatron_pack.train --check "$@" >/dev/null || exit $?
+}

@@ -1,7 +1,8 @@
 """`megatron-pack train key=value ...` (also `python -m megatron_pack.train`), launched by torchrun.
 
-Order: load and validate the whole config with the world size and the prepared dataset's
-metadata (nothing is built before that), initialise the process groups once, print the
+Order: load and validate the whole config with the world size, the prepared dataset's
+metadata and the checkpoint to resume from (nothing is built before that; a refusal prints once
+and exits 2), initialise the process groups once, print the
 resolved config and the parallel layout (rank 0), then train (``megatron_pack.training.loop``).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from megatron_pack.config.schema import ConfigError
 from megatron_pack.data.formats.sources import DataError
@@ -24,19 +26,47 @@ def _setup_logging(level: str, rank: int) -> None:
     logging.getLogger("megatron_pack.train.samples").setLevel(logging.INFO)
 
 
+CHECK_FLAG = "--check"
+"""``train --check key=value ...``: validate as a run of ``WORLD_SIZE`` ranks would, then exit
+(0 and "config ok", or 2 and the problems). The launch scripts run it once before torchrun."""
+
+
+REFUSAL_WAIT_S = 60.0
+
+
+def _refusal(exc: Exception) -> int:
+    """Print a refused run once: on the first local rank of each node (every worker of a node sees
+    the same config, dataset and checkpoint), never once per rank; exit status 2.
+
+    The other local ranks wait before exiting: torchrun stops a node's workers as soon as one
+    exits, and must not stop local rank 0 before it has printed. Local rank 0's exit ends the
+    wait (torchrun then stops them), so it costs nothing unless local rank 0 has hung."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"megatron-pack train: {exc}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(REFUSAL_WAIT_S)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     from megatron_pack.config import config_to_yaml, load_config, validate
     from megatron_pack.data.batches.loader import open_dataset
-    from megatron_pack.training.loop import build_loader, run_summary, run_training
+    from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
 
+    check_only = CHECK_FLAG in argv
+    argv = [a for a in argv if a != CHECK_FLAG]
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv, world_size=world_size)
         dataset = open_dataset(cfg)
         validate(cfg, world_size=world_size, dataset_meta=dict(dataset.metadata))
+        resume = check_resume(cfg, world_size)
     except (ConfigError, DataError) as exc:
-        print(f"megatron-pack train: {exc}", file=sys.stderr)
-        return 2
+        return _refusal(exc)
+    if check_only:
+        print(f"megatron-pack train: config ok for {world_size} rank(s)"
+              + (f"; resumes from {resume}" if resume else ""), flush=True)
+        return 0
     _setup_logging(cfg.logging.level, rank)
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel

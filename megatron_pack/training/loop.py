@@ -244,8 +244,7 @@ class Trainer:
 
     def _meta(self) -> dict:
         s = self.state
-        return {"world_size": s.world_size, "tensor_model_parallel_size": s.tp_size,
-                "context_parallel_size": s.cp_size, "data_parallel_size": s.dp_size}
+        return layout_meta(s.world_size, s.tp_size, s.cp_size, s.dp_size)
 
     def save(self, root: str | Path) -> Path:
         rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
@@ -278,6 +277,39 @@ def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
                                     "(no 'latest' or step_*/meta.json); fix the path or unset checkpoint.load.")
         return save, found
     return save, ckpt.find_latest(save)
+
+
+def layout_meta(world_size: int, tp: int, cp: int, dp: int) -> dict:
+    """The parallel layout a checkpoint records in ``meta.json`` and a resume must match."""
+    return {"world_size": world_size, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
+            "data_parallel_size": dp}
+
+
+def check_resume(cfg: Config, world_size: int) -> Optional[Path]:
+    """The checkpoint this run will resume from (None: a fresh start), checked before any
+    process group exists: a ``checkpoint.load`` that holds no checkpoint, or one written with
+    another world size or layout, raises ``ConfigError`` (printed once by the entry, exit 2)
+    instead of failing on every rank inside ``Trainer.load``."""
+    from megatron_pack.parallel.dims import ParallelDims
+
+    try:
+        _, resume = checkpoint_dirs(cfg)
+    except FileNotFoundError as exc:
+        raise ConfigError([str(exc)]) from None
+    if resume is None:
+        return None
+    dims = ParallelDims.from_config(cfg, world_size)
+    saved = ckpt.read_meta(resume)
+    mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here"
+                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp).items() if saved.get(k) != v]
+    if mismatch:
+        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        raise ConfigError([f"cannot resume from {resume}: it was written with another parallel layout "
+                           f"({'; '.join(mismatch)}). Resume it on {saved.get('world_size')} ranks with "
+                           f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
+                           f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
+                           "to another directory to start fresh."])
+    return resume
 
 
 def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
