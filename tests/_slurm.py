@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 DEBIAN_PACKAGES = ["munge", "slurmctld", "slurmd", "slurm-client"]
-BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol", "srun"]
+BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol", "srun", "squeue", "scancel"]
 
 
 def ensure_installed() -> None:
@@ -102,6 +102,7 @@ SelectTypeParameters=CR_CPU
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
+SlurmdParameters=config_overrides
 SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
@@ -112,9 +113,12 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
 
 
 class SlurmCluster:
-    """munged + slurmctld + one slurmd per node name, all in ``root``; a context manager."""
+    """munged + slurmctld + one slurmd per node name, all in ``root``; a context manager.
 
-    def __init__(self, root: Path, node_names: list[str], cpus_per_node: int = 2):
+    Each node offers ``cpus_per_node`` CPUs whatever the machine has (``config_overrides``), so
+    several small jobs run at once on a 2-core host."""
+
+    def __init__(self, root: Path, node_names: list[str], cpus_per_node: int = 4):
         self.root = Path(root)
         self.node_names = node_names
         self.cpus_per_node = cpus_per_node
@@ -176,6 +180,10 @@ class SlurmCluster:
         raise RuntimeError(f"SLURM test cluster: no {what} within {timeout:.0f} s (daemons that exited: {dead}); "
                            f"{self.logs()[-3000:]}")
 
+    def _num_jobs(self) -> int:
+        proc = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True, timeout=30)
+        return len(proc.stdout.split()) if proc.returncode == 0 else 0
+
     def logs(self) -> str:
         parts = []
         for path in sorted((self.root / "log").glob("*")):
@@ -183,7 +191,14 @@ class SlurmCluster:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        """SIGTERM every daemon this cluster started (by pid, slurmd first), then SIGKILL what is left."""
+        """Cancel this cluster's jobs, then SIGTERM every daemon it started (by pid, slurmd first)
+        and SIGKILL what is left after 10 s."""
+        if self.procs and self.procs[-1].poll() is None:  # slurmctld and a slurmd still up
+            subprocess.run(["scancel", "--full", "--user", str(os.geteuid())], env=self.env, capture_output=True,
+                           timeout=30)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and self._num_jobs() > 0:
+                time.sleep(0.5)
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

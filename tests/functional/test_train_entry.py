@@ -47,7 +47,11 @@ def test_launch_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     text = path.read_text()
     assert "-m megatron_pack.train" in text and '"$@"' in text  # overrides pass through
-    assert 'source launch/common.sh "$@"' in text  # one place picks the backend
+    assert 'common.sh" "$@"' in text  # one place picks the backend
+    assert 'check_config "$' in text  # the config is checked once before torchrun starts
+    # relative paths resolve against the caller's folder: no cd, except SLURM's own submission folder
+    assert [line for line in text.splitlines() if line.lstrip().startswith("cd ")] == (
+        ['cd "${SLURM_SUBMIT_DIR:?}"'] if script == "slurm.sbatch" else [])
 
 
 @pytest.mark.parametrize("overrides,expected", [

@@ -1,0 +1,97 @@
+"""``launch/slurm.sbatch`` on a real SLURM cluster started on this machine (tests/_slurm.py):
+munged, slurmctld and two slurmd, submitted with ``sbatch --wait`` exactly as docs/launch.md
+shows for a CPU cluster.
+
+- one node with 2 processes (``--cpus-per-task=2``) and two nodes with 1 process each
+  (``--cpus-per-task=1``), both CP=2 on the shortened quickstart for 3 steps: exit 0 and per-step
+  losses equal to ``launch/single_node.sh 2`` (conftest.py), with rank 0 on node 0;
+- a refused config: the job exits 2 with one message in the job log, before srun.
+
+The three jobs are submitted at once (``sbatch --wait`` polls at growing intervals, so waiting
+for them one after another would triple that wait). The Debian packages are installed when
+missing; when that fails the test fails with the reason. Every daemon is stopped by its process
+id when the module ends, pass or fail.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+
+import numpy as np
+import pytest
+
+from _launch import REPO, TRAIN_ARGS, read_losses
+from _slurm import SlurmCluster, ensure_installed, local_node_names
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CPU_1_NODE_X_2 = ["--nodes", "1", "--gpus-per-node=0", "--cpus-per-task=2"]  # as docs/launch.md, CPU cluster
+CPU_2_NODES_X_1 = ["--nodes", "2", "--gpus-per-node=0", "--cpus-per-task=1"]
+# (id, sbatch arguments, overrides after the shortened quickstart's)
+JOBS = [  # the two-node job first, so it need not wait for a node the others fill
+    ("2-nodes-x-1", CPU_2_NODES_X_1, ["train.output_dir=slurm_2x1", "checkpoint.enabled=false"]),
+    ("1-node-x-2", CPU_1_NODE_X_2, ["train.output_dir=slurm_1x2", "checkpoint.enabled=false"]),
+    ("refused", CPU_1_NODE_X_2, ["train.output_dir=slurm_refused", "train.lrr=0.1"]),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, launch_workdir, single_node_losses) -> dict:
+    """Start the cluster, submit every job of JOBS with ``sbatch --wait`` from the scratch folder,
+    and return {id: (sbatch exit status, job log, cluster node names)}."""
+    try:
+        ensure_installed()
+    except RuntimeError as exc:
+        pytest.fail(f"cannot run the SLURM test: {exc}")
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), local_node_names(2)) as cluster:
+        running = {}
+        for job_id, sbatch_args, overrides in JOBS:
+            env = {**cluster.env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
+                   "MASTER_PORT": str(_free_port())}  # the default 29500 may be taken on a shared CI host
+            cmd = ["sbatch", "--wait", *sbatch_args, str(REPO / "launch" / "slurm.sbatch"), *TRAIN_ARGS, *overrides]
+            running[job_id] = subprocess.Popen(cmd, cwd=launch_workdir, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True)
+        results = {}
+        try:
+            for job_id, proc in running.items():
+                out = proc.communicate(timeout=240)[0]
+                number = re.search(r"Submitted batch job (\d+)", out)
+                assert number, f"sbatch ({job_id}): {out}\n{cluster.logs()[-3000:]}"
+                log = launch_workdir / f"slurm-megatron_pack-{number.group(1)}.out"  # the documented place
+                results[job_id] = (proc.returncode, log.read_text() if log.is_file() else f"(no job log {log})",
+                                   cluster.node_names)
+        finally:
+            for proc in running.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        yield results
+
+
+@pytest.mark.parametrize("job_id,announce", [("1-node-x-2", "1 node(s) x 2 process(es)"),
+                                             ("2-nodes-x-1", "2 node(s) x 1 process(es)")])
+def test_sbatch_trains_like_single_node(job_id, announce, jobs, launch_workdir, single_node_losses):
+    status, log, node_names = jobs[job_id]
+    assert status == 0, log[-4000:]
+    master = re.search(r"master (\S+):\d+", log)  # derived from the allocation: a node's name
+    assert announce in log and master and master.group(1) in node_names, log[-3000:]
+    out = next(o for j, _, overrides in JOBS if j == job_id for o in overrides if o.startswith("train.output_dir"))
+    np.testing.assert_array_equal(read_losses(launch_workdir / out.split("=")[1]), single_node_losses)
+    steps = [line for line in log.splitlines() if "| lm loss" in line]
+    assert len(steps) == 3 and all(line.startswith("0: ") for line in steps), log[-3000:]  # rank 0 on node 0
+
+
+def test_sbatch_refuses_a_bad_config_once(jobs, launch_workdir):
+    status, log, _ = jobs["refused"]
+    assert status == 2, log[-3000:]
+    assert log.count("megatron-pack train:") == 1 and "train.lrr" in log and "Traceback" not in log, log[-3000:]
+    assert "0: " not in log  # srun never started
+    assert not (launch_workdir / "slurm_refused").exists()

@@ -1,0 +1,113 @@
+"""``check_resume``: a resume the run cannot do is refused by the entry before any process group
+(printed once, exit 2), not on every rank inside ``Trainer.load``.
+
+Checkpoints here are only their ``meta.json`` (all the check reads); a real one written by a
+CP=2 run and refused at CP=1 is in tests/functional/test_launch.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from megatron_pack.config import load_config
+from megatron_pack.config.schema import ConfigError
+from megatron_pack.training.loop import check_resume
+
+
+def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3) -> Path:
+    path = root / f"step_{step:08d}"
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {"step": step, "world_size": world, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
+            "data_parallel_size": world // (tp * cp)}
+    (path / "meta.json").write_text(json.dumps(meta))
+    (root / "latest").write_text(path.name)
+    return path
+
+
+def _cfg(tmp_path: Path, tp: int, cp: int, *extra: str):
+    return load_config([f"train.output_dir={tmp_path}/run", f"parallel.tensor_model_parallel_size={tp}",
+                        f"parallel.context_parallel_size={cp}", *extra])
+
+
+# (id, checkpoint (world, tp, cp) or None, this run (world, tp, cp), None or fragments of the refusal)
+CASES = [
+    ("fresh-start", None, (2, 1, 2), None),
+    ("same-layout", (2, 1, 2), (2, 1, 2), None),
+    ("other-cp", (2, 1, 2), (2, 1, 1), ["context_parallel_size 2 there, 1 here", "data_parallel_size 1 there, 2 here",
+                                         "parallel.context_parallel_size=2", "on 2 ranks"]),
+    ("other-world", (2, 1, 2), (4, 1, 2), ["world_size 2 there, 4 here", "checkpoint.save (or train.output_dir)"]),
+    ("other-tp", (4, 2, 2), (4, 1, 2), ["tensor_model_parallel_size 2 there, 1 here",
+                                        "parallel.tensor_model_parallel_size=2"]),
+]
+
+
+@pytest.mark.parametrize("saved,run,fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_check_resume(tmp_path, saved, run, fragments):
+    world, tp, cp = run
+    cfg = _cfg(tmp_path, tp, cp)
+    written = _write_checkpoint(tmp_path / "run" / "checkpoints", *saved) if saved else None
+    if fragments is None:
+        assert check_resume(cfg, world) == written
+        return
+    with pytest.raises(ConfigError) as info:
+        check_resume(cfg, world)
+    message = str(info.value)
+    assert f"cannot resume from {written}" in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_checkpoint_load_without_a_checkpoint_is_a_config_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"checkpoint.load \(.*empty\) holds no complete checkpoint"):
+        check_resume(_cfg(tmp_path, 1, 2, f"checkpoint.load={tmp_path}/empty"), 2)
+
+
+def test_checkpoint_load_names_its_key(tmp_path):
+    _write_checkpoint(tmp_path / "elsewhere", 2, 1, 2)
+    with pytest.raises(ConfigError, match="set checkpoint.load to another directory"):
+        check_resume(_cfg(tmp_path, 1, 1, f"checkpoint.load={tmp_path}/elsewhere"), 2)
+
+
+LAYOUTS = st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]))  # tp, cp, dp
+
+
+def test_refused_exactly_when_the_layout_differs(tmp_path_factory):
+    """Property: over drawn (tp, cp, dp) pairs, the resume is refused iff any degree differs."""
+    outcomes = set()
+
+    @settings(max_examples=40, deadline=None)
+    @given(saved=LAYOUTS, run=LAYOUTS)
+    @example(saved=(1, 2, 1), run=(1, 2, 1))
+    @example(saved=(1, 2, 1), run=(2, 1, 1))  # same world size, other layout
+    def prop(saved, run):
+        root = tmp_path_factory.mktemp("ckpt")
+        (s_tp, s_cp, s_dp), (tp, cp, dp) = saved, run
+        _write_checkpoint(root / "run" / "checkpoints", s_tp * s_cp * s_dp, s_tp, s_cp)
+        cfg = _cfg(root, tp, cp)
+        try:
+            check_resume(cfg, tp * cp * dp)
+            refused = False
+        except ConfigError:
+            refused = True
+        assert refused == (saved != run)
+        outcomes.add(refused)
+
+    prop()
+    assert outcomes == {True, False}  # both branches really ran
+
+
+@pytest.mark.parametrize("local_rank,printed", [("0", True), ("1", False)], ids=["local-rank-0", "local-rank-1"])
+def test_refusal_prints_once_per_node(monkeypatch, capsys, local_rank, printed):
+    from megatron_pack.cli import train
+
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr(train, "REFUSAL_WAIT_S", 0.0)
+    assert train._refusal(ConfigError(["train.lrr: unknown key"])) == 2
+    err = capsys.readouterr().err
+    assert (err.count("megatron-pack train: 1 config problem(s)") == 1) == printed and (err == "") != printed
