@@ -89,6 +89,12 @@ def test_sbatch_trains_like_single_node(job_id, announce, jobs, launch_workdir, 
     assert len(steps) == 3 and all(line.startswith("0: ") for line in steps), log[-3000:]  # rank 0 on node 0
 
 
+@pytest.mark.parametrize("sbatch_args", [CPU_1_NODE_X_2, CPU_2_NODES_X_1], ids=["1-node-x-2", "2-nodes-x-1"])
+def test_docs_show_the_tested_commands(sbatch_args):
+    command = " ".join(["sbatch --wait", *sbatch_args, "launch/slurm.sbatch experiment=quickstart"])
+    assert command in (REPO / "docs" / "launch.md").read_text()
+
+
 def test_sbatch_refuses_a_bad_config_once(jobs, launch_workdir):
     status, log, _ = jobs["refused"]
     assert status == 2, log[-3000:]
