@@ -2,8 +2,8 @@
 
 Order: load and validate the whole config with the world size, the prepared dataset's
 metadata and the checkpoint to resume from (nothing is built before that; a refusal prints once
-and exits 2), initialise the process groups once, print the
-resolved config and the parallel layout (rank 0), then train (``megatron_pack.training.loop``).
+and exits 2), initialise the process groups once, print the resolved config and the parallel
+layout (rank 0), then train (``megatron_pack.training.loop``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ CHECK_FLAG = "--check"
 
 
 REFUSAL_WAIT_S = 60.0
+"""How long a local rank other than 0 waits before exiting on a refused run (see ``_refusal``)."""
 
 
 def _refusal(exc: Exception) -> int:
