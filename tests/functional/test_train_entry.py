@@ -51,7 +51,7 @@ def test_launch_scripts_parse(script):
     assert 'check_config "$' in text  # the config is checked once before torchrun starts
     # relative paths resolve against the caller's folder: no cd, except SLURM's own submission folder
     assert [line for line in text.splitlines() if line.lstrip().startswith("cd ")] == (
-        ['cd "${SLURM_SUBMIT_DIR:?}"'] if script == "slurm.sbatch" else [])
+        ['cd "${SLURM_SUBMIT_DIR:?is set by SLURM in a job; submit with sbatch}"'] if script == "slurm.sbatch" else [])
 
 
 @pytest.mark.parametrize("overrides,expected", [
