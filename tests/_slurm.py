@@ -25,9 +25,17 @@ DEBIAN_PACKAGES = ["munge", "slurmctld", "slurmd", "slurm-client"]
 BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol", "srun", "squeue", "scancel"]
 
 
+def binary(name: str) -> str:
+    """The path of a SLURM / munge program (the daemons live in /usr/sbin, often not on PATH)."""
+    for folder in ("/usr/sbin", "/usr/bin"):
+        if Path(folder, name).exists():
+            return str(Path(folder, name))
+    return shutil.which(name) or name
+
+
 def ensure_installed() -> None:
     """Install the Debian packages when a binary is missing; raise RuntimeError naming why not."""
-    if all(shutil.which(b) or Path("/usr/sbin", b).exists() for b in BINARIES):
+    if all(Path(binary(b)).is_file() for b in BINARIES):
         return
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         raise RuntimeError(f"SLURM is not installed and cannot be: apt-get install {' '.join(DEBIAN_PACKAGES)} "
@@ -37,6 +45,9 @@ def ensure_installed() -> None:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}): {(proc.stdout + proc.stderr)[-2000:]}")
+    missing = [b for b in BINARIES if not Path(binary(b)).is_file()]
+    if missing:
+        raise RuntimeError(f"apt-get install {' '.join(DEBIAN_PACKAGES)} left {missing} missing")
 
 
 def local_node_names(count: int = 2) -> list[str]:
@@ -123,7 +134,10 @@ class SlurmCluster:
         self.node_names = node_names
         self.cpus_per_node = cpus_per_node
         self.procs: list[subprocess.Popen] = []
-        self.env = {**os.environ, "SLURM_CONF": str(self.root / "slurm.conf")}
+        # the client programs (sbatch, and scontrol / srun inside the job) are found on PATH
+        path = os.environ.get("PATH", "")
+        self.env = {**os.environ, "SLURM_CONF": str(self.root / "slurm.conf"),
+                    "PATH": path if "/usr/bin" in path.split(":") else f"{path}:/usr/bin"}
 
     def __enter__(self) -> "SlurmCluster":
         try:
@@ -144,7 +158,7 @@ class SlurmCluster:
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
-        self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={r}/munge/munge.socket",
+        self._spawn("munged", [binary("munged"), "--foreground", "--force", f"--socket={r}/munge/munge.socket",
                                f"--key-file={key}", f"--log-file={r}/log/munged.log", f"--pid-file={r}/munge/munged.pid",
                                f"--seed-file={r}/munge/munged.seed"])
         self._wait_for(lambda: (r / "munge" / "munge.socket").exists(), "munged socket", "munged.log")
@@ -153,9 +167,9 @@ class SlurmCluster:
                           for n, p in zip(self.node_names, node_ports))
         (r / "slurm.conf").write_text(SLURM_CONF.format(root=r, ctl_host=self.node_names[0], ctl_port=ctl_port,
                                                         nodes=nodes))
-        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(r / "slurm.conf")])
+        self._spawn("slurmctld", [binary("slurmctld"), "-D", "-i", "-f", str(r / "slurm.conf")])
         for name in self.node_names:
-            self._spawn(f"slurmd {name}", ["slurmd", "-D", "-N", name, "-f", str(r / "slurm.conf")])
+            self._spawn(f"slurmd {name}", [binary("slurmd"), "-D", "-N", name, "-f", str(r / "slurm.conf")])
         self._wait_for(self._all_idle, "every node idle in sinfo", "slurmctld.log", timeout=60)
 
     def _spawn(self, what: str, cmd: list[str]) -> None:
@@ -164,7 +178,7 @@ class SlurmCluster:
                                            start_new_session=True))
 
     def _all_idle(self) -> bool:
-        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
+        proc = subprocess.run([binary("sinfo"), "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
         states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
         return proc.returncode == 0 and all(states.get(n) == "idle" for n in self.node_names)
 
@@ -181,7 +195,7 @@ class SlurmCluster:
                            f"{self.logs()[-3000:]}")
 
     def _num_jobs(self) -> int:
-        proc = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True, timeout=30)
+        proc = subprocess.run([binary("squeue"), "-h", "-o", "%i"], env=self.env, capture_output=True, text=True, timeout=30)
         return len(proc.stdout.split()) if proc.returncode == 0 else 0
 
     def logs(self) -> str:
@@ -194,7 +208,7 @@ class SlurmCluster:
         """Cancel this cluster's jobs, then SIGTERM every daemon it started (by pid, slurmd first)
         and SIGKILL what is left after 10 s."""
         if self.procs and self.procs[-1].poll() is None:  # slurmctld and a slurmd still up
-            subprocess.run(["scancel", "--full", "--user", str(os.geteuid())], env=self.env, capture_output=True,
+            subprocess.run([binary("scancel"), "--full", "--user", str(os.geteuid())], env=self.env, capture_output=True,
                            timeout=30)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and self._num_jobs() > 0:

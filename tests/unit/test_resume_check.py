@@ -81,7 +81,7 @@ def test_refused_exactly_when_the_layout_differs(tmp_path_factory):
     """Property: over drawn (tp, cp, dp) pairs, the resume is refused iff any degree differs."""
     outcomes = set()
 
-    @settings(max_examples=40, deadline=None)
+    @settings(max_examples=25, deadline=None)
     @given(saved=LAYOUTS, run=LAYOUTS)
     @example(saved=(1, 2, 1), run=(1, 2, 1))
     @example(saved=(1, 2, 1), run=(2, 1, 1))  # same world size, other layout
