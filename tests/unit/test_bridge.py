@@ -1,11 +1,16 @@
-"""export=bridge: Megatron-Bridge's packed parquet holds exactly our packs, CP-aligned as Bridge reads them.
+"""export=bridge: Megatron-Bridge's packed parquet holds exactly our packs, read by Bridge as we train them.
 
-Bridge's packed collate takes every stored sample's length minus 1 as its (CP-aligned) THD
-length. With CP > 1 the export stores each sample pre-padded to the plan's multiple (pad id,
-loss mask 0); with CP = 1 it stores the samples as they are, byte for byte what it always wrote.
+Facts from Megatron-Bridge's source (src/megatron/bridge/data/packing/{algorithms,offline,gpt_sft}.py):
+its packer pre-pads a sample (with pad_seq_to_mult > 1) with the tokenizer's eos id and loss mask 0,
+then rolls the sample's answer mask by one (``x[1:] + [False]``, "to align with labels") before
+writing it. Its packed collate cuts every sample at ``seq_start_id`` into ``tokens = ids[a:b-1]``,
+``labels = ids[a+1:b]``, ``loss_mask = loss_mask[a:b-1]``: the stored mask is read as a mask over
+labels. Its THD length is ``b - a - 1`` (CP-aligned: the export pre-pads to the plan's multiple);
+with pad_seq_to_mult > 1 its real length ends after the last token that is not eos.
 """
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -14,11 +19,14 @@ import pytest
 
 from megatron_pack.config import Config, DataConfig, PackingConfig, ParallelConfig
 from megatron_pack.data.batches.dataset import PackedSFTDataset
+from megatron_pack.data.packing.bridge import export_bridge
 from megatron_pack.data.prepare import prepare
 from megatron_pack.data.thd import collate_thd
 
 SIX_FIELDS = ("pack_size", "max_samples_per_bin", "dataset_max_seqlen", "min_packed_seqlen", "packing_factor",
               "packing_efficiency")
+SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
+                    ("seq_start_id", pa.list_(pa.int32()))])
 
 
 def _export(tmp_path, cp: int):
@@ -30,26 +38,108 @@ def _export(tmp_path, cp: int):
     return PackedSFTDataset(cfg.data.dataset_dir, plan_dir), plan_dir
 
 
-def _bridge_cu_seqlens(row: dict) -> list[int]:
-    """cu_seqlens as Megatron-Bridge's GPTSFTPackedDataset.collate_fn builds them: stored length - 1 each."""
-    bounds = row["seq_start_id"] + [len(row["input_ids"])]
-    return np.cumsum([0] + [bounds[i + 1] - bounds[i] - 1 for i in range(len(bounds) - 1)]).tolist()
+def _bridge_read(row: dict, *, eos_id: int, multiple: int) -> list[dict]:
+    """One parquet row as Megatron-Bridge's GPTSFTPackedDataset.collate_fn reads it (answer_only_loss), per sample.
+
+    Written here from Bridge's source, sharing no code with the export: with boundaries
+    ``b = seq_start_id + [len(input_ids)]``, sample ``j`` gives ``tokens = input_ids[b[j]:b[j+1]-1]``,
+    ``labels = input_ids[b[j]+1:b[j+1]]``, ``loss_mask = loss_mask[b[j]:b[j+1]-1]``; its THD length is
+    ``b[j+1] - b[j] - 1`` and, with ``pad_seq_to_mult > 1``, its real length ends after the last
+    token that is not eos.
+    """
+    ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+    bounds = list(row["seq_start_id"]) + [len(ids)]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        tokens = ids[a:b - 1]
+        real = b - a - 1
+        if multiple > 1:
+            not_eos = [i for i, t in enumerate(tokens) if t != eos_id]
+            real = not_eos[-1] + 1 if not_eos else 0
+        out.append({"tokens": tokens, "labels": ids[a + 1:b], "loss_mask": mask[a:b - 1], "real": real})
+    return out
 
 
-def test_cp1_export_is_the_unpadded_samples_byte_for_byte(tmp_path):
+# Hand-computed: bos 1, eos 2, end-of-turn 3, pad 0. Sample 0 is two assistant turns, sample 1 one.
+HAND_IDS = ([1, 10, 20, 3, 11, 21, 2], [1, 12, 22, 2])
+HAND_MASK = ([0, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1])  # the answer mask, aligned with ids
+HAND_ROWS = {  # what Bridge's own packer writes for these samples: mask rolled by one, eos pre-padding
+    1: {"input_ids": [1, 10, 20, 3, 11, 21, 2, 1, 12, 22, 2],
+        "loss_mask": [0, 1, 1, 0, 1, 1, 0, 0, 1, 1, 0], "seq_start_id": [0, 7]},
+    4: {"input_ids": [1, 10, 20, 3, 11, 21, 2, 2, 2, 1, 12, 22, 2, 2],
+        "loss_mask": [0, 1, 1, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0], "seq_start_id": [0, 9]},
+}
+HAND_READ = {  # what Bridge's collate then trains on: every answer target (20 3 21 2, 22 2), and nothing else
+    1: [{"tokens": [1, 10, 20, 3, 11, 21], "labels": [10, 20, 3, 11, 21, 2], "loss_mask": [0, 1, 1, 0, 1, 1], "real": 6},
+        {"tokens": [1, 12, 22], "labels": [12, 22, 2], "loss_mask": [0, 1, 1], "real": 3}],
+    4: [{"tokens": [1, 10, 20, 3, 11, 21, 2, 2], "labels": [10, 20, 3, 11, 21, 2, 2, 2],
+         "loss_mask": [0, 1, 1, 0, 1, 1, 0, 0], "real": 6},
+        {"tokens": [1, 12, 22, 2], "labels": [12, 22, 2, 2], "loss_mask": [0, 1, 1, 0], "real": 3}],
+}
+
+
+def _hand_export(tmp_path, multiple: int):
+    ids, mask = np.concatenate(HAND_IDS), np.concatenate(HAND_MASK).astype(np.uint8)
+    store = SimpleNamespace(tokens=ids, answer_mask=mask, offsets=np.array([0, 7, 11]))
+    np.save(tmp_path / "sample_order.npy", np.array([0, 1]))
+    np.save(tmp_path / "sample_num_ids.npy", np.array([7, 4]))
+    np.save(tmp_path / "bin_offsets.npy", np.array([0, 2]))
+    meta = {"pack_size": 16, "max_samples_per_bin": 2, "dataset_max_seqlen": 6, "min_packed_seqlen": 9,
+            "packing_factor": 2.0, "packing_efficiency": 56.25, "pad_seq_to_mult": multiple, "pad_id": 0, "eos_id": 2}
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    parquet_path, _ = export_bridge(store, tmp_path)
+    return pq.read_table(parquet_path).to_pylist()
+
+
+@pytest.mark.parametrize("multiple", [1, 4], ids=["cp1", "cp2"])
+def test_hand_computed_two_samples_are_written_and_read_as_bridge_does(tmp_path, multiple):
+    rows = _hand_export(tmp_path, multiple)
+    assert rows == [HAND_ROWS[multiple]]
+    assert _bridge_read(rows[0], eos_id=2, multiple=multiple) == HAND_READ[multiple]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4], ids=["cp1", "cp2", "cp4"])
+def test_bridge_reader_gives_our_thd_batch_for_every_sample(tmp_path, cp):
+    ds, plan_dir = _export(tmp_path, cp=cp)
+    multiple, eos_id = ds.metadata["pad_seq_to_mult"], ds.metadata["eos_id"]
+    rows = pq.read_table(plan_dir / "training_256.idx.parquet").to_pylist()
+    assert len(rows) == len(ds) > 10
+    num_samples = num_targets = num_late_answers = num_lost = num_wrong = num_bad_length = 0
+    for i, row in enumerate(rows):
+        batch = collate_thd(ds[i], pack_size=256, pad_multiple=multiple, pad_id=ds.metadata["pad_id"])
+        cu_real, cu_padded = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+        read = _bridge_read(row, eos_id=eos_id, multiple=multiple)
+        assert len(read) == len(cu_padded) - 1
+        for j, theirs in enumerate(read):
+            lo, hi, real = cu_padded[j], cu_padded[j + 1], cu_real[j + 1] - cu_real[j]
+            ours_mask = batch["loss_mask"][0, lo:hi].to(int).tolist()
+            assert len(theirs["tokens"]) == hi - lo
+            num_lost += sum(o == 1 and t == 0 for o, t in zip(ours_mask, theirs["loss_mask"]))
+            num_wrong += sum(o == 0 and t == 1 for o, t in zip(ours_mask, theirs["loss_mask"]))
+            num_bad_length += theirs["real"] != real
+            assert theirs["tokens"][:real] == batch["tokens"][0, lo:lo + real].tolist()
+            assert theirs["labels"][:real] == batch["labels"][0, lo:lo + real].tolist()
+            num_samples += 1
+            num_targets += sum(ours_mask)
+            num_late_answers += any(ours_mask[1:]) and ours_mask[0] == 0  # a prompt: a roll would show
+    assert num_samples > 50 and num_targets > 1000 and num_late_answers > num_samples // 2  # guards
+    assert (num_lost, num_wrong, num_bad_length) == (0, 0, 0), (
+        f"Bridge drops {num_lost} of our {num_targets} answer targets, trains {num_wrong} targets we mask, "
+        f"and reads {num_bad_length} of {num_samples} real lengths wrong")
+
+
+def test_cp1_export_is_the_rolled_mask_samples_byte_for_byte(tmp_path):
     ds, plan_dir = _export(tmp_path, cp=1)
     assert ds.metadata["pad_seq_to_mult"] == 1
     rows = [{"input_ids": np.concatenate([s["input_ids"] for s in pack]).astype(np.int32),
-             "loss_mask": np.concatenate([s["loss_mask"] for s in pack]).astype(np.uint8),
+             "loss_mask": np.concatenate([np.append(s["loss_mask"][1:], 0) for s in pack]).astype(np.uint8),
              "seq_start_id": np.cumsum([0] + [len(s["input_ids"]) for s in pack[:-1]]).astype(np.int32)}
             for pack in (ds[i] for i in range(len(ds)))]
     assert len(rows) > 10 and sum(len(r["seq_start_id"]) > 1 for r in rows) > 5
-    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
-                        ("seq_start_id", pa.list_(pa.int32()))])
     expected = tmp_path / "expected.parquet"
-    with pq.ParquetWriter(expected, schema, compression="zstd") as writer:  # the format as first released
+    with pq.ParquetWriter(expected, SCHEMA, compression="zstd") as writer:
         writer.write_table(pa.table([pa.array([r[k] for r in rows], type=f.type) for k, f in zip(
-            ("input_ids", "loss_mask", "seq_start_id"), schema)], schema=schema))
+            ("input_ids", "loss_mask", "seq_start_id"), SCHEMA)], schema=SCHEMA))
     assert (plan_dir / "training_256.idx.parquet").read_bytes() == expected.read_bytes()
     meta_text = (plan_dir / "256_metadata.jsonl").read_text()
     assert meta_text == json.dumps([{k: ds.metadata[k] for k in SIX_FIELDS}]) + "\n"
@@ -58,7 +148,7 @@ def test_cp1_export_is_the_unpadded_samples_byte_for_byte(tmp_path):
 @pytest.mark.parametrize("cp", [2, 4], ids=["cp2", "cp4"])
 def test_cp_export_stores_samples_prepadded_to_the_plan_multiple(tmp_path, cp):
     ds, plan_dir = _export(tmp_path, cp=cp)
-    multiple, pad_id = ds.metadata["pad_seq_to_mult"], ds.metadata["pad_id"]
+    multiple, eos_id = ds.metadata["pad_seq_to_mult"], ds.metadata["eos_id"]
     assert multiple == 2 * cp
     rows = pq.read_table(plan_dir / "training_256.idx.parquet").to_pylist()
     assert len(rows) == len(ds) > 10
@@ -73,13 +163,14 @@ def test_cp_export_stores_samples_prepadded_to_the_plan_multiple(tmp_path, cp):
             n = len(sample["input_ids"])
             assert (len(stored_ids) - 1) % multiple == 0, f"pack {i} sample {j}: length {len(stored_ids)}"
             assert len(stored_ids) - 1 - (n - 1) < multiple  # no more padding than needed
-            assert stored_ids[:n] == sample["input_ids"].tolist() and stored_mask[:n] == sample["loss_mask"].tolist()
-            assert set(stored_ids[n:]) <= {pad_id} and set(stored_mask[n:]) <= {0}
+            assert stored_ids[:n] == sample["input_ids"].tolist()
+            assert stored_mask[:n - 1] == sample["loss_mask"][1:].tolist()  # rolled by one, as Bridge's packer
+            assert set(stored_ids[n:]) <= {eos_id} and set(stored_mask[n - 1:]) == {0}
             num_samples += 1
             num_padded += len(stored_ids) > n
-        # what Bridge's collate builds is our THD batch's padded boundaries
+        # Bridge's THD lengths (stored length - 1) are our THD batch's padded boundaries
         ours = collate_thd(pack, pack_size=256, pad_multiple=multiple)["cu_seqlens_padded"].tolist()
-        assert _bridge_cu_seqlens(row) == ours
+        assert np.cumsum([0] + (np.diff(bounds) - 1).tolist()).tolist() == ours
     assert num_padded >= num_samples // 4 > 0  # guard: many samples really needed padding
     meta = json.loads((plan_dir / "256_metadata.jsonl").read_text())
     assert isinstance(meta, list) and len(meta) == 1

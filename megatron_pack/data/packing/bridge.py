@@ -3,21 +3,29 @@
 Files written into the plan directory (``N`` = pack size)::
 
     training_<N>.idx.parquet   one row per pack: input_ids list<int32> (the samples' ids, concatenated),
-                               loss_mask list<uint8> (answer mask aligned with input_ids),
+                               loss_mask list<uint8> (each sample's answer mask rolled by one: a mask over labels),
                                seq_start_id list<int32> (start of every sample inside input_ids)
     <N>_metadata.jsonl         a JSON array with one dict: pack_size, max_samples_per_bin,
                                dataset_max_seqlen, min_packed_seqlen, packing_factor, packing_efficiency
                                (+ pad_seq_to_mult when the plan's multiple is > 1)
 
-Bridge's packed collate takes each stored sample's length minus 1 as its THD length, which it
-must be able to cut into 2*CP chunks: with a plan pad multiple ``m > 1`` (CP > 1, or sequence
-parallelism) every sample of ``n`` ids is stored pre-padded, as Bridge's own packer does, to
-``ceil((n - 1) / m) * m + 1`` entries with the plan's ``pad_id`` (loss mask 0), and
-``dataset_max_seqlen`` counts padded lengths. With ``m = 1`` samples are stored as they are.
+Bridge's packed collate cuts a stored sample ``[a, b)`` into ``tokens = ids[a:b-1]``,
+``labels = ids[a+1:b]`` and ``loss_mask = loss_mask[a:b-1]``, so, as Bridge's own packer does, a
+sample's stored mask is its answer mask rolled by one (``stored[i] = answer_mask[i + 1]``, last 0):
+Bridge then trains exactly our THD ``loss_mask = answer_mask[1:]``.
 
-Example: a pack of samples ``[A, B, eos]`` and ``[C, eos]`` becomes ``input_ids [A, B, eos, C, eos]``,
-``seq_start_id [0, 3]``; with ``m = 4`` it becomes ``[A, B, eos, p, p, C, eos, p, p, p]``,
-``seq_start_id [0, 5]`` (THD lengths 4 and 4).
+Bridge takes each stored sample's length minus 1 as its THD length, which it must be able to cut
+into 2*CP chunks: with a plan pad multiple ``m > 1`` (CP > 1, or sequence parallelism) every
+sample of ``n`` ids is stored pre-padded, as Bridge's own packer does, to
+``ceil((n - 1) / m) * m + 1`` entries with the plan's ``eos_id`` (loss mask 0), and
+``dataset_max_seqlen`` counts padded lengths. The padding is eos, not ``pad_id``, because Bridge
+ends a pre-padded sample's real length after its last token that is not eos. With ``m = 1``
+samples are stored unpadded.
+
+Example: samples ``[A, B, eos]`` (answer mask ``[0, 1, 1]``) and ``[C, eos]`` (``[0, 1]``) become
+``input_ids [A, B, eos, C, eos]``, ``loss_mask [1, 1, 0, 1, 0]``, ``seq_start_id [0, 3]``; with
+``m = 4``: ``input_ids [A, B, eos, eos, eos, C, eos, eos, eos, eos]``, ``loss_mask [1, 1, 0, 0, 0, 1, 0, 0, 0, 0]``,
+``seq_start_id [0, 5]`` (THD lengths 4 and 4, real lengths 2 and 1).
 """
 
 from __future__ import annotations
@@ -40,17 +48,18 @@ def stored_length(num_ids: int, multiple: int) -> int:
     return -(-(num_ids - 1) // multiple) * multiple + 1 if multiple > 1 else num_ids
 
 
-def _pack_rows(store: TokenStore, order, num_ids, offsets, lo: int, hi: int, multiple: int, pad_id: int):
+def _pack_rows(store: TokenStore, order, num_ids, offsets, lo: int, hi: int, multiple: int, eos_id: int):
     ids_col, mask_col, start_col = [], [], []
     for b in range(lo, hi):
         ids, mask, starts, pos = [], [], [], 0
         for s, n in zip(order[offsets[b]:offsets[b + 1]].tolist(), num_ids[offsets[b]:offsets[b + 1]].tolist()):
             begin, num_pad = int(store.offsets[s]), stored_length(n, multiple) - n
             ids.append(store.tokens[begin:begin + n])
-            mask.append(store.answer_mask[begin:begin + n])
+            # rolled by one: Bridge reads loss_mask[a:b-1] as the mask over labels ids[a+1:b]
+            mask.append(store.answer_mask[begin + 1:begin + n])
+            mask.append(np.zeros(1 + num_pad, dtype=np.uint8))
             if num_pad:
-                ids.append(np.full(num_pad, pad_id, dtype=np.int64))
-                mask.append(np.zeros(num_pad, dtype=np.uint8))
+                ids.append(np.full(num_pad, eos_id, dtype=np.int64))
             starts.append(pos)
             pos += n + num_pad
         ids_col.append(np.concatenate(ids).astype(np.int32))
@@ -92,7 +101,7 @@ def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
     with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
         for lo in range(0, len(offsets) - 1, ROWS_PER_GROUP):
             cols = _pack_rows(store, order, num_ids, offsets, lo, min(lo + ROWS_PER_GROUP, len(offsets) - 1),
-                              multiple, int(meta["pad_id"]))
+                              multiple, int(meta["eos_id"]))
             writer.write_table(pa.table([pa.array(c, type=t.type) for c, t in zip(cols, schema)], schema=schema))
     tmp.replace(parquet_path)
     tmp_meta = plan_dir / f".{meta_path.name}.tmp"
