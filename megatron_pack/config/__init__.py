@@ -14,6 +14,7 @@ from megatron_pack.config.schema import (
     ConfigError,
     DataConfig,
     DDPConfig,
+    ExportConfig,
     LoggingConfig,
     ModelConfig,
     PackingConfig,
@@ -24,7 +25,7 @@ from megatron_pack.config.schema import (
 from megatron_pack.config.validate import effective_pad_multiple, validate
 
 __all__ = [
-    "GROUPS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DDPConfig", "LoggingConfig",
+    "GROUPS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DDPConfig", "ExportConfig", "LoggingConfig",
     "ModelConfig", "PackingConfig", "ParallelConfig", "TrainConfig", "VerifyConfig",
     "config_dir", "config_to_yaml", "effective_pad_multiple", "load_config", "validate",
 ]

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 import megatron_pack
+from megatron_pack.config.hf_config import apply_pretrained
 from megatron_pack.config.schema import GROUPS, Config, ConfigError
 from megatron_pack.config.validate import validate
 
@@ -219,7 +220,7 @@ def load_config(overrides: list[str], *, world_size: Optional[int] = None,
     problems = check_overrides(overrides, root)
     if problems:
         raise ConfigError(problems)
-    cfg = to_config(_compose(overrides, root))
+    cfg = apply_pretrained(to_config(_compose(overrides, root)), overrides)
     validate(cfg, world_size=world_size, dataset_meta=dataset_meta)
     return cfg
 

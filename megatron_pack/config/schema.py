@@ -109,12 +109,41 @@ class ModelConfig(_Group):
     """'none', 'local' (megatron-core CUDA graphs) or 'transformer_engine'."""
     cuda_graph_scope: list[str] = field(default_factory=list)
     """Parts captured by CUDA graphs: empty means the whole layer; or any of 'attn', 'mlp'."""
+    pretrained: Optional[str] = None
+    """A local Hugging Face model folder: architecture keys come from its config.json and the weights
+    from its safetensors (docs/models.md); None trains from a random init."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every RMSNorm / LayerNorm (config.json rms_norm_eps)."""
+    add_qkv_bias: bool = False
+    """A bias on the fused query/key/value projection (Qwen2 / Qwen2.5)."""
+    qk_layernorm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    rope_scaling: str = "none"
+    """'none' or 'llama3' (Llama 3.1 / 3.2 frequency scaling, the four rope_* keys below)."""
+    rope_scaling_factor: float = 8.0
+    """llama3 rope scaling: factor."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 rope scaling: low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 rope scaling: high_freq_factor."""
+    rope_original_max_position_embeddings: int = 8192
+    """llama3 rope scaling: original_max_position_embeddings."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
         problems = _positive(g, self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                        "num_query_groups", "kv_channels", "vocab_size", "seq_length",
-                                       "max_position_embeddings", "rotary_base"))
+                                       "max_position_embeddings", "rotary_base",
+                                       "rope_original_max_position_embeddings"))
+        problems += _choice(g, self, "rope_scaling", ("none", "llama3"))
+        if not 0 < self.norm_epsilon < 1:
+            problems.append(f"model.norm_epsilon ({self.norm_epsilon}) must be in (0, 1); set model.norm_epsilon=1e-5.")
+        if self.rope_scaling == "llama3" and not (self.rope_scaling_factor > 0
+                                                  and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            problems.append(f"model.rope_scaling_factor ({self.rope_scaling_factor}) must be > 0 and "
+                            f"0 < model.rope_low_freq_factor ({self.rope_low_freq_factor}) < "
+                            f"model.rope_high_freq_factor ({self.rope_high_freq_factor}); use the values of the "
+                            "model's config.json (Llama 3.1: 8, 1, 4).")
         problems += _choice(g, self, "normalization", ("RMSNorm", "LayerNorm"))
         problems += _choice(g, self, "activation", ("swiglu", "gelu"))
         problems += _choice(g, self, "attention_backend", ("auto", "torch", "te"))
@@ -389,12 +418,37 @@ class VerifyConfig(_Group):
     attention: str = "thd"
     """'thd' (the real path) or 'pack_causal' (plain causal attention over the whole pack: a broken
     setting that must FAIL, kept to show what verify catches)."""
+    reference: str = "self"
+    """'self' (each sample alone through our model) or 'transformers' (each sample alone through
+    transformers' forward of model.pretrained; needs model.pretrained)."""
 
     def field_problems(self) -> list[str]:
         problems = _positive(self.GROUP, self, ("num_packs",))
         problems += _choice(self.GROUP, self, "attention", ATTENTION_MODES)
+        problems += _choice(self.GROUP, self, "reference", ("self", "transformers"))
         if not self.tolerance > 0:
             problems.append(f"verify.tolerance ({self.tolerance}) must be > 0; set verify.tolerance=1e-4.")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ExportConfig(_Group):
+    GROUP = "export"
+
+    checkpoint: Optional[str] = None
+    """Checkpoint to export (a step_* folder or checkpoint.save); None exports model.pretrained itself."""
+    output: Optional[str] = None
+    """Hugging Face folder to write (created; must not hold a model already)."""
+    dtype: Optional[str] = None
+    """'float32' or 'bfloat16' tensors in the export; None keeps the dtype of the source folder."""
+    max_shard_size_mb: int = 5000
+    """Largest safetensors shard written, in MB (model.safetensors.index.json maps the rest)."""
+
+    def field_problems(self) -> list[str]:
+        problems = _positive(self.GROUP, self, ("max_shard_size_mb",))
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16"):
+            problems.append(f"export.dtype ({self.dtype!r}) must be 'float32' or 'bfloat16'; "
+                            "leave it unset to keep the source folder's dtype.")
         return problems
 
 
@@ -420,10 +474,12 @@ class Config:
     """Metrics and logs."""
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     """The `megatron-pack verify` command."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """The `megatron-pack export` command."""
 
 
 GROUPS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "packing": PackingConfig, "parallel": ParallelConfig,
     "train": TrainConfig, "ddp": DDPConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
-    "verify": VerifyConfig,
+    "verify": VerifyConfig, "export": ExportConfig,
 }

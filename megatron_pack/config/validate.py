@@ -232,9 +232,12 @@ def _validate_tensor_parallel(cfg: Config) -> list[str]:
 
 
 def vocab_problems(cfg: Config) -> list[str]:
-    """model.vocab_size divisible by TP (the embedding and output layer are split over TP ranks)."""
+    """model.vocab_size divisible by TP (the embedding and output layer are split over TP ranks).
+
+    A pretrained model is padded to a multiple of TP instead (model/builder.py ``padded_vocab_size``:
+    the pad rows' logits are masked and export drops them), so its vocabulary is never refused."""
     tp, vocab = cfg.parallel.tensor_model_parallel_size, cfg.model.vocab_size
-    if vocab % tp:
+    if vocab % tp and not cfg.model.pretrained:
         return [f"model.vocab_size ({vocab}) must be divisible by parallel.tensor_model_parallel_size ({tp}) so every "
                 f"TP size builds the same model; set model.vocab_size={_ceil_to(vocab, tp)}."]
     return []

@@ -100,7 +100,8 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels, normalization=m.normalization,
+        kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
+        add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
         gated_linear_unit=m.activation == "swiglu", activation_func=_activation(m.activation),
         add_bias_linear=False, init_method_std=m.init_method_std,
         attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
@@ -121,8 +122,11 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
     )
 
 
-def local_block_spec(num_layers: int, *, attention_mode: str = "thd"):
-    """Block spec of megatron-core local modules with our THD attention core and SP-capable norms."""
+def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layernorm: bool = False):
+    """Block spec of megatron-core local modules with our THD attention core and SP-capable norms.
+
+    ``qk_layernorm`` (Qwen3) norms each query/key head; megatron-core's ``finalize_model_grads``
+    sums those weights' gradients over TP (each TP rank sees only its own heads)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -140,7 +144,8 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd"):
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear, linear_proj=RowParallelLinear,
             core_attention=ModuleSpec(module=ThdCoreAttention, params={"mode": attention_mode}),
-            q_layernorm=IdentityOp, k_layernorm=IdentityOp))
+            q_layernorm=SequenceParallelNorm if qk_layernorm else IdentityOp,
+            k_layernorm=SequenceParallelNorm if qk_layernorm else IdentityOp))
     layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=SequenceParallelNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=SequenceParallelNorm,
@@ -150,12 +155,12 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd"):
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm)
 
 
-def te_layer_spec():
+def te_layer_spec(qk_layernorm: bool = False):
     """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False,
-                                                      qk_layernorm=False)
+                                                      qk_layernorm=qk_layernorm)
 
 
 def _deterministic_te_env(cfg: Config, backend: str) -> None:
@@ -173,6 +178,13 @@ def _check_cuda_graphs(cfg: Config, backend: str) -> None:
         raise ValueError(f"model.cuda_graph_impl ({cfg.model.cuda_graph_impl!r}) needs the Transformer Engine backend "
                          "(the torch THD attention reads cu_seqlens on the host, which a CUDA graph cannot "
                          "capture); set model.attention_backend=te or model.cuda_graph_impl=none.")
+
+
+def padded_vocab_size(cfg: Config) -> int:
+    """Embedding rows built: ``model.vocab_size``, rounded up to a multiple of TP for a pretrained
+    model (the pad rows are masked out of the logits and dropped again on export)."""
+    tp, vocab = cfg.parallel.tensor_model_parallel_size, cfg.model.vocab_size
+    return -(-vocab // tp) * tp if cfg.model.pretrained else vocab
 
 
 def _check_divisibility(cfg: Config) -> None:
@@ -203,15 +215,17 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     _check_cuda_graphs(cfg, backend)
     _deterministic_te_env(cfg, backend)
     config = transformer_config_from(cfg, backend=backend)
+    if cfg.model.pretrained:  # every weight is read from the folder; skip the random init
+        config.perform_initialization = False
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(cfg.train.seed)
     # megatron's named RNG streams (CPU generator states under cpu_compat)
     model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
-    spec = te_layer_spec() if backend == "te" else local_block_spec(cfg.model.num_layers,
-                                                                      attention_mode=attention_mode)
+    spec = (te_layer_spec(cfg.model.qk_layernorm) if backend == "te" else
+            local_block_spec(cfg.model.num_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm))
     model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
+        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
@@ -223,4 +237,44 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
         use_in_sequence_rope(model)
     model.attention_backend = backend
+    _apply_rope_scaling(model, cfg)
+    _mask_padded_vocab(model, cfg, pg.tp_rank)
+    if cfg.model.pretrained:
+        from megatron_pack.model.hf.load import load_pretrained
+
+        model.pretrained_report = load_pretrained(model, cfg.model.pretrained, cfg.model, tp_rank=pg.tp_rank,
+                                                  tp_size=cfg.parallel.tensor_model_parallel_size)
     return model.to(pg.device)
+
+
+def _apply_rope_scaling(model, cfg: Config) -> None:
+    """Llama 3.1 frequency scaling with the model's own four numbers (megatron-core's own
+    ``rope_scaling`` hard-codes low 1, high 4, original 8192; its ``_apply_scaling`` takes all four)."""
+    m = cfg.model
+    if m.rope_scaling != "llama3":
+        return
+    rope = model.rotary_pos_emb
+    rope.inv_freq = rope._apply_scaling(rope.inv_freq, factor=m.rope_scaling_factor,
+                                        low_freq_factor=m.rope_low_freq_factor,
+                                        high_freq_factor=m.rope_high_freq_factor,
+                                        original_max_position_embeddings=m.rope_original_max_position_embeddings)
+
+
+def _mask_padded_vocab(model, cfg: Config, tp_rank: int) -> None:
+    """Logits of the pad rows (vocabulary padded for TP) are -inf, so softmax and loss see only real tokens.
+
+    Example: vocab 301 at TP=2 builds 302 rows; rank 1 holds rows 151-301, whose last column is masked.
+    """
+    padded, vocab = padded_vocab_size(cfg), cfg.model.vocab_size
+    per_rank = padded // cfg.parallel.tensor_model_parallel_size
+    first_pad = vocab - tp_rank * per_rank
+    if padded == vocab or first_pad >= per_rank or not model.post_process:
+        return
+
+    def hook(module, args, output):
+        logits, bias = output
+        logits = logits.clone()
+        logits[..., max(first_pad, 0):] = float("-inf")
+        return logits, bias
+
+    model.output_layer.register_forward_hook(hook)

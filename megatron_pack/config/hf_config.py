@@ -1,0 +1,220 @@
+"""A Hugging Face ``config.json`` -> our ``model.*`` keys, and the supported-family list.
+
+torch-free and read before anything is launched, so an unsupported folder is refused by
+``load_config`` (this module lives in the config layer because ``load_config`` calls it; the
+weight mapping is ``megatron_pack.model.hf``, which re-exports these names).
+
+Worked example: Llama 3.1 8B's ``config.json`` (``hidden_size 4096, num_attention_heads 32,
+num_key_value_heads 8, intermediate_size 14336, rope_theta 500000, rope_scaling {rope_type:
+llama3, factor: 8}``) derives ``model.hidden_size=4096, model.num_query_groups=8,
+model.kv_channels=128, model.ffn_hidden_size=14336, model.rotary_base=500000,
+model.rope_scaling=llama3, model.rope_scaling_factor=8.0``, ...
+
+Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (transformers 4.x,
+what hub checkpoints carry) and ``rope_parameters`` (transformers 5.x ``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_FAMILIES: dict[str, str] = {
+    "llama": "Llama 2 / 3 / 3.1 / 3.2 (LlamaForCausalLM; rope_scaling none or llama3)",
+    "qwen2": "Qwen2 / Qwen2.5 dense (Qwen2ForCausalLM; QKV bias; no sliding window)",
+    "qwen3": "Qwen3 dense (Qwen3ForCausalLM; QK norm; no sliding window)",
+    "mistral": "Mistral (MistralForCausalLM; sliding_window null)",
+}
+"""model_type -> what is supported; the refusal messages and docs/models.md list these."""
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+
+ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+             "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "activation",
+             "rotary_base", "norm_epsilon", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
+             "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_position_embeddings")
+"""The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
+_MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+
+
+class UnsupportedModel(ValueError):
+    """The folder holds a model this package does not load; the message names the field and the list."""
+
+
+def _supported_text() -> str:
+    return "supported: " + "; ".join(f"{k} = {v}" for k, v in SUPPORTED_FAMILIES.items())
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """``config.json`` of a local Hugging Face model folder (a ``FileNotFoundError`` naming the key)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model.pretrained ({folder}) has no config.json; point model.pretrained at a local "
+                                "Hugging Face model folder (config.json, *.safetensors, tokenizer files).")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModel(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg}); re-download the model "
+                               "folder.") from None
+
+
+def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, rope scaling dict with 'rope_type') from either transformers spelling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = dict(params)
+        theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        scaling = dict(hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", 10000.0)
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    return float(theta), scaling
+
+
+def refusal(hf: dict[str, Any], where: str) -> str | None:
+    """Why ``hf`` (a parsed config.json) is not supported, or None when it is."""
+    model_type = hf.get("model_type")
+    if hf.get("auto_map"):
+        return (f"{where}: config.json has auto_map (custom modelling code, needs trust_remote_code, which "
+                f"megatron_pack never enables); {_supported_text()}.")
+    if model_type not in SUPPORTED_FAMILIES:
+        return f"{where}: model_type {model_type!r} is not supported; {_supported_text()}."
+    archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
+    if archs != [ARCHITECTURES[model_type]]:
+        return f"{where}: architectures {archs} is not supported for {model_type}; expected [{ARCHITECTURES[model_type]!r}]."
+    for key in _MOE_KEYS:
+        if hf.get(key):
+            return f"{where}: {key}={hf[key]!r} (mixture of experts) is not supported; {_supported_text()}."
+    for key in _MTP_KEYS:
+        if hf.get(key):
+            return f"{where}: {key}={hf[key]!r} (multi-token-prediction heads) is not supported; {_supported_text()}."
+    return _attention_refusal(hf, where, model_type) or _rope_refusal(hf, where)
+
+
+def _attention_refusal(hf: dict[str, Any], where: str, model_type: str) -> str | None:
+    if model_type == "mistral" and hf.get("sliding_window") is not None:
+        return (f"{where}: sliding_window={hf['sliding_window']} is not supported (THD attention here is full "
+                "causal); supported: Mistral with sliding_window null.")
+    if hf.get("use_sliding_window"):
+        return f"{where}: use_sliding_window=true is not supported (full causal attention only); {_supported_text()}."
+    layer_types = hf.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        return f"{where}: layer_types {other} is not supported (every layer must be full_attention)."
+    if hf.get("hidden_act", "silu") != "silu":
+        return f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only)."
+    if hf.get("mlp_bias"):
+        return f"{where}: mlp_bias=true is not supported (MLP without bias only)."
+    if model_type in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
+        return (f"{where}: attention_bias=true for {model_type} (a bias on o_proj too) is not supported; "
+                "QKV bias is supported for qwen2 only.")
+    return None
+
+
+def _rope_refusal(hf: dict[str, Any], where: str) -> str | None:
+    theta, scaling = rope_settings(hf)
+    kind = scaling["rope_type"]
+    if kind not in ("default", "llama3"):
+        return (f"{where}: rope_scaling rope_type {kind!r} is not supported; supported rope_scaling: none "
+                "(rope_type default) or llama3 (Llama 3.1 / 3.2).")
+    if float(theta) != int(theta):
+        return f"{where}: rope_theta={theta} is not an integer, which model.rotary_base needs."
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported (full rotary only)."
+    return None
+
+
+def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ``model.*`` architecture keys (``ARCH_KEYS``) for a supported config.json."""
+    theta, scaling = rope_settings(hf)
+    heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
+    llama3 = scaling["rope_type"] == "llama3"
+    return {
+        "num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
+        "ffn_hidden_size": int(hf["intermediate_size"]), "num_attention_heads": heads,
+        "num_query_groups": int(hf.get("num_key_value_heads") or heads), "kv_channels": int(head_dim),
+        "vocab_size": int(hf["vocab_size"]), "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
+        "normalization": "RMSNorm", "activation": "swiglu", "rotary_base": int(theta),
+        "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "untie_embeddings_and_output_weights": not bool(hf.get("tie_word_embeddings", False)),
+        "add_qkv_bias": hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)),
+        "qk_layernorm": hf.get("model_type") == "qwen3",
+        "rope_scaling": "llama3" if llama3 else "none",
+        "rope_scaling_factor": float(scaling.get("factor", 8.0)) if llama3 else 8.0,
+        "rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)) if llama3 else 1.0,
+        "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)) if llama3 else 4.0,
+        "rope_original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 8192))
+        if llama3 else 8192,
+    }
+
+
+def pretrained_model_keys(folder: str | Path) -> dict[str, Any]:
+    """config.json of ``folder`` -> ``model.*`` keys; raises ``UnsupportedModel`` / ``FileNotFoundError``."""
+    hf = read_hf_config(folder)
+    problem = refusal(hf, f"model.pretrained ({folder})")
+    if problem:
+        raise UnsupportedModel(problem)
+    if (Path(folder) / "modeling.py").exists() or any(Path(folder).glob("modeling_*.py")):
+        raise UnsupportedModel(f"model.pretrained ({folder}) ships modelling code (modeling_*.py), which needs "
+                               f"trust_remote_code; megatron_pack never enables it; {_supported_text()}.")
+    return derive_model_keys(hf)
+
+
+def contradictions(given: dict[str, Any], derived: dict[str, Any], folder: str | Path) -> list[str]:
+    """A message per ``model.<key>`` given on the command line whose value differs from config.json."""
+    problems = []
+    for key, value in given.items():
+        if key in derived and not _same(value, derived[key]):
+            problems.append(f"model.{key}={value!r} on the command line contradicts {Path(folder) / 'config.json'}, "
+                            f"which gives {derived[key]!r}; drop model.{key} (it comes from model.pretrained).")
+    return problems
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def _overridden_keys(overrides: list[str], group: str) -> set[str]:
+    """Field names of ``group`` set by ``group.key=value`` overrides (the command line)."""
+    keys = set()
+    for text in overrides:
+        key = text.split("=", 1)[0].lstrip("+~")
+        if key.startswith(group + "."):
+            keys.add(key.split(".")[1])
+    return keys
+
+
+def apply_pretrained(cfg, overrides: list[str]):
+    """``cfg`` with the architecture keys of ``model.pretrained``'s config.json (and ``data.tokenizer``
+    defaulting to that folder); raises ``ConfigError`` on a refusal or a command-line contradiction.
+
+    Keys set by a YAML preset are replaced (the folder is the truth); keys given on the command line
+    must agree with config.json.
+    """
+    import dataclasses
+
+    from megatron_pack.config.schema import ConfigError
+
+    folder = cfg.model.pretrained
+    if folder is None:
+        return cfg
+    try:
+        derived = pretrained_model_keys(folder)
+    except (UnsupportedModel, FileNotFoundError) as exc:
+        raise ConfigError([str(exc)]) from None
+    given = {k: getattr(cfg.model, k) for k in _overridden_keys(overrides, "model")}
+    problems = contradictions(given, derived, folder)
+    if problems:
+        raise ConfigError(problems)
+    data = cfg.data
+    if "tokenizer" not in _overridden_keys(overrides, "data") and data.tokenizer == "byte":
+        data = dataclasses.replace(data, tokenizer=str(folder))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **derived), data=data)

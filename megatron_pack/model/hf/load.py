@@ -1,0 +1,170 @@
+"""Stream a Hugging Face safetensors folder into this rank's megatron-core ``GPTModel`` shard.
+
+Each parameter is filled from ``safe_open(...).get_slice(name)[rows, cols]``: only the rows (or
+columns) this TP rank holds are read, one tensor at a time, so a rank never holds more than its
+own shard plus one slice in flight (``tests/functional/test_hf_memory.py`` measures it).
+
+Nothing is dropped silently: an HF tensor no rule reads, or a parameter no rule fills, is an error
+naming it. Only ``*.safetensors`` is read; a folder with only ``pytorch_model.bin`` (a pickle) is
+refused with the conversion command.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron_pack.config.hf_config import read_hf_config
+from megatron_pack.model.hf.mapping import IGNORED_HF, TE_ALIASES, Dims, load_shard, rules_for
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class SafetensorsFolder:
+    """The tensors of a HF folder by name (``model.safetensors`` or the sharded index), read lazily.
+
+    >>> folder = SafetensorsFolder("llama_dir")
+    >>> folder.shape("model.embed_tokens.weight"), folder.read("model.embed_tokens.weight", slice(0, 8)).shape
+    ((301, 64), torch.Size([8, 64]))
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.weight_map = self._weight_map()
+        self._open_file: Optional[str] = None
+        self._handle = None
+        self.bytes_read = 0
+
+    def _weight_map(self) -> dict[str, str]:
+        from safetensors import safe_open
+
+        if (self.root / INDEX).is_file():
+            index = json.loads((self.root / INDEX).read_text(encoding="utf-8"))
+            weight_map = dict(index.get("weight_map", {}))
+            missing = sorted({f for f in weight_map.values() if not (self.root / f).is_file()})
+            if missing:
+                raise FileNotFoundError(f"model.pretrained ({self.root}): {INDEX} names {missing[0]}, which is not in "
+                                        "the folder; finish the download (all shards) or fix the index.")
+            return weight_map
+        if (self.root / SINGLE).is_file():
+            with safe_open(self.root / SINGLE, framework="pt") as f:
+                return {name: SINGLE for name in f.keys()}
+        pickles = sorted(p.name for p in self.root.glob("pytorch_model*.bin"))
+        hint = (f" It holds {pickles[0]} (a pickle, never loaded here): convert it once with transformers "
+                "(AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)).") if pickles else ""
+        raise FileNotFoundError(f"model.pretrained ({self.root}) has no {SINGLE} or {INDEX}.{hint}")
+
+    def _slice(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise KeyError(f"model.pretrained ({self.root}) has no tensor {name!r}; the folder does not match its "
+                           "config.json (re-download it).")
+        file = self.weight_map[name]
+        if file != self._open_file:
+            self.close()
+            self._handle = safe_open(self.root / file, framework="pt").__enter__()
+            self._open_file = file
+        return self._handle.get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._slice(name).get_dtype()]
+
+    def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> Tensor:
+        part = self._slice(name)
+        full = slice(None)
+        if cols is not None:
+            tensor = part[rows or full, cols]
+        elif rows is not None:
+            tensor = part[rows]
+        else:
+            tensor = part[:]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+        self._handle, self._open_file = None, None
+
+    def __enter__(self) -> "SafetensorsFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class LoadReport:
+    """What ``load_pretrained`` read."""
+
+    num_tensors: int
+    bytes_read: int
+    seconds: float
+    source_dtype: torch.dtype
+
+
+def find_param(params: dict[str, torch.nn.Parameter], name: str) -> tuple[str, torch.nn.Parameter]:
+    """The model parameter for a table name, trying the Transformer Engine spelling too."""
+    if name in params:
+        return name, params[name]
+    for local, te in TE_ALIASES.items():
+        if name.endswith(local) and name[: -len(local)] + te in params:
+            alias = name[: -len(local)] + te
+            return alias, params[alias]
+    raise KeyError(name)
+
+
+def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp_rank: int, tp_size: int) -> LoadReport:
+    """Fill every parameter of ``model`` (this TP rank's shard) from the HF folder; returns what was read."""
+    start = time.perf_counter()
+    hf = read_hf_config(folder)
+    dims = Dims.from_model_config(model_cfg, tp_size)
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    used: set[str] = set()
+    with SafetensorsFolder(folder) as source, torch.no_grad():
+        for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, num_layers=model_cfg.num_layers):
+            try:
+                name, param = find_param(params, mcore)
+            except KeyError:
+                raise ValueError(f"model has no parameter {mcore} for {hf_names[0]} of {folder}; the model was built "
+                                 "with other model.* settings than config.json gives.") from None
+            shard = load_shard(rule, hf_names, source, dims, tp_rank)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(f"{folder}: {', '.join(hf_names)} gives {tuple(shard.shape)} for {name} on TP rank "
+                                 f"{tp_rank}, the model expects {tuple(param.shape)}; the safetensors do not match "
+                                 "config.json.")
+            param.copy_(shard)
+            filled.add(name)
+            used.update(hf_names)
+        _check_coverage(folder, source, params, filled, used, tied)
+        source_dtype = source.dtype(next(iter(used)))
+        bytes_read = source.bytes_read
+    return LoadReport(num_tensors=len(filled), bytes_read=bytes_read, seconds=time.perf_counter() - start,
+                      source_dtype=source_dtype)
+
+
+def _check_coverage(folder, source: SafetensorsFolder, params: dict, filled: set[str], used: set[str],
+                    tied: bool) -> None:
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise ValueError(f"{folder}: no Hugging Face tensor maps to {unfilled[:3]} (model.* settings differ from "
+                         "config.json?); nothing was left at random init silently.")
+    extra = sorted(n for n in set(source.weight_map) - used
+                   if not n.endswith(IGNORED_HF) and not (tied and n == "lm_head.weight"))
+    if extra:
+        raise ValueError(f"{folder}: tensors {extra[:3]} ({len(extra)} in all) map to no megatron-core parameter; "
+                         "the folder holds more than its config.json describes (an unsupported variant).")

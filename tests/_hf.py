@@ -1,0 +1,97 @@
+"""Tiny random Hugging Face model folders for the HF-boundary tests (no network).
+
+``make_family(root, family)`` builds a transformers model from a small config with a fixed seed,
+saves it with ``save_pretrained(max_shard_size=...)`` (several shards + the index) and a tiny BPE
+tokenizer (``tokenizers`` library) with a generation_config.json beside it. The five families of
+issue 12:
+
+| id            | what it exercises                                      |
+|---------------|--------------------------------------------------------|
+| llama_rope    | Llama, GQA (4 heads, 2 groups), rope_scaling llama3    |
+| llama_tied    | Llama with tie_word_embeddings                         |
+| qwen2_bias    | Qwen2: QKV bias                                        |
+| qwen3_qknorm  | Qwen3: q_norm / k_norm, explicit head_dim != H / heads |
+| mistral       | Mistral, sliding_window null                           |
+
+Vocabulary 301 is odd on purpose: at TP=2 it is padded to 302 and the pad row must vanish again.
+Biases and norm weights are randomised (save_pretrained's init sets them to 0 / 1, which would
+hide a mapping that drops or swaps them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama_rope", "llama_tied", "qwen2_bias", "qwen3_qknorm", "mistral")
+VOCAB = 301
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0)
+
+
+def hf_config(family: str):
+    import transformers as T
+
+    if family == "llama_rope":
+        return T.LlamaConfig(**_COMMON, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if family == "llama_tied":
+        return T.LlamaConfig(**_COMMON, tie_word_embeddings=True)
+    if family == "qwen2_bias":
+        return T.Qwen2Config(**_COMMON, rope_theta=1000000.0)
+    if family == "qwen3_qknorm":
+        return T.Qwen3Config(**_COMMON, head_dim=24)
+    if family == "mistral":
+        return T.MistralConfig(**_COMMON, sliding_window=None)
+    raise ValueError(family)
+
+
+def _randomise(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen) if "norm" in name
+                        else 0.2 * torch.randn(p.shape, generator=gen))
+
+
+def save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["hello world", "what is two plus two", "four", "the answer is", "system user assistant"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+
+
+def make_family(root: Path | str, family: str, *, seed: int = 0, dtype=torch.float32,
+                max_shard_size: str = "60KB") -> Path:
+    """A saved tiny model folder ``root/family`` (several safetensors shards + index + tokenizer)."""
+    import transformers as T
+
+    path = Path(root) / family
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(hf_config(family)).to(dtype)
+    _randomise(model, seed + 1)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    T.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, temperature=0.7, do_sample=True).save_pretrained(path)
+    save_tokenizer(path)
+    return path
+
+
+def hf_logits(folder: Path | str, samples: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' float32 logits [n, V] for each sample run alone (the reference)."""
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0].float() for ids in samples]
