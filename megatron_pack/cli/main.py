@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "inspect": ("megatron_pack.cli.inspect", "print a packed dataset's metadata, statistics and report"),
     "verify": ("megatron_pack.cli.verify", "run packed vs unpacked forward on a few packs and report the largest difference"),
     "train": ("megatron_pack.cli.train", "the training entry, launched by torchrun (also `python -m megatron_pack.train`)"),
+    "export": ("megatron_pack.cli.export", "a checkpoint (or a pretrained folder) to a Hugging Face folder"),
 }
 
 

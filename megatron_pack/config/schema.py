@@ -431,6 +431,24 @@ class VerifyConfig(_Group):
         return problems
 
 
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> Optional[int]:
+    """Bytes of '5GB' / '500MB' / '2GiB' / '1024' (transformers' units: KB = 1000, KiB = 1024); None if invalid.
+
+    >>> parse_size("60KB"), parse_size("2GiB")
+    (60000, 2147483648)
+    """
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match[2].upper() not in _SIZE_UNITS | {"": 1}:
+        return None
+    size = int(float(match[1]) * _SIZE_UNITS.get(match[2].upper(), 1))
+    return size if size > 0 else None
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ExportConfig(_Group):
     GROUP = "export"
@@ -441,11 +459,15 @@ class ExportConfig(_Group):
     """Hugging Face folder to write (created; must not hold a model already)."""
     dtype: Optional[str] = None
     """'float32' or 'bfloat16' tensors in the export; None keeps the dtype of the source folder."""
-    max_shard_size_mb: int = 5000
-    """Largest safetensors shard written, in MB (model.safetensors.index.json maps the rest)."""
+    max_shard_size: str = "5GB"
+    """Largest safetensors shard written, as transformers spells it ('5GB', '500MB', '2GiB');
+    model.safetensors.index.json maps tensors to shards when there are several."""
 
     def field_problems(self) -> list[str]:
-        problems = _positive(self.GROUP, self, ("max_shard_size_mb",))
+        problems = []
+        if parse_size(self.max_shard_size) is None:
+            problems.append(f"export.max_shard_size ({self.max_shard_size!r}) must be a size like '5GB', '500MB' "
+                            "or '2GiB'; set export.max_shard_size=5GB.")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16"):
             problems.append(f"export.dtype ({self.dtype!r}) must be 'float32' or 'bfloat16'; "
                             "leave it unset to keep the source folder's dtype.")

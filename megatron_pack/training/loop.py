@@ -352,6 +352,10 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
     ``pack_log`` holds the sample ids of every pack this rank consumed in this process)."""
     trainer = build_trainer(cfg, state, loader, forward_step_func=forward_step_func)
     save_dir, resume = checkpoint_dirs(cfg)
+    if cfg.model.pretrained and cfg.checkpoint.enabled and state.rank == 0:  # lets `export` read a checkpoint alone
+        from megatron_pack.model.hf.export import save_hf_source
+
+        save_hf_source(cfg.model.pretrained, save_dir)
     if resume is not None:
         trainer.load(resume)
         log.info("resumed from %s at step %d", resume, trainer.step)

@@ -1,0 +1,97 @@
+"""`megatron-pack export`: a checkpoint (or a pretrained folder) -> a Hugging Face folder.
+
+    megatron-pack export checkpoint=runs/sft/checkpoints/step_00000100 output=exports/sft-100
+    megatron-pack export checkpoint=runs/sft/checkpoints output=exports/sft-latest export.dtype=bfloat16
+    megatron-pack export model.pretrained=models/Llama-3.2-1B output=exports/roundtrip   # no checkpoint
+
+``checkpoint=`` and ``output=`` are short for ``export.checkpoint=`` / ``export.output=``. A
+checkpoint of a run started from ``model.pretrained`` carries that folder's config.json and
+tokenizer in ``<checkpoint.save>/hf_source/``; pass ``model.pretrained=DIR`` to use another copy.
+Runs in one process, whatever TP / CP / DP layout wrote the checkpoint. The dtype written is the
+source folder's unless ``export.dtype`` says otherwise; shards are capped at
+``export.max_shard_size``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_SHORT = {"checkpoint": "export.checkpoint", "output": "export.output"}
+
+
+def _expand(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        out.append(f"{_SHORT[key]}={value}" if sep and key in _SHORT else arg)
+    return out
+
+
+def _given(argv: list[str], key: str) -> str | None:
+    found = [a.split("=", 1)[1] for a in argv if a.startswith(key + "=")]
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """A ``step_*`` folder, or the newest complete one under a ``checkpoint.save`` root."""
+    from megatron_pack.training.checkpoint import META, find_latest
+
+    p = Path(path)
+    if (p / META).is_file():
+        return p
+    latest = find_latest(p)
+    if latest is None:
+        raise FileNotFoundError(f"export.checkpoint ({path}) holds no complete checkpoint (no meta.json, no 'latest'); "
+                                "point it at a step_* folder or at checkpoint.save of a training run.")
+    return latest
+
+
+def _hf_source(step_dir: Path) -> Path:
+    from megatron_pack.model.hf.export import HF_SOURCE
+
+    for candidate in (step_dir.parent / HF_SOURCE, step_dir / HF_SOURCE):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(f"export.checkpoint ({step_dir}) has no {HF_SOURCE}/ beside it (the run did not start from "
+                            "model.pretrained); pass model.pretrained=<the Hugging Face folder it was trained from>.")
+
+
+def run_export(argv: list[str], *, out=print) -> int:
+    from megatron_pack.config import load_config
+    from megatron_pack.config.schema import ConfigError, parse_size
+    from megatron_pack.model.hf.export import export_folder
+
+    argv = _expand(argv)
+    checkpoint = _given(argv, "export.checkpoint")
+    step_dir = resolve_checkpoint(checkpoint) if checkpoint else None
+    if step_dir is not None and _given(argv, "model.pretrained") is None:
+        argv = argv + [f"model.pretrained={_hf_source(step_dir)}"]
+    cfg = load_config(argv)
+    if cfg.export.output is None:
+        raise ConfigError(["export.output (None) is required; add output=DIR (a new folder for the Hugging Face model)."])
+    if cfg.model.pretrained is None:
+        raise ConfigError(["megatron-pack export needs checkpoint=RUN/checkpoints[/step_N] (a run started from "
+                           "model.pretrained) or model.pretrained=DIR (a round trip of that folder)."])
+    files, dtype = export_folder(output=cfg.export.output, source=cfg.model.pretrained, model_cfg=cfg.model,
+                                 checkpoint=step_dir, dtype=cfg.export.dtype,
+                                 max_shard_bytes=parse_size(cfg.export.max_shard_size))
+    what = f"checkpoint {step_dir}" if step_dir else f"{cfg.model.pretrained} (round trip, no checkpoint)"
+    out(f"export: {what} -> {cfg.export.output} ({dtype}, {len(files)} files: {', '.join(files)})")
+    out(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({str(cfg.export.output)!r})")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from megatron_pack.config.hf_config import UnsupportedModel
+    from megatron_pack.config.schema import ConfigError
+
+    try:
+        return run_export(list(argv))
+    except (ConfigError, UnsupportedModel, FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
+        print(f"megatron-pack export: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

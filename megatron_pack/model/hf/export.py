@@ -1,0 +1,191 @@
+"""megatron-core shards -> a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+Sources (one process, whatever layout wrote them):
+
+* a training checkpoint: ``model/tp<r>/<name>`` tensors of every TP rank (DCP; CP and DP ranks
+  hold replicas), merged back per the family table (``mapping.export_tensors``);
+* a pretrained folder: its tensors put through the load transforms first (a round trip that
+  proves the mapping on the user's own model).
+
+What is written (``write_hf_folder``): ``model.safetensors`` or, above ``export.max_shard_size``,
+``model-0000k-of-0000N.safetensors`` with ``model.safetensors.index.json``; the source's
+``config.json`` (its dtype field set to the exported dtype), ``generation_config.json`` when the
+source had one, and the tokenizer files. A training run from ``model.pretrained`` keeps these in
+``<checkpoint.save>/hf_source/`` (``save_hf_source``), so a checkpoint exports on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron_pack.config.hf_config import read_hf_config
+from megatron_pack.model.hf.load import SafetensorsFolder
+from megatron_pack.model.hf.mapping import TE_ALIASES, Dims, export_tensors, load_shard, rules_for
+
+HF_SOURCE = "hf_source"
+SOURCE_JSON = "source.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def save_hf_source(pretrained: str | Path, save_dir: str | Path) -> Path:
+    """Copy config.json, generation_config.json and the tokenizer files of ``pretrained`` into
+    ``save_dir/hf_source`` with ``source.json`` (its path and tensor dtype); returns that folder."""
+    src, dst = Path(pretrained), Path(save_dir) / HF_SOURCE
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json") + TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    with SafetensorsFolder(src) as folder:
+        dtype = folder.dtype(next(iter(folder.weight_map)))
+    (dst / SOURCE_JSON).write_text(json.dumps({"pretrained": str(src.resolve()), "dtype": DTYPE_NAMES[dtype]},
+                                              indent=2), encoding="utf-8")
+    return dst
+
+
+def source_dtype(folder: str | Path) -> torch.dtype:
+    """The tensor dtype of a HF folder (its safetensors), or of an ``hf_source`` copy (source.json)."""
+    folder = Path(folder)
+    if (folder / SOURCE_JSON).is_file():
+        return DTYPES[json.loads((folder / SOURCE_JSON).read_text(encoding="utf-8"))["dtype"]]
+    with SafetensorsFolder(folder) as source:
+        return source.dtype(next(iter(source.weight_map)))
+
+
+def shards_from_pretrained(folder: str | Path, model_cfg, tp: int) -> list[dict[str, Tensor]]:
+    """Every TP rank's megatron-core state of a HF folder, through the load transforms."""
+    hf = read_hf_config(folder)
+    dims = Dims.from_model_config(model_cfg, tp)
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    out: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    with SafetensorsFolder(folder) as source:
+        for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, num_layers=model_cfg.num_layers):
+            for rank in range(tp):
+                out[rank][mcore] = load_shard(rule, hf_names, source, dims, rank)
+    return out
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint parameter name as the tables spell it (no Float16Module prefix, local-spec norms)."""
+    name = name.removeprefix("module.")
+    for local, te in TE_ALIASES.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def shards_from_checkpoint(path: str | Path) -> list[dict[str, Tensor]]:
+    """Every TP rank's model tensors of a training checkpoint (a ``step_*`` folder), in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_pack.training.checkpoint import checkpoint_reader, read_meta
+
+    tp = int(read_meta(path).get("tensor_model_parallel_size", 1))
+    stored = checkpoint_reader(path).read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
+             if key.startswith("model/")}
+    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
+    out: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    for key, tensor in state.items():
+        _, rank, name = key.split("/", 2)
+        out[int(rank.removeprefix("tp"))][_canonical(name)] = tensor
+    return out
+
+
+def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg) -> dict[str, Tensor]:
+    """HF name -> tensor, in table order, from every TP rank's megatron-core state."""
+    dims = Dims.from_model_config(model_cfg, len(shards))
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    out: dict[str, Tensor] = {}
+    used: set[str] = set()
+    for rule, mcore, hf_names in rules_for(model_type, tied=tied, num_layers=model_cfg.num_layers):
+        missing = [r for r, shard in enumerate(shards) if mcore not in shard]
+        if missing:
+            raise ValueError(f"the checkpoint has no {mcore} on TP rank {missing[0]}: it was not written for this "
+                             "model (config.json of the export source); pass the model.pretrained it was trained from.")
+        out.update(zip(hf_names, export_tensors(rule, [shard[mcore] for shard in shards], dims)))
+        used.add(mcore)
+    extra = sorted(set(shards[0]) - used)
+    if extra:
+        raise ValueError(f"checkpoint tensors {extra[:3]} have no Hugging Face name in the {model_type} table; "
+                         "nothing is dropped silently (was it trained with another model?).")
+    return out
+
+
+def _shard_groups(tensors: dict[str, Tensor], max_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def write_hf_folder(output: str | Path, tensors: dict[str, Tensor], source: str | Path, *,
+                    dtype: torch.dtype, max_shard_bytes: int) -> list[str]:
+    """Write the folder (into a temporary sibling, renamed at the end); returns the files written."""
+    from safetensors.torch import save_file
+
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise FileExistsError(f"export.output ({output}) exists and is not empty; choose a new folder (nothing is "
+                              "overwritten).")
+    tmp = output.with_name(f".{output.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
+    groups = _shard_groups(tensors, max_shard_bytes)
+    weight_map = {}
+    for k, names in enumerate(groups, start=1):
+        file = "model.safetensors" if len(groups) == 1 else f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    if len(groups) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+    _copy_metadata(Path(source), tmp, dtype)
+    if output.exists():
+        output.rmdir()
+    os.replace(tmp, output)
+    return sorted(p.name for p in output.iterdir())
+
+
+def _copy_metadata(source: Path, dst: Path, dtype: torch.dtype) -> None:
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config["torch_dtype" if "torch_dtype" in config or "dtype" not in config else "dtype"] = DTYPE_NAMES[dtype]
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    for name in ("generation_config.json",) + TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, dst / name)
+
+
+def export_folder(*, output: str | Path, source: str | Path, model_cfg, checkpoint: Optional[str | Path] = None,
+                  dtype: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], torch.dtype]:
+    """A checkpoint (or, without one, the ``source`` folder itself) -> a HF folder at ``output``.
+
+    ``source`` is the HF folder whose config.json / tokenizer describe the model (the pretrained
+    folder, or a checkpoint's ``hf_source``). Returns (files written, dtype written).
+    """
+    model_type = read_hf_config(source)["model_type"]
+    if checkpoint is not None:
+        shards = shards_from_checkpoint(checkpoint)
+    else:
+        shards = shards_from_pretrained(source, model_cfg, tp=1)
+    out_dtype = DTYPES[dtype] if dtype else source_dtype(source)
+    files = write_hf_folder(output, hf_tensors(shards, model_type, model_cfg), source, dtype=out_dtype,
+                            max_shard_bytes=max_shard_bytes)
+    return files, out_dtype
