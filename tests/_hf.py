@@ -58,6 +58,10 @@ def _randomise(model, seed: int) -> None:
                         else 0.2 * torch.randn(p.shape, generator=gen))
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
 def save_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -69,15 +73,16 @@ def save_tokenizer(path: Path) -> None:
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=290, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
 
 def make_family(root: Path | str, family: str, *, seed: int = 0, dtype=torch.float32,
-                max_shard_size: str = "60KB") -> Path:
-    """A saved tiny model folder ``root/family`` (several safetensors shards + index + tokenizer)."""
+                max_shard_size: str = "60KB", name: str | None = None) -> Path:
+    """A saved tiny model folder ``root/<name or family>`` (several safetensors shards + index + tokenizer)."""
     import transformers as T
 
-    path = Path(root) / family
+    path = Path(root) / (name or family)
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(hf_config(family)).to(dtype)
     _randomise(model, seed + 1)
