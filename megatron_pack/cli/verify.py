@@ -183,6 +183,10 @@ def format_pack(result: PackResult, tolerance: float) -> str:
 
 def run_verify(cfg, *, out=print) -> int:
     """Verify ``cfg.verify.num_packs`` packs of ``cfg.data.dataset_dir``; 0 when all pass, else 1."""
+    if cfg.verify.reference == "transformers":  # against transformers' forward (cli/verify_reference.py)
+        from megatron_pack.cli.verify_reference import run_verify_transformers
+
+        return run_verify_transformers(cfg, out=out)
     from megatron_pack.data.batches.loader import collate_from_config, open_dataset
     from megatron_pack.model.builder import build_model
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
@@ -225,7 +229,10 @@ def main(argv: list[str]) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     try:
-        cfg = load_config(list(argv))
+        import os
+
+        launched = "WORLD_SIZE" in os.environ  # under torchrun (verify.reference=transformers runs at TP/CP)
+        cfg = load_config(list(argv), world_size=int(os.environ["WORLD_SIZE"]) if launched else None)
         return run_verify(cfg)
     except (ConfigError, DataError, FileNotFoundError, ValueError) as exc:
         print(f"megatron-pack verify: {exc}", file=sys.stderr)

@@ -347,7 +347,23 @@ def _dataset_pad_problems(cfg: Config, planned: Optional[int], where: str, redo:
     return []
 
 
+def _validate_verify_reference(cfg: Config) -> list[str]:
+    """verify.reference=transformers runs transformers on model.pretrained's own weights."""
+    v = cfg.verify
+    if v.reference != "transformers":
+        return []
+    if cfg.model.pretrained is None:
+        return ["verify.reference (transformers) needs model.pretrained=DIR (the Hugging Face folder transformers "
+                "loads); set model.pretrained or verify.reference=self."]
+    if v.checkpoint is not None:
+        return [f"verify.checkpoint ({v.checkpoint}) with verify.reference=transformers would compare trained weights "
+                "with the untrained folder; export the checkpoint (megatron-pack export) and pass "
+                "model.pretrained=<export> instead, or drop verify.checkpoint."]
+    return []
+
+
 _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
+    _validate_verify_reference,
     _validate_pipeline_parallel,
     _validate_tensor_parallel,
     _validate_context_parallel,
