@@ -26,6 +26,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "tensorboard>=2.14",
+        "safetensors>=0.4",  # model.pretrained: streamed, TP-sliced loading (megatron_pack.model.hf)
     ],
     extras_require={
         "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2", "transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],

@@ -144,3 +144,28 @@ def test_index_naming_a_missing_shard_is_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
         SafetensorsFolder(tmp_path)
+
+
+@pytest.mark.parametrize("rule,tensors,dims,rank,expected", [c[1:] for c in HAND], ids=[c[0] for c in HAND])
+def test_in_place_chunked_load_equals_load_shard(rule, tensors, dims, rank, expected, monkeypatch):
+    from megatron_pack.model.hf import mapping
+
+    monkeypatch.setattr(mapping, "CHUNK_BYTES", 4)  # one row per read: the chunk loop really runs
+    reader = DictReader(tensors)
+    out = torch.full(mapping.shard_shape(rule, rule.hf, reader, dims), 99.0)
+    mapping.load_shard_into(rule, rule.hf, reader, dims, rank, out)
+    assert out[:, 0].tolist() == expected
+    if rule.kind == "vocab":
+        assert len(reader.reads) == sum(1 for v in expected if v != 0)  # row by row, pad rows never read
+
+
+def test_row_parallel_chunks_read_only_its_columns(monkeypatch):
+    from megatron_pack.model.hf import mapping
+
+    monkeypatch.setattr(mapping, "CHUNK_BYTES", 8)
+    o = torch.arange(16.0).reshape(4, 4)
+    reader, out = DictReader({"o": o}), torch.empty(4, 2)
+    mapping.load_shard_into(ROW, ("o",), reader, Dims(4, 2, 1, 4, 5, 2), 1, out)
+    assert torch.equal(out, o[:, 2:])
+    assert reader.reads == [("o", slice(0, 1), slice(2, 4)), ("o", slice(1, 2), slice(2, 4)),
+                            ("o", slice(2, 3), slice(2, 4)), ("o", slice(3, 4), slice(2, 4))]

@@ -11,6 +11,7 @@ refused with the conversion command.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_pack.config.hf_config import read_hf_config
-from megatron_pack.model.hf.mapping import IGNORED_HF, TE_ALIASES, Dims, load_shard, rules_for
+from megatron_pack.model.hf.mapping import IGNORED_HF, TE_ALIASES, Dims, load_shard_into, rules_for, shard_shape
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -39,8 +40,6 @@ class SafetensorsFolder:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.weight_map = self._weight_map()
-        self._open_file: Optional[str] = None
-        self._handle = None
         self.bytes_read = 0
 
     def _weight_map(self) -> dict[str, str]:
@@ -62,41 +61,39 @@ class SafetensorsFolder:
                 "(AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)).") if pickles else ""
         raise FileNotFoundError(f"model.pretrained ({self.root}) has no {SINGLE} or {INDEX}.{hint}")
 
+    @contextlib.contextmanager
     def _slice(self, name: str):
+        """``get_slice(name)`` of a file opened for this one access: closing it unmaps the file, so the
+        pages a read touched leave this process's RSS at once (a shard file can hold gigabytes)."""
         from safetensors import safe_open
 
         if name not in self.weight_map:
             raise KeyError(f"model.pretrained ({self.root}) has no tensor {name!r}; the folder does not match its "
                            "config.json (re-download it).")
-        file = self.weight_map[name]
-        if file != self._open_file:
-            self.close()
-            self._handle = safe_open(self.root / file, framework="pt").__enter__()
-            self._open_file = file
-        return self._handle.get_slice(name)
+        with safe_open(self.root / self.weight_map[name], framework="pt") as handle:
+            yield handle.get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        with self._slice(name) as part:
+            return tuple(part.get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._slice(name).get_dtype()]
+        with self._slice(name) as part:
+            return _DTYPES[part.get_dtype()]
 
     def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> Tensor:
-        part = self._slice(name)
-        full = slice(None)
-        if cols is not None:
-            tensor = part[rows or full, cols]
-        elif rows is not None:
-            tensor = part[rows]
-        else:
-            tensor = part[:]
+        with self._slice(name) as part:
+            if cols is not None:
+                tensor = part[rows or slice(None), cols]
+            elif rows is not None:
+                tensor = part[rows]
+            else:
+                tensor = part[:]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-        self._handle, self._open_file = None, None
+        """Nothing stays open between reads; kept so the folder works as a context manager."""
 
     def __enter__(self) -> "SafetensorsFolder":
         return self
@@ -142,12 +139,8 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
             except KeyError:
                 raise ValueError(f"model has no parameter {mcore} for {hf_names[0]} of {folder}; the model was built "
                                  "with other model.* settings than config.json gives.") from None
-            shard = load_shard(rule, hf_names, source, dims, tp_rank)
-            if tuple(shard.shape) != tuple(param.shape):
-                raise ValueError(f"{folder}: {', '.join(hf_names)} gives {tuple(shard.shape)} for {name} on TP rank "
-                                 f"{tp_rank}, the model expects {tuple(param.shape)}; the safetensors do not match "
-                                 "config.json.")
-            param.copy_(shard)
+            _check_shapes(folder, rule, hf_names, source, dims, name, param, tp_rank)
+            load_shard_into(rule, hf_names, source, dims, tp_rank, param.data)
             filled.add(name)
             used.update(hf_names)
         _check_coverage(folder, source, params, filled, used, tied)
@@ -155,6 +148,20 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
         bytes_read = source.bytes_read
     return LoadReport(num_tensors=len(filled), bytes_read=bytes_read, seconds=time.perf_counter() - start,
                       source_dtype=source_dtype)
+
+
+def _check_shapes(folder, rule, hf_names, source: SafetensorsFolder, dims: Dims, name: str, param, tp_rank: int) -> None:
+    """The file's shapes must give exactly this parameter's shard (config.json and weights agree)."""
+    shapes = [source.shape(n) for n in hf_names]
+    expected = None
+    if rule.kind == "vocab":
+        expected = [(dims.vocab,) + tuple(param.shape[1:])]
+    elif rule.kind == "row" and param.dim() == 2:
+        expected = [(param.shape[0], param.shape[1] * dims.tp)]
+    wrong = expected is not None and shapes != expected
+    if wrong or tuple(shard_shape(rule, hf_names, source, dims)) != tuple(param.shape):
+        raise ValueError(f"{folder}: {', '.join(f'{n} {s}' for n, s in zip(hf_names, shapes))} do not give "
+                         f"{name} {tuple(param.shape)} on TP rank {tp_rank}; the safetensors do not match config.json.")
 
 
 def _check_coverage(folder, source: SafetensorsFolder, params: dict, filled: set[str], used: set[str],
