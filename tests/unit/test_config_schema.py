@@ -38,6 +38,15 @@ FIELD_CASES = [  # (id, group, fields, fragments of the problem; () = valid)
     ("checkpoint-keep", "checkpoint", dict(keep_last=0), ("checkpoint.keep_last (0)",)),
     ("logging-level", "logging", dict(level="LOUD"), ("logging.level ('LOUD')",)),
     ("verify-tolerance", "verify", dict(tolerance=0.0), ("verify.tolerance (0.0)",)),
+    ("verify-reference", "verify", dict(reference="torch"), ("verify.reference ('torch')", "set verify.reference=self")),
+    ("model-rope-scaling", "model", dict(rope_scaling="yarn"), ("model.rope_scaling ('yarn')",)),
+    ("model-llama3-factors", "model", dict(rope_scaling="llama3", rope_low_freq_factor=4.0),
+     ("model.rope_low_freq_factor (4.0)",)),
+    ("model-norm-eps", "model", dict(norm_epsilon=0.0), ("model.norm_epsilon (0.0)",)),
+    ("export-defaults", "export", {}, ()),
+    ("export-dtype", "export", dict(dtype="float16"), ("export.dtype ('float16')",)),
+    ("export-shard-size", "export", dict(max_shard_size="big"), ("export.max_shard_size ('big')", "5GB")),
+    ("export-shard-size-units", "export", dict(max_shard_size="500MiB"), ()),
 ]
 
 

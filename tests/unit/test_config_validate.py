@@ -35,6 +35,11 @@ META_OK = {"pack_size": 512, "max_samples_per_bin": 7, "pad_seq_to_mult": 4, "vo
 
 # (rule, config overrides, extra kwargs for the rule, fragments the problem must contain; () = passes)
 CASES = [
+    ("verify_reference", dict(verify__reference="self"), {}, ()),
+    ("verify_reference", dict(verify__reference="transformers"), {},
+     ("verify.reference (transformers) needs model.pretrained=DIR", "verify.reference=self")),
+    ("verify_reference", dict(verify__reference="transformers", model__pretrained="models/x", verify__checkpoint="ck"),
+     {}, ("verify.checkpoint (ck) with verify.reference=transformers", "megatron-pack export")),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
      dict(world_size=8), ()),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
