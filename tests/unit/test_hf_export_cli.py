@@ -1,0 +1,96 @@
+"""`megatron-pack export`: the round trip of a folder with no checkpoint, and every user mistake as one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _hf import make_family  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory) -> Path:
+    return make_family(tmp_path_factory.mktemp("hf_export"), "qwen2_bias", seed=3, dtype=torch.bfloat16)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def test_round_trip_without_checkpoint_is_bit_exact(qwen2, tmp_path, capsys):
+    from megatron_pack.cli.export import main
+
+    out = tmp_path / "rt"
+    assert main([f"model.pretrained={qwen2}", f"output={out}", "export.max_shard_size=100KB"]) == 0
+    assert "round trip" in capsys.readouterr().out
+    source, exported = _tensors(qwen2), _tensors(out)
+    assert len(source) > 15 and sorted(source) == sorted(exported)
+    assert all(exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], source[k]) for k in source)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(source) and len(set(index["weight_map"].values())) > 1
+    assert (out / "generation_config.json").read_text() == (qwen2 / "generation_config.json").read_text()
+    assert (out / "tokenizer.json").read_text() == (qwen2 / "tokenizer.json").read_text()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+
+
+def test_export_dtype_override(qwen2, tmp_path):
+    from megatron_pack.cli.export import main
+
+    assert main([f"model.pretrained={qwen2}", f"output={tmp_path / 'f32'}", "export.dtype=float32"]) == 0
+    tensors = _tensors(tmp_path / "f32")
+    assert (tmp_path / "f32" / "model.safetensors").is_file()  # one shard under the default cap: no index
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    assert all(torch.equal(tensors[k].bfloat16(), v) for k, v in _tensors(qwen2).items())
+
+
+MISTAKES = [  # (id, argv (formatted with the folder and tmp), fragments of the one-line message)
+    ("no-output", ["model.pretrained={src}"], ["export.output (None) is required", "output=DIR"]),
+    ("nothing-to-export", ["output={tmp}/o"], ["checkpoint=RUN/checkpoints", "model.pretrained=DIR"]),
+    ("no-checkpoint-there", ["checkpoint={tmp}/none", "output={tmp}/o"], ["holds no complete checkpoint"]),
+    ("checkpoint-without-hf-source", ["checkpoint={tmp}/ck", "output={tmp}/o"],
+     ["no hf_source/", "pass model.pretrained="]),
+    ("output-not-empty", ["model.pretrained={src}", "output={tmp}/full"], ["exists and is not empty"]),
+    ("bad-dtype", ["model.pretrained={src}", "output={tmp}/o", "export.dtype=float16"], ["export.dtype ('float16')"]),
+    ("typo", ["model.pretrained={src}", "output={tmp}/o", "export.dtpye=bfloat16"], ["did you mean 'export.dtype'"]),
+]
+
+
+@pytest.mark.parametrize("argv,fragments", [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
+def test_mistakes_are_one_line(qwen2, tmp_path, capsys, argv, fragments):
+    from megatron_pack.cli.export import main
+
+    (tmp_path / "ck" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "ck" / "step_00000001" / "meta.json").write_text('{"step": 1}')
+    (tmp_path / "ck" / "latest").write_text("step_00000001")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    assert main([a.format(src=qwen2, tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-pack export:") and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_tensors_without_a_name_are_refused(qwen2):
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import Config, ModelConfig
+    from megatron_pack.model.hf.export import hf_tensors, shards_from_pretrained
+
+    cfg = apply_pretrained(Config(model=ModelConfig(pretrained=str(qwen2))), [])
+    shards = shards_from_pretrained(qwen2, cfg.model, tp=2)
+    for shard in shards:
+        shard["decoder.layers.0.self_attention.extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="extra.weight.*nothing is dropped silently"):
+        hf_tensors(shards, "qwen2", cfg.model)
