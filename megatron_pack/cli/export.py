@@ -57,6 +57,28 @@ def _hf_source(step_dir: Path) -> Path:
                             "model.pretrained); pass model.pretrained=<the Hugging Face folder it was trained from>.")
 
 
+def read_model_shards(step_dir: Path) -> list[dict]:
+    """Every TP rank's model tensors of a training checkpoint (``model/tp<r>/<name>``), in one process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_pack.training.checkpoint import checkpoint_reader, read_meta
+
+    tp = int(read_meta(step_dir).get("tensor_model_parallel_size", 1))
+    stored = checkpoint_reader(step_dir).read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
+             if key.startswith("model/")}
+    if not state:
+        raise ValueError(f"export.checkpoint ({step_dir}) holds no model tensors (model/tp<r>/...); it is not a "
+                         "megatron_pack training checkpoint.")
+    dcp.load(state, storage_reader=checkpoint_reader(step_dir), no_dist=True)
+    shards: list[dict] = [{} for _ in range(tp)]
+    for key, tensor in state.items():
+        _, rank, name = key.split("/", 2)
+        shards[int(rank.removeprefix("tp"))][name] = tensor
+    return shards
+
+
 def run_export(argv: list[str], *, out=print) -> int:
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError, parse_size
@@ -73,8 +95,13 @@ def run_export(argv: list[str], *, out=print) -> int:
     if cfg.model.pretrained is None:
         raise ConfigError(["megatron-pack export needs checkpoint=RUN/checkpoints[/step_N] (a run started from "
                            "model.pretrained) or model.pretrained=DIR (a round trip of that folder)."])
+    output = Path(cfg.export.output)
+    if output.exists() and any(output.iterdir()):  # before reading anything
+        raise FileExistsError(f"export.output ({output}) exists and is not empty; choose a new folder (nothing is "
+                              "overwritten).")
+    shards = read_model_shards(step_dir) if step_dir is not None else None
     files, dtype = export_folder(output=cfg.export.output, source=cfg.model.pretrained, model_cfg=cfg.model,
-                                 checkpoint=step_dir, dtype=cfg.export.dtype,
+                                 shards=shards, dtype=cfg.export.dtype,
                                  max_shard_bytes=parse_size(cfg.export.max_shard_size))
     what = f"checkpoint {step_dir}" if step_dir else f"{cfg.model.pretrained} (round trip, no checkpoint)"
     out(f"export: {what} -> {cfg.export.output} ({dtype}, {len(files)} files: {', '.join(files)})")

@@ -171,8 +171,7 @@ def test_verify_against_transformers_catches_a_wrong_mapping(trained, capsys, mo
     def swapped(rule, names, reader, dims, rank):
         return original(rule, names[::-1] if rule.kind == "gate_up" else names, reader, dims, rank)
 
-    monkeypatch.setattr(mapping, "load_shard", swapped)
-    monkeypatch.setattr("megatron_pack.model.hf.load.load_shard", swapped)
+    monkeypatch.setattr(mapping, "load_shard", swapped)  # load_shard_into fills linear_fc1 through it
     monkeypatch.chdir(trained)
     assert verify_main(VERIFY) == 1
     out = capsys.readouterr().out

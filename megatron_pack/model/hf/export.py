@@ -3,7 +3,8 @@
 Sources (one process, whatever layout wrote them):
 
 * a training checkpoint: ``model/tp<r>/<name>`` tensors of every TP rank (DCP; CP and DP ranks
-  hold replicas), merged back per the family table (``mapping.export_tensors``);
+  hold replicas; read by ``megatron_pack.cli.export``, which knows the checkpoint format), merged
+  back per the family table (``mapping.export_tensors``);
 * a pretrained folder: its tensors put through the load transforms first (a round trip that
   proves the mapping on the user's own model).
 
@@ -83,30 +84,13 @@ def _canonical(name: str) -> str:
     return name
 
 
-def shards_from_checkpoint(path: str | Path) -> list[dict[str, Tensor]]:
-    """Every TP rank's model tensors of a training checkpoint (a ``step_*`` folder), in one process."""
-    import torch.distributed.checkpoint as dcp
-
-    from megatron_pack.training.checkpoint import checkpoint_reader, read_meta
-
-    tp = int(read_meta(path).get("tensor_model_parallel_size", 1))
-    stored = checkpoint_reader(path).read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
-             if key.startswith("model/")}
-    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
-    out: list[dict[str, Tensor]] = [{} for _ in range(tp)]
-    for key, tensor in state.items():
-        _, rank, name = key.split("/", 2)
-        out[int(rank.removeprefix("tp"))][_canonical(name)] = tensor
-    return out
-
-
 def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg) -> dict[str, Tensor]:
     """HF name -> tensor, in table order, from every TP rank's megatron-core state."""
     dims = Dims.from_model_config(model_cfg, len(shards))
     tied = not model_cfg.untie_embeddings_and_output_weights
     out: dict[str, Tensor] = {}
     used: set[str] = set()
+    shards = [{_canonical(name): tensor for name, tensor in shard.items()} for shard in shards]
     for rule, mcore, hf_names in rules_for(model_type, tied=tied, num_layers=model_cfg.num_layers):
         missing = [r for r, shard in enumerate(shards) if mcore not in shard]
         if missing:
@@ -173,17 +157,17 @@ def _copy_metadata(source: Path, dst: Path, dtype: torch.dtype) -> None:
             shutil.copyfile(source / name, dst / name)
 
 
-def export_folder(*, output: str | Path, source: str | Path, model_cfg, checkpoint: Optional[str | Path] = None,
-                  dtype: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], torch.dtype]:
-    """A checkpoint (or, without one, the ``source`` folder itself) -> a HF folder at ``output``.
+def export_folder(*, output: str | Path, source: str | Path, model_cfg,
+                  shards: Optional[list[dict[str, Tensor]]] = None, dtype: Optional[str] = None,
+                  max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], torch.dtype]:
+    """Every TP rank's megatron-core tensors (or, without them, the ``source`` folder itself) -> a HF
+    folder at ``output``.
 
     ``source`` is the HF folder whose config.json / tokenizer describe the model (the pretrained
     folder, or a checkpoint's ``hf_source``). Returns (files written, dtype written).
     """
     model_type = read_hf_config(source)["model_type"]
-    if checkpoint is not None:
-        shards = shards_from_checkpoint(checkpoint)
-    else:
+    if shards is None:
         shards = shards_from_pretrained(source, model_cfg, tp=1)
     out_dtype = DTYPES[dtype] if dtype else source_dtype(source)
     files = write_hf_folder(output, hf_tensors(shards, model_type, model_cfg), source, dtype=out_dtype,
