@@ -9,7 +9,9 @@ tp1_cp2, tp2_cp2_sp), loading the weights with our streamed TP-sliced loader:
 2. loss: our per-token loss sum (padded vocabulary masked) against cross entropy of
    transformers' logits (float64), relative <= 1e-5;
 3. round trip: at TP=2 both ranks' shards exported back to HF names equal the source
-   safetensors bit for bit (same keys, same dtypes).
+   safetensors bit for bit (same keys, same dtypes); and through a training checkpoint written
+   at tp2_cp2_sp (every rank calls ``save_checkpoint`` as the trainer does), exported in one
+   process by ``megatron-pack export checkpoint=...``.
 
 The reference (transformers) is computed in the parent process, which shares no code with ours.
 """
@@ -84,6 +86,19 @@ def _round_trip(model, cfg, pg, folder: str) -> tuple[bool, int]:
     return same, len(source)
 
 
+def _save_checkpoint(model, pg, folder: str, rank: int) -> None:
+    """The trainer's checkpoint layout (model/tp<r>/<name>, DCP) plus hf_source, next to the folder."""
+    from megatron_pack.model.hf.export import save_hf_source
+    from megatron_pack.training.checkpoint import save_checkpoint
+
+    root = f"{folder}_ckpt"
+    if rank == 0:
+        save_hf_source(folder, root)
+    save_checkpoint(root, 1, model_state={n: p.detach() for n, p in model.named_parameters()}, optim_state={},
+                    rank_state={}, meta={"tensor_model_parallel_size": pg.tp_size, "context_parallel_size": pg.cp_size},
+                    tp_rank=pg.tp_rank)
+
+
 def _run(folder: str, tp: int, cp: int, sp: bool, batch, refs, rank: int) -> dict:
     import torch.distributed as dist
 
@@ -114,6 +129,8 @@ def _run(folder: str, tp: int, cp: int, sp: bool, batch, refs, rank: int) -> dic
         out["loss_sum"] = float(loss_sum)
         if tp == 2 and cp == 1:
             out["round_trip"], out["num_round_trip"] = _round_trip(model, cfg, pg, folder)
+        if sp:
+            _save_checkpoint(model, pg, folder, rank)
         return out if rank == 0 else {}
     finally:
         destroy_parallel()
@@ -147,6 +164,7 @@ def world(tmp_path_factory) -> dict:
     samples = _samples()
     refs = {f: hf_logits(folders[f], [s[:-1] for s in samples]) for f in FAMILIES}
     out = spawn_world(_worker, WORLD_SIZE, root, folders, refs)[0]
+    out["folders"] = folders
     out["ref_loss"] = {f: _reference_loss(refs[f], samples) for f in FAMILIES}
     return out
 
@@ -176,3 +194,27 @@ def test_loss_matches_transformers_with_padded_vocab(world, case):
 def test_round_trip_at_tp2_is_bit_exact(world, family):
     assert int(world[f"{family}/tp2_cp1/num_round_trip"]) >= 15  # every tensor of the folder compared
     assert bool(world[f"{family}/tp2_cp1/round_trip"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_of_a_tp2_cp2_checkpoint_is_bit_exact(world, family, tmp_path):
+    import glob
+
+    from safetensors.torch import load_file
+
+    from megatron_pack.cli.export import main as export_main
+
+    folder = world["folders"][family]
+    assert export_main([f"checkpoint={folder}_ckpt", f"output={tmp_path / 'out'}"]) == 0
+
+    def tensors(path):
+        out = {}
+        for file in sorted(glob.glob(f"{path}/*.safetensors")):
+            out.update(load_file(file))
+        return out
+
+    source, exported = tensors(folder), tensors(tmp_path / "out")
+    assert len(source) >= 15 and sorted(source) == sorted(exported)
+    assert all(exported[k].dtype == source[k].dtype and torch.equal(exported[k], source[k]) for k in source)
