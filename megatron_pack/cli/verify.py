@@ -296,15 +296,13 @@ def run_verify_transformers(cfg, *, out=print) -> int:
     """Verify against transformers; 0 when every pack passes, else 1 (rank 0 decides, all ranks return it)."""
     import torch.distributed as dist
 
-    from megatron_pack.data.batches.dataset import PackedSFTDataset
-    from megatron_pack.data.batches.thd import make_collate_fn
+    from megatron_pack.data.batches.loader import collate_from_config, open_dataset
     from megatron_pack.model.builder import build_model
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
-    dataset = PackedSFTDataset.from_config(cfg)
-    collate = make_collate_fn(dataset.metadata, pad_to_max_length=cfg.data.pad_to_max_length,
-                              pad_cu_seqlens=cfg.packing.pad_cu_seqlens)
+    dataset = open_dataset(cfg)
+    collate = collate_from_config(cfg, dataset.metadata)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     run_cfg = cfg if launched else single_process_config(cfg)
     owns_process_group = not dist.is_initialized()
