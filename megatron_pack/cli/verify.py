@@ -314,7 +314,11 @@ def run_verify_transformers(cfg, *, out=print) -> int:
         model.eval()
         reference = None
         if state.rank == 0:
-            import transformers
+            try:
+                import transformers
+            except ImportError:
+                raise ValueError("verify.reference=transformers needs the transformers package; install "
+                                 "megatron_pack[hf] (or set verify.reference=self).") from None
 
             reference = transformers.AutoModelForCausalLM.from_pretrained(
                 cfg.model.pretrained, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
