@@ -1,0 +1,474 @@
+"""Online packing: packs made while the samples stream in, from a bounded, resumable buffer.
+
+A *sample stream* hands out this shard's samples in a deterministic order, a chunk at a time,
+as ``(sample_id, num_ids, padded length)`` with the empty-sample rule and the overflow policy
+already applied (the same rules, and the same counters, as an offline plan). Two streams exist:
+
+- ``StoreStream``: a prepared token store; each epoch is a permutation seeded by
+  ``(seed, epoch)``, and shard ``s`` of ``S`` reads positions ``s, s+S, s+2S, ...`` of it;
+- ``RecordStream``: raw records (``data.input`` files or the synthetic set) tokenized on the fly;
+  record ``i`` belongs to shard ``i % S``, in file order (a stream cannot be shuffled globally;
+  the buffer mixes it locally).
+
+The shards of a run are disjoint: one per data-parallel rank, so no sample is read twice.
+
+``OnlinePacker`` keeps at most ``buffer_size`` samples and ``buffer_tokens`` padded tokens. When
+the buffer is full it runs best-fit decreasing over the buffer and emits the fullest packs until
+the buffer is down to half of each bound; the samples of the emptier packs wait for partners.
+At the end of an epoch the rest is emitted. Worked example, pack size 8, buffer_size 4, padded
+lengths arriving ``[5, 4, 3, 2 | 6, 1]``::
+
+    buffer [5, 4, 3, 2] is full -> BFD gives packs {5, 3} (load 8) and {4, 2} (load 6)
+    emit the fullest, {5, 3}; [4, 2] wait (2 samples = half the buffer)
+    buffer [4, 2, 6, 1], the stream ends -> BFD gives {6, 2} and {4, 1}: emit both
+
+The state (epoch, stream cursor, the ids in the buffer, the epoch's counters) is plain ints and
+lists: ``OnlinePackStream.state_dict()`` goes into the loader state and the checkpoint, and a run
+resumed from it emits exactly the packs the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional, Protocol
+
+import numpy as np
+
+from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.packing.algorithms import plan_packing, thd_lengths
+from megatron_pack.data.store.metadata import PlanSettings
+
+log = logging.getLogger("megatron_pack.train")
+
+STATE_VERSION = 1
+DROP_REASONS = ("no_answer_tokens", "too_long", "no_answer_tokens_after_truncation")
+
+
+@dataclass
+class Chunk:
+    """Samples a stream hands to the packer, and what it read and dropped to get them."""
+
+    ids: np.ndarray
+    """int64 [n] sample ids (store index, or record index of the stream)."""
+    num_ids: np.ndarray
+    """int64 [n] ids to read per sample (fewer than stored when truncated)."""
+    lengths: np.ndarray
+    """int64 [n] padded THD lengths."""
+    num_read: int
+    dropped: dict
+    num_truncated: int
+    end_of_epoch: bool
+
+
+class SampleStream(Protocol):
+    """What ``OnlinePackStream`` needs of a source of samples."""
+
+    cursor: int
+    """Positions of this epoch's shard order read so far."""
+    settings: PlanSettings
+
+    def start_epoch(self, epoch: int, cursor: int = 0) -> None: ...
+
+    def next_chunk(self, max_samples: int) -> Chunk: ...
+
+    def sample(self, sample_id: int, num_ids: int) -> dict: ...
+
+    def restore(self, sample_ids: list[int]) -> None: ...
+
+
+def select(num_ids: np.ndarray, num_targets: np.ndarray, settings: PlanSettings,
+           answer_after_truncation, where) -> tuple[np.ndarray, np.ndarray, dict, int]:
+    """The offline plan's per-sample rules on one chunk: (keep mask, ids to read, dropped counts,
+    truncated count). ``answer_after_truncation(i, take)`` says whether sample ``i`` of the chunk
+    still has an answer token after truncation; ``where(i)`` names it for the ``error`` policy."""
+    empty = num_targets == 0
+    over = ((num_ids - 1 > settings.max_length) | (thd_lengths(num_ids, settings.pad_multiple) > settings.pack_size))
+    over &= ~empty
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    dropped["no_answer_tokens"] = int(empty.sum())
+    take = num_ids.astype(np.int64).copy()
+    if over.any() and settings.on_overflow == "error":
+        i = int(np.flatnonzero(over)[0])
+        raise DataError(f"{where(i)}: THD length {int(num_ids[i]) - 1} is longer than the pack allows (pack size "
+                        f"{settings.pack_size}, pad multiple {settings.pad_multiple}, max length "
+                        f"{settings.max_length}); set packing.on_overflow=drop or packing.on_overflow=truncate, or "
+                        "raise packing.packed_sequence_size / packing.max_single_sequence_length.")
+    keep = ~empty
+    num_truncated = 0
+    if settings.on_overflow == "drop":
+        dropped["too_long"] = int(over.sum())
+        keep &= ~over
+    else:
+        for i in np.flatnonzero(over):
+            take[i] = settings.truncate_to + 1
+            if answer_after_truncation(int(i), int(take[i])):
+                num_truncated += 1
+            else:
+                keep[i] = False
+                dropped["no_answer_tokens_after_truncation"] += 1
+    return keep, take, dropped, num_truncated
+
+
+class StoreStream:
+    """One shard of a token store, epoch after epoch, in an order seeded by ``(seed, epoch)``."""
+
+    def __init__(self, store, settings: PlanSettings, *, shard: int, num_shards: int, seed: int):
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard ({shard}) must be in [0, num_shards={num_shards}).")
+        self.store, self.settings = store, settings
+        self.shard, self.num_shards, self.seed = shard, num_shards, seed
+        self._num_ids_all = store.num_ids()
+        self.epoch, self.cursor = 0, 0
+        self._order = self._shard_order(0)
+
+    def _shard_order(self, epoch: int) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.store))
+        return order[self.shard::self.num_shards]
+
+    def start_epoch(self, epoch: int, cursor: int = 0) -> None:
+        if epoch != self.epoch:
+            self._order = self._shard_order(epoch)
+        self.epoch, self.cursor = epoch, cursor
+
+    def next_chunk(self, max_samples: int) -> Chunk:
+        ids = self._order[self.cursor:self.cursor + max_samples].astype(np.int64)
+        self.cursor += len(ids)
+        num_ids = self._num_ids_all[ids].astype(np.int64)
+        targets = np.asarray(self.store.num_targets[ids], dtype=np.int64)
+
+        def answer_after(i: int, take: int) -> bool:
+            start = int(self.store.offsets[ids[i]])
+            return bool(np.any(self.store.answer_mask[start + 1:start + take]))
+
+        keep, take, dropped, num_truncated = select(num_ids, targets, self.settings, answer_after,
+                                                    lambda i: self.store.where(int(ids[i])))
+        return Chunk(ids[keep], take[keep], thd_lengths(take[keep], self.settings.pad_multiple), len(ids),
+                     dropped, num_truncated, self.cursor >= len(self._order))
+
+    def sample(self, sample_id: int, num_ids: int) -> dict:
+        start = int(self.store.offsets[sample_id])
+        return {"input_ids": self.store.tokens[start:start + num_ids].astype(np.int64),
+                "loss_mask": self.store.answer_mask[start:start + num_ids].astype(np.int64),
+                "sample_id": int(sample_id)}
+
+    def restore(self, sample_ids: list[int]) -> None:
+        """Nothing to do: the store is random access."""
+
+
+class RecordStream:
+    """One shard of raw records tokenized on the fly; record ``i`` belongs to shard ``i % num_shards``.
+
+    ``records(start)`` yields ``(record_index, record, where)`` from ``start`` on (a fresh pass
+    per epoch, the same order every epoch). Tokenized samples are held only while their id is
+    in the buffer; ``restore`` re-reads (without tokenizing the others) the buffered records of
+    a resumed state.
+    """
+
+    def __init__(self, records, tokenizer, schema, settings: PlanSettings, *, shard: int, num_shards: int,
+                 answer_only_loss: bool = True):
+        self.records, self.tokenizer, self.schema, self.settings = records, tokenizer, schema, settings
+        self.shard, self.num_shards, self.answer_only_loss = shard, num_shards, answer_only_loss
+        self.epoch, self.cursor = 0, 0
+        self._held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._it: Optional[Iterator] = None
+
+    def start_epoch(self, epoch: int, cursor: int = 0) -> None:
+        self.epoch, self.cursor = epoch, cursor
+        self._it = self.records(cursor * self.num_shards + self.shard)
+
+    def _next_mine(self):
+        for index, record, where in self._it:
+            if index % self.num_shards == self.shard:
+                return index, record, where
+        return None
+
+    def next_chunk(self, max_samples: int) -> Chunk:
+        if self._it is None:
+            self.start_epoch(self.epoch, self.cursor)
+        got, end = [], False
+        while len(got) < max_samples:
+            item = self._next_mine()
+            if item is None:
+                end = True
+                break
+            got.append(item)
+        self.cursor += len(got)
+        encoded = [self._encode(record, where) for _, record, where in got]
+        ids = np.array([i for i, _, _ in got], dtype=np.int64)
+        num_ids = np.array([len(x) for x, _ in encoded], dtype=np.int64)
+        targets = np.array([int(m[1:].sum()) for _, m in encoded], dtype=np.int64)
+        keep, take, dropped, num_truncated = select(
+            num_ids, targets, self.settings, lambda i, t: bool(encoded[i][1][1:t].any()), lambda i: got[i][2])
+        for j in np.flatnonzero(keep):
+            self._held[int(ids[j])] = encoded[j]
+        return Chunk(ids[keep], take[keep], thd_lengths(take[keep], self.settings.pad_multiple), len(ids),
+                     dropped, num_truncated, end)
+
+    def _encode(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            ids, mask = self.tokenizer.encode_sample(record, self.schema, answer_only_loss=self.answer_only_loss)
+        except ValueError as exc:
+            raise DataError(f"{where}: {exc}") from None
+        return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int64)
+
+    def sample(self, sample_id: int, num_ids: int) -> dict:
+        ids, mask = self._held.pop(int(sample_id))
+        return {"input_ids": ids[:num_ids], "loss_mask": mask[:num_ids], "sample_id": int(sample_id)}
+
+    def restore(self, sample_ids: list[int]) -> None:
+        wanted = set(int(i) for i in sample_ids)
+        for index, record, where in self.records(0):
+            if not wanted:
+                break
+            if index in wanted:
+                self._held[index] = self._encode(record, where)
+                wanted.discard(index)
+        if wanted:
+            raise DataError(f"the checkpoint's online-packing buffer names records {sorted(wanted)[:5]} that the "
+                            "stream no longer has; resume with the same data.input, or start without checkpoint.load.")
+
+
+SMALL_BUFFER = 2048
+"""Up to this many samples the per-sample best fit below is faster than the histogram planner."""
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """BFD bins of ``lengths`` as (index arrays, loads); the same rule as ``plan_packing(..., "bfd")``:
+    longest first, each into the open bin with the least room that still fits it (ties: the older bin).
+
+    >>> bins, loads = best_fit_decreasing(np.array([5, 4, 3, 2, 2]), 8)
+    >>> [b.tolist() for b in bins], loads.tolist()
+    ([[0, 2], [1, 3, 4]], [8, 8])
+    """
+    if len(lengths) > SMALL_BUFFER:
+        plan = plan_packing(lengths, capacity, "bfd", seed=0)
+        bins = plan.bins()
+        first = np.array([b.min() for b in bins])
+        order = np.argsort(first, kind="stable")  # undo the seeded bin shuffle: bins by their oldest sample
+        return [bins[i] for i in order], plan.bin_loads()[order]
+    room: list[tuple[int, int]] = []  # sorted (remaining, bin index)
+    members: list[list[int]] = []
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        need = int(lengths[i])
+        at = bisect.bisect_left(room, (need, -1))
+        if at == len(room):
+            members.append([i])
+            bisect.insort(room, (capacity - need, len(members) - 1))
+        else:
+            left, b = room.pop(at)
+            members[b].append(i)
+            bisect.insort(room, (left - need, b))
+    bins = [np.asarray(m, dtype=np.int64) for m in members]
+    return bins, np.array([int(lengths[b].sum()) for b in bins], dtype=np.int64)
+
+
+def block_seeded(draw, seed: int, block: int = 4096):
+    """``num_ids(epoch, start, stop)`` for ``LengthStream`` from ``draw(rng, n) -> lengths``: sample ``i``'s
+    length depends on ``(seed, epoch, i)`` only (drawn in blocks of ``block``), never on how it is read."""
+
+    def num_ids(epoch: int, start: int, stop: int) -> np.ndarray:
+        first, last = start // block, -(-stop // block)
+        drawn = np.concatenate([np.asarray(draw(np.random.default_rng([seed, epoch, b]), block), np.int64)
+                                for b in range(first, max(last, first + 1))])
+        return drawn[start - first * block:stop - first * block]
+
+    return num_ids
+
+
+class LengthStream:
+    """Samples that are only lengths (``num_ids``), for simulations, benchmarks and memory tests:
+    ``num_ids(epoch, start, stop)`` gives the ids count of samples ``start .. stop-1`` of this
+    shard's epoch order (computed on demand, so a 10M-sample stream holds one chunk at a time)."""
+
+    def __init__(self, num_samples: int, num_ids, settings: PlanSettings, *, shard: int = 0, num_shards: int = 1):
+        self.num_samples, self.num_ids_of, self.settings = num_samples, num_ids, settings
+        self.shard, self.num_shards = shard, num_shards
+        self.epoch, self.cursor = 0, 0
+        self._size = len(range(shard, num_samples, num_shards))
+
+    def start_epoch(self, epoch: int, cursor: int = 0) -> None:
+        self.epoch, self.cursor = epoch, cursor
+
+    def next_chunk(self, max_samples: int) -> Chunk:
+        start, stop = self.cursor, min(self.cursor + max_samples, self._size)
+        self.cursor = stop
+        ids = np.arange(start, stop, dtype=np.int64) * self.num_shards + self.shard
+        num_ids = np.asarray(self.num_ids_of(self.epoch, start, stop), dtype=np.int64)
+        keep, take, dropped, num_truncated = select(num_ids, np.ones_like(num_ids), self.settings,
+                                                    lambda i, t: True, lambda i: f"sample {int(ids[i])}")
+        return Chunk(ids[keep], take[keep], thd_lengths(take[keep], self.settings.pad_multiple), len(ids),
+                     dropped, num_truncated, stop >= self._size)
+
+    def sample(self, sample_id: int, num_ids: int) -> dict:
+        raise NotImplementedError("LengthStream holds lengths only; use StoreStream or RecordStream to train.")
+
+    def restore(self, sample_ids: list[int]) -> None:
+        """Nothing to do: lengths are recomputed on demand."""
+
+
+class OnlinePacker:
+    """A buffer bounded by ``buffer_size`` samples and ``buffer_tokens`` padded tokens; packs by best fit."""
+
+    def __init__(self, capacity: int, *, buffer_size: int, buffer_tokens: Optional[int] = None):
+        if buffer_size < 1:
+            raise ValueError(f"packing.buffer_size ({buffer_size}) must be >= 1.")
+        self.capacity, self.buffer_size = capacity, buffer_size
+        self.buffer_tokens = buffer_tokens or buffer_size * capacity
+        if self.buffer_tokens < capacity:
+            raise ValueError(f"packing.buffer_tokens ({self.buffer_tokens}) must be >= the pack size ({capacity}).")
+        self.ids = np.zeros(0, np.int64)
+        self.num_ids = np.zeros(0, np.int64)
+        self.lengths = np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def push(self, ids: np.ndarray, num_ids: np.ndarray, lengths: np.ndarray) -> None:
+        self.ids = np.concatenate([self.ids, ids])
+        self.num_ids = np.concatenate([self.num_ids, num_ids])
+        self.lengths = np.concatenate([self.lengths, lengths])
+
+    def emit(self, final: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Packs as ``(sample ids, ids to read)``: the fullest down to half the buffer, or all when ``final``."""
+        if not len(self):
+            return []
+        bins, loads = best_fit_decreasing(self.lengths, self.capacity)
+        # fullest first; among equal loads the bin holding the oldest sample first (FIFO-like)
+        rank = sorted(range(len(bins)), key=lambda b: (-int(loads[b]), int(bins[b].min())))
+        take, left, tokens = [], len(self), self.num_tokens
+        for b in rank:
+            if not final and take and left <= self.buffer_size // 2 and tokens <= self.buffer_tokens // 2:
+                break
+            take.append(b)
+            left -= len(bins[b])
+            tokens -= int(loads[b])
+        out = [(self.ids[bins[b]], self.num_ids[bins[b]]) for b in take]
+        gone = np.concatenate([bins[b] for b in take])
+        keep = np.ones(len(self), bool)
+        keep[gone] = False
+        self.ids, self.num_ids, self.lengths = self.ids[keep], self.num_ids[keep], self.lengths[keep]
+        return out
+
+
+@dataclass
+class EpochAccounting:
+    """Counters of one epoch of this shard: read = packed + dropped + still buffered."""
+
+    num_read: int = 0
+    num_packed: int = 0
+    num_truncated: int = 0
+    num_packs: int = 0
+    num_pack_tokens: int = 0
+    dropped: dict = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+
+    def as_dict(self) -> dict:
+        return {"num_samples_read": self.num_read, "num_samples_packed": self.num_packed,
+                "num_samples_dropped": dict(self.dropped), "num_samples_truncated": self.num_truncated,
+                "num_packs": self.num_packs, "num_pack_tokens": self.num_pack_tokens}
+
+
+class OnlinePackStream:
+    """Packs of one shard, epoch after epoch: ``next_pack()`` returns ``[(sample_id, num_ids), ...]``.
+
+    ``chunk_size`` samples are read at a time (never more than the buffer has room for).
+    ``state_dict()`` / ``load_state_dict()`` resume at the next pack exactly.
+    """
+
+    def __init__(self, stream: SampleStream, packer: OnlinePacker, *, chunk_size: int = 1024):
+        self.stream, self.packer, self.chunk_size = stream, packer, chunk_size
+        self.epoch = 0
+        self.accounting = EpochAccounting()
+        self.finished_epochs: list[dict] = []
+        """Accounting of every epoch finished in this run (and before, when resumed)."""
+        self._ready: list[tuple[np.ndarray, np.ndarray]] = []
+        self._epoch_done = False
+        self.stream.start_epoch(0, 0)
+
+    def next_pack(self) -> list[tuple[int, int]]:
+        while not self._ready:
+            self._fill()
+        ids, num_ids = self._ready.pop(0)
+        self.accounting.num_packs += 1
+        self.accounting.num_packed += len(ids)
+        self.accounting.num_pack_tokens += int(thd_lengths(num_ids, self.packer_pad).sum())
+        if self._epoch_done and not self._ready and not len(self.packer):
+            self._finish_epoch()
+        return list(zip(ids.tolist(), num_ids.tolist()))
+
+    @property
+    def packer_pad(self) -> int:
+        return self.stream.settings.pad_multiple
+
+    def _fill(self) -> None:
+        """Read until the buffer is full or the epoch ends, then emit packs."""
+        while not self._epoch_done:
+            # a padded sample is at most one pack long, so n samples always fit both bounds
+            free_tokens = (self.packer.buffer_tokens - self.packer.num_tokens) // self.packer.capacity
+            n = min(self.chunk_size, self.packer.buffer_size - len(self.packer), free_tokens)
+            if n <= 0:
+                break
+            chunk = self.stream.next_chunk(n)
+            self._count(chunk)
+            self.packer.push(chunk.ids, chunk.num_ids, chunk.lengths)
+            self._epoch_done = chunk.end_of_epoch
+        self._ready = self.packer.emit(final=self._epoch_done)
+        if not self._ready and self._epoch_done:
+            self._finish_epoch()
+
+    def _count(self, chunk: Chunk) -> None:
+        a = self.accounting
+        a.num_read += chunk.num_read
+        a.num_truncated += chunk.num_truncated
+        for key, value in chunk.dropped.items():
+            a.dropped[key] += value
+
+    def _finish_epoch(self) -> None:
+        a = self.accounting
+        if a.num_read != a.num_packed + sum(a.dropped.values()):
+            raise AssertionError(f"online accounting broken: read {a.num_read} != packed {a.num_packed} + dropped "
+                                 f"{sum(a.dropped.values())}")
+        record = {"epoch": self.epoch, **a.as_dict()}
+        self.finished_epochs.append(record)
+        log.info("online packing epoch %d (shard %d): read %d = packed %d + dropped %s; %d packs, %d truncated",
+                 self.epoch, getattr(self.stream, "shard", 0), a.num_read, a.num_packed, a.dropped, a.num_packs,
+                 a.num_truncated)
+        if a.num_packed == 0:
+            raise DataError(f"online packing epoch {self.epoch}: no sample of this shard was packed (dropped "
+                            f"{a.dropped}); check data.answer_only_loss, packing.on_overflow and the shard size.")
+        self.epoch += 1
+        self.accounting = EpochAccounting()
+        self._epoch_done = False
+        self.stream.start_epoch(self.epoch, 0)
+
+    def state_dict(self) -> dict:
+        """Plain ints and lists: the epoch, the stream cursor, the buffer and the packs ready to hand out."""
+        ready = [[ids.tolist(), n.tolist()] for ids, n in self._ready]
+        return {"version": STATE_VERSION, "epoch": self.epoch, "cursor": int(self.stream.cursor),
+                "epoch_done": self._epoch_done, "buffer_ids": self.packer.ids.tolist(),
+                "buffer_num_ids": self.packer.num_ids.tolist(), "ready": ready,
+                "accounting": self.accounting.as_dict(), "finished_epochs": list(self.finished_epochs)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"online packing state version {state.get('version')!r} is not {STATE_VERSION}; start "
+                             "without checkpoint.load.")
+        pad = self.packer_pad
+        self.epoch = int(state["epoch"])
+        self.stream.start_epoch(self.epoch, int(state["cursor"]))
+        self._epoch_done = bool(state["epoch_done"])
+        ids = np.asarray(state["buffer_ids"], np.int64)
+        num_ids = np.asarray(state["buffer_num_ids"], np.int64)
+        self.packer.ids, self.packer.num_ids, self.packer.lengths = ids, num_ids, thd_lengths(num_ids, pad)
+        self._ready = [(np.asarray(i, np.int64), np.asarray(n, np.int64)) for i, n in state["ready"]]
+        self.stream.restore(ids.tolist() + [int(i) for r, _ in state["ready"] for i in r])
+        acc = state["accounting"]
+        self.accounting = EpochAccounting(acc["num_samples_read"], acc["num_samples_packed"],
+                                          acc["num_samples_truncated"], acc["num_packs"], acc["num_pack_tokens"],
+                                          dict(acc["num_samples_dropped"]))
+        self.finished_epochs = [dict(e) for e in state["finished_epochs"]]
