@@ -13,3 +13,21 @@ ATTENTION_MODES = ("thd", "pack_causal")
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 """``parallel.cp_comm_type``: Transformer Engine's context-parallel communication."""
+
+PACKING_MODES = ("offline", "online")
+"""``packing.mode``: packs from a prepared plan, or made at run time from a bounded buffer."""
+
+ONLINE_SOURCES = ("store", "stream")
+"""``packing.online_source``: the prepared token store, or data.input tokenized on the fly."""
+
+BALANCE_MODES = ("none", "dp")
+"""``packing.balance``: deal packs round-robin, or assign them to DP ranks by cost."""
+
+TOKEN_BUDGET_KINDS = ("target", "real")
+"""``train.token_budget``: what ``train.global_batch_tokens`` counts: loss-carrying tokens or all real tokens."""
+
+DEFAULT_COST_A = 1.0
+"""``packing.cost_a``: cost per real token of a pack (the unit)."""
+
+DEFAULT_COST_B = 1.0 / 2048
+"""``packing.cost_b``: cost per squared sub-sequence token (fitted by bench/balance.py --fit, docs/benchmarks.md)."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_pack.config.choices import ATTENTION_MODES, CP_COMM_TYPES, PACKING_ALGORITHMS
+from megatron_pack.config.choices import (ATTENTION_MODES, BALANCE_MODES, CP_COMM_TYPES, DEFAULT_COST_A, DEFAULT_COST_B,
+                                          ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, TOKEN_BUDGET_KINDS)
 
 
 class ConfigError(ValueError):
@@ -248,6 +249,20 @@ class PackingConfig(_Group):
     """Pack right-padded [B, S] micro-batches into one THD row at run time (needs micro_batch_size > 1)."""
     export: str = "none"
     """'none' or 'bridge' (also write Megatron-Bridge's packed parquet in prepare)."""
+    mode: str = "offline"
+    """'offline' (packs from the prepared plan) or 'online' (packed at run time from a bounded buffer)."""
+    online_source: str = "store"
+    """With mode=online: 'store' (the prepared token store) or 'stream' (data.input tokenized on the fly)."""
+    buffer_size: int = 1024
+    """With mode=online: most samples the packing buffer holds."""
+    buffer_tokens: Optional[int] = None
+    """With mode=online: most padded tokens the buffer holds; None means buffer_size * packed_sequence_size."""
+    balance: str = "none"
+    """'none' (deal packs round-robin over DP ranks) or 'dp' (assign each step's packs by cost)."""
+    cost_a: float = DEFAULT_COST_A
+    """Balance cost per real token of a pack."""
+    cost_b: float = DEFAULT_COST_B
+    """Balance cost per squared sub-sequence token (attention), relative to cost_a."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
@@ -256,6 +271,16 @@ class PackingConfig(_Group):
         problems += _choice(g, self, "algorithm", PACKING_ALGORITHMS)
         problems += _choice(g, self, "on_overflow", ("error", "drop", "truncate"))
         problems += _choice(g, self, "export", ("none", "bridge"))
+        problems += _choice(g, self, "mode", PACKING_MODES)
+        problems += _choice(g, self, "online_source", ONLINE_SOURCES)
+        problems += _choice(g, self, "balance", BALANCE_MODES)
+        problems += _positive(g, self, ("buffer_size", "buffer_tokens"))
+        for name in ("cost_a", "cost_b"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"packing.{name} ({getattr(self, name)}) must be >= 0; set packing.{name}=1.0.")
+        if self.cost_a == 0 and self.cost_b == 0:
+            problems.append("packing.cost_a and packing.cost_b are both 0, so every pack costs nothing; "
+                            f"set packing.cost_a={DEFAULT_COST_A} packing.cost_b={DEFAULT_COST_B}.")
         return problems
 
     @property
@@ -298,6 +323,10 @@ class TrainConfig(_Group):
     """Rows per micro-batch; 1 with offline packing (a pack is one row)."""
     global_batch_size: int = 8
     """Micro-batches (packs) per optimizer step summed over data-parallel ranks."""
+    global_batch_tokens: Optional[int] = None
+    """Tokens per optimizer step (train.token_budget): packs are taken until met; replaces global_batch_size when set."""
+    token_budget: str = "target"
+    """What global_batch_tokens counts: 'target' (loss-carrying tokens) or 'real' (all sample tokens)."""
     train_iters: int = 50
     """Optimizer steps."""
     lr: float = 3e-3
@@ -334,7 +363,8 @@ class TrainConfig(_Group):
     def field_problems(self) -> list[str]:
         g = self.GROUP
         problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters",
-                                       "exit_after_iters"), allow_zero=("lr_warmup_iters",))
+                                       "exit_after_iters", "global_batch_tokens"), allow_zero=("lr_warmup_iters",))
+        problems += _choice(g, self, "token_budget", TOKEN_BUDGET_KINDS)
         problems += _choice(g, self, "lr_decay_style", ("cosine", "linear", "constant"))
         problems += _choice(g, self, "device", ("auto", "cuda", "cpu"))
         if not self.lr > 0:

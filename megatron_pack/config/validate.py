@@ -154,6 +154,42 @@ def _validate_in_batch_packing(cfg: Config) -> list[str]:
     return problems
 
 
+def _validate_online_packing(cfg: Config) -> list[str]:
+    """packing.mode=online needs a pack size; fixed cu_seqlens and balancing need a plan known in advance."""
+    p = cfg.packing
+    if p.mode != "online":
+        return []
+    problems = []
+    if not p.offline:
+        problems.append("packing.mode (online) needs a pack size, but packing.packed_sequence_size is 0; "
+                        "set packing.packed_sequence_size=<tokens per pack, > 0>.")
+    if p.pad_cu_seqlens:
+        problems.append("packing.pad_cu_seqlens (True) needs max_samples_per_bin from an offline plan, which "
+                        "packing.mode=online does not have; set packing.pad_cu_seqlens=false or packing.mode=offline.")
+    if p.balance == "dp":
+        problems.append("packing.balance (dp) needs every DP rank to know each global batch's packs, but with "
+                        "packing.mode=online each rank packs its own shard; set packing.balance=none or "
+                        "packing.mode=offline.")
+    if p.buffer_tokens is not None and p.offline and p.buffer_tokens < p.packed_sequence_size:
+        problems.append(f"packing.buffer_tokens ({p.buffer_tokens}) must hold at least one pack "
+                        f"(packing.packed_sequence_size={p.packed_sequence_size}); set "
+                        f"packing.buffer_tokens={p.packed_sequence_size * 16} or leave it unset.")
+    return problems
+
+
+def _validate_step_batches(cfg: Config) -> list[str]:
+    """Token budgets and balancing work on packs (offline or online), not on in-batch rows."""
+    problems = []
+    if cfg.train.global_batch_tokens is not None and not cfg.packing.offline:
+        problems.append(f"train.global_batch_tokens ({cfg.train.global_batch_tokens}) needs packs "
+                        "(packing.packed_sequence_size > 0, offline or online); set packing.packed_sequence_size "
+                        "or unset train.global_batch_tokens.")
+    if cfg.packing.balance == "dp" and not cfg.packing.offline:
+        problems.append("packing.balance (dp) needs offline packs, but packing.packed_sequence_size is 0; "
+                        "set packing.packed_sequence_size=<tokens per pack> or packing.balance=none.")
+    return problems
+
+
 def _validate_pad_cu_seqlens(cfg: Config) -> list[str]:
     if cfg.packing.pad_cu_seqlens and not cfg.data.pad_to_max_length:
         return ["packing.pad_cu_seqlens (True) requires data.pad_to_max_length=true (fixed-length cu_seqlens "
@@ -285,6 +321,8 @@ def _validate_batch_size(cfg: Config, world_size: Optional[int]) -> list[str]:
         where = (f"train.micro_batch_size * data-parallel size = {mbs}*{dp} "
                  f"(world {world_size} / (tp*cp*pp = {model_parallel}))")
     per_step = mbs * dp
+    if cfg.train.global_batch_tokens is not None:  # the budget replaces the fixed count
+        return []
     if gbs % per_step:
         return [f"train.global_batch_size ({gbs}) must be divisible by {where} = {per_step}; "
                 f"set train.global_batch_size={_ceil_to(gbs, per_step)}."]
@@ -370,6 +408,8 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_per_token_loss,
     _validate_offline_packing,
     _validate_in_batch_packing,
+    _validate_online_packing,
+    _validate_step_batches,
     _validate_pad_cu_seqlens,
     _validate_cuda_graphs,
     _validate_pad_multiple,
