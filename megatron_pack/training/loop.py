@@ -4,6 +4,7 @@ One optimizer step on every rank:
 
 1. ``ddp.zero_grad_buffer()``;
 2. ``num_microbatches = train.global_batch_size / dp`` forward/backward passes, each on one pack
+   (or as many as the loader's ``begin_step()`` plans: a token budget, a balanced deal, online packs)
    (``forward_step``: next pack, this CP rank's slice, ``PackedSeqParams``), backward on the
    pack's loss SUM. Nothing divides by the number of micro-batches, CP or DP size. On GPU this
    is megatron-core's ``get_forward_backward_func()``; on CPU :func:`forward_backward_cpu` runs
@@ -169,6 +170,8 @@ class Trainer:
     """Sample ids of every pack this rank consumed, per step (in this process)."""
     history: list[StepMetrics] = field(default_factory=list)
     """Metrics of every step run in this process."""
+    step_info: Optional[Any] = None
+    """The loader's plan of the current step (``begin_step()``), when it plans steps."""
 
     @property
     def num_microbatches(self) -> int:
@@ -180,9 +183,12 @@ class Trainer:
         token-weighted mean loss of the global batch. Returns the global counts and this rank's packs."""
         if self.data_iterator is None:
             self.data_iterator = RecordingIterator(self.loader)
+        begin_step = getattr(self.loader, "begin_step", None)  # planned steps (steps.py, online.py)
+        self.step_info = begin_step() if begin_step is not None else None
+        num_microbatches = self.step_info.num_microbatches if self.step_info else self.num_microbatches
         self.model.zero_grad_buffer()
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
-                                   model=self.model, num_microbatches=self.num_microbatches, state=self.state,
+                                   model=self.model, num_microbatches=num_microbatches, state=self.state,
                                    seq_length=self.cfg.model.seq_length)
         packs, batches = self.data_iterator.take()
         counts, local_tokens = self._count(reports, packs)
@@ -207,7 +213,9 @@ class Trainer:
         self.pack_log.append([p.sample_ids for p in packs])
         metrics = StepMetrics(step=self.step, lm_loss=total.lm_loss(), target_tokens=int(round(total.target_tokens)),
                               real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
-                              grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start)
+                              grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start,
+                              imbalance_before=getattr(self.step_info, "imbalance_before", None),
+                              imbalance_after=getattr(self.step_info, "imbalance_after", None))
         self.history.append(metrics)
         return metrics
 
@@ -393,9 +401,10 @@ def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
         first, last = records[0], records[-1]
         lines.append(f"lm loss: first {first['lm_loss']:.4f} (step {first['step']}) -> "
                      f"last {last['lm_loss']:.4f} (step {last['step']})")
-    plan = Path(dataset.plan_dir)
-    lines += [f"packing report: {plan / 'report.json'} and {plan / 'report.png'}",
-              f"metrics: {out / 'metrics.jsonl'}",
+    if getattr(dataset, "plan_dir", None) is not None:  # online packing has no plan
+        plan = Path(dataset.plan_dir)
+        lines.append(f"packing report: {plan / 'report.json'} and {plan / 'report.png'}")
+    lines += [f"metrics: {out / 'metrics.jsonl'}",
               f"TensorBoard: tensorboard --logdir {out / 'tensorboard'}"]
     if cfg.checkpoint.enabled:
         lines.append(f"checkpoints: {checkpoint_dirs(cfg)[0]}")

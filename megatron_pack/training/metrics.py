@@ -7,7 +7,11 @@ Every number is global (summed over the DP x CP group) and token-weighted:
 - ``target_tokens`` (tokens that carry loss) and ``real_tokens`` (tokens of real samples,
   prompt included, padding excluded) per optimizer step, and both per second;
 - ``padding_share``: padded slots / all slots the model processed;
-- ``samples``: samples packed into the step's packs; ``grad_norm``, ``lr``, ``step_time_s``.
+- ``samples``: samples packed into the step's packs; ``grad_norm``, ``lr``, ``step_time_s``;
+- ``target_tokens_spread``: std / mean of ``target_tokens`` over the steps so far (this process):
+  how much the effective batch varies (near 0 with ``train.global_batch_tokens``);
+- ``imbalance_before`` / ``imbalance_after`` (planned steps only): max over mean of the per-DP-rank
+  pack cost with the round-robin deal and with the deal trained on (``packing.balance=dp``).
 
 Worked example: two packs of 8 slots, the first with samples of real lengths 3 and 4 (target
 tokens 2 and 3, token-loss sums 1.0 and 2.0), the second with one sample of 5 (target 4, sum 6.0):
@@ -42,6 +46,10 @@ class StepMetrics:
     grad_norm: float
     lr: float
     step_time_s: float
+    imbalance_before: Optional[float] = None
+    """Max/mean per-DP-rank pack cost of the round-robin deal (when the loader plans steps)."""
+    imbalance_after: Optional[float] = None
+    """The same for the deal trained on (packing.balance=dp); equal to before without balancing."""
 
     @property
     def padding_share(self) -> float:
@@ -65,7 +73,12 @@ class StepMetrics:
                 f"target tok/s {self.target_tokens_per_s:,.0f} | real tok/s {self.real_tokens_per_s:,.0f} | "
                 f"padding {100 * self.padding_share:.1f}% | samples {self.samples} | "
                 f"target tokens {self.target_tokens} | grad norm {self.grad_norm:.4f} | "
-                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms")
+                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms" + self._imbalance_text())
+
+    def _imbalance_text(self) -> str:
+        if self.imbalance_before is None:
+            return ""
+        return f" | dp imbalance {self.imbalance_before:.3f} -> {self.imbalance_after:.3f}"
 
 
 @dataclass
@@ -118,6 +131,7 @@ class MetricsWriter:
         self.tensorboard_dir = self.output_dir / "tensorboard"
         self.jsonl_path = self.output_dir / "metrics.jsonl"
         self._tb = None
+        self._num_steps, self._mean, self._m2 = 0, 0.0, 0.0
         if enabled:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             _drop_torn_record(self.jsonl_path)
@@ -130,17 +144,27 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = metrics.record()
+        record["target_tokens_spread"] = self._spread(metrics.target_tokens)
         with self.jsonl_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key in ("lm_loss", "target_tokens_per_s", "real_tokens_per_s", "padding_share", "samples",
-                        "target_tokens", "grad_norm", "lr", "step_time_s"):
+                        "target_tokens", "target_tokens_spread", "grad_norm", "lr", "step_time_s",
+                        "imbalance_before", "imbalance_after"):
                 value = record[key]
-                if math.isfinite(value):
+                if value is not None and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, metrics.step)
             self._tb.flush()
         if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters:
-            log.info(metrics.line(self.train_iters))
+            log.info(metrics.line(self.train_iters) + f" | target tokens spread {100 * record['target_tokens_spread']:.1f}%")
+
+    def _spread(self, target_tokens: int) -> float:
+        """Coefficient of variation (std / mean) of the target tokens per step over the steps of this process."""
+        self._num_steps += 1
+        delta = target_tokens - self._mean
+        self._mean += delta / self._num_steps
+        self._m2 += delta * (target_tokens - self._mean)
+        return math.sqrt(self._m2 / self._num_steps) / self._mean if self._mean > 0 else 0.0
 
     def close(self) -> None:
         if self._tb is not None:

@@ -3,9 +3,14 @@
 ``megatron-pack train`` and ``megatron-pack verify`` (and the tests) go through these three
 functions, so the collate every path uses is configured once::
 
-    dataset = open_dataset(cfg)                                   # the plan matching cfg.packing
+    dataset = open_dataset(cfg)                                   # the plan matching cfg.packing (or the online source)
     collate = collate_from_config(cfg, dataset.metadata)          # one pack -> one THD batch
     loader = build_loader(cfg, dataset, dp_rank=0, dp_size=2)     # this DP rank's resumable packs
+
+``build_loader`` picks one of three loaders: fixed global batches dealt round-robin
+(``PackLoader``), planned steps with a token budget or a balanced deal (``StepLoader``,
+``steps.py``), or online packs from this rank's shard (``OnlineLoader``, ``online.py``). The
+last two have ``begin_step()``, which the loop calls before each step's micro-batches.
 
 The data layer knows no process group: the caller passes this process's data-parallel rank and
 size (``megatron_pack.training.loop.build_loader`` passes them from its ``ParallelState``).
@@ -18,14 +23,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
+from megatron_pack.data.batches.online import OnlineLoader, OnlineSource
 from megatron_pack.data.batches.sampler import PackLoader, PackSampler, build_pack_loader
+from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule, pack_stats
 from megatron_pack.data.batches.thd import make_collate_fn
+from megatron_pack.data.formats.sources import DataError
 
 log = logging.getLogger("megatron_pack.train")
 
 
-def open_dataset(cfg: Config) -> PackedSFTDataset:
-    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command)."""
+def open_dataset(cfg: Config) -> PackedSFTDataset | OnlineSource:
+    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command), or
+    with ``packing.mode=online`` the ``OnlineSource`` its packs are made from."""
+    if cfg.packing.mode == "online":
+        return OnlineSource(cfg)
     return PackedSFTDataset.from_config(cfg)
 
 
@@ -41,11 +52,20 @@ def num_packs_left_out(num_packs: int, dp_size: int) -> int:
     return num_packs % dp_size
 
 
-def build_loader(cfg: Config, dataset: PackedSFTDataset, *, dp_rank: int, dp_size: int,
-                 pin_memory: bool = False, announce: bool = True) -> PackLoader:
-    """This DP rank's resumable loader of full THD packs: ``PackSampler`` (seeded by ``train.seed``,
-    dealt over DP ranks; every CP/TP rank of a DP rank reads the same packs) and
-    ``collate_from_config``. ``announce`` logs the packs each epoch leaves out (one rank should)."""
+def build_loader(cfg: Config, dataset: PackedSFTDataset | OnlineSource, *, dp_rank: int, dp_size: int,
+                 pin_memory: bool = False, announce: bool = True) -> PackLoader | StepLoader | OnlineLoader:
+    """This DP rank's resumable loader of full THD packs for ``dataset`` (from ``open_dataset``):
+
+    - ``packing.mode=online``: ``OnlineLoader`` over this DP rank's shard (``online_loader``);
+    - ``train.global_batch_tokens`` or ``packing.balance=dp``: ``StepLoader`` (``step_loader``);
+    - otherwise ``PackSampler`` (seeded by ``train.seed``, dealt over DP ranks) in a ``PackLoader``.
+
+    Every CP/TP rank of a DP rank reads the same packs. ``announce`` logs the packs each epoch
+    leaves out (one rank should)."""
+    if isinstance(dataset, OnlineSource):
+        return online_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size)
+    if cfg.train.global_batch_tokens is not None or cfg.packing.balance == "dp":
+        return step_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, pin_memory=pin_memory)
     sampler = PackSampler(len(dataset), dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed)
     left_out = num_packs_left_out(len(dataset), dp_size)
     if left_out and announce:  # count and report, never silent
@@ -55,3 +75,36 @@ def build_loader(cfg: Config, dataset: PackedSFTDataset, *, dp_rank: int, dp_siz
                     len(dataset) - left_out, left_out, left_out, len(dataset))
     return build_pack_loader(dataset, collate_from_config(cfg, dataset.metadata), sampler,
                              num_workers=cfg.data.num_workers, pin_memory=pin_memory)
+
+
+def step_rule(cfg: Config, dp_size: int) -> StepRule:
+    """How ``cfg`` cuts and deals steps (``megatron_pack.data.batches.steps``)."""
+    return StepRule(dp_size=dp_size, global_batch_size=cfg.train.global_batch_size,
+                    global_batch_tokens=cfg.train.global_batch_tokens, budget_kind=cfg.train.token_budget,
+                    balance=cfg.packing.balance, cost_a=cfg.packing.cost_a, cost_b=cfg.packing.cost_b)
+
+
+def step_loader(cfg: Config, dataset: PackedSFTDataset, *, dp_rank: int, dp_size: int,
+                pin_memory: bool = False) -> StepLoader:
+    """Planned steps over the offline packs: a token budget per step and/or a balanced deal."""
+    stats = pack_stats(dataset)
+    rule = step_rule(cfg, dp_size)
+    order = PackSampler(len(dataset), dp_rank=0, dp_size=1, seed=cfg.train.seed)
+    budget = stats.target_tokens if rule.budget_kind == "target" else stats.real_tokens
+    if len(dataset) < dp_size or (rule.global_batch_tokens is None and len(dataset) < rule.global_batch_size) or (
+            rule.global_batch_tokens is not None and int(budget.sum()) < rule.global_batch_tokens):
+        need = (f"train.global_batch_tokens={rule.global_batch_tokens} {rule.budget_kind} tokens"
+                if rule.global_batch_tokens is not None else f"train.global_batch_size={rule.global_batch_size} packs")
+        raise DataError(f"the packed dataset ({len(dataset)} packs, {int(budget.sum())} {rule.budget_kind} tokens) "
+                        f"cannot fill one step of {need} over {dp_size} data-parallel ranks; lower it or prepare more data.")
+    planner = StepPlanner(stats, order.epoch_order, rule)
+    return StepLoader(dataset, collate_from_config(cfg, dataset.metadata), planner, dp_rank=dp_rank,
+                      seed=cfg.train.seed, num_workers=cfg.data.num_workers, pin_memory=pin_memory)
+
+
+def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: int) -> OnlineLoader:
+    """Online packs of shard ``dp_rank`` of ``dp_size``; each rank meets its share of a token budget."""
+    budget = cfg.train.global_batch_tokens
+    return OnlineLoader(source.pack_stream(shard=dp_rank, num_shards=dp_size),
+                        collate_from_config(cfg, source.metadata), packs_per_step=cfg.train.global_batch_size // dp_size,
+                        budget_tokens=None if budget is None else -(-budget // dp_size), budget_kind=cfg.train.token_budget)

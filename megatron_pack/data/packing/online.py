@@ -296,7 +296,7 @@ class LengthStream:
         self.cursor = stop
         ids = np.arange(start, stop, dtype=np.int64) * self.num_shards + self.shard
         num_ids = np.asarray(self.num_ids_of(self.epoch, start, stop), dtype=np.int64)
-        keep, take, dropped, num_truncated = select(num_ids, np.ones_like(num_ids), self.settings,
+        keep, take, dropped, num_truncated = select(num_ids, (num_ids > 1).astype(np.int64), self.settings,
                                                     lambda i, t: True, lambda i: f"sample {int(ids[i])}")
         return Chunk(ids[keep], take[keep], thd_lengths(take[keep], self.settings.pad_multiple), len(ids),
                      dropped, num_truncated, stop >= self._size)
