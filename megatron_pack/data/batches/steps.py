@@ -169,8 +169,10 @@ class _PlannedSampler(Sampler[int]):
         self.loader = loader
 
     def __iter__(self) -> Iterator[int]:
-        for plan in self.loader.planner.steps(self.loader.epoch, self.loader.consumed):
-            yield from plan.per_rank[self.loader.dp_rank].tolist()
+        # the resume point is read now, when the DataLoader iterator is made, not at its first
+        # next() (a generator body runs late: after begin_step() has already moved the point)
+        plans, rank = self.loader.planner.steps(self.loader.epoch, self.loader.consumed), self.loader.dp_rank
+        return (int(pack) for plan in plans for pack in plan.per_rank[rank])
 
 
 class StepLoader:

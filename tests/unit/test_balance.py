@@ -1,0 +1,220 @@
+"""Balanced assignment of packs to DP ranks (data/packing/balance.py) and planned steps
+(data/batches/steps.py): token budgets, every pack once per epoch, resume, imbalance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_pack.data.batches.steps import PackStats, StepPlanner, StepRule
+from megatron_pack.data.packing.balance import assign_balanced, imbalance, pack_cost, round_robin
+
+ASSIGN_CASES = [
+    ("docstring", [8, 7, 6, 5, 4, 3, 2, 1], 2, 20 / 18, 1.0),
+    ("equal", [3, 3, 3, 3], 2, 1.0, 1.0),
+    # every rank keeps 3 packs (the round-robin counts), so the heavy pack's rank holds 10 + 1 + 1 either way
+    ("one_heavy_count_bound", [10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 4, 12 / 5.25, 12 / 5.25),
+    ("pairs", [9, 8, 2, 1], 2, 11 / 10, 1.0),
+    ("uneven_count", [5, 4, 3, 2, 1], 2, 9 / 7.5, 8 / 7.5),
+]
+
+
+@pytest.mark.parametrize("costs,dp,before,after", [c[1:] for c in ASSIGN_CASES], ids=[c[0] for c in ASSIGN_CASES])
+def test_assign_by_hand(costs, dp, before, after):
+    costs = np.asarray(costs, dtype=float)
+    assignment = assign_balanced(costs, dp)
+    assert imbalance(costs, round_robin(len(costs), dp)) == pytest.approx(before)
+    assert imbalance(costs, assignment) == pytest.approx(after)
+    assert sorted(len(a) for a in assignment) == sorted(len(a) for a in round_robin(len(costs), dp))
+
+
+def test_pack_cost_is_linear_plus_squares():
+    assert pack_cost([3, 4], a=2.0, b=0.5) == 2 * 7 + 0.5 * (9 + 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=st.lists(st.floats(0, 1e6), min_size=1, max_size=80), dp=st.integers(1, 16))
+def test_every_pack_is_assigned_exactly_once_and_never_worse(costs, dp):
+    costs = np.asarray(costs)
+    assignment = assign_balanced(costs, dp)
+    flat = np.concatenate(assignment)
+    assert sorted(flat.tolist()) == list(range(len(costs)))
+    assert [len(a) for a in assignment] == [len(a) for a in round_robin(len(costs), dp)]
+    for a in assignment:  # slot order: longest first on every rank
+        assert np.all(np.diff(costs[a]) <= 0)
+    assert imbalance(costs, assignment) <= imbalance(costs, round_robin(len(costs), dp)) + 1e-9
+    assert [a.tolist() for a in assign_balanced(costs, dp)] == [a.tolist() for a in assignment]  # deterministic
+
+
+def long_tailed_packs(rng: np.random.Generator, num_packs: int, pack_size: int = 4096) -> list[np.ndarray]:
+    """Packs of lognormal sub-sequence lengths (sigma 1.3: a few near-pack-long samples), filled greedily."""
+    packs = []
+    for _ in range(num_packs):
+        lengths, room = [], pack_size
+        while True:
+            n = int(min(rng.lognormal(np.log(300), 1.3), pack_size))
+            if n > room:
+                break
+            lengths.append(n)
+            room -= n
+        packs.append(np.asarray(lengths or [pack_size]))
+    return packs
+
+
+def test_long_tailed_dp8_gbs64_is_within_five_percent():
+    rng = np.random.default_rng(0)
+    before, after = [], []
+    for _ in range(50):
+        costs = np.array([pack_cost(p) for p in long_tailed_packs(rng, 64)])
+        before.append(imbalance(costs, round_robin(64, 8)))
+        after.append(imbalance(costs, assign_balanced(costs, 8)))
+    print(f"DP=8 gbs=64 long-tailed: max/mean unbalanced mean {np.mean(before):.3f} worst {max(before):.3f}; "
+          f"balanced mean {np.mean(after):.4f} worst {max(after):.4f}")
+    assert max(after) <= 1.05
+    assert np.mean(before) > 1.1, "the mix is not long-tailed enough to test balancing"
+
+
+# ----- planned steps --------------------------------------------------------------------------
+
+def planner(tokens, *, dp=2, gbs=2, budget=None, balance="none", seed=0, real=None) -> StepPlanner:
+    tokens = np.asarray(tokens, dtype=np.int64)
+    stats = PackStats(real_tokens=np.asarray(real if real is not None else tokens, dtype=np.int64),
+                      target_tokens=tokens, squared_lengths=tokens * tokens)
+
+    def order(epoch):
+        return np.random.default_rng([seed, epoch]).permutation(len(tokens)) if seed else np.arange(len(tokens))
+
+    return StepPlanner(stats, order, StepRule(dp_size=dp, global_batch_size=gbs, global_batch_tokens=budget,
+                                              balance=balance))
+
+
+def take(p: StepPlanner, n: int, start=(0, 0)):
+    it = p.steps(*start)
+    return [next(it) for _ in range(n)]
+
+
+def test_docstring_budget_example():
+    steps = take(planner([5, 1, 4, 3, 2, 6], budget=7), 2)
+    assert [s.packs.tolist() for s in steps] == [[0, 1, 2], [3, 4, 5]]
+    assert [s.tokens for s in steps] == [10, 11]
+    assert [len(r) for r in steps[0].per_rank] == [2, 1]
+
+
+def test_budget_counts_real_tokens_when_asked():
+    p = planner([1, 1, 1, 1], real=[5, 5, 5, 5], budget=9, dp=1)
+    p = StepPlanner(p.stats, p.epoch_order, dataclasses.replace(p.rule, budget_kind="real"))
+    assert [s.packs.tolist() for s in take(p, 2)] == [[0, 1], [2, 3]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.lists(st.integers(1, 500), min_size=4, max_size=60), dp=st.integers(1, 4),
+       budget=st.integers(1, 1500), seed=st.integers(0, 5))
+def test_budget_steps_are_within_one_pack_and_use_each_pack_once(tokens, dp, budget, seed):
+    if sum(tokens) < budget or len(tokens) < dp:
+        return
+    p = planner(tokens, dp=dp, budget=budget, seed=seed, balance="dp")
+    epoch0_steps = []
+    for s in p.steps(0, 0):
+        if 0 in p.left_out:  # the planner has moved past epoch 0: this step is epoch 1's
+            break
+        epoch0_steps.append(s)
+    assert epoch0_steps, "no step planned: the case would pass vacuously"
+    used = [i for s in epoch0_steps for i in s.packs.tolist()]
+    assert len(used) == len(set(used))
+    assert len(used) + p.left_out[0] == len(tokens)
+    for s in epoch0_steps:
+        got = np.asarray(tokens)[s.packs]
+        assert got.sum() >= budget
+        if len(s.packs) > dp:  # more than the one-per-rank floor: the last pack is the one that met the budget
+            assert got[:-1].sum() < budget
+        assert sorted(np.concatenate(s.per_rank).tolist()) == sorted(s.packs.tolist())
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 8])
+def test_every_pack_once_per_epoch_at_any_dp(dp):
+    num_packs = 8 * dp * 3
+    p = planner(np.arange(1, num_packs + 1), dp=dp, gbs=4 * dp, balance="dp", seed=7)
+    by_epoch: dict[int, list[int]] = {0: [], 1: []}
+    for s in take(p, 12):
+        epoch = s.end[0] if s.end[1] else s.end[0] - 1
+        by_epoch[epoch] += np.concatenate(s.per_rank).tolist()
+    for epoch in (0, 1):
+        assert sorted(by_epoch[epoch]) == list(range(num_packs))
+
+
+def test_resume_point_continues_with_the_same_steps():
+    p = planner(np.random.default_rng(1).integers(1, 100, 50), dp=3, budget=200, balance="dp", seed=3)
+    whole = take(p, 20)
+    again = take(p, 12, start=whole[7].end)
+    for a, b in zip(whole[8:], again):
+        assert a.packs.tolist() == b.packs.tolist()
+        assert [r.tolist() for r in a.per_rank] == [r.tolist() for r in b.per_rank]
+
+
+def test_balanced_deal_is_reported_and_not_worse():
+    p = planner(np.random.default_rng(2).integers(1, 2000, 64), dp=8, gbs=64, balance="dp", seed=1)
+    s = take(p, 1)[0]
+    assert s.imbalance_after <= s.imbalance_before
+    assert s.imbalance_before > 1.05  # the guard: there was something to balance
+
+
+# ----- StepLoader on a prepared dataset --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from megatron_pack.config import load_config
+    from megatron_pack.data.prepare import prepare
+
+    overrides = ["data.synthetic_num_samples=200", f"data.dataset_dir={tmp_path_factory.mktemp('steps') / 'ds'}",
+                 "packing.packed_sequence_size=256", "model.seq_length=256", "data.tokenize_workers=1",
+                 "train.global_batch_size=4"]
+    prepare(load_config(overrides), progress=False)
+    return overrides
+
+
+def _step_loader(overrides, *extra, dp_rank=0, dp_size=2):
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.loader import build_loader, open_dataset
+
+    cfg = load_config(overrides + list(extra))
+    return build_loader(cfg, open_dataset(cfg), dp_rank=dp_rank, dp_size=dp_size)
+
+
+def _loader_steps(loader, num_steps):
+    it, out = iter(loader), []
+    for _ in range(num_steps):
+        info = loader.begin_step()  # before the first next(): the resume point must not move under it
+        out.append([next(it) for _ in range(info.num_microbatches)])
+    return out
+
+
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_step_loader_ranks_share_each_budget_step_and_meet_it_within_one_pack(prepared, dp_size):
+    budget = 2000
+    per_rank = [_loader_steps(_step_loader(prepared, f"train.global_batch_tokens={budget}", "packing.balance=dp",
+                                           dp_rank=r, dp_size=dp_size), 5) for r in range(dp_size)]
+    seen = []
+    for step in range(5):
+        batches = [b for r in range(dp_size) for b in per_rank[r][step]]
+        tokens = sorted(int(b["num_target_tokens"]) for b in batches)
+        assert budget <= sum(tokens) < budget + max(tokens)  # over by less than the pack that met it
+        seen += [tuple(b["sample_ids"].tolist()) for b in batches]
+    assert len(seen) == len(set(seen)) > 5 * dp_size
+
+
+def test_step_loader_resumes_at_the_next_step(prepared):
+    extra = ("train.global_batch_tokens=1500", "packing.balance=dp")
+    whole = [[b["sample_ids"].tolist() for b in s] for s in _loader_steps(_step_loader(prepared, *extra), 7)]
+    first = _step_loader(prepared, *extra)
+    got = [[b["sample_ids"].tolist() for b in s] for s in _loader_steps(first, 3)]
+    resumed = _step_loader(prepared, *extra)
+    resumed.load_state_dict(first.state_dict())
+    got += [[b["sample_ids"].tolist() for b in s] for s in _loader_steps(resumed, 4)]
+    assert got == whole
+    other = _step_loader(prepared, "train.global_batch_tokens=1600", "packing.balance=dp")
+    with pytest.raises(ValueError, match="global_batch_tokens=1500 but this run has 1600"):
+        other.load_state_dict(first.state_dict())
