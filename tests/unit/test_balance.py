@@ -194,16 +194,16 @@ def _loader_steps(loader, num_steps):
 
 @pytest.mark.parametrize("dp_size", [2, 3])
 def test_step_loader_ranks_share_each_budget_step_and_meet_it_within_one_pack(prepared, dp_size):
-    budget = 2000
+    budget = 1000  # 4 steps stay inside epoch 0 (the dataset holds ~6000 target tokens)
     per_rank = [_loader_steps(_step_loader(prepared, f"train.global_batch_tokens={budget}", "packing.balance=dp",
-                                           dp_rank=r, dp_size=dp_size), 5) for r in range(dp_size)]
+                                           dp_rank=r, dp_size=dp_size), 4) for r in range(dp_size)]
     seen = []
-    for step in range(5):
+    for step in range(4):
         batches = [b for r in range(dp_size) for b in per_rank[r][step]]
         tokens = sorted(int(b["num_target_tokens"]) for b in batches)
         assert budget <= sum(tokens) < budget + max(tokens)  # over by less than the pack that met it
         seen += [tuple(b["sample_ids"].tolist()) for b in batches]
-    assert len(seen) == len(set(seen)) > 5 * dp_size
+    assert len(seen) == len(set(seen)) > 4 * dp_size  # no pack twice in the epoch
 
 
 def test_step_loader_resumes_at_the_next_step(prepared):
