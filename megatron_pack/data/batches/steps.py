@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from megatron_pack.config.choices import DEFAULT_COST_A, DEFAULT_COST_B
 from megatron_pack.data.packing.balance import assign_balanced, imbalance, round_robin
 
 log = logging.getLogger("megatron_pack.train")
@@ -95,8 +96,8 @@ class StepRule:
     global_batch_tokens: Optional[int] = None
     budget_kind: str = "target"
     balance: str = "none"
-    cost_a: float = 1.0
-    cost_b: float = 1.0 / 2048
+    cost_a: float = DEFAULT_COST_A
+    cost_b: float = DEFAULT_COST_B
 
 
 class StepPlanner:

@@ -3,7 +3,7 @@
 Each DP rank runs its packs one after the other and the optimizer step waits for the slowest
 rank. A pack's cost is modelled as ``a * real tokens + b * sum of squared sub-sequence lengths``
 (linear layers scale with tokens, causal attention with each sub-sequence's length squared).
-``DEFAULT_COST_A`` / ``DEFAULT_COST_B`` were fitted by ``python bench/balance.py --fit`` (least
+``DEFAULT_COST_A`` / ``DEFAULT_COST_B`` (config/choices.py) were fitted by ``python bench/balance.py --fit`` (least
 squares of measured forward+backward time per pack; docs/benchmarks.md) and are overridden by
 ``packing.cost_a`` / ``packing.cost_b``.
 
@@ -25,10 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-DEFAULT_COST_A = 1.0
-"""Cost per real token (the unit)."""
-DEFAULT_COST_B = 1.0 / 2048
-"""Cost per squared sub-sequence token, relative to ``DEFAULT_COST_A`` (bench/balance.py --fit)."""
+from megatron_pack.config.choices import DEFAULT_COST_A, DEFAULT_COST_B
+
 MAX_SWAP_ROUNDS = 64
 
 
