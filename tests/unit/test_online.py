@@ -3,6 +3,7 @@ accounting per epoch, deterministic order, resume with identical packs, memory b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import subprocess
@@ -38,6 +39,7 @@ def drain_epoch(stream: OnlinePackStream) -> list[list[tuple[int, int]]]:
     packs = []
     while not stream.finished_epochs:
         packs.append(stream.next_pack())
+        assert stream.pack_epoch == 0
     return packs
 
 
@@ -84,17 +86,17 @@ def test_every_kept_sample_is_packed_once_per_epoch_within_bounds(num_ids, buffe
         with pytest.raises(DataError, match="no sample of this shard was packed"):
             online.next_pack()
         return
-    for _ in range(2):  # two epochs
-        seen: list[int] = []
-        before = len(online.finished_epochs)
-        while len(online.finished_epochs) == before:
-            pack = online.next_pack()
-            packs.append(pack)
-            seen += [i for i, _ in pack]
-            assert sum((n - 1 + pad - 1) // pad * pad for _, n in pack) <= pack_size
-            peak_samples, peak_tokens = max(peak_samples, len(packer)), max(peak_tokens, packer.num_tokens)
+    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
+    while len(online.finished_epochs) < 2:
+        pack = online.next_pack()
+        packs.append(pack)
+        by_epoch[online.pack_epoch] += [i for i, _ in pack]
+        assert sum((n - 1 + pad - 1) // pad * pad for _, n in pack) <= pack_size
+        peak_samples, peak_tokens = max(peak_samples, len(packer)), max(peak_tokens, packer.num_tokens)
+    for epoch in (0, 1):
+        seen = by_epoch[epoch]
         assert sorted(seen) == kept
-        acc = online.finished_epochs[-1]
+        acc = online.finished_epochs[epoch]
         assert acc["num_samples_read"] == len(num_ids) == acc["num_samples_packed"] + sum(
             acc["num_samples_dropped"].values())
     assert peak_samples <= buffer_size and peak_tokens <= buffer_packs * pack_size

@@ -388,11 +388,15 @@ class OnlinePackStream:
         """Accounting of every epoch finished in this run (and before, when resumed)."""
         self._ready: list[tuple[np.ndarray, np.ndarray]] = []
         self._epoch_done = False
+        self.pack_epoch = 0
+        """Epoch of the pack ``next_pack`` returned last."""
         self.stream.start_epoch(0, 0)
 
     def next_pack(self) -> list[tuple[int, int]]:
+        """The next pack; ``pack_epoch`` is then its epoch (``epoch`` may already name the next one)."""
         while not self._ready:
             self._fill()
+        self.pack_epoch = self.epoch
         ids, num_ids = self._ready.pop(0)
         self.accounting.num_packs += 1
         self.accounting.num_packed += len(ids)
