@@ -29,7 +29,7 @@ TOKEN_BUDGET_KINDS = ("target", "real")
 DEFAULT_COST_A = 1.0
 """``packing.cost_a``: cost per real token of a pack (the unit)."""
 
-DEFAULT_COST_B = 1.0 / 256
-"""``packing.cost_b``: cost per squared sub-sequence token, relative to cost_a: 1/261 fitted by
-``bench/balance.py --fit`` (tiny model, CPU; docs/benchmarks.md), rounded to 1/256. Refit for your model:
-the flop count gives about 1/(12 * hidden_size) on a GPU, where attention is relatively cheaper."""
+DEFAULT_COST_B = 0.0013
+"""``packing.cost_b``: cost per squared sub-sequence token, relative to cost_a: b/a = 0.001304 (1/767) fitted by
+``bench/balance.py --fit`` (tiny model, CPU; docs/benchmarks.md), which is the flop count's 1/(12 * hidden_size)
+for hidden 64. Refit for your model and hardware (about 1/(12 * hidden_size) by flops)."""
