@@ -195,6 +195,8 @@ def run_verify(cfg, *, out=print) -> int:
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
     dataset = open_dataset(cfg)
+    if cfg.packing.mode == "online":  # no plan: the first packs a single-rank run would make
+        dataset = dataset.first_packs(cfg.verify.num_packs)
     meta = dataset.metadata
     collate = collate_from_config(cfg, meta)
     import torch.distributed as dist

@@ -67,6 +67,10 @@ class OnlineSource:
                          "dataset_max_seqlen": self.settings.truncate_to, "max_samples_per_bin": None,
                          "tokenizer": tokenizer, "mode": "online", **ids}
 
+    def first_packs(self, num_packs: int) -> OnlinePacks:
+        """The first ``num_packs`` packs a single-rank run would train on."""
+        return OnlinePacks(self, num_packs)
+
     def records(self, start: int) -> Iterator[tuple[int, dict, str]]:
         """``(index, record, where)`` of the raw records from ``start`` on (stream source)."""
         d = self.cfg.data
@@ -95,6 +99,22 @@ class OnlineSource:
                                   num_shards=num_shards, answer_only_loss=self.cfg.data.answer_only_loss)
         packer = OnlinePacker(self.settings.pack_size, buffer_size=p.buffer_size, buffer_tokens=p.buffer_tokens)
         return OnlinePackStream(stream, packer, chunk_size=min(1024, p.buffer_size))
+
+
+class OnlinePacks:
+    """The first packs of one shard as a small list-like dataset (``megatron-pack verify`` reads it)."""
+
+    def __init__(self, source: "OnlineSource", num_packs: int, *, shard: int = 0, num_shards: int = 1):
+        stream = source.pack_stream(shard=shard, num_shards=num_shards)
+        self.metadata = source.metadata
+        self.plan_dir = f"online packs of shard {shard}/{num_shards} (packing.buffer_size={source.cfg.packing.buffer_size})"
+        self._packs = [[stream.stream.sample(i, n) for i, n in stream.next_pack()] for _ in range(num_packs)]
+
+    def __len__(self) -> int:
+        return len(self._packs)
+
+    def __getitem__(self, i: int) -> list[dict]:
+        return self._packs[i]
 
 
 class OnlineLoader:
