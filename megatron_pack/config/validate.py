@@ -170,6 +170,10 @@ def _validate_online_packing(cfg: Config) -> list[str]:
         problems.append("packing.balance (dp) needs every DP rank to know each global batch's packs, but with "
                         "packing.mode=online each rank packs its own shard; set packing.balance=none or "
                         "packing.mode=offline.")
+    if cfg.data.num_workers > 0:
+        problems.append(f"data.num_workers ({cfg.data.num_workers}) is not used by packing.mode=online (its packs "
+                        "are made and collated in the training process, to keep the buffer state exact); set "
+                        "data.num_workers=0.")
     if p.buffer_tokens is not None and p.offline and p.buffer_tokens < p.packed_sequence_size:
         problems.append(f"packing.buffer_tokens ({p.buffer_tokens}) must hold at least one pack "
                         f"(packing.packed_sequence_size={p.packed_sequence_size}); set "

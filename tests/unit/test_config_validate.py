@@ -79,6 +79,8 @@ CASES = [
      ("packing.balance (dp)", "each rank packs its own shard", "set packing.balance=none or packing.mode=offline")),
     ("online_packing", dict(packing__mode="online", packing__pad_cu_seqlens=True, data__pad_to_max_length=True), {},
      ("packing.pad_cu_seqlens (True)", "set packing.pad_cu_seqlens=false")),
+    ("online_packing", dict(packing__mode="online", data__num_workers=2), {},
+     ("data.num_workers (2) is not used by packing.mode=online", "set data.num_workers=0")),
     ("online_packing", dict(packing__mode="online", packing__buffer_tokens=100), {},
      ("packing.buffer_tokens (100)", "set packing.buffer_tokens=8192")),
     ("step_batches", dict(train__global_batch_tokens=4096, packing__balance="dp"), {}, ()),

@@ -1,5 +1,6 @@
 """Packing: algorithms (``algorithms``), plans on disk (``plan``), the plan report (``report``),
-the Megatron-Bridge export (``bridge``).
+the Megatron-Bridge export (``bridge``), online packing from a bounded buffer (``online``), and
+the assignment of packs to data-parallel ranks by cost (``balance``).
 
 ``megatron_pack.data.packing.plan_packing`` (public) and the other names of the algorithms
 module are re-exported here.
