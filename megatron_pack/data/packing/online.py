@@ -125,7 +125,7 @@ class StoreStream:
 
     def _shard_order(self, epoch: int) -> np.ndarray:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.store))
-        return order[self.shard::self.num_shards]
+        return order[self.shard::self.num_shards].copy()  # a copy: the view would keep the whole permutation
 
     def start_epoch(self, epoch: int, cursor: int = 0) -> None:
         if epoch != self.epoch:
