@@ -72,7 +72,7 @@ def _worker(rank: int, world_size: int, dataset_dir: str, tmp: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_balanced_same_losses_and_planned_steps_resume_exactly(prepared_dataset, tmp_path):
-    ranks = spawn_world(_worker, 2, tmp_path, prepared_dataset, str(tmp_path))
+    ranks = spawn_world(_worker, 2, tmp_path, prepared_dataset, str(tmp_path), timeout_s=480)
     r0, r1 = ranks
     # 1. the same global batch, dealt differently: the same losses
     np.testing.assert_allclose(r0["bal_losses"], r0["rr_losses"], rtol=1e-5)
