@@ -24,6 +24,8 @@ def _setup_logging(level: str, rank: int) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-module INFO setup lines
     # the sample-id audit (logging.log_sample_ids) must cover every DP rank, not only rank 0
     logging.getLogger("megatron_pack.train.samples").setLevel(logging.INFO)
+    # online packing's per-epoch accounting: one line per DP rank's shard (read = packed + dropped)
+    logging.getLogger("megatron_pack.train.accounting").setLevel(logging.INFO)
 
 
 CHECK_FLAG = "--check"

@@ -321,9 +321,13 @@ def check_resume(cfg: Config, world_size: int) -> Optional[Path]:
 
 
 def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
-    """This DP rank's loader (``megatron_pack.data.batches.loader.build_loader``) for ``state``'s ranks."""
+    """This DP rank's loader (``megatron_pack.data.batches.loader.build_loader``) for ``state``'s ranks.
+    Online packing reports each DP rank's shard accounting once (its TP/CP rank 0); the rest, rank 0."""
+    announce = state.rank == 0
+    if cfg.packing.mode == "online":
+        announce = state.tp_rank == 0 and state.cp_rank == 0
     return loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
-                                   pin_memory=state.device.type == "cuda", announce=state.rank == 0)
+                                   pin_memory=state.device.type == "cuda", announce=announce)
 
 
 def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,

@@ -69,6 +69,16 @@ def test_module_docstring_example_emits_fullest_first_then_flushes():
     assert [[i for i, _ in p] for p in packs] == [[0, 2], [4, 3], [1, 5]]
 
 
+def test_each_epoch_logs_read_equals_packed_plus_dropped(caplog):
+    # ids [6, 1, 40, 5]: one without a target (1 id), one longer than the 16-token pack (40)
+    stream = OnlinePackStream(array_stream([6, 1, 40, 5], 16), OnlinePacker(16, buffer_size=4), announce=True)
+    with caplog.at_level("INFO", logger="megatron_pack.train.accounting"):
+        drain_epoch(stream)
+    assert "online packing epoch 0 (shard 0): read 4 = packed 2 + dropped" in caplog.text
+    assert stream.finished_epochs[0]["num_samples_dropped"] == {
+        "no_answer_tokens": 1, "too_long": 1, "no_answer_tokens_after_truncation": 0}
+
+
 # ----- properties --------------------------------------------------------------------------
 
 @settings(max_examples=40, deadline=None)

@@ -63,7 +63,7 @@ def build_loader(cfg: Config, dataset: PackedSFTDataset | OnlineSource, *, dp_ra
     Every CP/TP rank of a DP rank reads the same packs. ``announce`` logs the packs each epoch
     leaves out (one rank should)."""
     if isinstance(dataset, OnlineSource):
-        return online_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size)
+        return online_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, announce=announce)
     if cfg.train.global_batch_tokens is not None or cfg.packing.balance == "dp":
         return step_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, pin_memory=pin_memory)
     sampler = PackSampler(len(dataset), dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed)
@@ -102,9 +102,11 @@ def step_loader(cfg: Config, dataset: PackedSFTDataset, *, dp_rank: int, dp_size
                       seed=cfg.train.seed, num_workers=cfg.data.num_workers, pin_memory=pin_memory)
 
 
-def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: int) -> OnlineLoader:
-    """Online packs of shard ``dp_rank`` of ``dp_size``; each rank meets its share of a token budget."""
+def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: int,
+                  announce: bool = True) -> OnlineLoader:
+    """Online packs of shard ``dp_rank`` of ``dp_size``; each rank meets its share of a token budget.
+    ``announce`` logs the shard's per-epoch accounting (one rank per DP rank should)."""
     budget = cfg.train.global_batch_tokens
-    return OnlineLoader(source.pack_stream(shard=dp_rank, num_shards=dp_size),
+    return OnlineLoader(source.pack_stream(shard=dp_rank, num_shards=dp_size, announce=announce),
                         collate_from_config(cfg, source.metadata), packs_per_step=cfg.train.global_batch_size // dp_size,
                         budget_tokens=None if budget is None else -(-budget // dp_size), budget_kind=cfg.train.token_budget)

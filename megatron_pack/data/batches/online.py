@@ -88,7 +88,7 @@ class OnlineSource:
                     yield index, record, f"{chunk.path}: {unit} {position}"
                 index += 1
 
-    def pack_stream(self, *, shard: int, num_shards: int) -> OnlinePackStream:
+    def pack_stream(self, *, shard: int, num_shards: int, announce: bool = False) -> OnlinePackStream:
         p = self.cfg.packing
         if self.store is not None:
             stream = StoreStream(self.store, self.settings, shard=shard, num_shards=num_shards, seed=self.cfg.train.seed)
@@ -98,7 +98,7 @@ class OnlineSource:
             stream = RecordStream(self.records, self.tokenizer, _schema(self.cfg), self.settings, shard=shard,
                                   num_shards=num_shards, answer_only_loss=self.cfg.data.answer_only_loss)
         packer = OnlinePacker(self.settings.pack_size, buffer_size=p.buffer_size, buffer_tokens=p.buffer_tokens)
-        return OnlinePackStream(stream, packer, chunk_size=min(1024, p.buffer_size))
+        return OnlinePackStream(stream, packer, chunk_size=min(1024, p.buffer_size), announce=announce)
 
 
 class OnlinePacks:

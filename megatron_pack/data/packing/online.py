@@ -40,7 +40,8 @@ from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.algorithms import plan_packing, thd_lengths
 from megatron_pack.data.store.metadata import PlanSettings
 
-log = logging.getLogger("megatron_pack.train")
+log = logging.getLogger("megatron_pack.train.accounting")
+"""Per-epoch accounting lines; the train entry shows them on every rank that announces."""
 
 STATE_VERSION = 1
 DROP_REASONS = ("no_answer_tokens", "too_long", "no_answer_tokens_after_truncation")
@@ -380,8 +381,9 @@ class OnlinePackStream:
     ``state_dict()`` / ``load_state_dict()`` resume at the next pack exactly.
     """
 
-    def __init__(self, stream: SampleStream, packer: OnlinePacker, *, chunk_size: int = 1024):
-        self.stream, self.packer, self.chunk_size = stream, packer, chunk_size
+    def __init__(self, stream: SampleStream, packer: OnlinePacker, *, chunk_size: int = 1024,
+                 announce: bool = False):
+        self.stream, self.packer, self.chunk_size, self.announce = stream, packer, chunk_size, announce
         self.epoch = 0
         self.accounting = EpochAccounting()
         self.finished_epochs: list[dict] = []
@@ -439,9 +441,10 @@ class OnlinePackStream:
                                  f"{sum(a.dropped.values())}")
         record = {"epoch": self.epoch, **a.as_dict()}
         self.finished_epochs.append(record)
-        log.info("online packing epoch %d (shard %d): read %d = packed %d + dropped %s; %d packs, %d truncated",
-                 self.epoch, getattr(self.stream, "shard", 0), a.num_read, a.num_packed, a.dropped, a.num_packs,
-                 a.num_truncated)
+        if self.announce:
+            log.info("online packing epoch %d (shard %d): read %d = packed %d + dropped %s; %d packs, %d truncated",
+                     self.epoch, getattr(self.stream, "shard", 0), a.num_read, a.num_packed, a.dropped, a.num_packs,
+                     a.num_truncated)
         if a.num_packed == 0:
             raise DataError(f"online packing epoch {self.epoch}: no sample of this shard was packed (dropped "
                             f"{a.dropped}); check data.answer_only_loss, packing.on_overflow and the shard size.")
