@@ -5,8 +5,9 @@ same tuple, and tests/unit/test_config_docs.py checks that docs/configuration.md
 value. Add a value here, then teach the code it names (a test fails until every consumer knows it).
 """
 
-PACKING_ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential")
-"""``packing.algorithm``: best-fit decreasing, first-fit decreasing, seeded shuffle + first fit, next fit."""
+PACKING_ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential", "wrapped")
+"""``packing.algorithm``: best-fit decreasing, first-fit decreasing, seeded shuffle + first fit, next fit,
+and the wrapped stream (documents cut at row ends: ``data.packing.wrapped``, not a bin packing of whole samples)."""
 
 ATTENTION_MODES = ("thd", "pack_causal")
 """``verify.attention``: the real THD attention, or plain causal attention over the whole pack (broken on purpose)."""

@@ -198,6 +198,16 @@ class DataConfig(_Group):
     """Completion column for the prompt_completion schema."""
     messages_key: str = "messages"
     """Messages column for the chat schema."""
+    role_key: str = "role"
+    """Role field of each chat message (ShareGPT: 'from')."""
+    content_key: str = "content"
+    """Content field of each chat message (ShareGPT: 'value'); a string or a list of {type: text, text} parts."""
+    role_aliases: dict[str, str] = field(default_factory=dict)
+    """Extra role names mapped to system/user/assistant/tool, e.g. {human: user, gpt: assistant}."""
+    format: str = "default"
+    """'default' (the keys above) or 'sharegpt' (conversations/from/value, human/gpt/system roles)."""
+    chat_template: Optional[str] = None
+    """A Jinja chat-template file that replaces the tokenizer's own; None keeps the tokenizer's."""
     synthetic_num_samples: int = 4000
     """Number of samples data.source=synthetic generates."""
     synthetic_seed: int = 0
@@ -221,6 +231,11 @@ class DataConfig(_Group):
                              allow_zero=("num_workers", "tokenize_workers"))
         problems += _choice(g, self, "source", ("synthetic", "files"))
         problems += _choice(g, self, "schema", ("auto", "prompt_completion", "chat"))
+        problems += _choice(g, self, "format", ("default", "sharegpt"))
+        for alias, role in self.role_aliases.items():
+            if role not in ("system", "user", "assistant", "tool"):
+                problems.append(f"data.role_aliases.{alias} ({role!r}) must map to one of system/user/assistant/tool; "
+                                f"set data.role_aliases.{alias}=user (or assistant).")
         if self.source == "files" and not self.input:
             problems.append("data.input (None) is required when data.source=files; "
                             "set data.input=/path/to/train.jsonl (a file, directory or glob).")
@@ -238,11 +253,23 @@ class PackingConfig(_Group):
     max_single_sequence_length: Optional[int] = None
     """Longest sample (in THD tokens) kept; None means packed_sequence_size."""
     algorithm: str = "bfd"
-    """'bfd' (best-fit decreasing), 'ffd', 'first_fit_shuffle' or 'sequential'."""
+    """'bfd' (best-fit decreasing), 'ffd', 'first_fit_shuffle', 'sequential' or 'wrapped' (one token
+    stream cut into full rows; see packing.wrapped_attention)."""
     seed: int = 0
     """Seed of the plan (bin order, shuffles)."""
     on_overflow: str = "error"
-    """What to do with a sample longer than the pack: 'error', 'drop' or 'truncate'."""
+    """What to do with a sample longer than the pack: 'error', 'drop', 'truncate' or 'split'."""
+    split_overlap: int = 0
+    """With on_overflow=split: tokens of context repeated at the start of each following piece (no loss on them)."""
+    buckets: Optional[Any] = None
+    """Length buckets packed separately: None (one bucket), a list of THD-length boundaries such as
+    [512, 2048], or 'auto' (boundaries at the length quartiles)."""
+    bucket_order: str = "interleave"
+    """How training reads bucketed packs: 'interleave' (one shuffle over all packs) or 'sequential'
+    (each epoch reads the buckets shortest first, packs shuffled inside a bucket)."""
+    wrapped_attention: str = "document"
+    """With algorithm=wrapped: 'document' (sub-sequence per document piece, no attention across
+    documents) or 'cross' (one sequence per row, attention crosses documents: pretraining style)."""
     pad_cu_seqlens: bool = False
     """Give cu_seqlens a fixed length (max_samples_per_bin + 2) for CUDA graphs."""
     in_batch: bool = False
@@ -269,7 +296,11 @@ class PackingConfig(_Group):
         problems = _positive(g, self, ("packed_sequence_size", "pad_seq_to_mult", "max_single_sequence_length",
                                        "seed"), allow_zero=("packed_sequence_size", "seed"))
         problems += _choice(g, self, "algorithm", PACKING_ALGORITHMS)
-        problems += _choice(g, self, "on_overflow", ("error", "drop", "truncate"))
+        problems += _choice(g, self, "on_overflow", ("error", "drop", "truncate", "split"))
+        problems += _choice(g, self, "bucket_order", ("interleave", "sequential"))
+        problems += _choice(g, self, "wrapped_attention", ("document", "cross"))
+        problems += _positive(g, self, ("split_overlap",), allow_zero=("split_overlap",))
+        problems += _bucket_problems(self.buckets)
         problems += _choice(g, self, "export", ("none", "bridge"))
         problems += _choice(g, self, "mode", PACKING_MODES)
         problems += _choice(g, self, "online_source", ONLINE_SOURCES)
@@ -287,6 +318,18 @@ class PackingConfig(_Group):
     def offline(self) -> bool:
         """True when offline packing is on."""
         return self.packed_sequence_size > 0
+
+
+def _bucket_problems(buckets: Any) -> list[str]:
+    """packing.buckets is None, 'auto' or increasing positive integer boundaries."""
+    if buckets is None or buckets == "auto":
+        return []
+    values = list(buckets) if isinstance(buckets, (list, tuple)) else None
+    if (not values or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values)
+            or any(a >= b for a, b in zip(values, values[1:]))):
+        return [f"packing.buckets ({buckets!r}) must be 'auto' or increasing positive THD-length boundaries; "
+                "set packing.buckets=[512,2048] or packing.buckets=auto."]
+    return []
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -404,6 +404,38 @@ def _validate_verify_reference(cfg: Config) -> list[str]:
     return []
 
 
+def _validate_packing_strategy(cfg: Config) -> list[str]:
+    """Split, buckets and the wrapped stream: each key does something, and only where it means something."""
+    p, problems = cfg.packing, []
+    if p.split_overlap and p.on_overflow != "split":
+        problems.append(f"packing.split_overlap ({p.split_overlap}) only applies with packing.on_overflow=split "
+                        f"(it is {p.on_overflow}); set packing.on_overflow=split or packing.split_overlap=0.")
+    longest = min(p.max_single_sequence_length or p.packed_sequence_size, p.packed_sequence_size)
+    if p.on_overflow == "split" and p.offline and p.split_overlap >= longest:
+        problems.append(f"packing.split_overlap ({p.split_overlap}) must be smaller than the longest piece "
+                        f"({longest} tokens), or no piece would carry a new target; set packing.split_overlap="
+                        f"{min(p.split_overlap, longest // 4)}.")
+    if p.algorithm == "wrapped":
+        if p.buckets is not None:
+            problems.append("packing.buckets cannot be used with packing.algorithm=wrapped (wrapped cuts one token "
+                            "stream into full rows, there is nothing to bucket); unset packing.buckets or choose "
+                            "packing.algorithm=bfd.")
+        if p.on_overflow in ("drop", "truncate"):
+            problems.append(f"packing.on_overflow ({p.on_overflow}) does not apply to packing.algorithm=wrapped "
+                            "(documents are cut at row ends by construction); set packing.on_overflow=split.")
+        if p.wrapped_attention == "cross" and cfg.data.answer_only_loss:
+            problems.append("packing.wrapped_attention=cross with data.answer_only_loss=true is refused: answer "
+                            "tokens would attend to unrelated documents' prompts; set data.answer_only_loss=false "
+                            "(pretraining-style data) or packing.wrapped_attention=document.")
+    elif p.wrapped_attention != "document":
+        problems.append(f"packing.wrapped_attention ({p.wrapped_attention}) only applies with "
+                        "packing.algorithm=wrapped; set packing.algorithm=wrapped or packing.wrapped_attention=document.")
+    if p.bucket_order != "interleave" and p.buckets is None:
+        problems.append(f"packing.bucket_order ({p.bucket_order}) needs length buckets; set packing.buckets=auto "
+                        "(or boundaries such as [512,2048]) or packing.bucket_order=interleave.")
+    return problems
+
+
 _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_verify_reference,
     _validate_pipeline_parallel,
@@ -418,6 +450,7 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_cuda_graphs,
     _validate_pad_multiple,
     _validate_packed_sizes,
+    _validate_packing_strategy,
     _validate_device,
     _validate_vocab_size,
     _validate_distributed_optimizer,
