@@ -27,6 +27,7 @@ from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, ST
                                       default_num_workers, store_statistics, token_dtype_for, tokenize_stream,
                                       write_store)
 from megatron_pack.data.formats.synthetic import GENERATOR_VERSION
+from megatron_pack.data.formats.chat import schema_from_config
 from megatron_pack.data.formats.tokenizer import SampleSchema, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,7 @@ FILE_CHUNK = 512
 
 
 def _schema(cfg) -> SampleSchema:
-    d = cfg.data
-    return SampleSchema(d.schema, prompt_key=d.prompt_key, completion_key=d.completion_key,
-                        messages_key=d.messages_key)
+    return schema_from_config(cfg.data)
 
 
 def store_inputs(cfg, tokenizer) -> dict:
@@ -54,8 +53,7 @@ def store_inputs(cfg, tokenizer) -> dict:
                    "files": [{"path": str(f), "sha256": sha256_file(f), "size": f.stat().st_size} for f in files]}
     schema = _schema(cfg)
     return {"sources": sources, "tokenizer": tokenizer.identity(), "answer_only_loss": d.answer_only_loss,
-            "schema": {"kind": schema.kind, "prompt_key": schema.prompt_key,
-                       "completion_key": schema.completion_key, "messages_key": schema.messages_key},
+            "schema": schema.identity(),
             "format_version": STORE_FORMAT_VERSION}
 
 
@@ -85,7 +83,8 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
     start = time.perf_counter()
     with atomic_directory(target, replace=True) as tmp:
         results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_schema(cfg),
-                                  answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers)
+                                  answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers,
+                                  chat_template=cfg.data.chat_template)
         counts = write_store(tmp, results, token_dtype=token_dtype_for(tokenizer.vocab_size), total=total,
                              progress=progress)
         if counts["num_samples"] == 0:
@@ -104,7 +103,7 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
 def ensure_store(cfg, *, progress: bool = True) -> TokenStore:
     """The token store at data.dataset_dir, built (or rebuilt, when its inputs changed) if needed."""
     target = Path(cfg.data.dataset_dir)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     inputs = store_inputs(cfg, tokenizer)
     if (target / "metadata.json").is_file():
         old = read_json(target / "metadata.json")

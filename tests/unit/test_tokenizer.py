@@ -118,9 +118,9 @@ def test_hf_chat_mask_token_by_token(hf_dirs):
     tok = build_tokenizer(hf_dirs["plain"])
     ids, mask = tok.encode_sample({"messages": MESSAGES[0]}, CHAT)
     text_answer = tok.decode(ids[mask == 1])
-    assert text_answer == "four<|im_end|>\n<|im_end|>"  # the template's turn end, then the sample's eos
+    assert text_answer == "four<|im_end|>"  # the template's turn end is the sample's eos: no second one
     assert tok.decode(ids[mask == 0]).startswith("<|im_start|>user\nwhat is two plus two<|im_end|>")
-    assert ids[-1] == tok.eos_id and mask[-1] == 1  # template ends with "\n": eos appended, in the answer
+    assert ids[-1] == tok.eos_id and mask[-1] == 1  # template ends with "<|im_end|>\n": cut after the eos
     _, all_mask = tok.encode_sample({"messages": MESSAGES[0]}, CHAT, answer_only_loss=False)
     assert all_mask.all()
 

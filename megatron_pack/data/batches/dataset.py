@@ -26,6 +26,16 @@ from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION,
 from megatron_pack.data.store.metadata import verify_files  # noqa: F401  (this module's name before the split)
 from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
 
+def _expected_tokenizer(cfg):
+    """The config's tokenizer name, or the tokenizer itself when data.chat_template replaces its template
+    (the template is part of the identity the dataset was prepared with)."""
+    if getattr(cfg.data, "chat_template", None) is None:
+        return cfg.data.tokenizer
+    from megatron_pack.data.formats.tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
+
+
 class PackedSFTDataset:
     """Packs of samples from a prepared dataset directory (token store + plan)."""
 
@@ -78,7 +88,7 @@ class PackedSFTDataset:
         if not plan_dir.is_dir():
             have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
             raise DataError(f"{dataset_dir} has no packing plan for {describe_settings(settings)} (plans there: {have}); {fix}.")
-        dataset = cls(dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
+        dataset = cls(dataset_dir, plan_dir, expected_tokenizer=_expected_tokenizer(cfg))
         expected = settings.fingerprint(dataset.store_metadata["fingerprint"])
         if dataset.metadata.get("fingerprint") != expected:  # a plan copied or renamed into this name
             raise DataError(f"plan {plan_dir} holds a plan made with other settings (fingerprint "

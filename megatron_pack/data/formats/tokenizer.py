@@ -22,39 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROLES = ("system", "user", "assistant", "tool")
+from megatron_pack.data.formats.chat import (ROLES, RecordError, SampleSchema, chat_messages,  # noqa: F401
+                                             read_chat_template, record_kind)
+
 BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
-
-
-@dataclass(frozen=True)
-class SampleSchema:
-    """How to read one record: which layout and which keys."""
-
-    kind: str
-    """'prompt_completion', 'chat', or 'auto' (per record: 'chat' when it has the messages key)."""
-    prompt_key: str = "prompt"
-    """Prompt column (prompt_completion)."""
-    completion_key: str = "completion"
-    """Completion column (prompt_completion)."""
-    messages_key: str = "messages"
-    """Messages column (chat): a list of {"role", "content"}."""
-
-
-def record_kind(record: dict, schema: SampleSchema) -> str:
-    """The layout of one record under ``schema`` ('auto' decides per record)."""
-    if schema.kind != "auto":
-        return schema.kind
-    if schema.messages_key in record:
-        return "chat"
-    if schema.prompt_key in record or schema.completion_key in record:
-        return "prompt_completion"
-    raise RecordError(f"record has keys {sorted(record)}: neither {schema.messages_key!r} (chat) nor "
-                      f"{schema.prompt_key!r}+{schema.completion_key!r}; set data.schema and "
-                      "data.prompt_key / data.completion_key / data.messages_key")
-
-
-class RecordError(ValueError):
-    """A record that cannot be tokenized; ``str`` names what is wrong (the caller adds file and line)."""
 
 
 def _text(record: dict, key: str) -> str:
@@ -66,45 +37,6 @@ def _text(record: dict, key: str) -> str:
         raise RecordError(f"key {key!r} must be a string, got {type(value).__name__} ({value!r:.40}); store text "
                           f"there, or point data.prompt_key / data.completion_key at the text columns")
     return value
-
-
-def _messages(record: dict, key: str) -> list[dict]:
-    if key not in record:
-        raise RecordError(f"missing key {key!r} (keys present: {sorted(record)}); set data.messages_key")
-    messages = record[key]
-    if not isinstance(messages, list) or not messages:
-        raise RecordError(f"key {key!r} must be a non-empty list of {{role, content}}, got {type(messages).__name__} "
-                          f"({messages!r:.40}); write the conversation as a list of messages or remove the record")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise RecordError(f"{key}[{i}] must be a dict with a string 'content', got {message!r:.80}; write "
-                              "each message as {\"role\": ..., \"content\": \"text\"}")
-        if message.get("role") not in ROLES:
-            raise RecordError(f"{key}[{i}].role ({message.get('role')!r}) must be one of {list(ROLES)}; rename the "
-                              "role in the data")
-    _check_role_order(messages, key)
-    if not any(m["content"] for m in messages):
-        raise RecordError(f"the sample is empty: every {key}[i].content is an empty string; remove the record "
-                          "or fill it in")
-    return messages
-
-
-_ALLOWED_NEXT = {None: ("system", "user"), "system": ("user",), "user": ("assistant",),
-                 "assistant": ("user", "tool"), "tool": ("assistant", "tool")}
-"""Roles that may follow each role: optional system first, then user/assistant alternating, tool
-results only after an assistant turn (the order chat templates accept)."""
-
-
-def _check_role_order(messages: list[dict], key: str) -> None:
-    previous = None
-    for i, message in enumerate(messages):
-        role = message["role"]
-        if role not in _ALLOWED_NEXT[previous]:
-            after = f"after {previous!r}" if previous else "as the first message"
-            raise RecordError(f"{key}[{i}].role ({role!r}) is out of order {after} (allowed: "
-                              f"{list(_ALLOWED_NEXT[previous])}); a chat is an optional system message, then user "
-                              "and assistant turns alternating (tool only after assistant): fix the record's order")
-        previous = role
 
 
 def _prompt_completion(record: dict, schema: SampleSchema) -> tuple[str, str]:
@@ -155,8 +87,9 @@ class ByteTokenizer:
             pieces = [([self.bos_id], 0), (prompt, 0), (completion, 1), ([self.eos_id], 1)]
         else:
             pieces = [([self.bos_id], 0)]
-            for message in _messages(record, schema.messages_key):
-                answer = int(message["role"] == "assistant")
+            messages, first_trained = chat_messages(record, schema)
+            for i, message in enumerate(messages):
+                answer = int(message["role"] == "assistant" and i >= first_trained)
                 pieces += [([self.role_ids[message["role"]]], 0), (message["content"].encode("utf-8"), answer),
                            ([self.eos_id], answer)]
         return _join(pieces, answer_only_loss)
@@ -187,7 +120,7 @@ class HFTokenizer:
     ``template(messages[:i], add_generation_prompt=True)``.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, chat_template: str | None = None):
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
@@ -195,6 +128,8 @@ class HFTokenizer:
                               "pip install 'megatron_pack[hf]', or use data.tokenizer=byte.") from exc
         self.path = str(path)
         self.tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        if chat_template is not None:  # data.chat_template: part of the identity, so of the store fingerprint
+            self.tok.chat_template = read_chat_template(chat_template)
         self.name = Path(self.path).name
         self.vocab_size = len(self.tok)
         if self.tok.eos_token_id is None:
@@ -220,18 +155,39 @@ class HFTokenizer:
             completion = self.encode(completion_text)
             pieces = [(prompt, 0), (completion, 1), ([self.eos_id], 1)]
             return _join(pieces, answer_only_loss)
-        messages = _messages(record, schema.messages_key)
+        messages, first_trained = chat_messages(record, schema)
+        if not self.tok.chat_template:
+            raise RecordError(f"data.tokenizer ({self.path}) has no chat template, so chat records cannot be "
+                              "rendered; set data.chat_template=/path/to/template.jinja (e.g. ChatML) or use a "
+                              "tokenizer that ships one")
         from jinja2 import TemplateError
 
         try:
             ids, mask = self.chat_ids_and_mask(messages)
+            if first_trained:  # TRL conversational: assistant turns inside the prompt are context
+                num_context = min(len(mask), len(self._template(messages[:first_trained], add_generation_prompt=True)))
+                mask[:num_context] = [0] * num_context
         except TemplateError as exc:  # e.g. a template that raises for a system message
             raise RecordError(f"the chat template of {self.path} refuses this conversation ({exc}); change the "
                               "record's roles to what the template accepts, or use another data.tokenizer") from None
-        if ids[-1] != self.eos_id:  # the sample contract: ids end with eos
-            ids, mask = ids + [self.eos_id], mask + [mask[-1]]
+        ids, mask = self._end_with_eos(ids, mask)
         ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
         return ids, (mask if answer_only_loss else np.ones_like(mask))
+
+    def _end_with_eos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        """The sample contract (ids end with eos) without a second end-of-turn token.
+
+        A template that closes the turn with eos and then whitespace (ChatML: ``<|im_end|>\\n``)
+        ends at that eos; the trailing whitespace is dropped rather than followed by another
+        eos (which would train ``<|im_end|>\\n<|im_end|>``). Otherwise eos is appended, in the
+        answer when the last token was.
+        """
+        if ids and ids[-1] == self.eos_id:
+            return ids, mask
+        last = len(ids) - 1 - ids[::-1].index(self.eos_id) if self.eos_id in ids else -1
+        if last >= 0 and not self.tok.decode(ids[last + 1:]).strip():
+            return ids[:last + 1], mask[:last + 1]
+        return ids + [self.eos_id], mask + [mask[-1] if mask else 0]
 
     def _template(self, messages, add_generation_prompt=False) -> list[int]:
         out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
@@ -264,11 +220,18 @@ class HFTokenizer:
         return ids, mask
 
 
-def build_tokenizer(name_or_path: str):
-    """``'byte'`` -> ``ByteTokenizer``; a local directory -> ``HFTokenizer``."""
+def build_tokenizer(name_or_path: str, chat_template: str | None = None):
+    """``'byte'`` -> ``ByteTokenizer``; a local directory -> ``HFTokenizer`` (with ``chat_template``,
+    a Jinja file replacing the tokenizer's own, ``data.chat_template``)."""
     if name_or_path == "byte":
+        if chat_template is not None:
+            from megatron_pack.data.formats.sources import DataError
+
+            raise DataError(f"data.chat_template ({chat_template}) needs a Hugging Face tokenizer, but "
+                             "data.tokenizer=byte renders chats with its own role tokens; unset data.chat_template "
+                             "or set data.tokenizer=/path/to/hf_tokenizer_dir.")
         return ByteTokenizer()
     if not Path(name_or_path).is_dir():
         raise ValueError(f"data.tokenizer ({name_or_path!r}) is neither 'byte' nor a local directory; "
                          "set data.tokenizer=byte or data.tokenizer=/path/to/hf_tokenizer_dir (no downloads).")
-    return HFTokenizer(name_or_path)
+    return HFTokenizer(name_or_path, chat_template)

@@ -74,9 +74,10 @@ class ChunkResult:
 _WORKER: dict = {}
 
 
-def init_worker(tokenizer: str, schema: SampleSchema, answer_only_loss: bool) -> None:
+def init_worker(tokenizer: str, schema: SampleSchema, answer_only_loss: bool, chat_template: str | None = None) -> None:
     """Per-process state: each worker builds its own tokenizer from its name (the object is never sent)."""
-    _WORKER.update(tokenizer=build_tokenizer(tokenizer), schema=schema, answer_only_loss=answer_only_loss)
+    _WORKER.update(tokenizer=build_tokenizer(tokenizer, chat_template), schema=schema,
+                   answer_only_loss=answer_only_loss)
 
 
 def _records(chunk: Chunk) -> Iterator[tuple[int, dict]]:
@@ -116,16 +117,16 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
 
 
 def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSchema, answer_only_loss: bool,
-                    num_workers: int) -> Iterator[ChunkResult]:
+                    num_workers: int, chat_template: str | None = None) -> Iterator[ChunkResult]:
     """Results in input order, from ``num_workers`` processes (inline when it is 1)."""
     if num_workers <= 1:
-        init_worker(tokenizer, schema, answer_only_loss)
+        init_worker(tokenizer, schema, answer_only_loss, chat_template)
         yield from map(tokenize_chunk, chunks)
         return
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(num_workers, initializer=init_worker,
-                                      initargs=(tokenizer, schema, answer_only_loss)) as pool:
+                                      initargs=(tokenizer, schema, answer_only_loss, chat_template)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(tokenize_chunk, (chunk,)))

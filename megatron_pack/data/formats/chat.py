@@ -1,0 +1,192 @@
+"""Chat records as users have them, normalised to one list of ``{"role", "content"}`` messages.
+
+Three shapes reach the tokenizers, all turned into ``(messages, first_trained)``: the
+conversation and the index of the first message whose assistant turns are trained.
+
+* chat (``data.messages_key``): ``{"messages": [{"role": "user", "content": "hi"}, ...]}``;
+  every assistant turn is trained (``first_trained = 0``).
+* ShareGPT, by configuration or ``data.format=sharegpt``: ``{"conversations": [{"from":
+  "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}`` with ``data.role_key=from``,
+  ``data.content_key=value`` and the aliases ``human -> user``, ``gpt -> assistant``.
+* TRL conversational prompt/completion: ``{"prompt": [messages], "completion": [messages]}``;
+  only assistant turns of the completion are trained (``first_trained = len(prompt)``), so a
+  few-shot assistant turn inside the prompt is context, as in TRL.
+
+Content may be a string or a list of parts ``[{"type": "text", "text": "..."}]`` (OpenAI /
+TRL style); text parts are joined, any other part type is refused naming its index and type.
+Roles are checked after the aliases: an optional system message, then user and assistant
+alternating, tool only after assistant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+SHAREGPT = {"messages_key": "conversations", "role_key": "from", "content_key": "value",
+            "role_aliases": (("human", "user"), ("gpt", "assistant"), ("function_call", "assistant"),
+                             ("observation", "tool"))}
+"""The ``data.format=sharegpt`` preset (LLaMA-Factory / Axolotl ShareGPT files)."""
+
+_DEFAULT_KEYS = {"messages_key": "messages", "role_key": "role", "content_key": "content"}
+
+
+class RecordError(ValueError):
+    """A record that cannot be tokenized; ``str`` names what is wrong (the caller adds file and line)."""
+
+
+@dataclass(frozen=True)
+class SampleSchema:
+    """How to read one record: which layout and which keys."""
+
+    kind: str
+    """'prompt_completion', 'chat', or 'auto' (per record: 'chat' when it has the messages key)."""
+    prompt_key: str = "prompt"
+    """Prompt column (prompt_completion; a list of messages makes it TRL conversational)."""
+    completion_key: str = "completion"
+    """Completion column (prompt_completion)."""
+    messages_key: str = "messages"
+    """Messages column (chat): a list of {role, content}."""
+    role_key: str = "role"
+    """Role field of each message."""
+    content_key: str = "content"
+    """Content field of each message: a string or a list of {type: text, text} parts."""
+    role_aliases: tuple[tuple[str, str], ...] = field(default=())
+    """(name in the data, role) pairs, e.g. (("human", "user"), ("gpt", "assistant"))."""
+
+    def identity(self) -> dict:
+        """What the token store's fingerprint hashes; keys at their defaults are left out, so stores
+        prepared before the key mapping existed keep their fingerprint."""
+        out = {"kind": self.kind, "prompt_key": self.prompt_key, "completion_key": self.completion_key,
+               "messages_key": self.messages_key}
+        if self.role_key != "role" or self.content_key != "content" or self.role_aliases:
+            out.update(role_key=self.role_key, content_key=self.content_key,
+                       role_aliases=[list(p) for p in self.role_aliases])
+        return out
+
+
+def schema_from_config(data: Any) -> SampleSchema:
+    """The ``SampleSchema`` of a ``DataConfig``; ``format=sharegpt`` fills the keys left at their defaults."""
+    keys = {"messages_key": data.messages_key, "role_key": data.role_key, "content_key": data.content_key}
+    aliases: dict[str, str] = {}
+    if data.format == "sharegpt":
+        for name, default in _DEFAULT_KEYS.items():
+            if keys[name] == default:
+                keys[name] = SHAREGPT[name]
+        aliases.update(SHAREGPT["role_aliases"])
+    aliases.update(data.role_aliases or {})
+    return SampleSchema(data.schema, prompt_key=data.prompt_key, completion_key=data.completion_key,
+                        role_aliases=tuple(sorted(aliases.items())), **keys)
+
+
+def record_kind(record: dict, schema: SampleSchema) -> str:
+    """'chat', 'conversational' (TRL prompt/completion as message lists) or 'prompt_completion'."""
+    kind = schema.kind
+    if kind == "auto":
+        if schema.messages_key in record:
+            return "chat"
+        if schema.prompt_key not in record and schema.completion_key not in record:
+            raise RecordError(f"record has keys {sorted(record)}: neither {schema.messages_key!r} (chat) nor "
+                              f"{schema.prompt_key!r}+{schema.completion_key!r}; set data.schema and "
+                              "data.prompt_key / data.completion_key / data.messages_key (or data.format=sharegpt)")
+        kind = "prompt_completion"
+    if kind == "prompt_completion" and isinstance(record.get(schema.prompt_key), list):
+        return "conversational"
+    return kind
+
+
+def chat_messages(record: dict, schema: SampleSchema) -> tuple[list[dict], int]:
+    """``(messages, first_trained)`` of a chat or TRL conversational record, normalised and checked."""
+    if record_kind(record, schema) == "conversational":
+        prompt = _message_list(record, schema.prompt_key, schema, allow_empty=True)
+        completion = _message_list(record, schema.completion_key, schema, allow_empty=False)
+        messages, first_trained, where = prompt + completion, len(prompt), f"{schema.prompt_key}+{schema.completion_key}"
+    else:
+        messages, first_trained, where = _message_list(record, schema.messages_key, schema), 0, schema.messages_key
+    _check_role_order(messages, where)
+    if not any(m["content"] for m in messages):
+        raise RecordError(f"the sample is empty: every {where}[i] content is an empty string; remove the record "
+                          "or fill it in")
+    return messages, first_trained
+
+
+def _message_list(record: dict, key: str, schema: SampleSchema, allow_empty: bool = False) -> list[dict]:
+    if key not in record:
+        raise RecordError(f"missing key {key!r} (keys present: {sorted(record)}); set data.messages_key "
+                          "(or data.format=sharegpt for ShareGPT 'conversations')")
+    messages = record[key]
+    if not isinstance(messages, list) or (not messages and not allow_empty):
+        raise RecordError(f"key {key!r} must be a non-empty list of {{role, content}}, got {type(messages).__name__} "
+                          f"({messages!r:.40}); write the conversation as a list of messages or remove the record")
+    aliases = dict(schema.role_aliases)
+    return [_message(m, f"{key}[{i}]", schema, aliases) for i, m in enumerate(messages)]
+
+
+def _message(message: Any, where: str, schema: SampleSchema, aliases: dict[str, str]) -> dict:
+    rk, ck = schema.role_key, schema.content_key
+    if not isinstance(message, dict) or ck not in message:
+        raise RecordError(f"{where} must be a dict with a {ck!r} (string or text parts), got {message!r:.80}; write "
+                          f"each message as {{{rk!r}: ..., {ck!r}: \"text\"}} or set data.role_key / data.content_key")
+    raw_role = message.get(rk)
+    role = aliases.get(raw_role, raw_role)
+    if role not in ROLES:
+        hint = ("map it with data.role_aliases={" + f"{raw_role}: user" + "} or data.format=sharegpt"
+                if isinstance(raw_role, str) else f"set data.role_key (messages have keys {sorted(message)})")
+        raise RecordError(f"{where}.{rk} ({raw_role!r}) must be one of {list(ROLES)}; {hint}, or rename the role "
+                          "in the data")
+    return {"role": role, "content": _content(message[ck], f"{where}.{ck}")}
+
+
+def _content(content: Any, where: str) -> str:
+    """A string, or the text of a list of ``{type: text, text}`` parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RecordError(f"{where} must hold a string 'content' or a list of {{type: text, text}} parts, got "
+                          f"{type(content).__name__} ({content!r:.40}); store the message text there")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RecordError(f"{where}[{j}] is a {kind or type(part).__name__!r} part; only text parts "
+                              "({\"type\": \"text\", \"text\": \"...\"}) can be trained on: remove the non-text part or "
+                              "the record")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+_ALLOWED_NEXT = {None: ("system", "user"), "system": ("user",), "user": ("assistant",),
+                 "assistant": ("user", "tool"), "tool": ("assistant", "tool")}
+"""Roles that may follow each role: optional system first, then user/assistant alternating, tool
+results only after an assistant turn (the order chat templates accept)."""
+
+
+def _check_role_order(messages: list[dict], key: str) -> None:
+    previous = None
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role not in _ALLOWED_NEXT[previous]:
+            after = f"after {previous!r}" if previous else "as the first message"
+            raise RecordError(f"{key}[{i}].role ({role!r}) is out of order {after} (allowed: "
+                              f"{list(_ALLOWED_NEXT[previous])}); a chat is an optional system message, then user "
+                              "and assistant turns alternating (tool only after assistant): fix the record's order")
+        previous = role
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a ``data.chat_template`` file (a Jinja template)."""
+    from pathlib import Path
+
+    from megatron_pack.data.formats.sources import DataError
+
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data.chat_template ({path!r}) is not a file; set it to a Jinja chat-template file "
+                         "(e.g. chatml.jinja) or leave it unset to use the tokenizer's own template.")
+    text = file.read_text(encoding="utf-8")
+    if "messages" not in text:
+        raise DataError(f"data.chat_template ({path}) does not look like a chat template (it never reads "
+                         "'messages'); point it at a Jinja template that loops over messages.")
+    return text
