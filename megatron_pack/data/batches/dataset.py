@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.packing.split import piece_loss_mask
 from megatron_pack.data.store.atomic import read_json
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, check_tokenizer, describe_settings,
                                                list_plans, plan_settings, read_metadata)
@@ -54,6 +55,21 @@ class PackedSFTDataset:
         load = lambda name: np.load(self.plan_dir / f"{name}.npy", mmap_mode="r", allow_pickle=False)  # noqa: E731
         self.bin_offsets, self.sample_order, self.sample_num_ids = (
             load("bin_offsets"), load("sample_order"), load("sample_num_ids"))
+        files = self.metadata.get("files", {})
+        optional = {name: load(name) if f"{name}.npy" in files else None
+                    for name in ("sample_start", "sample_piece", "bin_bucket")}
+        self.sample_start, self.sample_piece, self.bin_bucket = (
+            optional["sample_start"], optional["sample_piece"], optional["bin_bucket"])
+        self.split_overlap = int(self.metadata.get("split_overlap", 0))
+
+    @property
+    def num_buckets(self) -> int:
+        """Length buckets of the plan (1 without packing.buckets)."""
+        return len(self.metadata.get("buckets", {}).get("per_bucket", [])) or 1
+
+    def pack_bucket(self, i: int) -> int:
+        """The length bucket of pack ``i`` (0 without packing.buckets)."""
+        return int(self.bin_bucket[i]) if self.bin_bucket is not None else 0
 
     def __getstate__(self) -> dict:
         """Paths and metadata only (for spawned DataLoader workers): the arrays are re-mapped, not copied."""
@@ -108,10 +124,16 @@ class PackedSFTDataset:
             raise IndexError(f"pack {i} out of range for {len(self)} packs")
         i = i % len(self)
         lo, hi = int(self.bin_offsets[i]), int(self.bin_offsets[i + 1])
+        starts = self.sample_start[lo:hi].tolist() if self.sample_start is not None else [0] * (hi - lo)
+        pieces = self.sample_piece[lo:hi].tolist() if self.sample_piece is not None else [0] * (hi - lo)
+        bucket = self.pack_bucket(i)
         samples = []
-        for sample_id, num_ids in zip(self.sample_order[lo:hi].tolist(), self.sample_num_ids[lo:hi].tolist()):
-            start = int(self.store.offsets[sample_id])
+        for sample_id, num_ids, first, piece in zip(self.sample_order[lo:hi].tolist(),
+                                                    self.sample_num_ids[lo:hi].tolist(), starts, pieces):
+            start = int(self.store.offsets[sample_id]) + first
+            # a split piece's repeated context was trained in the piece before: no loss here
+            mask = piece_loss_mask(self.store.answer_mask[start:start + num_ids].astype(np.int64), piece,
+                                   self.split_overlap)
             samples.append({"input_ids": self.store.tokens[start:start + num_ids].astype(np.int64),
-                            "loss_mask": self.store.answer_mask[start:start + num_ids].astype(np.int64),
-                            "sample_id": sample_id})
+                            "loss_mask": mask, "sample_id": sample_id, "piece": piece, "bucket": bucket})
         return samples

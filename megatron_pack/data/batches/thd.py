@@ -170,7 +170,9 @@ def make_collate_fn(metadata: Mapping[str, Any], *, pad_multiple: Optional[int] 
     default to the metadata's. With ``pad_cu_seqlens`` the cu_seqlens arrays get
     ``max_samples_per_bin + 2`` entries and ``max_seqlen`` is fixed: ``pack_size`` with
     ``pad_to_max_length`` (the tail can be that long), else ``dataset_max_seqlen`` rounded up to
-    the pad multiple. Returns a picklable ``functools.partial`` of ``collate_thd``.
+    the pad multiple. Returns a picklable ``functools.partial`` of ``collate_thd`` (of
+    ``cross.collate_cross`` for a ``wrapped_attention=cross`` plan); a bucketed plan's batches
+    also carry ``bucket`` (an int: the pack's length bucket).
     """
     pack_size = int(metadata["pack_size"])
     multiple = int(pad_multiple if pad_multiple is not None else metadata.get("pad_seq_to_mult", 1))
@@ -182,6 +184,19 @@ def make_collate_fn(metadata: Mapping[str, Any], *, pad_multiple: Optional[int] 
                              "re-run `megatron-pack prepare` to write it.")
         num_cu_seqlens = int(metadata["max_samples_per_bin"]) + 2
         max_seqlen = _metadata_max_seqlen(metadata, pack_size, multiple, pad_to_max_length)
-    return functools.partial(collate_thd, pack_size=pack_size, pad_multiple=multiple,
-                             pad_to_max_length=pad_to_max_length, num_cu_seqlens=num_cu_seqlens,
-                             pad_id=pad, max_seqlen=max_seqlen)
+    collate: Callable = collate_thd
+    if metadata.get("wrapped_attention") == "cross":  # packing.algorithm=wrapped: one sequence per row
+        from megatron_pack.data.batches.cross import collate_cross
+
+        collate = collate_cross
+    inner = functools.partial(collate, pack_size=pack_size, pad_multiple=multiple,
+                              pad_to_max_length=pad_to_max_length, num_cu_seqlens=num_cu_seqlens,
+                              pad_id=pad, max_seqlen=max_seqlen)
+    return functools.partial(_with_bucket, inner) if "buckets" in metadata else inner
+
+
+def _with_bucket(collate: Callable, samples: Sequence[Mapping[str, Any]]) -> dict:
+    """``collate(samples)`` plus ``bucket``: the pack's length bucket (per-bucket token metrics)."""
+    batch = collate(samples)
+    batch["bucket"] = int(samples[0].get("bucket", 0))
+    return batch

@@ -5,6 +5,9 @@ A plan directory sits under ``<store>/plans/`` and holds (``B`` packs, ``K`` pac
     bin_offsets.npy     int64 [B+1]  pack b is sample_order[bin_offsets[b]:bin_offsets[b+1]]
     sample_order.npy    int64 [K]    store sample indices, pack after pack
     sample_num_ids.npy  int32 [K]    ids to read for each entry (fewer than stored when truncated)
+    sample_start.npy    int64 [K]    (split / wrapped only) first id of each entry inside its sample
+    sample_piece.npy    int32 [K]    (split / wrapped only) piece index of each entry inside its sample
+    bin_bucket.npy      int32 [B]    (packing.buckets only) length bucket of each pack
     metadata.json                    settings, Megatron-Bridge fields, accounting, sha256 of the arrays
 
 Its name carries the settings and a fingerprint of (store, pack size, pad multiple, algorithm,
@@ -20,27 +23,51 @@ from pathlib import Path
 import numpy as np
 
 from megatron_pack.data.store.atomic import atomic_directory, sha256_file, write_json
-from megatron_pack.data.packing.algorithms import lower_bound_bins, plan_packing, thd_lengths
+from megatron_pack.data.packing.algorithms import PackingPlan, lower_bound_bins, plan_packing, thd_lengths
+from megatron_pack.data.packing.buckets import assign_buckets, bucket_boundaries, bucket_statistics, plan_buckets
+from megatron_pack.data.packing.split import split_entries
+from megatron_pack.data.packing.wrapped import wrapped_entries
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.metadata import PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings
 from megatron_pack.data.store.token_store import TokenStore
 
 PLAN_ARRAYS = ("bin_offsets", "sample_order", "sample_num_ids")
+OPTIONAL_PLAN_ARRAYS = ("sample_start", "sample_piece", "bin_bucket")
+"""Written only by split / wrapped plans (first id and piece index of each entry) and bucketed plans
+(each pack's bucket); a plan without them reads as starts 0, pieces 0, one bucket."""
 NUM_OFFENDERS_SHOWN = 5
 
 
 @dataclass
 class Selection:
-    """The samples a plan packs, and the accounting of those it does not."""
+    """The entries a plan packs (whole samples, or pieces of split ones), and the accounting of
+    the samples it does not pack."""
 
     kept: np.ndarray
+    """int64 [K]: the store sample of every entry (a split sample appears once per piece)."""
     num_ids: np.ndarray
+    """int32 [K]: ids each entry reads."""
     dropped: dict
     num_truncated: int
+    starts: np.ndarray | None = None
+    """int64 [K]: first id of each entry inside its sample (pieces); None means all 0."""
+    pieces: np.ndarray | None = None
+    """int32 [K]: piece index of each entry inside its sample; None means all 0."""
+    num_split: int = 0
+    """Samples cut into pieces (on_overflow=split)."""
+    num_pieces_without_answer: int = 0
+    """Pieces left out because none of their own targets is an answer token (counted, per piece)."""
+
+    @property
+    def num_samples(self) -> int:
+        """Distinct samples packed (pieces of one sample count once)."""
+        return int(np.unique(self.kept).size) if self.pieces is not None else len(self.kept)
 
 
 def select_samples(store: TokenStore, settings: PlanSettings) -> Selection:
-    """Apply the empty-sample rule and the overflow policy; ``error`` raises listing offenders."""
+    """Apply the empty-sample rule and the overflow policy; ``error`` raises listing offenders.
+
+    ``wrapped`` cuts documents at row ends by construction, so no sample is over-long there."""
     if settings.truncate_to < 1:
         raise DataError(f"packing.packed_sequence_size ({settings.pack_size}) is smaller than the pad multiple "
                         f"({settings.pad_multiple}); raise it to a multiple of {settings.pad_multiple}.")
@@ -48,10 +75,14 @@ def select_samples(store: TokenStore, settings: PlanSettings) -> Selection:
     empty = np.asarray(store.num_targets) == 0
     padded = thd_lengths(num_ids, settings.pad_multiple)
     over = ((num_ids - 1 > settings.max_length) | (padded > settings.pack_size)) & ~empty
+    if settings.algorithm == "wrapped":
+        over[:] = False
     dropped = {"no_answer_tokens": int(empty.sum()), "too_long": 0, "no_answer_tokens_after_truncation": 0}
     take = num_ids.copy()
     if over.any() and settings.on_overflow == "error":
         raise DataError(_overflow_message(store, settings, np.flatnonzero(over), padded))
+    if settings.on_overflow == "split":
+        return _split_selection(store, settings, empty, over, num_ids, dropped)
     if settings.on_overflow == "drop":
         dropped["too_long"] = int(over.sum())
         keep = ~empty & ~over
@@ -68,44 +99,105 @@ def select_samples(store: TokenStore, settings: PlanSettings) -> Selection:
     return Selection(kept, take[kept].astype(np.int32), dropped, num_truncated)
 
 
+def _split_selection(store: TokenStore, settings: PlanSettings, empty: np.ndarray, over: np.ndarray,
+                     num_ids: np.ndarray, dropped: dict) -> Selection:
+    """Whole samples that fit, plus the pieces (``split.split_entries``) of the over-long ones."""
+    whole = np.flatnonzero(~empty & ~over)
+    sample, start, num, piece, num_empty = split_entries(np.flatnonzero(over), store.offsets, store.answer_mask,
+                                                         settings.truncate_to, settings.split_overlap)
+    kept = np.concatenate([whole, sample]).astype(np.int64)
+    order = np.argsort(kept, kind="stable")  # store order, pieces of a sample in piece order
+    return Selection(kept[order], np.concatenate([num_ids[whole], num]).astype(np.int32)[order], dropped, 0,
+                     starts=np.concatenate([np.zeros(len(whole), np.int64), start])[order],
+                     pieces=np.concatenate([np.zeros(len(whole), np.int32), piece])[order],
+                     num_split=int(over.sum()), num_pieces_without_answer=num_empty)
+
+
 def _overflow_message(store: TokenStore, settings: PlanSettings, offenders: np.ndarray, padded) -> str:
     lines = [f"  {store.where(i)}: THD length {int(store.offsets[i + 1] - store.offsets[i]) - 1} "
              f"(padded {int(padded[i])})" for i in offenders[:NUM_OFFENDERS_SHOWN]]
     more = f"\n  ... and {len(offenders) - NUM_OFFENDERS_SHOWN} more" if len(offenders) > NUM_OFFENDERS_SHOWN else ""
     return (f"{len(offenders)} sample(s) are longer than the pack allows (pack size {settings.pack_size}, "
             f"pad multiple {settings.pad_multiple}, max length {settings.max_length}):\n" + "\n".join(lines) + more +
-            "\nSet packing.on_overflow=drop or packing.on_overflow=truncate, or raise "
+            "\nSet packing.on_overflow=drop, packing.on_overflow=truncate or packing.on_overflow=split, or raise "
             "packing.packed_sequence_size / packing.max_single_sequence_length.")
 
 
-def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selection, plan) -> dict:
-    """Megatron-Bridge fields, our settings and the accounting of every sample read."""
+@dataclass
+class Layout:
+    """A plan over entries: ``plan.order`` indexes ``entries``; ``bin_bucket`` names each pack's bucket."""
+
+    plan: PackingPlan
+    entries: Selection
+    bin_bucket: np.ndarray | None = None
+    extra: dict | None = None
+    """Metadata the strategy adds (``buckets``, ``wrapped_attention``)."""
+
+
+def lay_out(selection: Selection, settings: PlanSettings) -> Layout:
+    """Place the selected entries into packs: the wrapped stream, buckets, or one plan."""
+    if settings.algorithm == "wrapped":
+        return _wrapped_layout(selection, settings)
+    lengths = thd_lengths(selection.num_ids, settings.pad_multiple)
+    if settings.buckets is None:
+        return Layout(plan_packing(lengths, settings.pack_size, settings.algorithm, settings.seed), selection)
     thd = selection.num_ids.astype(np.int64) - 1
+    boundaries = bucket_boundaries(settings.buckets, thd)
+    bucket_of = assign_buckets(thd, boundaries)
+    plan, bin_bucket = plan_buckets(lengths, bucket_of, len(boundaries) + 1, settings.pack_size,
+                                    settings.algorithm, settings.seed)
+    stats = bucket_statistics(plan, thd, bucket_of, bin_bucket, boundaries, selection.kept)
+    spec = settings.buckets if settings.buckets == "auto" else list(settings.buckets)
+    return Layout(plan, selection, bin_bucket, {"buckets": {"spec": spec, "boundaries": boundaries,
+                                                            "per_bucket": stats}})
+
+
+def _wrapped_layout(selection: Selection, settings: PlanSettings) -> Layout:
+    cross = settings.wrapped_attention == "cross"
+    multiple = 1 if cross else settings.pad_multiple  # cross: one sequence per row, padded as a whole
+    doc, start, num, piece, offsets = wrapped_entries(selection.num_ids, settings.pack_size, multiple, settings.seed)
+    entries = Selection(selection.kept[doc], num, selection.dropped, 0, starts=start, pieces=piece,
+                        num_split=int(np.unique(doc[piece > 0]).size))
+    plan = PackingPlan(np.arange(len(doc), dtype=np.int64), offsets, thd_lengths(num, multiple), settings.pack_size)
+    return Layout(plan, entries, None, {"wrapped_attention": settings.wrapped_attention})
+
+
+def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selection, layout: Layout) -> dict:
+    """Megatron-Bridge fields, our settings and the accounting of every sample read."""
+    plan, entries = layout.plan, layout.entries
+    thd = entries.num_ids.astype(np.int64) - 1
     loads = plan.bin_loads()
     num_read = len(store)
     num_dropped = sum(selection.dropped.values())
-    if num_read != len(selection.kept) + num_dropped:
-        raise AssertionError(f"accounting broken: read {num_read} != packed {len(selection.kept)} + dropped "
+    if num_read != entries.num_samples + num_dropped:
+        raise AssertionError(f"accounting broken: read {num_read} != packed {entries.num_samples} + dropped "
                              f"{num_dropped}")
     meta = store.metadata
-    return {
+    cross = settings.algorithm == "wrapped" and settings.wrapped_attention == "cross"
+    out = {
         "pack_size": settings.pack_size,
-        "max_samples_per_bin": int(plan.bin_sizes().max()) if plan.num_bins else 0,
-        "dataset_max_seqlen": int(thd.max()) if thd.size else 0,
+        # cross: the whole row is one attention sequence, so one sub-sequence per pack (plus the padding tail)
+        "max_samples_per_bin": (1 if cross else int(plan.bin_sizes().max())) if plan.num_bins else 0,
+        "dataset_max_seqlen": (int(loads.max()) if cross else int(thd.max())) if thd.size else 0,
         "min_packed_seqlen": int(loads.min()) if plan.num_bins else 0,
         "packing_factor": round(len(thd) / plan.num_bins, 2) if plan.num_bins else 0.0,
         "packing_efficiency": round(100 * plan.efficiency, 2),
         "pad_seq_to_mult": settings.pad_multiple, "algorithm": settings.algorithm, "seed": settings.seed,
         "on_overflow": settings.on_overflow, "max_single_sequence_length": settings.max_length,
+        "split_overlap": settings.split_overlap,
         "num_bins": plan.num_bins, "lower_bound_bins": lower_bound_bins(plan.lengths, settings.pack_size),
         "num_tokens": int(thd.sum()), "num_alignment_padding_tokens": int(plan.lengths.sum() - thd.sum()),
         "num_padding_tokens": int(plan.num_bins * settings.pack_size - thd.sum()),
         "vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"], "pad_id": meta["pad_id"],
         "eos_id": meta["eos_id"], "bos_id": meta["bos_id"],
-        "accounting": {"num_samples_read": num_read, "num_samples_packed": len(selection.kept),
+        "accounting": {"num_samples_read": num_read, "num_samples_packed": entries.num_samples,
                        "num_samples_dropped": selection.dropped, "num_samples_truncated": selection.num_truncated,
-                       "balanced": True},
+                       "num_samples_split": entries.num_split or selection.num_split,
+                       "num_packed_entries": len(thd),
+                       "num_pieces_without_answer": selection.num_pieces_without_answer, "balanced": True},
     }
+    out.update(layout.extra or {})
+    return out
 
 
 def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
@@ -115,18 +207,25 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
     if selection.kept.size == 0:
         raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
                         "data.answer_only_loss, data.schema and packing.on_overflow.")
-    plan = plan_packing(thd_lengths(selection.num_ids, settings.pad_multiple), settings.pack_size,
-                        settings.algorithm, settings.seed)
-    metadata = plan_metadata(store, settings, selection, plan)
+    layout = lay_out(selection, settings)
+    metadata = plan_metadata(store, settings, selection, layout)
+    entries, order = layout.entries, layout.plan.order
+    arrays = {"bin_offsets": layout.plan.bin_offsets.astype(np.int64),
+              "sample_order": entries.kept[order].astype(np.int64),
+              "sample_num_ids": entries.num_ids[order].astype(np.int32)}
+    if entries.starts is not None:
+        arrays.update(sample_start=entries.starts[order].astype(np.int64),
+                      sample_piece=entries.pieces[order].astype(np.int32))
+    if layout.bin_bucket is not None:
+        arrays["bin_bucket"] = layout.bin_bucket.astype(np.int32)
     with atomic_directory(target, replace=True) as tmp:
-        np.save(tmp / "bin_offsets.npy", plan.bin_offsets.astype(np.int64), allow_pickle=False)
-        np.save(tmp / "sample_order.npy", selection.kept[plan.order].astype(np.int64), allow_pickle=False)
-        np.save(tmp / "sample_num_ids.npy", selection.num_ids[plan.order], allow_pickle=False)
+        for name, array in arrays.items():
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
         metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION,
                         store_fingerprint=store.metadata["fingerprint"],
                         fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
                         files={f"{name}.npy": {"sha256": sha256_file(tmp / f"{name}.npy"),
-                                               "size": (tmp / f"{name}.npy").stat().st_size} for name in PLAN_ARRAYS})
+                                               "size": (tmp / f"{name}.npy").stat().st_size} for name in arrays})
         write_json(tmp / "metadata.json", metadata)
     return target
 

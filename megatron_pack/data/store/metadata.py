@@ -39,9 +39,17 @@ class PlanSettings:
     on_overflow: str
     max_length: int
     """Longest THD length kept (packing.max_single_sequence_length, default the pack size)."""
+    split_overlap: int = 0
+    """Context tokens repeated at the start of each following piece (on_overflow=split)."""
+    buckets: object = None
+    """None, 'auto' or a tuple of THD-length boundaries (packing.buckets)."""
+    wrapped_attention: str = "document"
+    """'document' or 'cross' (algorithm=wrapped)."""
 
     def fingerprint(self, store_fingerprint: str) -> str:
-        blob = json.dumps({"store": store_fingerprint, **asdict(self), "format_version": PLAN_FORMAT_VERSION},
+        # settings at their defaults are left out, so plans made before they existed keep their names
+        settings = {k: v for k, v in asdict(self).items() if k not in _NEWER_DEFAULTS or v != _NEWER_DEFAULTS[k]}
+        blob = json.dumps({"store": store_fingerprint, **settings, "format_version": PLAN_FORMAT_VERSION},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -55,6 +63,9 @@ class PlanSettings:
         return min(self.max_length, self.pack_size // self.pad_multiple * self.pad_multiple)
 
 
+_NEWER_DEFAULTS = {"split_overlap": 0, "buckets": None, "wrapped_attention": "document"}
+
+
 def plan_settings(cfg) -> PlanSettings:
     """The plan settings of ``cfg``; the pad multiple is packing.pad_seq_to_mult or the lcm rule."""
     pack_size = cfg.packing.packed_sequence_size
@@ -64,13 +75,22 @@ def plan_settings(cfg) -> PlanSettings:
     max_length = cfg.packing.max_single_sequence_length or pack_size
     return PlanSettings(pack_size=pack_size, pad_multiple=effective_pad_multiple(cfg),
                         algorithm=cfg.packing.algorithm, seed=cfg.packing.seed,
-                        on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size))
+                        on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size),
+                        split_overlap=cfg.packing.split_overlap, buckets=_buckets(cfg.packing.buckets),
+                        wrapped_attention=cfg.packing.wrapped_attention if cfg.packing.algorithm == "wrapped"
+                        else "document")
+
+
+def _buckets(spec):
+    return spec if spec is None or spec == "auto" else tuple(int(b) for b in spec)
 
 
 def describe_settings(settings: PlanSettings) -> str:
     """One line naming every setting, for messages."""
-    return (f"pack size {settings.pack_size}, pad multiple {settings.pad_multiple}, algorithm {settings.algorithm}, "
+    text = (f"pack size {settings.pack_size}, pad multiple {settings.pad_multiple}, algorithm {settings.algorithm}, "
             f"seed {settings.seed}, on_overflow {settings.on_overflow}, max length {settings.max_length}")
+    extras = {k: getattr(settings, k) for k, v in _NEWER_DEFAULTS.items() if getattr(settings, k) != v}
+    return text + "".join(f", {k.replace('_', ' ')} {v}" for k, v in extras.items())
 
 
 _VERIFIED: dict[tuple[str, int, int], str] = {}
