@@ -9,6 +9,11 @@
     >>> ds[0][0]["input_ids"][-1] == ds.metadata["eos_id"], ds[0][0]["loss_mask"].dtype
     (True, dtype('int64'))
 
+A split or wrapped plan (``packing.on_overflow=split``, ``packing.algorithm=wrapped``) packs
+pieces: its samples also carry ``piece`` (0, 1, ... inside the sample; ``input_ids`` is the
+piece's slice, and a later piece's repeated context has loss_mask 0). A bucketed plan's samples
+carry ``bucket`` (the pack's length bucket).
+
 Opening validates the format version, the sha256 of every array (once per process, cached by
 file size and mtime) and, when given, that the tokenizer is the one the training config names.
 """
@@ -134,6 +139,11 @@ class PackedSFTDataset:
             # a split piece's repeated context was trained in the piece before: no loss here
             mask = piece_loss_mask(self.store.answer_mask[start:start + num_ids].astype(np.int64), piece,
                                    self.split_overlap)
-            samples.append({"input_ids": self.store.tokens[start:start + num_ids].astype(np.int64),
-                            "loss_mask": mask, "sample_id": sample_id, "piece": piece, "bucket": bucket})
+            sample = {"input_ids": self.store.tokens[start:start + num_ids].astype(np.int64), "loss_mask": mask,
+                      "sample_id": sample_id}
+            if self.sample_piece is not None:
+                sample["piece"] = piece
+            if self.bin_bucket is not None:
+                sample["bucket"] = bucket
+            samples.append(sample)
         return samples

@@ -27,7 +27,7 @@ def bucket_boundaries(spec, thd_lengths: np.ndarray) -> list[int]:
     if spec == "auto":
         if len(thd_lengths) == 0:
             return []
-        quartiles = np.quantile(np.asarray(thd_lengths), AUTO_QUANTILES, method="higher")
+        quartiles = np.quantile(np.asarray(thd_lengths), AUTO_QUANTILES, method="lower")
         top = int(np.max(thd_lengths))
         return sorted({int(q) for q in quartiles if int(q) < top})
     return [int(b) for b in spec]

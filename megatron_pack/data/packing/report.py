@@ -42,6 +42,8 @@ def report_numbers(store: TokenStore, plan_dir: Path) -> dict:
         "samples_per_pack": {"counts": np.bincount(per_pack).tolist(), "mean": float(per_pack.mean()) if
                              per_pack.size else 0.0, "max": int(per_pack.max()) if per_pack.size else 0},
         "packing_efficiency": meta["packing_efficiency"], "accounting": meta["accounting"],
+        "algorithm": meta["algorithm"], "on_overflow": meta["on_overflow"],
+        **{k: meta[k] for k in ("buckets", "wrapped_attention", "split_overlap") if k in meta},
     }
 
 
