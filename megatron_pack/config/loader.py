@@ -60,6 +60,7 @@ def register_schema() -> None:
     schema = OmegaConf.structured(Config)
     _unfreeze(schema)
     OmegaConf.set_struct(schema.data.role_aliases, False)  # a user mapping: its keys are the user's role names
+    OmegaConf.set_struct(schema.data.sources, False)  # entries are user mappings, checked by DataConfig
     ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
     _registered = True
 

@@ -208,6 +208,9 @@ class DataConfig(_Group):
     """'default' (the keys above) or 'sharegpt' (conversations/from/value, human/gpt/system roles)."""
     chat_template: Optional[str] = None
     """A Jinja chat-template file that replaces the tokenizer's own; None keeps the tokenizer's."""
+    sources: list[Any] = field(default_factory=list)
+    """Mix several inputs: a list of {name, input, weight | tokens} (plus optional schema keys such as
+    format, messages_key, prompt_key); empty means the single data.input."""
     synthetic_num_samples: int = 4000
     """Number of samples data.source=synthetic generates."""
     synthetic_seed: int = 0
@@ -236,7 +239,10 @@ class DataConfig(_Group):
             if role not in ("system", "user", "assistant", "tool"):
                 problems.append(f"data.role_aliases.{alias} ({role!r}) must map to one of system/user/assistant/tool; "
                                 f"set data.role_aliases.{alias}=user (or assistant).")
-        if self.source == "files" and not self.input:
+        problems += _source_problems(self.sources, self.input)
+        if self.sources and self.source != "files":
+            problems.append(f"data.sources needs data.source=files (it is {self.source}); set data.source=files.")
+        if self.source == "files" and not self.input and not self.sources:
             problems.append("data.input (None) is required when data.source=files; "
                             "set data.input=/path/to/train.jsonl (a file, directory or glob).")
         return problems
@@ -318,6 +324,52 @@ class PackingConfig(_Group):
     def offline(self) -> bool:
         """True when offline packing is on."""
         return self.packed_sequence_size > 0
+
+
+SOURCE_SCHEMA_KEYS = ("schema", "format", "prompt_key", "completion_key", "messages_key", "role_key", "content_key",
+                      "role_aliases")
+"""Keys a data.sources entry may set for its own records (they default to the data.* values)."""
+
+
+def _source_problems(sources: Any, single_input: Optional[str]) -> list[str]:
+    """data.sources: named inputs, each with a positive weight or token budget (all of one kind)."""
+    if not sources:
+        return []
+    problems, names, kinds = [], set(), set()
+    fix = "write data.sources=[{name: chat, input: chat.jsonl, weight: 0.7}, {name: code, input: code.jsonl, weight: 0.3}]"
+    if single_input:
+        problems.append(f"data.input ({single_input}) and data.sources are both set; put every input in data.sources "
+                        "and set data.input=null.")
+    for i, entry in enumerate(sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(entry, dict):
+            problems.append(f"{where} ({entry!r}) must be a mapping; {fix}.")
+            continue
+        unknown = sorted(set(entry) - {"name", "input", "weight", "tokens", *SOURCE_SCHEMA_KEYS})
+        if unknown:
+            problems.append(f"{where} has unknown key(s) {unknown}; allowed: name, input, weight | tokens, "
+                            f"{', '.join(SOURCE_SCHEMA_KEYS)}.")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name or name in names:
+            problems.append(f"{where}.name ({name!r}) must be a unique non-empty string; set {where}.name=<source name>.")
+        names.add(name)
+        if not isinstance(entry.get("input"), str) or not entry.get("input"):
+            problems.append(f"{where}.input ({entry.get('input')!r}) is required; set {where}.input=/path/to/file.jsonl.")
+        given = [k for k in ("weight", "tokens") if entry.get(k) is not None]
+        if len(given) != 1:
+            problems.append(f"{where} needs exactly one of weight (a share) or tokens (a token budget), got "
+                            f"{given or 'neither'}; {fix}.")
+            continue
+        kinds.add(given[0])
+        value = entry[given[0]]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+                given[0] == "tokens" and not isinstance(value, int)):
+            problems.append(f"{where}.{given[0]} ({value!r}) must be a positive "
+                            f"{'integer' if given[0] == 'tokens' else 'number'}; set {where}.{given[0]}=1.")
+    if len(kinds) > 1:
+        problems.append("data.sources mixes weight and tokens; give every source a weight (shares of the whole) "
+                        "or every source a token budget.")
+    return problems
 
 
 def _bucket_problems(buckets: Any) -> list[str]:

@@ -39,6 +39,24 @@ def _schema(cfg) -> SampleSchema:
     return schema_from_config(cfg.data)
 
 
+def source_schema(cfg, entry: dict) -> SampleSchema:
+    """The schema of one data.sources entry: its own schema keys over the data.* ones."""
+    import dataclasses
+
+    from megatron_pack.config.schema import SOURCE_SCHEMA_KEYS
+
+    return schema_from_config(dataclasses.replace(cfg.data, **{k: entry[k] for k in SOURCE_SCHEMA_KEYS if k in entry}))
+
+
+def _file_schemas(cfg, inputs: dict):
+    """One schema per input file (data.sources), or the one schema of data.*."""
+    src = inputs["sources"]
+    if "mixture" not in src:
+        return _schema(cfg)
+    per_source = [source_schema(cfg, e) for e in cfg.data.sources]
+    return tuple(per_source[f["source"]] for f in src["files"])
+
+
 def store_inputs(cfg, tokenizer) -> dict:
     """Everything the token store depends on (hashed into its fingerprint)."""
     d = cfg.data
@@ -47,6 +65,12 @@ def store_inputs(cfg, tokenizer) -> dict:
         sources = {"kind": "synthetic", "seed": d.synthetic_seed, "num_samples": d.synthetic_num_samples,
                    "max_length": max_length, "generator_version": GENERATOR_VERSION,
                    "files": [{"path": f"<synthetic seed={d.synthetic_seed}>", "sha256": None}]}
+    elif d.sources:  # data.sources: every source's files, each tagged with its source index
+        files = [{"path": str(f), "sha256": sha256_file(f), "size": f.stat().st_size, "source": i}
+                 for i, entry in enumerate(d.sources) for f in resolve_inputs(entry["input"])]
+        mixture = [{"name": e["name"], "input": e["input"], "schema": source_schema(cfg, e).identity()}
+                   for e in d.sources]
+        sources = {"kind": "files", "input": [e["input"] for e in d.sources], "files": files, "mixture": mixture}
     else:
         files = resolve_inputs(d.input)
         sources = {"kind": "files", "input": d.input,
@@ -60,7 +84,8 @@ def store_inputs(cfg, tokenizer) -> dict:
 def fingerprint(inputs: dict) -> str:
     identity = {k: v for k, v in inputs.items()}
     identity["sources"] = {k: v for k, v in inputs["sources"].items() if k != "input"}
-    identity["sources"]["files"] = [{"name": Path(f["path"]).name, "sha256": f["sha256"]}
+    identity["sources"]["files"] = [{"name": Path(f["path"]).name, "sha256": f["sha256"],
+                                     **({"source": f["source"]} if "source" in f else {})}
                                     for f in inputs["sources"]["files"]]
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
@@ -82,7 +107,7 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
     total = inputs["sources"].get("num_samples")
     start = time.perf_counter()
     with atomic_directory(target, replace=True) as tmp:
-        results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_schema(cfg),
+        results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_file_schemas(cfg, inputs),
                                   answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers,
                                   chat_template=cfg.data.chat_template)
         counts = write_store(tmp, results, token_dtype=token_dtype_for(tokenizer.vocab_size), total=total,

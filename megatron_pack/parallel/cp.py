@@ -24,8 +24,9 @@ import torch
 
 from megatron_pack.config.layout import pad_multiple  # re-exported: the public path of the rule
 
-SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-"""THD batch keys holding one value per token ([1, T]); ``slice_thd_batch`` cuts these."""
+SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "token_source")
+"""THD batch keys holding one value per token ([1, T]); ``slice_thd_batch`` cuts these
+(``token_source``, present for a data.sources plan, feeds the per-source loss)."""
 
 
 def _as_cu(cu_seqlens_padded: Any) -> torch.Tensor:

@@ -68,13 +68,15 @@ class PackInfo:
     sample_ids: list[int]
     real_tokens: int
     slots: int
+    bucket: int = 0
 
 
 def pack_info(batch: dict) -> PackInfo:
-    """Sample ids (real samples only), real tokens (``cu_seqlens[-1]``) and slots (T) of a THD batch."""
+    """Sample ids (real samples only), real tokens (``cu_seqlens[-1]``), slots (T) and length bucket of a THD batch."""
     ids = batch["sample_ids"]
     ids = [int(i) for i in (ids.tolist() if torch.is_tensor(ids) else ids) if int(i) >= 0]
-    return PackInfo(sample_ids=ids, real_tokens=int(batch["cu_seqlens"][-1]), slots=int(batch["tokens"].shape[-1]))
+    return PackInfo(sample_ids=ids, real_tokens=int(batch["cu_seqlens"][-1]), slots=int(batch["tokens"].shape[-1]),
+                    bucket=int(batch.get("bucket", 0)))
 
 
 class RecordingIterator:
@@ -172,6 +174,10 @@ class Trainer:
     """Metrics of every step run in this process."""
     step_info: Optional[Any] = None
     """The loader's plan of the current step (``begin_step()``), when it plans steps."""
+    num_buckets: int = 0
+    """Length buckets of the dataset (packing.buckets; 0: no per-bucket metrics)."""
+    source_names: list[str] = field(default_factory=list)
+    """data.sources names (empty: no per-source metrics)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -211,24 +217,33 @@ class Trainer:
         norm = self.optimizer.step(lr)
         self.step += 1
         self.pack_log.append([p.sample_ids for p in packs])
+        source_loss = source_share = None
+        if self.source_names:
+            from megatron_pack.training.breakdown import source_metrics
+
+            source_loss, source_share = source_metrics(total.source_loss, self.source_names)
         metrics = StepMetrics(step=self.step, lm_loss=total.lm_loss(), target_tokens=int(round(total.target_tokens)),
                               real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
                               grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start,
                               imbalance_before=getattr(self.step_info, "imbalance_before", None),
-                              imbalance_after=getattr(self.step_info, "imbalance_after", None))
+                              imbalance_after=getattr(self.step_info, "imbalance_after", None,
+                              bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
+                              source_target_share=source_share)
         self.history.append(metrics)
         return metrics
 
     def _count(self, reports: list[dict], packs: list[PackInfo]) -> tuple[StepCounts, torch.Tensor]:
-        counts = StepCounts()
+        counts = StepCounts(bucket_real_tokens=[0] * self.num_buckets, source_loss=[0.0] * (2 * len(self.source_names)))
         # The DP x CP group holds one TP rank, so every TP rank reduces the same global numbers;
         # pack-level counts come from CP rank 0 alone (all CP ranks see slices of the same pack).
         owns_pack = self.state.cp_rank == 0
         local_tokens = torch.zeros((), dtype=torch.int32)
         for report, pack in zip(reports, packs):
             loss_sum, num_tokens = report["lm loss"].double().cpu().tolist()
+            source_loss = report["source loss"].double().cpu().tolist() if "source loss" in report else None
             counts.add_pack(loss_sum=loss_sum, target_tokens=num_tokens, real_tokens=pack.real_tokens,
-                            slots=pack.slots, samples=len(pack.sample_ids), owns_pack=owns_pack)
+                            slots=pack.slots, samples=len(pack.sample_ids), owns_pack=owns_pack, bucket=pack.bucket,
+                            source_loss=source_loss)
             local_tokens += int(round(num_tokens))
         return counts, local_tokens.to(self.state.device)
 
@@ -348,8 +363,11 @@ def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
     ddp = wrap_ddp(cfg, model, state)
     optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
                                 device=state.device.type)
+    dataset = getattr(loader, "dataset", None)  # the breakdowns need the same sizes on every rank
+    num_buckets = len(dataset.metadata.get("buckets", {}).get("per_bucket", [])) if dataset is not None else 0
     return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg),
-                   loader=loader, forward_step_func=forward_step_func or forward_step)
+                   loader=loader, forward_step_func=forward_step_func or forward_step, num_buckets=num_buckets,
+                   source_names=list(getattr(dataset, "source_names", [])) if dataset is not None else [])
 
 
 def _should_save(cfg: Config, step: int) -> bool:

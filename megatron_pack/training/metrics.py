@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -50,6 +50,12 @@ class StepMetrics:
     """Max/mean per-DP-rank pack cost of the round-robin deal (when the loader plans steps)."""
     imbalance_after: Optional[float] = None
     """The same for the deal trained on (packing.balance=dp); equal to before without balancing."""
+    bucket_real_tokens: Optional[list[int]] = None
+    """Real tokens per length bucket this step (packing.buckets), else None."""
+    source_loss: Optional[dict] = None
+    """Token-weighted loss per data.sources name (None for a source with no target this step)."""
+    source_target_share: Optional[dict] = None
+    """Share of the step's target tokens per data.sources name."""
 
     @property
     def padding_share(self) -> float:
@@ -64,21 +70,44 @@ class StepMetrics:
         return self.real_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
 
     def record(self) -> dict:
-        """All fields and derived rates, JSON-ready."""
-        return {**asdict(self), "padding_share": self.padding_share,
+        """All fields and derived rates, JSON-ready (breakdowns only when the run has them)."""
+        record = {k: v for k, v in asdict(self).items() if v is not None or k not in _BREAKDOWNS}
+        return {**record, "padding_share": self.padding_share,
                 "target_tokens_per_s": self.target_tokens_per_s, "real_tokens_per_s": self.real_tokens_per_s}
+
+    def breakdown_scalars(self) -> dict[str, float]:
+        """TensorBoard tags of the breakdowns: ``bucket_<i>/real_tokens``, ``source_<name>/loss``, ``.../target_share``."""
+        out = {f"bucket_{i}/real_tokens": float(v) for i, v in enumerate(self.bucket_real_tokens or [])}
+        for name, value in (self.source_loss or {}).items():
+            if value is not None:
+                out[f"source_{name}/loss"] = value
+        for name, value in (self.source_target_share or {}).items():
+            out[f"source_{name}/target_share"] = value
+        return out
 
     def line(self, train_iters: int) -> str:
         return (f"step {self.step}/{train_iters} | lm loss {self.lm_loss:.6f} | "
                 f"target tok/s {self.target_tokens_per_s:,.0f} | real tok/s {self.real_tokens_per_s:,.0f} | "
                 f"padding {100 * self.padding_share:.1f}% | samples {self.samples} | "
                 f"target tokens {self.target_tokens} | grad norm {self.grad_norm:.4f} | "
-                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms" + self._imbalance_text())
+                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms" + self._imbalance_text() + self._breakdown_text())
 
     def _imbalance_text(self) -> str:
         if self.imbalance_before is None:
             return ""
         return f" | dp imbalance {self.imbalance_before:.3f} -> {self.imbalance_after:.3f}"
+
+    def _breakdown_text(self) -> str:
+        parts = []
+        if self.bucket_real_tokens is not None:
+            parts.append("bucket tokens " + "/".join(str(v) for v in self.bucket_real_tokens))
+        for name, loss in (self.source_loss or {}).items():
+            share = (self.source_target_share or {}).get(name, 0.0)
+            parts.append(f"{name} loss {'n/a' if loss is None else f'{loss:.4f}'} ({100 * share:.0f}% targets)")
+        return "".join(f" | {p}" for p in parts)
+
+
+_BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share")
 
 
 @dataclass
@@ -90,26 +119,39 @@ class StepCounts:
     real_tokens: int = 0
     slots: int = 0
     samples: int = 0
+    bucket_real_tokens: list = field(default_factory=list)
+    """Real tokens per length bucket (sized by the dataset's bucket count on every rank; [] without buckets)."""
+    source_loss: list = field(default_factory=list)
+    """Per data.sources: loss sums then target counts (2 * num sources; [] without sources)."""
 
     def add_pack(self, *, loss_sum: float, target_tokens: float, real_tokens: int, slots: int,
-                 samples: int, owns_pack: bool) -> None:
+                 samples: int, owns_pack: bool, bucket: int = 0, source_loss: Optional[list] = None) -> None:
         """Add one micro-batch; ``owns_pack`` is True on one rank per pack (CP rank 0), so the
-        pack-level counts are not repeated by every CP rank that sees a slice of the pack."""
+        pack-level counts are not repeated by every CP rank that sees a slice of the pack.
+        ``source_loss`` (this rank's shard, like ``loss_sum``) is added on every rank."""
         self.loss_sum += loss_sum
         self.target_tokens += target_tokens
+        if source_loss is not None and self.source_loss:
+            self.source_loss = [a + b for a, b in zip(self.source_loss, source_loss)]
         if owns_pack:
             self.real_tokens += real_tokens
             self.slots += slots
             self.samples += samples
+            if self.bucket_real_tokens:
+                self.bucket_real_tokens[bucket] += real_tokens
 
     def reduce(self, group: Optional[dist.ProcessGroup]) -> "StepCounts":
-        """Sum over ``group`` (the DP x CP group) in one float64 all-reduce."""
-        vec = torch.tensor([self.loss_sum, self.target_tokens, self.real_tokens, self.slots, self.samples],
-                           dtype=torch.float64)
+        """Sum over ``group`` (the DP x CP group) in one float64 all-reduce (breakdowns included:
+        every rank holds lists of the same sizes, so every rank enters the same collective)."""
+        vec = torch.tensor([self.loss_sum, self.target_tokens, self.real_tokens, self.slots, self.samples,
+                            *self.bucket_real_tokens, *self.source_loss], dtype=torch.float64)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(vec, group=group)
-        loss_sum, target, real, slots, samples = vec.tolist()
-        return StepCounts(loss_sum, target, int(real), int(slots), int(samples))
+        values = vec.tolist()
+        loss_sum, target, real, slots, samples = values[:5]
+        num_buckets = len(self.bucket_real_tokens)
+        return StepCounts(loss_sum, target, int(real), int(slots), int(samples),
+                          [int(v) for v in values[5:5 + num_buckets]], values[5 + num_buckets:])
 
     def lm_loss(self) -> float:
         """Token-weighted mean loss; 0.0 when no token in the global batch carries loss."""
@@ -153,6 +195,9 @@ class MetricsWriter:
                         "imbalance_before", "imbalance_after"):
                 value = record[key]
                 if value is not None and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, metrics.step)
+            for key, value in metrics.breakdown_scalars().items():
+                if math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, metrics.step)
             self._tb.flush()
         if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters:

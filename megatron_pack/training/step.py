@@ -126,4 +126,8 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     tokens, labels, position_ids, loss_mask = (local[k].to(device, non_blocking=True)
                                                for k in ("tokens", "labels", "position_ids", "loss_mask"))
     output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params)
+    if "token_source" in local:  # data.sources: the report also carries the per-source loss
+        from megatron_pack.training.breakdown import loss_func_with_sources
+
+        return output, partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))
     return output, partial(loss_func, loss_mask)

@@ -12,7 +12,8 @@
 A split or wrapped plan (``packing.on_overflow=split``, ``packing.algorithm=wrapped``) packs
 pieces: its samples also carry ``piece`` (0, 1, ... inside the sample; ``input_ids`` is the
 piece's slice, and a later piece's repeated context has loss_mask 0). A bucketed plan's samples
-carry ``bucket`` (the pack's length bucket).
+carry ``bucket`` (the pack's length bucket); a mixed plan's (``data.sources``) carry ``source``
+(an index into ``ds.source_names``).
 
 Opening validates the format version, the sha256 of every array (once per process, cached by
 file size and mtime) and, when given, that the tokenizer is the one the training config names.
@@ -62,15 +63,20 @@ class PackedSFTDataset:
             load("bin_offsets"), load("sample_order"), load("sample_num_ids"))
         files = self.metadata.get("files", {})
         optional = {name: load(name) if f"{name}.npy" in files else None
-                    for name in ("sample_start", "sample_piece", "bin_bucket")}
-        self.sample_start, self.sample_piece, self.bin_bucket = (
-            optional["sample_start"], optional["sample_piece"], optional["bin_bucket"])
+                    for name in ("sample_start", "sample_piece", "bin_bucket", "sample_source")}
+        self.sample_start, self.sample_piece, self.bin_bucket, self.sample_source = (
+            optional["sample_start"], optional["sample_piece"], optional["bin_bucket"], optional["sample_source"])
         self.split_overlap = int(self.metadata.get("split_overlap", 0))
 
     @property
     def num_buckets(self) -> int:
         """Length buckets of the plan (1 without packing.buckets)."""
         return len(self.metadata.get("buckets", {}).get("per_bucket", [])) or 1
+
+    @property
+    def source_names(self) -> list[str]:
+        """Names of data.sources, indexed by a sample's ``source`` (empty for a single input)."""
+        return list(self.metadata.get("source_names", []))
 
     def pack_bucket(self, i: int) -> int:
         """The length bucket of pack ``i`` (0 without packing.buckets)."""
@@ -132,9 +138,11 @@ class PackedSFTDataset:
         starts = self.sample_start[lo:hi].tolist() if self.sample_start is not None else [0] * (hi - lo)
         pieces = self.sample_piece[lo:hi].tolist() if self.sample_piece is not None else [0] * (hi - lo)
         bucket = self.pack_bucket(i)
+        sources = self.sample_source[lo:hi].tolist() if self.sample_source is not None else [0] * (hi - lo)
         samples = []
-        for sample_id, num_ids, first, piece in zip(self.sample_order[lo:hi].tolist(),
-                                                    self.sample_num_ids[lo:hi].tolist(), starts, pieces):
+        for sample_id, num_ids, first, piece, source in zip(self.sample_order[lo:hi].tolist(),
+                                                            self.sample_num_ids[lo:hi].tolist(), starts, pieces,
+                                                            sources):
             start = int(self.store.offsets[sample_id]) + first
             # a split piece's repeated context was trained in the piece before: no loss here
             mask = piece_loss_mask(self.store.answer_mask[start:start + num_ids].astype(np.int64), piece,
@@ -145,5 +153,7 @@ class PackedSFTDataset:
                 sample["piece"] = piece
             if self.bin_bucket is not None:
                 sample["bucket"] = bucket
+            if self.sample_source is not None:
+                sample["source"] = source
             samples.append(sample)
         return samples

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.online import OnlineLoader, OnlineSource
@@ -52,6 +54,18 @@ def num_packs_left_out(num_packs: int, dp_size: int) -> int:
     return num_packs % dp_size
 
 
+def bucket_groups(cfg: Config, dataset: PackedSFTDataset):
+    """Each pack's length bucket when ``packing.bucket_order=sequential`` (the sampler keeps buckets
+    apart), else None (one shuffle over all packs)."""
+    if cfg.packing.bucket_order != "sequential":
+        return None
+    groups = getattr(dataset, "bin_bucket", None)
+    if groups is None:
+        raise ValueError(f"packing.bucket_order=sequential needs a bucketed plan, but {dataset.plan_dir} has no "
+                         "length buckets; set packing.buckets and re-run `megatron-pack prepare`.")
+    return np.asarray(groups)
+
+
 def build_loader(cfg: Config, dataset: PackedSFTDataset | OnlineSource, *, dp_rank: int, dp_size: int,
                  pin_memory: bool = False, announce: bool = True) -> PackLoader | StepLoader | OnlineLoader:
     """This DP rank's resumable loader of full THD packs for ``dataset`` (from ``open_dataset``):
@@ -66,7 +80,8 @@ def build_loader(cfg: Config, dataset: PackedSFTDataset | OnlineSource, *, dp_ra
         return online_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, announce=announce)
     if cfg.train.global_batch_tokens is not None or cfg.packing.balance == "dp":
         return step_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, pin_memory=pin_memory)
-    sampler = PackSampler(len(dataset), dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed)
+    sampler = PackSampler(len(dataset), dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
+                          groups=bucket_groups(cfg, dataset))
     left_out = num_packs_left_out(len(dataset), dp_size)
     if left_out and announce:  # count and report, never silent
         log.warning("%d packs do not split evenly over %d data-parallel ranks: each epoch trains %d of them and "

@@ -11,6 +11,11 @@ with the same ``dp_rank`` and therefore read the same packs. Example, 5 packs, 2
                                                                   order is rotated: [4, 0, 1, 2, 3])
     drop_last=False: rank 0 -> [0, 2, 4], rank 1 -> [1, 3, 0]     (wraps around to give rank 1 a pack)
 
+With ``groups`` (each pack's length bucket; ``packing.bucket_order=sequential``) an epoch's
+order is bucket after bucket, shortest first, packs shuffled inside each bucket: the DP ranks
+of one round read packs of the same bucket, so one step never mixes long and short packs
+except where one bucket ends.
+
 The resume point is ``(epoch, consumed)``: ``consumed`` packs of the epoch's order have been
 trained on by the DP ranks together. Since rounds deal the order front to back, those are
 exactly ``order[:consumed]``, so a run can even resume with another DP size.
@@ -43,7 +48,7 @@ class PackSampler(Sampler[int]):
     """
 
     def __init__(self, num_packs: int, *, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = True):
+                 drop_last: bool = True, groups: Optional[np.ndarray] = None):
         if num_packs < 1:
             raise ValueError(f"PackSampler: num_packs ({num_packs}) must be >= 1; the packed dataset is empty: "
                              "re-run `megatron-pack prepare` on a non-empty data.input.")
@@ -55,6 +60,10 @@ class PackSampler(Sampler[int]):
                              "drop_last=False.")
         self.num_packs, self.dp_rank, self.dp_size = num_packs, dp_rank, dp_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        if groups is not None and len(groups) != num_packs:
+            raise ValueError(f"PackSampler: groups has {len(groups)} entries for {num_packs} packs.")
+        self.groups = None if groups is None else np.asarray(groups)
+        """Length bucket of every pack for packing.bucket_order=sequential (None: one shuffle over all)."""
         self.epoch = 0
         """Epoch of the next pack to consume."""
         self.consumed = 0
@@ -69,6 +78,10 @@ class PackSampler(Sampler[int]):
             # drop_last leaves num_packs % dp_size packs out of every epoch; rotating the order by
             # that many per epoch leaves a different tail out each time, never the same packs forever
             return np.roll(order, (epoch * (self.num_packs % self.dp_size)) % self.num_packs)
+        if self.groups is not None:  # bucket_order=sequential: bucket after bucket, shuffled inside each
+            rng = np.random.default_rng([self.seed, epoch])
+            return np.concatenate([rng.permutation(np.flatnonzero(self.groups == g))
+                                   for g in np.unique(self.groups)]).astype(np.int64)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_packs).astype(np.int64)
 
     def _num_rounds(self, consumed: int) -> int:
@@ -112,15 +125,22 @@ class PackSampler(Sampler[int]):
 
     def state_dict(self) -> dict:
         """Plain ints and bools (checkpoint-safe): the resume point and what it depends on."""
-        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
-                "num_packs": self.num_packs, "seed": self.seed, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "dp_size": self.dp_size}
+        state = {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
+                 "num_packs": self.num_packs, "seed": self.seed, "shuffle": self.shuffle,
+                 "drop_last": self.drop_last, "dp_size": self.dp_size}
+        if self.groups is not None:
+            state["bucket_order"] = "sequential"
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state``'s next pack; refuses a state from another dataset, seed or order."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"sampler state version {state.get('version')!r} is not {STATE_VERSION}; this "
                              "checkpoint was written by another megatron_pack version: start without checkpoint.load.")
+        if state.get("bucket_order", "interleave") != ("sequential" if self.groups is not None else "interleave"):
+            raise ValueError(f"sampler state from the checkpoint has packing.bucket_order="
+                             f"{state.get('bucket_order', 'interleave')} but this run has the other order; resume with the "
+                             "same packing.bucket_order, or start without checkpoint.load to begin a new run.")
         for key in ("num_packs", "seed", "shuffle"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(
@@ -145,6 +165,8 @@ class PackLoader:
     def __init__(self, dataset: Any, collate_fn: Callable, sampler: PackSampler, num_workers: int = 0,
                  **loader_kwargs: Any):
         self.sampler = sampler
+        self.dataset = dataset
+        """The packed dataset (its metadata sizes the per-bucket and per-source metrics)."""
         self._loader = DataLoader(dataset, batch_size=None, sampler=sampler, collate_fn=collate_fn,
                                   num_workers=num_workers, **loader_kwargs)
 

@@ -192,11 +192,29 @@ def make_collate_fn(metadata: Mapping[str, Any], *, pad_multiple: Optional[int] 
     inner = functools.partial(collate, pack_size=pack_size, pad_multiple=multiple,
                               pad_to_max_length=pad_to_max_length, num_cu_seqlens=num_cu_seqlens,
                               pad_id=pad, max_seqlen=max_seqlen)
-    return functools.partial(_with_bucket, inner) if "buckets" in metadata else inner
+    if "buckets" not in metadata and "source_names" not in metadata:
+        return inner
+    return functools.partial(with_groups, inner, num_sources=len(metadata.get("source_names", [])),
+                             cross=metadata.get("wrapped_attention") == "cross")
 
 
-def _with_bucket(collate: Callable, samples: Sequence[Mapping[str, Any]]) -> dict:
-    """``collate(samples)`` plus ``bucket``: the pack's length bucket (per-bucket token metrics)."""
+def with_groups(collate: Callable, samples: Sequence[Mapping[str, Any]], *, num_sources: int = 0,
+                cross: bool = False) -> dict:
+    """``collate(samples)`` plus what per-bucket and per-source metrics need.
+
+    ``bucket`` (int): the pack's length bucket (from ``samples[0]["bucket"]``, 0 without one).
+    With ``num_sources > 0``: ``token_source`` int64 [1, T], the source index of the sample each
+    position belongs to (-1 on padding; sliced by CP like the tokens), and ``num_sources``.
+    Example: samples of 3 and 2 ids from sources 1 and 0, pad multiple 2 -> ``[[1, 1, 0, -1]]``.
+    """
     batch = collate(samples)
     batch["bucket"] = int(samples[0].get("bucket", 0))
+    if num_sources:
+        lengths = np.array([len(s["input_ids"]) - 1 for s in samples], dtype=np.int64)
+        starts = (_cumsum0(lengths)[:-1] if cross else batch["cu_seqlens_padded"][:len(samples)].numpy())
+        token_source = np.full(batch["tokens"].shape[-1], -1, dtype=np.int64)
+        for s, start, n in zip(samples, starts.tolist(), lengths.tolist()):
+            token_source[start:start + n] = int(s.get("source", 0))
+        batch["token_source"] = torch.from_numpy(token_source).unsqueeze(0)
+        batch["num_sources"] = num_sources
     return batch

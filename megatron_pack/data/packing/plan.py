@@ -8,6 +8,7 @@ A plan directory sits under ``<store>/plans/`` and holds (``B`` packs, ``K`` pac
     sample_start.npy    int64 [K]    (split / wrapped only) first id of each entry inside its sample
     sample_piece.npy    int32 [K]    (split / wrapped only) piece index of each entry inside its sample
     bin_bucket.npy      int32 [B]    (packing.buckets only) length bucket of each pack
+    sample_source.npy   int32 [K]    (data.sources only) source index of each entry (metadata source_names)
     metadata.json                    settings, Megatron-Bridge fields, accounting, sha256 of the arrays
 
 Its name carries the settings and a fingerprint of (store, pack size, pad multiple, algorithm,
@@ -25,6 +26,7 @@ import numpy as np
 from megatron_pack.data.store.atomic import atomic_directory, sha256_file, write_json
 from megatron_pack.data.packing.algorithms import PackingPlan, lower_bound_bins, plan_packing, thd_lengths
 from megatron_pack.data.packing.buckets import assign_buckets, bucket_boundaries, bucket_statistics, plan_buckets
+from megatron_pack.data.packing.mixing import mix_selection
 from megatron_pack.data.packing.split import split_entries
 from megatron_pack.data.packing.wrapped import wrapped_entries
 from megatron_pack.data.formats.sources import DataError
@@ -32,7 +34,7 @@ from megatron_pack.data.store.metadata import PLAN_FORMAT, PLAN_FORMAT_VERSION, 
 from megatron_pack.data.store.token_store import TokenStore
 
 PLAN_ARRAYS = ("bin_offsets", "sample_order", "sample_num_ids")
-OPTIONAL_PLAN_ARRAYS = ("sample_start", "sample_piece", "bin_bucket")
+OPTIONAL_PLAN_ARRAYS = ("sample_start", "sample_piece", "bin_bucket", "sample_source")
 """Written only by split / wrapped plans (first id and piece index of each entry) and bucketed plans
 (each pack's bucket); a plan without them reads as starts 0, pieces 0, one bucket."""
 NUM_OFFENDERS_SHOWN = 5
@@ -60,8 +62,8 @@ class Selection:
 
     @property
     def num_samples(self) -> int:
-        """Distinct samples packed (pieces of one sample count once)."""
-        return int(np.unique(self.kept).size) if self.pieces is not None else len(self.kept)
+        """Distinct samples packed (pieces of a sample, and repeats from mixing, count once)."""
+        return int(np.unique(self.kept).size)
 
 
 def select_samples(store: TokenStore, settings: PlanSettings) -> Selection:
@@ -207,8 +209,13 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
     if selection.kept.size == 0:
         raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
                         "data.answer_only_loss, data.schema and packing.on_overflow.")
+    mixture = None
+    if settings.mixture is not None:
+        selection, mixture = _mix(store, settings, selection)
     layout = lay_out(selection, settings)
     metadata = plan_metadata(store, settings, selection, layout)
+    if mixture is not None:
+        metadata["mixture"] = mixture
     entries, order = layout.entries, layout.plan.order
     arrays = {"bin_offsets": layout.plan.bin_offsets.astype(np.int64),
               "sample_order": entries.kept[order].astype(np.int64),
@@ -218,6 +225,10 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
                       sample_piece=entries.pieces[order].astype(np.int32))
     if layout.bin_bucket is not None:
         arrays["bin_bucket"] = layout.bin_bucket.astype(np.int32)
+    file_source = source_of_files(store.metadata)
+    if file_source is not None:  # every pack records its samples' source
+        arrays["sample_source"] = file_source[np.asarray(store.source_file)[arrays["sample_order"]]].astype(np.int32)
+        metadata["source_names"] = [m["name"] for m in store.metadata["sources"]["mixture"]]
     with atomic_directory(target, replace=True) as tmp:
         for name, array in arrays.items():
             np.save(tmp / f"{name}.npy", array, allow_pickle=False)
@@ -228,6 +239,33 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
                                                "size": (tmp / f"{name}.npy").stat().st_size} for name in arrays})
         write_json(tmp / "metadata.json", metadata)
     return target
+
+
+def source_of_files(store_metadata: dict) -> np.ndarray | None:
+    """Source index of every input file of a store built from data.sources (None for one input)."""
+    files = store_metadata["sources"].get("files", [])
+    if "mixture" not in store_metadata["sources"]:
+        return None
+    return np.array([f["source"] for f in files], dtype=np.int32)
+
+
+def _mix(store: TokenStore, settings: PlanSettings, selection: Selection) -> tuple[Selection, dict]:
+    """Up/down-sample the selection to the data.sources shares (``mixing.mix_selection``)."""
+    file_source = source_of_files(store.metadata)
+    names = [m["name"] for m in store.metadata["sources"]["mixture"]] if file_source is not None else []
+    if names != [m[0] for m in settings.mixture]:
+        raise DataError(f"the token store at {store.path} holds sources {names}, but data.sources names "
+                        f"{[m[0] for m in settings.mixture]}; re-run `megatron-pack prepare` with this data.sources.")
+    entry_source = file_source[np.asarray(store.source_file)[selection.kept]]
+    kind = settings.mixture[0][1]
+    mixed, _, stats = mix_selection(selection, entry_source, names, kind, [m[2] for m in settings.mixture],
+                                    settings.seed, settings.pack_size)
+    for s in stats:
+        if s["num_samples_selected"] == 0:
+            raise DataError(f"data.sources {s['name']!r} has no sample left to pack (available tokens "
+                            f"{s['available_tokens']}, target {s['target_tokens']}); check its input, "
+                            "data.answer_only_loss and packing.on_overflow.")
+    return mixed, {"kind": kind, "per_source": stats}
 
 
 def plan_lengths(plan_dir: Path, pad_multiple: int) -> tuple[np.ndarray, np.ndarray]:

@@ -45,6 +45,8 @@ class PlanSettings:
     """None, 'auto' or a tuple of THD-length boundaries (packing.buckets)."""
     wrapped_attention: str = "document"
     """'document' or 'cross' (algorithm=wrapped)."""
+    mixture: object = None
+    """None, or a tuple of (source name, 'weight' | 'tokens', value) from data.sources."""
 
     def fingerprint(self, store_fingerprint: str) -> str:
         # settings at their defaults are left out, so plans made before they existed keep their names
@@ -63,7 +65,7 @@ class PlanSettings:
         return min(self.max_length, self.pack_size // self.pad_multiple * self.pad_multiple)
 
 
-_NEWER_DEFAULTS = {"split_overlap": 0, "buckets": None, "wrapped_attention": "document"}
+_NEWER_DEFAULTS = {"split_overlap": 0, "buckets": None, "wrapped_attention": "document", "mixture": None}
 
 
 def plan_settings(cfg) -> PlanSettings:
@@ -78,7 +80,14 @@ def plan_settings(cfg) -> PlanSettings:
                         on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size),
                         split_overlap=cfg.packing.split_overlap, buckets=_buckets(cfg.packing.buckets),
                         wrapped_attention=cfg.packing.wrapped_attention if cfg.packing.algorithm == "wrapped"
-                        else "document")
+                        else "document", mixture=_mixture(cfg.data.sources))
+
+
+def _mixture(sources):
+    if not sources:
+        return None
+    return tuple((s["name"], "weight" if s.get("weight") is not None else "tokens",
+                  s["weight"] if s.get("weight") is not None else s["tokens"]) for s in sources)
 
 
 def _buckets(spec):

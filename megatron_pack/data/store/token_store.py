@@ -74,8 +74,10 @@ class ChunkResult:
 _WORKER: dict = {}
 
 
-def init_worker(tokenizer: str, schema: SampleSchema, answer_only_loss: bool, chat_template: str | None = None) -> None:
-    """Per-process state: each worker builds its own tokenizer from its name (the object is never sent)."""
+def init_worker(tokenizer: str, schema: SampleSchema | tuple, answer_only_loss: bool,
+                chat_template: str | None = None) -> None:
+    """Per-process state: each worker builds its own tokenizer from its name (the object is never sent).
+    ``schema`` is one ``SampleSchema``, or a tuple of them indexed by the chunk's file (data.sources)."""
     _WORKER.update(tokenizer=build_tokenizer(tokenizer, chat_template), schema=schema,
                    answer_only_loss=answer_only_loss)
 
@@ -91,6 +93,8 @@ def _records(chunk: Chunk) -> Iterator[tuple[int, dict]]:
 def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     """Tokenize one chunk in a worker; a bad record raises ``DataError`` naming file and line."""
     tok, schema, answer_only = _WORKER["tokenizer"], _WORKER["schema"], _WORKER["answer_only_loss"]
+    if isinstance(schema, (tuple, list)):  # data.sources: one schema per input file
+        schema = schema[chunk.file_index]
     ids, masks, positions = [], [], []
     where = "line" if chunk.kind == "jsonl" else "row"
     for position, record in _records(chunk):
