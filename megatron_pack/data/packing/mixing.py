@@ -67,6 +67,7 @@ def mix_selection(selection, entry_source: np.ndarray, names: list[str], kind: s
         picked = units[choose_units(unit_tokens[units], targets[i], rng)]
         chosen.append(picked)
         stats.append({"name": name, "target_tokens": int(round(targets[i])),
+                      "target_share": round(float(targets[i] / targets.sum()), 6),
                       "achieved_tokens": int(unit_tokens[picked].sum()), "available_tokens": int(available[i]),
                       "num_samples_available": int(units.size), "num_samples_selected": int(np.unique(picked).size),
                       "num_repeats": int(picked.size - np.unique(picked).size),
@@ -91,8 +92,6 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def _add_shares(stats: list[dict]) -> None:
-    target_total = sum(s["target_tokens"] for s in stats) or 1
     achieved_total = sum(s["achieved_tokens"] for s in stats) or 1
     for s in stats:
-        s["target_share"] = round(s["target_tokens"] / target_total, 6)
         s["achieved_share"] = round(s["achieved_tokens"] / achieved_total, 6)

@@ -43,7 +43,7 @@ def report_numbers(store: TokenStore, plan_dir: Path) -> dict:
                              per_pack.size else 0.0, "max": int(per_pack.max()) if per_pack.size else 0},
         "packing_efficiency": meta["packing_efficiency"], "accounting": meta["accounting"],
         "algorithm": meta["algorithm"], "on_overflow": meta["on_overflow"],
-        **{k: meta[k] for k in ("buckets", "wrapped_attention", "split_overlap") if k in meta},
+        **{k: meta[k] for k in ("buckets", "wrapped_attention", "split_overlap", "mixture") if k in meta},
     }
 
 
