@@ -32,10 +32,38 @@ def _table(rows: list[list[str]]) -> str:
 
 def _plan_row(plan_dir: Path, m: dict) -> list[str]:
     acc = m["accounting"]
-    return [plan_dir.name, str(m["pack_size"]), str(m["pad_seq_to_mult"]), m["algorithm"], str(m["seed"]),
+    algorithm = m["algorithm"] + (f" ({m['wrapped_attention']})" if "wrapped_attention" in m else "")
+    return [plan_dir.name, str(m["pack_size"]), str(m["pad_seq_to_mult"]), algorithm, str(m["seed"]),
             m["on_overflow"], str(m["num_bins"]), str(m["lower_bound_bins"]), f"{m['packing_efficiency']:.2f}",
             str(acc["num_samples_read"]), str(acc["num_samples_packed"]),
-            str(sum(acc["num_samples_dropped"].values())), str(acc["num_samples_truncated"])]
+            str(sum(acc["num_samples_dropped"].values())), str(acc["num_samples_truncated"]),
+            str(acc.get("num_samples_split", 0))]
+
+
+def plan_details(plan_dir: Path, m: dict) -> list[str]:
+    """Lines for a plan's strategy: wrapped attention, split overlap, buckets, source mixture."""
+    lines = []
+    if m.get("wrapped_attention") == "cross":
+        lines.append(f"  {plan_dir.name}: wrapped_attention=cross: attention crosses documents inside a row BY "
+                     "DESIGN (pretraining style); verify reports it as leaking")
+    elif m.get("wrapped_attention") == "document":
+        lines.append(f"  {plan_dir.name}: wrapped_attention=document: documents cut at row ends, no attention "
+                     "across documents")
+    if m.get("on_overflow") == "split":
+        lines.append(f"  {plan_dir.name}: split with overlap {m.get('split_overlap', 0)}: "
+                     f"{m['accounting'].get('num_samples_split', 0)} samples cut into pieces, "
+                     f"{m['accounting'].get('num_pieces_without_answer', 0)} pieces without answer left out")
+    for b in m.get("buckets", {}).get("per_bucket", []):
+        upper = "inf" if b["max_length"] is None else b["max_length"]
+        lines.append(f"  {plan_dir.name}: bucket {b['bucket']} ({b['min_length_exclusive']}, {upper}]: "
+                     f"{b['num_samples']} samples, {b['num_packs']} packs, {b['num_tokens']} tokens, "
+                     f"efficiency {b['packing_efficiency']:.2f}%")
+    for s in m.get("mixture", {}).get("per_source", []):
+        lines.append(f"  {plan_dir.name}: source {s['name']}: target {s['target_share']:.1%} "
+                     f"({s['target_tokens']} tokens), achieved {s['achieved_share']:.1%} ({s['achieved_tokens']} "
+                     f"tokens), {s['num_samples_selected']}/{s['num_samples_available']} samples, "
+                     f"{s['num_repeats']} repeats")
+    return lines
 
 
 def summarize(dataset_dir: Path) -> str:
@@ -54,15 +82,17 @@ def summarize(dataset_dir: Path) -> str:
     if not plans:
         return "\n".join(lines + ["no packing plans yet: run `megatron-pack prepare` with a pack size."])
     rows = [["plan", "pack", "mult", "algorithm", "seed", "overflow", "packs", "lower bd", "eff %", "read",
-             "packed", "dropped", "truncated"]]
-    reports = []
+             "packed", "dropped", "truncated", "split"]]
+    reports, details = [], []
     for plan_dir in plans:
         ds = PackedSFTDataset(dataset_dir, plan_dir)
         rows.append(_plan_row(plan_dir, ds.metadata))
+        details += plan_details(plan_dir, ds.metadata)
         if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
             write_report(ds.store, plan_dir)
         reports += [f"  {plan_dir / 'report.json'}", f"  {plan_dir / 'report.png'}"]
-    return "\n".join(lines + ["", _table(rows), "", "reports:"] + reports)
+    return "\n".join(lines + ["", _table(rows)] + (["", "strategies:"] + details if details else []) +
+                     ["", "reports:"] + reports)
 
 
 def main(argv: list[str]) -> int:
