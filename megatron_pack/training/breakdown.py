@@ -32,17 +32,6 @@ def per_source_loss(token_loss: torch.Tensor, loss_mask: torch.Tensor, token_sou
     return out
 
 
-def loss_func_with_sources(loss_mask: torch.Tensor, token_source: torch.Tensor, num_sources: int,
-                           output_tensor: torch.Tensor):
-    """``training.step.loss_func`` plus ``report["source loss"]`` (``per_source_loss``, flattened)."""
-    from megatron_pack.training.step import loss_func
-
-    loss_sum, num_tokens, report = loss_func(loss_mask, output_tensor)
-    report["source loss"] = per_source_loss(output_tensor, loss_mask, token_source.to(output_tensor.device),
-                                            num_sources).reshape(-1).float()
-    return loss_sum, num_tokens, report
-
-
 def source_metrics(sums_counts: list[float], names: list[str]) -> tuple[dict, dict]:
     """``(loss per source, share of target tokens per source)`` from summed ``[sums..., counts...]``.
 

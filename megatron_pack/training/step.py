@@ -78,6 +78,17 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def loss_func_with_sources(loss_mask: torch.Tensor, token_source: torch.Tensor, num_sources: int,
+                           output_tensor: torch.Tensor):
+    """``training.step.loss_func`` plus ``report["source loss"]`` (``per_source_loss``, flattened)."""
+    from megatron_pack.training.breakdown import per_source_loss
+
+    loss_sum, num_tokens, report = loss_func(loss_mask, output_tensor)
+    report["source loss"] = per_source_loss(output_tensor, loss_mask, token_source.to(output_tensor.device),
+                                            num_sources).reshape(-1).float()
+    return loss_sum, num_tokens, report
+
+
 def check_finite(loss_sum: torch.Tensor, batch: Mapping[str, Any]) -> None:
     """Raise ``FloatingPointError`` naming the pack's sample ids when ``loss_sum`` is not finite.
 
@@ -127,7 +138,5 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
                                                for k in ("tokens", "labels", "position_ids", "loss_mask"))
     output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params)
     if "token_source" in local:  # data.sources: the report also carries the per-source loss
-        from megatron_pack.training.breakdown import loss_func_with_sources
-
         return output, partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))
     return output, partial(loss_func, loss_mask)

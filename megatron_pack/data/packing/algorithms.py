@@ -131,6 +131,10 @@ def plan_packing(lengths, capacity: int, algorithm: str = "bfd", seed: int = 0) 
 
 
 def _checked_lengths(lengths, capacity: int, algorithm: str) -> np.ndarray:
+    if algorithm == "wrapped":
+        raise ValueError("packing algorithm 'wrapped' cuts samples at row ends, so it is not a bin packing of whole "
+                         "samples: use megatron_pack.data.packing.wrapped.wrapped_entries (prepare does), or choose "
+                         "bfd, ffd, first_fit_shuffle or sequential here.")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"packing algorithm {algorithm!r} is unknown; choose one of {list(ALGORITHMS)} "
                          "(packing.algorithm).")
