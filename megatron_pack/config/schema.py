@@ -226,7 +226,8 @@ class DataConfig(_Group):
     num_workers: int = 0
     """DataLoader worker processes for training."""
     tokenize_workers: int = 0
-    """Processes used to tokenize in prepare; 0 means all cores."""
+    """Processes used to tokenize in prepare; 0 means auto (1 for a Hugging Face fast tokenizer, whose batch
+    encoding uses every core; all cores for the byte tokenizer)."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP

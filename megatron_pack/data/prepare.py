@@ -103,7 +103,7 @@ def _chunks(cfg, inputs: dict):
 
 def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = True) -> TokenStore:
     """Tokenize into a temporary directory beside ``target`` and rename it into place."""
-    num_workers = default_num_workers(cfg.data.tokenize_workers)
+    num_workers = default_num_workers(cfg.data.tokenize_workers, tokenizer)
     total = inputs["sources"].get("num_samples")
     start = time.perf_counter()
     with atomic_directory(target, replace=True) as tmp:

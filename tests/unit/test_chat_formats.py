@@ -218,3 +218,82 @@ def test_schema_identity_keeps_old_fingerprints():
     assert set(SampleSchema("auto").identity()) == {"kind", "prompt_key", "completion_key", "messages_key"}
     assert SHAREGPT.identity()["role_key"] == "from"
     assert np.all([SHAREGPT.messages_key == "conversations", SHAREGPT.content_key == "value"])
+
+
+# --- batched chat tokenization: the same ids and masks as one record at a time --------------------
+
+GEMMA_LIKE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>model\n"
+              "{% generation %}{{ m['content'] | trim }}<|im_end|>\n{% endgeneration %}{% else %}<|im_start|>"
+              "{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endif %}{% endfor %}")
+BATCH_STYLES = {"chatml_marked": CHATML_MARKED, "llama_like": LLAMA_LIKE, "gemma_like_trailing_newline": GEMMA_LIKE}
+
+
+@pytest.fixture(scope="module")
+def batch_dirs(hf_dirs, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    dirs = {}
+    for name, template in BATCH_STYLES.items():
+        tok = AutoTokenizer.from_pretrained(hf_dirs["chatml_marked"])
+        tok.chat_template = template
+        if name == "llama_like":
+            tok.eos_token = "<|eot_id|>"
+        path = tmp_path_factory.mktemp(f"batch_{name}")
+        tok.save_pretrained(path)
+        dirs[name] = str(path)
+    return dirs
+
+
+def _conversations(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    words = ["hello", "world", "what", "is", "two", "plus", "four", "be", "brief", " ", "\n", "é", "✓", "  x "]
+    text = lambda k: "".join(rng.choice(words, size=k)) if k else ""  # noqa: E731
+    out = []
+    for i in range(n):
+        messages = [{"role": "system", "content": text(3)}] if i % 3 == 0 else []
+        for _ in range(int(rng.integers(1, 4))):
+            messages += [{"role": "user", "content": text(int(rng.integers(1, 8)))},
+                         {"role": "assistant", "content": text(int(rng.integers(0, 8)))}]
+        out.append({"messages": messages} if i % 4 else {"messages": [{"role": m["role"], "content": [
+            {"type": "text", "text": m["content"]}]} for m in messages]})
+    return out
+
+
+@pytest.mark.parametrize("style", list(BATCH_STYLES))
+def test_batched_chat_equals_one_at_a_time(batch_dirs, style):
+    from megatron_pack.data.formats.fast_chat import supports_batched_chat
+
+    tok = build_tokenizer(batch_dirs[style])
+    assert supports_batched_chat(tok.tok)  # guard: the batch path really runs
+    records = _conversations(60)
+    records.insert(7, TRL)  # conversational records go one at a time inside the same chunk
+    batched = tok.encode_samples(records, AUTO)
+    num_answer = 0
+    for record, got in zip(records, batched):
+        ids, mask = tok.encode_sample(record, AUTO)
+        assert got[0].tolist() == ids.tolist() and got[1].tolist() == mask.tolist()
+        num_answer += int(mask.sum())
+    assert num_answer > 100
+    for record, got in zip(records[:5], batched[:5]):  # and both equal transformers' own per-sample mask
+        messages, _ = chat_messages(record, AUTO)
+        ref = tok.tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        n = len(got[0]) if ref["input_ids"][-1] != tok.eos_id else len(ref["input_ids"])
+        assert ref["input_ids"][:n] == got[0].tolist()[:n] and ref["assistant_masks"][:n] == got[1].tolist()[:n]
+
+
+def test_batched_chat_names_the_bad_record(batch_dirs):
+    tok = build_tokenizer(batch_dirs["chatml_marked"])
+    records = _conversations(10)
+    records[4] = {"messages": [{"role": "assistant", "content": "first"}]}
+    results = tok.encode_samples(records, AUTO)
+    assert isinstance(results[4], RecordError) and "out of order" in str(results[4])
+    assert all(isinstance(r, tuple) for i, r in enumerate(results) if i != 4)
+
+
+def test_assistant_mask_rule_by_hand():
+    from megatron_pack.data.formats.fast_chat import assistant_mask
+
+    offsets = np.array([[0, 2], [2, 4], [4, 6], [6, 8], [8, 8], [8, 10]])
+    assert assistant_mask(offsets, [(3, 6)]).tolist() == [0, 1, 1, 0, 0, 0]
+    assert assistant_mask(offsets, [(0, 2), (8, 10)]).tolist() == [1, 0, 0, 0, 0, 1]
+    assert assistant_mask(offsets, []).tolist() == [0] * 6

@@ -174,6 +174,46 @@ class HFTokenizer:
         ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
         return ids, (mask if answer_only_loss else np.ones_like(mask))
 
+    def encode_samples(self, records: list[dict], schema: SampleSchema, *, answer_only_loss: bool = True) -> list:
+        """``encode_sample`` for a chunk of records: one ``(ids, mask)`` or one ``RecordError`` per record.
+
+        Chat records go through ``fast_chat.encode_chats`` in one batch when the template has
+        generation markers (the same ids and masks as one record at a time, tested); the others,
+        and any batch the template or the tokenizer refuses, go record by record, so an error
+        still names its record.
+        """
+        from megatron_pack.data.formats.fast_chat import encode_chats, supports_batched_chat
+
+        results: list = [None] * len(records)
+        batch, conversations = [], []
+        fast = supports_batched_chat(self.tok)
+        for i, record in enumerate(records):
+            try:
+                if fast and record_kind(record, schema) == "chat":
+                    messages, first_trained = chat_messages(record, schema)
+                    if first_trained == 0:
+                        batch.append(i)
+                        conversations.append(messages)
+                        continue
+                results[i] = self.encode_sample(record, schema, answer_only_loss=answer_only_loss)
+            except (RecordError, UnicodeEncodeError) as exc:
+                results[i] = exc
+        try:
+            encoded = encode_chats(self.tok, conversations) if conversations else []
+        except Exception:  # a template error or bad text in one record: find it record by record
+            encoded = None
+        for n, i in enumerate(batch):
+            if encoded is None:
+                try:
+                    results[i] = self.encode_sample(records[i], schema, answer_only_loss=answer_only_loss)
+                except (RecordError, UnicodeEncodeError) as exc:
+                    results[i] = exc
+                continue
+            ids, mask = self._end_with_eos(list(encoded[n][0]), encoded[n][1].tolist())
+            ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+            results[i] = (ids, mask if answer_only_loss else np.ones_like(mask))
+        return results
+
     def _end_with_eos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         """The sample contract (ids end with eos) without a second end-of-turn token.
 
@@ -220,9 +260,22 @@ class HFTokenizer:
         return ids, mask
 
 
+_BUILT: dict[tuple, "HFTokenizer"] = {}
+"""Hugging Face tokenizers built in this process, keyed by directory, template file and their mtimes:
+``prepare`` asks for the same tokenizer in several places, and loading one costs seconds."""
+
+
+def _cache_key(path: str, chat_template: str | None) -> tuple:
+    files = sorted(Path(path).iterdir())
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file())
+    template = (chat_template, Path(chat_template).stat().st_mtime_ns) if chat_template and Path(chat_template).is_file() \
+        else (chat_template,)
+    return (str(Path(path).resolve()), stamp, template)
+
+
 def build_tokenizer(name_or_path: str, chat_template: str | None = None):
     """``'byte'`` -> ``ByteTokenizer``; a local directory -> ``HFTokenizer`` (with ``chat_template``,
-    a Jinja file replacing the tokenizer's own, ``data.chat_template``)."""
+    a Jinja file replacing the tokenizer's own, ``data.chat_template``), built once per process."""
     if name_or_path == "byte":
         if chat_template is not None:
             from megatron_pack.data.formats.sources import DataError
@@ -234,4 +287,7 @@ def build_tokenizer(name_or_path: str, chat_template: str | None = None):
     if not Path(name_or_path).is_dir():
         raise ValueError(f"data.tokenizer ({name_or_path!r}) is neither 'byte' nor a local directory; "
                          "set data.tokenizer=byte or data.tokenizer=/path/to/hf_tokenizer_dir (no downloads).")
-    return HFTokenizer(name_or_path, chat_template)
+    key = _cache_key(name_or_path, chat_template)
+    if key not in _BUILT:
+        _BUILT[key] = HFTokenizer(name_or_path, chat_template)
+    return _BUILT[key]

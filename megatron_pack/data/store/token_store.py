@@ -90,6 +90,14 @@ def _records(chunk: Chunk) -> Iterator[tuple[int, dict]]:
         yield from parse_chunk(chunk)
 
 
+def _encode_one(tok, record: dict, schema: SampleSchema, answer_only: bool):
+    """``(ids, mask)``, or the ``RecordError`` / ``UnicodeEncodeError`` the record raised."""
+    try:
+        return tok.encode_sample(record, schema, answer_only_loss=answer_only)
+    except (RecordError, UnicodeEncodeError) as exc:
+        return exc
+
+
 def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     """Tokenize one chunk in a worker; a bad record raises ``DataError`` naming file and line."""
     tok, schema, answer_only = _WORKER["tokenizer"], _WORKER["schema"], _WORKER["answer_only_loss"]
@@ -97,15 +105,19 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
         schema = schema[chunk.file_index]
     ids, masks, positions = [], [], []
     where = "line" if chunk.kind == "jsonl" else "row"
-    for position, record in _records(chunk):
-        try:
-            sample_ids, mask = tok.encode_sample(record, schema, answer_only_loss=answer_only)
-        except RecordError as exc:
-            raise DataError(f"{chunk.path}: {where} {position}: {exc}.") from None
-        except UnicodeEncodeError as exc:  # JSON "\ud800" escapes decode to text that is not valid Unicode
+    records = list(_records(chunk))
+    if hasattr(tok, "encode_samples"):  # a batch at once (HF chat: one render + one encode per chunk)
+        results = tok.encode_samples([r for _, r in records], schema, answer_only_loss=answer_only)
+    else:
+        results = [_encode_one(tok, record, schema, answer_only) for _, record in records]
+    for (position, _), result in zip(records, results):
+        if isinstance(result, RecordError):
+            raise DataError(f"{chunk.path}: {where} {position}: {result}.") from None
+        if isinstance(result, UnicodeEncodeError):  # JSON "\ud800" escapes decode to text that is not valid Unicode
             raise DataError(f"{chunk.path}: {where} {position}: the text holds an unpaired surrogate "
-                            f"({exc.object[exc.start]!r}), which is not valid Unicode; fix the \\uXXXX escapes "
+                            f"({result.object[result.start]!r}), which is not valid Unicode; fix the \\uXXXX escapes "
                             "(surrogates must come in pairs) or drop the record.") from None
+        sample_ids, mask = result
         ids.append(sample_ids)
         masks.append(mask)
         positions.append(position)
@@ -124,7 +136,7 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
                     num_workers: int, chat_template: str | None = None) -> Iterator[ChunkResult]:
     """Results in input order, from ``num_workers`` processes (inline when it is 1)."""
     if num_workers <= 1:
-        init_worker(tokenizer, schema, answer_only_loss, chat_template)
+        init_worker(tokenizer, schema, answer_only_loss, chat_template)  # build_tokenizer's cache: built once
         yield from map(tokenize_chunk, chunks)
         return
     import multiprocessing as mp
@@ -219,5 +231,12 @@ class TokenStore:
         return f"{name}: {unit} {int(self.source_line[i])}"
 
 
-def default_num_workers(requested: int) -> int:
-    return requested if requested > 0 else (os.cpu_count() or 1)
+def default_num_workers(requested: int, tokenizer=None) -> int:
+    """Tokenize processes: ``requested`` when > 0; else (auto) 1 for a Hugging Face fast tokenizer,
+    whose batch encoding already runs on every core (more processes only add start-up cost and
+    oversubscribe the cores), and all cores otherwise (the byte tokenizer is pure Python)."""
+    if requested > 0:
+        return requested
+    if getattr(getattr(tokenizer, "tok", None), "is_fast", False):
+        return 1
+    return os.cpu_count() or 1
