@@ -105,7 +105,7 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
     """Tokenize into a temporary directory beside ``target`` and rename it into place."""
     num_workers = default_num_workers(cfg.data.tokenize_workers, tokenizer)
     total = inputs["sources"].get("num_samples")
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     with atomic_directory(target, replace=True) as tmp:
         results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_file_schemas(cfg, inputs),
                                   answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers,
@@ -119,6 +119,7 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
                 "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
                 "token_dtype": np.dtype(token_dtype_for(tokenizer.vocab_size)).name,
                 "num_tokenize_workers": num_workers, "tokenize_seconds": round(time.perf_counter() - start, 3),
+                "tokenize_cpu_seconds": round(time.process_time() - start_cpu, 3),
                 "files": {f"{n}.npy": {"sha256": sha256_file(tmp / f"{n}.npy"), "size": (tmp / f"{n}.npy").stat().st_size}
                           for n in STORE_ARRAYS}}
         write_json(tmp / "metadata.json", meta)

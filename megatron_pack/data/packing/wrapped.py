@@ -48,7 +48,9 @@ def wrapped_entries(num_ids: np.ndarray, capacity: int, pad_multiple: int = 1, s
     np.cumsum(slots, out=doc_start[1:])
     total = int(doc_start[-1])
     # cut points: every document start and every row end inside the stream
-    cuts = np.union1d(doc_start[:-1], np.arange(capacity, total, capacity, dtype=np.int64))
+    cuts = np.concatenate([doc_start[:-1], np.arange(capacity, total, capacity, dtype=np.int64)])
+    cuts.sort(kind="stable")  # two sorted runs: timsort merges them in O(n)
+    cuts = cuts[np.concatenate([[True], np.diff(cuts) != 0])] if cuts.size else cuts
     doc = np.searchsorted(doc_start, cuts, side="right") - 1
     seg_end = np.minimum(np.append(cuts[1:], total), doc_start[doc] + real[doc])  # real part only
     start = cuts - doc_start[doc]
