@@ -85,6 +85,8 @@ CASES = [
      ("packing.on_overflow (drop) does not apply", "set packing.on_overflow=split")),
     ("packing_strategy", dict(packing__wrapped_attention="cross"), {},
      ("packing.wrapped_attention (cross) only applies with packing.algorithm=wrapped",)),
+    ("packing_strategy", dict(packing__on_overflow="split", packing__export="bridge"), {},
+     ("packing.export=bridge cannot carry split pieces",)),
     ("packing_strategy", dict(packing__bucket_order="sequential"), {},
      ("packing.bucket_order (sequential) needs length buckets", "set packing.buckets=auto")),
     ("in_batch_packing", dict(packing__in_batch=True, packing__packed_sequence_size=0, train__micro_batch_size=4), {}, ()),
