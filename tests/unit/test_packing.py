@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pack.data.packing.algorithms import ALGORITHMS, lower_bound_bins, plan_packing, thd_lengths
+from megatron_pack.data.packing.algorithms import BIN_PACKING_ALGORITHMS as ALGORITHMS
+from megatron_pack.data.packing.algorithms import lower_bound_bins, plan_packing, thd_lengths
 
 
 def _bins_as_lengths(plan, lengths):

@@ -234,6 +234,14 @@ def test_wrapped_prepare(tmp_path, attention):
     assert num_sequences == ([1] * len(ds) if attention == "cross" else num_pieces)
 
 
+def test_plan_packing_points_wrapped_to_its_module():
+    from megatron_pack.data.packing.algorithms import ALGORITHMS, BIN_PACKING_ALGORITHMS
+
+    assert "wrapped" in ALGORITHMS and "wrapped" not in BIN_PACKING_ALGORITHMS and len(BIN_PACKING_ALGORITHMS) == 4
+    with pytest.raises(ValueError, match="wrapped_entries"):
+        plan_packing([1, 2], 4, "wrapped")
+
+
 def test_settings_at_defaults_keep_old_plan_names():
     from megatron_pack.data.store.metadata import PlanSettings
 

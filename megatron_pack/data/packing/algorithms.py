@@ -30,7 +30,9 @@ from megatron_pack.config.choices import PACKING_ALGORITHMS
 from megatron_pack.config.layout import round_up
 
 ALGORITHMS = PACKING_ALGORITHMS
-"""The algorithms ``plan_packing`` runs (``packing.algorithm``); the list lives in ``megatron_pack.config.choices``."""
+"""``packing.algorithm`` values; the list lives in ``megatron_pack.config.choices``."""
+BIN_PACKING_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "wrapped")
+"""The algorithms ``plan_packing`` runs: bins of whole samples (``wrapped`` cuts samples: ``packing.wrapped``)."""
 
 
 def thd_lengths(num_ids, pad_multiple: int = 1) -> np.ndarray:
