@@ -226,7 +226,7 @@ class Trainer:
                               real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
                               grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start,
                               imbalance_before=getattr(self.step_info, "imbalance_before", None),
-                              imbalance_after=getattr(self.step_info, "imbalance_after", None,
+                              imbalance_after=getattr(self.step_info, "imbalance_after", None),
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
                               source_target_share=source_share)
         self.history.append(metrics)
