@@ -59,6 +59,7 @@ def register_schema() -> None:
 
     schema = OmegaConf.structured(Config)
     _unfreeze(schema)
+    schema.train.min_lr = None  # unset unless YAML or an override sets it: TrainConfig derives it from train.lr
     ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
     _registered = True
 
@@ -77,16 +78,63 @@ def _did_you_mean(word: str, candidates: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
-def _unknown_key(text: str, key: str, keys: list[str]) -> str:
-    hint = _did_you_mean(key, keys)
-    if not hint:  # a bare field name (``num_layers=2``) or a mistyped group in front of a good field
-        by_leaf = {k.split(".", 1)[1]: k for k in keys}
-        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.8)
-        hint = f"; did you mean '{by_leaf[leaf[0]]}'?" if leaf else ""
+SYNONYMS = {
+    "learning_rate": "train.lr", "lr": "train.lr", "min_learning_rate": "train.min_lr",
+    "max_steps": "train.train_iters", "num_steps": "train.train_iters", "steps": "train.train_iters",
+    "warmup_steps": "train.lr_warmup_iters", "warmup_iters": "train.lr_warmup_iters",
+    "per_device_train_batch_size": "train.micro_batch_size", "batch_size": "train.global_batch_size",
+    "max_seq_length": "packing.packed_sequence_size", "max_length": "packing.packed_sequence_size",
+    "pack_size": "packing.packed_sequence_size", "seq_length": "model.seq_length",
+    "tp": "parallel.tensor_model_parallel_size", "tensor_parallel_size": "parallel.tensor_model_parallel_size",
+    "cp": "parallel.context_parallel_size", "context_parallel_size": "parallel.context_parallel_size",
+    "output": "data.dataset_dir", "dataset_dir": "data.dataset_dir", "input": "data.input",
+    "dataset": "data.input", "tokenizer": "data.tokenizer", "output_dir": "train.output_dir",
+    "save": "checkpoint.save", "load": "checkpoint.load", "resume": "checkpoint.load",
+}
+"""Names users bring from TRL / NeMo / Megatron-LM / torchtune (or prepare's shorthands), by the leaf
+of the key they typed; the first suggestion tried."""
+
+
+def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
+    """The key a mistyped ``key`` most likely meant, or None.
+
+    Tried in order: a known synonym of its last part (``train.learning_rate`` -> ``train.lr``);
+    for a bare word a close group name (``paralel`` -> ``parallel``) or a field of any group
+    (``num_layers`` -> ``model.num_layers``); for a dotted key a close key of its own group, then
+    of any group (``modle.num_layers`` -> ``model.num_layers``), then its last part as a field.
+    """
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in SYNONYMS and SYNONYMS[leaf] in keys:
+        return SYNONYMS[leaf]
+    close = lambda word, options, cutoff: (difflib.get_close_matches(word, options, n=1, cutoff=cutoff) or [None])[0]  # noqa: E731
+    by_leaf: dict[str, str] = {}
+    for k in keys:
+        by_leaf.setdefault(k.split(".", 1)[1], k)
+    if "." not in key:  # a group (``paralel=cp2``) or a field without its group (``num_layers=2``)
+        found = close(key, groups, 0.75) or close(key, list(by_leaf), 0.8)
+        return by_leaf.get(found, found) if found else close(key, keys, 0.6)
     group = key.split(".", 1)[0]
-    if not hint and group in GROUPS:
-        hint = f"; keys of {group}: {', '.join(f.name for f in dataclasses.fields(GROUPS[group]))}"
-    return f"{text}: unknown key '{key}'{hint}"
+    in_group = [k.split(".", 1)[1] for k in keys if k.startswith(group + ".")]
+    # prefer a field of the group the user named (compared without the shared group prefix, which
+    # would make ``train.foo`` look like ``train.bf16``) over a close spelling elsewhere
+    found = f"{group}.{close(leaf, in_group, 0.6)}" if close(leaf, in_group, 0.6) else None
+    found = found or (close(key, keys, 0.6) if group not in GROUPS else None)
+    leaf_found = close(leaf, list(by_leaf), 0.8)
+    return found or (by_leaf[leaf_found] if leaf_found else None)
+
+
+def _unknown_key(text: str, key: str, keys: list[str], groups: Optional[list[str]] = None) -> str:
+    """The message for an override or YAML key that names no field (never raises, whatever ``key`` is)."""
+    groups = sorted(set(groups or []) | set(GROUPS))
+    dotted = [k for k in keys if "." in k]
+    best = suggest_key(key, dotted, groups)
+    if best:
+        return f"{text}: unknown key '{key}'; did you mean '{best}'?"
+    group = key.split(".", 1)[0]
+    if group in GROUPS:
+        return f"{text}: unknown key '{key}'; keys of {group}: {', '.join(f.name for f in dataclasses.fields(GROUPS[group]))}"
+    return (f"{text}: unknown key '{key}'; keys are group.key=value with a group among {', '.join(groups)} "
+            "(`megatron-pack <command> --help` lists the common ones, docs/configuration.md all of them).")
 
 
 def _check_selection(text: str, group: str, value: Any, options: dict[str, list[str]]) -> Optional[str]:
@@ -130,7 +178,7 @@ def _check_override(text: str, override: Any, options: dict[str, list[str]], key
             first = dataclasses.fields(GROUPS[key])[0].name
             return (f"{text}: '{key}' has no presets (no configs/{key}/ directory); set its keys instead, "
                     f"e.g. {key}.{first}=<value>.")
-        return _unknown_key(text, key, keys + list(options))
+        return _unknown_key(text, key, keys, list(options))
     group, name = key.split(".")[:2]
     if f"{group}.{name}" not in keys:
         return _unknown_key(text, f"{group}.{name}", keys)

@@ -290,6 +290,10 @@ class ParallelConfig(_Group):
         return problems
 
 
+MIN_LR_DIVISOR = 10
+"""train.min_lr when unset is train.lr / MIN_LR_DIVISOR (the lr / 10 of Megatron-LM and NeMo recipes)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig(_Group):
     GROUP = "train"
@@ -302,8 +306,8 @@ class TrainConfig(_Group):
     """Optimizer steps."""
     lr: float = 3e-3
     """Peak learning rate."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of cosine decay."""
+    min_lr: Optional[float] = None
+    """Learning rate at the end of the decay; None means train.lr / 10."""
     lr_warmup_iters: int = 5
     """Linear warmup steps."""
     lr_decay_style: str = "cosine"
@@ -331,6 +335,11 @@ class TrainConfig(_Group):
     exit_after_iters: Optional[int] = None
     """Stop after this many steps in this process (for tests of kill and resume); None runs to train_iters."""
 
+    def __post_init__(self) -> None:
+        if self.min_lr is None and isinstance(self.lr, (int, float)):  # derived once, so every reader sees a float
+            object.__setattr__(self, "min_lr", self.lr / MIN_LR_DIVISOR)
+        _Group.__post_init__(self)
+
     def field_problems(self) -> list[str]:
         g = self.GROUP
         problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters",
@@ -340,7 +349,7 @@ class TrainConfig(_Group):
         if not self.lr > 0:
             problems.append(f"train.lr ({self.lr}) must be > 0; set train.lr=3e-4.")
         elif not 0 <= self.min_lr <= self.lr:
-            problems.append(f"train.min_lr ({self.min_lr}) must be in [0, train.lr={self.lr}]; set train.min_lr={self.lr / 10}.")
+            problems.append(f"train.min_lr ({self.min_lr}) must be in [0, train.lr={self.lr}]; set train.min_lr={self.lr / MIN_LR_DIVISOR:g} (or leave it unset: lr / 10).")
         if self.clip_grad < 0:
             problems.append(f"train.clip_grad ({self.clip_grad}) must be >= 0; set train.clip_grad=1.0 (0 disables).")
         return problems

@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_pack.config import (Config, ConfigError, DataConfig, ModelConfig, config_dir, config_to_yaml,
                                   load_config)
@@ -25,6 +27,14 @@ TYPOS = [
     ("no-presets", ["packing=big"], "'packing' has no presets", "packing.packed_sequence_size=<value>"),
     ("type", ["model.num_layers=abc"], "model.num_layers=abc", "set model.num_layers to a value of type int"),
     ("not-key-value", ["model.num_layers"], "not a key=value override", "group.key=value"),
+    # issue 11 item 2: bare keys with no close match crashed the checker with an IndexError
+    ("bare-lr", ["lr=1e-4"], "unknown key 'lr'", "did you mean 'train.lr'?"),
+    ("bare-no-match", ["foo=1"], "unknown key 'foo'", "with a group among checkpoint, data"),
+    ("bare-empty-value", ["output="], "unknown key 'output'", "did you mean 'data.dataset_dir'?"),
+    ("synonym", ["train.learning_rate=1e-4"], "unknown key 'train.learning_rate'", "did you mean 'train.lr'?"),
+    ("synonym-hf", ["max_steps=10"], "unknown key 'max_steps'", "did you mean 'train.train_iters'?"),
+    ("group-no-close-field", ["train.foo=1"], "unknown key 'train.foo'", "keys of train: micro_batch_size"),
+    ("unknown-group", ["xyz.abc=1"], "unknown key 'xyz.abc'", "with a group among"),
 ]
 
 
@@ -34,6 +44,24 @@ def test_typo_fails_with_suggestion(overrides, problem, fix):
         load_config(overrides)
     assert len(info.value.problems) == 1
     assert problem in info.value.problems[0] and fix in info.value.problems[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abcdefghijklmnopqrstuvwxyz_.0123456789", min_size=1, max_size=30))
+def test_suggestion_never_raises_whatever_the_key(key):
+    from megatron_pack.config.loader import _all_keys, _unknown_key
+
+    message = _unknown_key(f"{key}=1", key, _all_keys(), ["model", "data", "experiment"])
+    assert message.startswith(f"{key}=1: unknown key '{key}'") and ("did you mean" in message or "keys " in message)
+
+
+def test_min_lr_defaults_to_a_tenth_of_lr():
+    """issue 11 item 8: ``train.lr=2e-5`` alone validates; an explicit min_lr still wins and is checked."""
+    assert load_config(["train.lr=2e-5"]).train.min_lr == pytest.approx(2e-6, rel=1e-12)
+    assert load_config([]).train.min_lr == pytest.approx(3e-4, rel=1e-12)
+    assert load_config(["train.lr=2e-5", "train.min_lr=0"]).train.min_lr == 0.0
+    with pytest.raises(ConfigError, match=r"train.min_lr \(0.1\) must be in \[0, train.lr=2e-05\]"):
+        load_config(["train.lr=2e-5", "train.min_lr=0.1"])
 
 
 def test_every_typo_reported_at_once():
