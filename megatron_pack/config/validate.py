@@ -80,6 +80,8 @@ def _validate_pipeline_parallel(cfg: Config) -> list[str]:
 def _validate_context_parallel(cfg: Config) -> list[str]:
     cp = cfg.parallel.context_parallel_size
     seq = cfg.model.seq_length
+    if cfg.packing.offline and seq == cfg.packing.packed_sequence_size:
+        return []  # _validate_packed_sizes names the one fix for both keys (the pad multiple is a multiple of 2*CP)
     if cp > 1 and seq % (2 * cp):
         return [f"model.seq_length ({seq}) must be divisible by 2*parallel.context_parallel_size = {2 * cp} "
                 f"(each sequence is cut into 2*CP chunks); set model.seq_length={_ceil_to(seq, 2 * cp)}."]
@@ -183,17 +185,31 @@ def _validate_cuda_graphs(cfg: Config) -> list[str]:
     return problems
 
 
+def _pad_multiple_fix(cfg: Config) -> Optional[int]:
+    """None when packing.pad_seq_to_mult is unset or valid; else the one value to set it to.
+
+    The smallest multiple of the lcm rule that is >= the chosen value and divides the pack size
+    (so the pack-size rule then holds too), or the smallest multiple >= the value when none does.
+    """
+    value = cfg.packing.pad_seq_to_mult
+    required = required_pad_multiple(*_layout(cfg))
+    if value is None or value % required == 0:
+        return None
+    size = cfg.packing.packed_sequence_size
+    fixes = [m for m in range(_ceil_to(value, required), size + 1, required) if size % m == 0] if size else []
+    return fixes[0] if fixes else _ceil_to(value, required)
+
+
 def _validate_pad_multiple(cfg: Config) -> list[str]:
     """An explicit pad_seq_to_mult must be a multiple of the lcm rule."""
-    value = cfg.packing.pad_seq_to_mult
+    fix = _pad_multiple_fix(cfg)
+    if fix is None:
+        return []
     cp, tp, sp = _layout(cfg)
     required = required_pad_multiple(cp, tp, sp)
-    if value is None or value % required == 0:
-        return []
-    fix = _ceil_to(value, required)
-    return [f"packing.pad_seq_to_mult ({value}) must be a multiple of {pad_rule_text(cp, tp, sp)} = {required} "
-            f"for cp={cp}, tp={tp}{_sp_text(cp, tp, sp)}; set packing.pad_seq_to_mult={fix} "
-            f"(or leave it unset to derive {required})."]
+    return [f"packing.pad_seq_to_mult ({cfg.packing.pad_seq_to_mult}) must be a multiple of "
+            f"{pad_rule_text(cp, tp, sp)} = {required} for cp={cp}, tp={tp}{_sp_text(cp, tp, sp)}; "
+            f"set packing.pad_seq_to_mult={fix}."]
 
 
 def _validate_packed_sizes(cfg: Config) -> list[str]:
@@ -201,20 +217,22 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
     if not cfg.packing.offline:
         return []
     problems = []
-    size, pad = cfg.packing.packed_sequence_size, effective_pad_multiple(cfg)
+    size = cfg.packing.packed_sequence_size
+    pad = _pad_multiple_fix(cfg) or effective_pad_multiple(cfg)  # the value the pad message says to set
     if size % pad:
         source = ("packing.pad_seq_to_mult" if cfg.packing.pad_seq_to_mult is not None
                   else f"derived: {pad_rule_text(*_layout(cfg))}")
+        both = (f" and model.seq_length={_ceil_to(size, pad)} (they are equal with offline packing)"
+                if cfg.model.seq_length == size else "")
         problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
-                        f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}.")
+                        f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}{both}.")
     longest = cfg.packing.max_single_sequence_length
     if longest is not None and longest > size:
         problems.append(f"packing.max_single_sequence_length ({longest}) must be <= packing.packed_sequence_size "
                         f"({size}); set packing.max_single_sequence_length={size} (or leave it unset).")
     if cfg.model.seq_length != size:
         problems.append(f"model.seq_length ({cfg.model.seq_length}) must equal packing.packed_sequence_size ({size}) "
-                        f"with offline packing; set model.seq_length={size} "
-                        f"(or packing.packed_sequence_size={cfg.model.seq_length}).")
+                        f"with offline packing; set model.seq_length={size}.")
     return problems
 
 
