@@ -66,7 +66,7 @@ class ModelConfig(_Group):
     GROUP = "model"
 
     name: str = "tiny"
-    """Human-readable model name (the YAML preset under configs/model/)."""
+    """Human-readable model name (the YAML preset under presets/model/)."""
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -184,7 +184,7 @@ class DataConfig(_Group):
     GROUP = "data"
 
     name: str = "synthetic"
-    """Preset name (configs/data/<name>.yaml)."""
+    """Preset name (presets/data/<name>.yaml)."""
     source: str = "synthetic"
     """'synthetic' (embedded deterministic SFT set) or 'files' (read data.input)."""
     input: Optional[str] = None
