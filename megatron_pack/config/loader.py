@@ -261,6 +261,17 @@ def load_config(overrides: list[str], *, world_size: Optional[int] = None,
     >>> cfg.parallel.context_parallel_size, cfg.packing.packed_sequence_size
     (2, 1024)
     """
+    cfg = compose_config(overrides, config_dirs=config_dirs)
+    validate(cfg, world_size=world_size, dataset_meta=dataset_meta)
+    return cfg
+
+
+def compose_config(overrides: list[str], *, config_dirs: Sequence[str | Path] = ()) -> Config:
+    """``load_config`` without the cross-group rules: presets + overrides, each group's fields checked.
+
+    For commands that complete the config from a prepared dataset before validating it
+    (``megatron_pack.cli.run_config``).
+    """
     user_dirs = user_config_dirs(config_dirs)
     problems = shadow_problems(user_dirs)
     if problems:
@@ -270,9 +281,7 @@ def load_config(overrides: list[str], *, world_size: Optional[int] = None,
         problems = check_overrides(overrides, [PRESETS_DIR, *search])
         if problems:
             raise ConfigError(problems)
-        cfg = apply_pretrained(to_config(_compose(overrides, search)), overrides)
-    validate(cfg, world_size=world_size, dataset_meta=dataset_meta)
-    return cfg
+        return apply_pretrained(to_config(_compose(overrides, search)), overrides)
 
 
 def config_to_yaml(cfg: Config) -> str:

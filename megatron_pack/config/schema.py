@@ -207,6 +207,8 @@ class DataConfig(_Group):
     """Train on completion/assistant tokens (and their eos) only; False trains on every token."""
     dataset_dir: str = "data/synthetic"
     """Directory of the prepared token store and plans (written by prepare, read by train)."""
+    plan: Optional[str] = None
+    """Plan folder under data.dataset_dir/plans to train or verify on; None picks the only one that fits."""
     pad_to_max_length: bool = False
     """Pad every pack to packing.packed_sequence_size (fixed shapes; required for CUDA graphs)."""
     num_workers: int = 0
@@ -220,9 +222,6 @@ class DataConfig(_Group):
                              allow_zero=("num_workers", "tokenize_workers"))
         problems += _choice(g, self, "source", ("synthetic", "files"))
         problems += _choice(g, self, "schema", ("auto", "prompt_completion", "chat"))
-        if self.source == "files" and not self.input:
-            problems.append("data.input (None) is required when data.source=files; "
-                            "set data.input=/path/to/train.jsonl (a file, directory or glob).")
         return problems
 
 

@@ -21,8 +21,8 @@ from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "validate",
-           "validate_parallel", "vocab_problems"]
+__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "prepare_problems",
+           "validate", "validate_parallel", "vocab_problems"]
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -429,3 +429,11 @@ def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None
     problems = _world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
     if problems:
         raise ConfigError(problems)
+
+
+def prepare_problems(cfg: Config) -> list[str]:
+    """What only ``prepare`` needs (it reads the raw data; train and verify read the prepared dataset)."""
+    if cfg.data.source == "files" and not cfg.data.input:
+        return ["data.input (None) is required by prepare when data.source=files; "
+                "set data.input=/path/to/train.jsonl (a file, directory or glob), or input=... for short."]
+    return []

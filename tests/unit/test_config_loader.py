@@ -77,10 +77,10 @@ def test_every_typo_reported_at_once():
 
 def test_field_problems_collected_from_every_group():
     with pytest.raises(ConfigError) as info:
-        load_config(["model.num_layers=0", "train.lr=-1", "parallel.cp_comm_type=ring", "data.source=files"])
+        load_config(["model.num_layers=0", "train.lr=-1", "parallel.cp_comm_type=ring", "data.num_workers=-1"])
     text = str(info.value)
     assert len(info.value.problems) == 4
-    for part in ("model.num_layers (0)", "train.lr (-1.0)", "parallel.cp_comm_type ('ring')", "data.input (None)"):
+    for part in ("model.num_layers (0)", "train.lr (-1.0)", "parallel.cp_comm_type ('ring')", "data.num_workers (-1)"):
         assert part in text
 
 
