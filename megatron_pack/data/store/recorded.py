@@ -129,8 +129,7 @@ def recorded_overrides(cfg, plan_meta: dict[str, Any], store_meta: dict[str, Any
         if name == "max_single_sequence_length" and value == plan_meta.get("pack_size"):
             value = None  # the default (None = the pack size): nothing to say
         use(key, value, "recorded in the plan")
-    if "packing.packed_sequence_size" not in given:
-        use("model.seq_length", plan_meta.get("pack_size"), "the plan's pack size")
+    use("model.seq_length", plan_meta.get("pack_size"), "the plan's pack size")
     tokenizer = store_meta.get("tokenizer_path") or (store_meta.get("tokenizer") or {}).get("name")
     if "data.tokenizer" not in given:
         use("data.tokenizer", tokenizer, "the tokenizer the store was made with")
