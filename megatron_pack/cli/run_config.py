@@ -66,9 +66,9 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     notes = [f"from {plan_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes)
-    from megatron_pack.data.batches.dataset import PackedSFTDataset
+    from megatron_pack.data.batches.loader import open_dataset
 
-    dataset = PackedSFTDataset.from_config(cfg, plan_dir=plan_dir, check_tokenizer=recorded.check_tokenizer)
+    dataset = open_dataset(cfg, plan_dir=plan_dir, check_tokenizer=recorded.check_tokenizer)
     return RunConfig(cfg, dataset, notes)
 
 

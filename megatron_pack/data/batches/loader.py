@@ -24,9 +24,14 @@ from megatron_pack.data.batches.thd import make_collate_fn
 log = logging.getLogger("megatron_pack.train")
 
 
-def open_dataset(cfg: Config) -> PackedSFTDataset:
-    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command)."""
-    return PackedSFTDataset.from_config(cfg)
+def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True) -> PackedSFTDataset:
+    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command).
+
+    ``plan_dir`` is the plan ``megatron_pack.data.store.recorded.choose_plan`` picked (default: the
+    one named by ``cfg.packing``); ``check_tokenizer=False`` when ``data.tokenizer`` was read from
+    the dataset itself (``megatron_pack.cli.run_config``).
+    """
+    return PackedSFTDataset.from_config(cfg, plan_dir=plan_dir, check_tokenizer=check_tokenizer)
 
 
 def collate_from_config(cfg: Config, metadata: Mapping[str, Any]) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
