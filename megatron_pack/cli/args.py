@@ -127,7 +127,8 @@ def _default(key: str) -> str:
 
 def help_text(command: str, config_dirs: Optional[list[str]] = None) -> str:
     """What ``megatron-pack <command> --help`` prints."""
-    from megatron_pack.cli.main import SUBCOMMANDS
+    import importlib
+
     from megatron_pack.config.schema import GROUPS, ConfigError
     from megatron_pack.config.search_path import PRESETS_DIR, presets, user_config_dirs
 
@@ -139,7 +140,7 @@ def help_text(command: str, config_dirs: Optional[list[str]] = None) -> str:
     options, docs = presets(roots), field_docs()
     lines = [f"usage: megatron-pack {command} [--config-dir DIR] [--cfg job] [key=value ...]",
              f"       megatron-pack {command} --help | --version", "",
-             f"{SUBCOMMANDS[command][1]}.", USAGE_EXTRA[command], "",
+             _summary(importlib.import_module(f"megatron_pack.cli.{command}")), USAGE_EXTRA.get(command, ""), "",
              "options:",
              "  -h, --help          this help",
              "  --version           megatron-pack, megatron-core, torch and python versions",
@@ -149,13 +150,18 @@ def help_text(command: str, config_dirs: Optional[list[str]] = None) -> str:
              "presets (select with group=name; experiment=path/to/run.yaml reads a file):"]
     lines += [f"  {group:<11} {', '.join(names)}" for group, names in options.items()]
     lines += ["", f"groups (set keys as group.key=value): {', '.join(GROUPS)}", "", "common keys (default):"]
-    for key in COMMON_KEYS[command]:
+    for key in COMMON_KEYS.get(command, []):
         if key.split(".")[0] in GROUPS and key in docs:
             lines.append(f"  {key}={_default(key)}")
             lines.append(f"      {docs[key]}")
     lines += ["", "Every key, preset and validation rule: docs/configuration.md "
               "(`megatron-pack " + command + " --cfg job` shows the values a run would use)."]
     return "\n".join(lines)
+
+
+def _summary(module) -> str:
+    """The first paragraph of a subcommand module's docstring (it starts with the command line)."""
+    return " ".join((module.__doc__ or "").strip().split("\n\n", 1)[0].split())
 
 
 def print_resolved(cfg, note: Optional[str] = None) -> int:

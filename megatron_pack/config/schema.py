@@ -188,7 +188,8 @@ class DataConfig(_Group):
     source: str = "synthetic"
     """'synthetic' (embedded deterministic SFT set) or 'files' (read data.input)."""
     input: Optional[str] = None
-    """A JSONL/Parquet file, a directory or a glob; required when data.source=files."""
+    """A JSONL/Parquet file, a directory or a glob; required by prepare when data.source=files
+    (train/verify check it against the store when given)."""
     schema: str = "auto"
     """'auto', 'prompt_completion' or 'chat' (a 'messages' list of {role, content})."""
     prompt_key: str = "prompt"
