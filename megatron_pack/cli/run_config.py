@@ -84,6 +84,6 @@ def _in_batch_run(overrides, cfg0, store_meta, given, config_dirs, world_size, o
     notes = [f"from {cfg.data.dataset_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes)
-    from megatron_pack.data.batches.in_batch_dataset import SampleDataset
+    from megatron_pack.data.batches.loader import open_dataset
 
-    return RunConfig(cfg, SampleDataset.from_config(cfg, check_tokenizer=recorded.check_tokenizer), notes)
+    return RunConfig(cfg, open_dataset(cfg, check_tokenizer=recorded.check_tokenizer), notes)
