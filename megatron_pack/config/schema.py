@@ -245,7 +245,8 @@ class PackingConfig(_Group):
     pad_cu_seqlens: bool = False
     """Give cu_seqlens a fixed length (max_samples_per_bin + 2) for CUDA graphs."""
     in_batch: bool = False
-    """Pack right-padded [B, S] micro-batches into one THD row at run time (needs micro_batch_size > 1)."""
+    """Train on the token store without a plan: each micro-batch of train.micro_batch_size samples is packed
+    into one THD row at collate (needs packing.packed_sequence_size=0 and micro_batch_size > 1)."""
     export: str = "none"
     """'none' or 'bridge' (also write Megatron-Bridge's packed parquet in prepare)."""
 
@@ -299,9 +300,11 @@ class TrainConfig(_Group):
     GROUP = "train"
 
     micro_batch_size: int = 1
-    """Rows per micro-batch; 1 with offline packing (a pack is one row)."""
+    """Samples per micro-batch with packing.in_batch (packed into one THD row); 1 with offline packing
+    (a pack is one micro-batch)."""
     global_batch_size: int = 8
-    """Micro-batches (packs) per optimizer step summed over data-parallel ranks."""
+    """Packs (offline) or samples (packing.in_batch) per optimizer step, summed over data-parallel ranks;
+    each rank runs global_batch_size / (dp * micro_batch_size) micro-batches."""
     train_iters: int = 50
     """Optimizer steps."""
     lr: float = 3e-3
