@@ -25,7 +25,8 @@ from typing import Any, Iterable, Optional
 from megatron_pack.config.layout import pad_multiple, round_up
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.atomic import read_json
-from megatron_pack.data.store.metadata import list_plans, plan_settings
+from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings, describe_settings,
+                                               list_plans, plan_settings, read_metadata)
 
 PLAN_KEYS = {  # config key -> plan metadata field
     "packing.packed_sequence_size": "pack_size",
@@ -71,8 +72,34 @@ def _rerun(cfg, dataset_dir: Path, required: int) -> str:
             f"{cfg.packing.packed_sequence_size}{layout}` (pads to {required}) with your data settings")
 
 
+def _check_named_right(plan_dir: Path, meta: dict, cfg, store_fingerprint: str) -> Path:
+    """Refuse a plan whose folder name is not the one its own settings give (copied or renamed into
+    place): its recorded settings cannot be trusted to be what the name promises."""
+    try:
+        own = PlanSettings(pack_size=meta["pack_size"], pad_multiple=meta["pad_seq_to_mult"],
+                           algorithm=meta["algorithm"], seed=meta["seed"], on_overflow=meta["on_overflow"],
+                           max_length=meta["max_single_sequence_length"])
+    except KeyError:
+        return plan_dir  # an incomplete metadata.json: opening the plan names what is missing
+    if own.dirname(store_fingerprint) == plan_dir.name:
+        return plan_dir
+    named = plan_settings(cfg)
+    stands_for = (f"; the folder name stands for {describe_settings(named)}"
+                  if named.dirname(store_fingerprint) == plan_dir.name else "")
+    raise DataError(f"plan {plan_dir} holds a plan made with other settings (its metadata.json records "
+                    f"{describe_settings(own)}{stands_for}: edited, copied or renamed); delete it and run "
+                    f"`megatron-pack prepare data.dataset_dir={plan_dir.parent.parent} ...` with the settings you want.")
+
+
 def choose_plan(cfg, dataset_dir: Path, given: set[str]) -> Path:
     """The plan directory train/verify use (see the module docstring); DataError naming the fix."""
+    store_fingerprint = read_json(dataset_dir / "metadata.json").get("fingerprint", "")
+    plan_dir = _choose(cfg, dataset_dir, given, store_fingerprint)
+    meta = read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)  # format and checksums first
+    return _check_named_right(plan_dir, meta, cfg, store_fingerprint)
+
+
+def _choose(cfg, dataset_dir: Path, given: set[str], store_fingerprint: str) -> Path:
     plans = list_plans(dataset_dir)
     names = ", ".join(p.name for p in plans) or "none"
     par = cfg.parallel
@@ -103,7 +130,6 @@ def choose_plan(cfg, dataset_dir: Path, given: set[str]) -> Path:
                         f"{_rerun(cfg, dataset_dir, required)}.")
     if len(fits) == 1:
         return fits[0]
-    store_fingerprint = read_json(dataset_dir / "metadata.json").get("fingerprint", "")
     exact = [p for p in fits if p.name == plan_settings(cfg).dirname(store_fingerprint)]
     if exact:
         return exact[0]
