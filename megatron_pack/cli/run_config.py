@@ -45,8 +45,13 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     from megatron_pack.data.store.recorded import (check_input_matches_store, choose_plan, given_keys,
                                                    recorded_overrides)
 
+    from megatron_pack.config.validate import launch_problems
+
     given = given_keys(overrides)
     cfg0 = compose_config(overrides, config_dirs=config_dirs or ())
+    early = launch_problems(cfg0, world_size=world_size)  # reported first: no dataset setting changes them
+    if early:
+        raise ConfigError(early)
     dataset_dir = Path(cfg0.data.dataset_dir)
     fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} ...` first (README.md, 'Commands'), or set "
            "data.dataset_dir to the folder prepare wrote")

@@ -21,7 +21,8 @@ from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "prepare_problems",
+__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "launch_problems",
+           "prepare_problems",
            "validate", "validate_parallel", "vocab_problems"]
 
 
@@ -429,6 +430,14 @@ def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None
     problems = _world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
     if problems:
         raise ConfigError(problems)
+
+
+def launch_problems(cfg: Config, *, world_size: Optional[int]) -> list[str]:
+    """The rules no setting read from a prepared dataset can change (world size, PP, sequence
+    parallelism, batch split): train checks them before it looks for the dataset."""
+    par = cfg.parallel
+    return (_world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
+            + _validate_batch_size(cfg, world_size))
 
 
 def prepare_problems(cfg: Config) -> list[str]:
