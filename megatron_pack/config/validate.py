@@ -6,7 +6,7 @@ and ``validate`` raises one ``ConfigError`` listing every problem of every rule.
 names the dotted key, its value and the fix, for example::
 
     packing.pad_seq_to_mult (4) must be a multiple of lcm(2*cp=4, cp*tp=8) = 8 for cp=2, tp=4 with
-    sequence_parallel; set packing.pad_seq_to_mult=8 (or leave it unset to derive 8).
+    sequence_parallel; set packing.pad_seq_to_mult=8.
 
 Rules that need the world size run only when ``world_size`` is given; rules about the prepared
 dataset run only when ``dataset_meta`` (the packed dataset's plan metadata) is given.
