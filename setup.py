@@ -16,6 +16,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_pack", "megatron_pack.*"]),
     include_package_data=True,
+    # the presets (config.yaml and <group>/<name>.yaml) are package data: a wheel works from any folder
+    package_data={"megatron_pack.config": ["presets/*.yaml", "presets/*/*.yaml"]},
     install_requires=[
         "torch>=2.4,<2.15",  # 2.13.0 (the CPU wheel installed first by scripts/setup.sh) satisfies this
         MCORE,

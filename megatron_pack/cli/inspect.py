@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 
-def _dataset_dir(argv: list[str]) -> Path:
+def _dataset_dir(argv: list[str], config_dirs: list[str]) -> Path:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
@@ -20,7 +20,7 @@ def _dataset_dir(argv: list[str]) -> Path:
             return Path(value)
     from megatron_pack.config import load_config
 
-    return Path(load_config(argv).data.dataset_dir)
+    return Path(load_config(argv, config_dirs=config_dirs).data.dataset_dir)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -96,11 +96,19 @@ def summarize(dataset_dir: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.config.schema import ConfigError
     from megatron_pack.data.formats.sources import DataError
 
+    line = parse_command_line("inspect", argv)
+    if isinstance(line, int):
+        return line
     try:
-        print(summarize(_dataset_dir(argv)))
+        if line.print_config:
+            from megatron_pack.config import load_config
+
+            return print_resolved(load_config([a for a in line.overrides if "=" in a], config_dirs=line.config_dirs))
+        print(summarize(_dataset_dir(line.overrides, line.config_dirs)))
     except (ConfigError, DataError, FileNotFoundError) as exc:
         print(f"megatron-pack inspect: {exc}", file=sys.stderr)
         return 2

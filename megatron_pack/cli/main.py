@@ -25,7 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-pack",
         description="Packed-sequence SFT in the THD layout with context parallelism, on megatron-core. "
-        "Every subcommand takes Hydra-style key=value overrides (see docs/configuration.md).",
+        "Every subcommand takes Hydra-style key=value overrides (see docs/configuration.md); "
+        "`megatron-pack <command> --help` lists its presets and common keys.",
+        epilog="--version prints the versions of megatron-pack, megatron-core, torch and python.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (_, help_text) in SUBCOMMANDS.items():
@@ -46,6 +48,11 @@ def quiet_optional_backend_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_optional_backend_warnings()
+    if argv[:1] == ["--version"]:
+        from megatron_pack.cli.args import version_text
+
+        print(version_text())
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         parser = _parser()
         if argv and argv[0] not in ("-h", "--help"):

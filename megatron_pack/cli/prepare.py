@@ -50,6 +50,7 @@ def _barrier():
 
 
 def main(argv: list[str]) -> int:
+    from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.config import load_config
     from megatron_pack.data.prepare import prepare
     from megatron_pack.data.formats.sources import DataError
@@ -57,8 +58,17 @@ def main(argv: list[str]) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    line = parse_command_line("prepare", argv)
+    if isinstance(line, int):
+        return line
     try:
-        cfg = load_config(expand_shorthands(argv))
+        cfg = load_config(expand_shorthands(line.overrides), config_dirs=line.config_dirs)
+        from megatron_pack.config.validate import prepare_problems
+
+        if prepare_problems(cfg):
+            raise ConfigError(prepare_problems(cfg))
+        if line.print_config:
+            return print_resolved(cfg)
         barrier = _barrier() if world_size > 1 else None
         plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0)
     except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:

@@ -1,8 +1,8 @@
 """`megatron-pack train key=value ...` (also `python -m megatron_pack.train`), launched by torchrun.
 
 Order: load and validate the whole config with the world size, the prepared dataset's
-metadata and the checkpoint to resume from (nothing is built before that; a refusal prints once
-and exits 2), initialise the process groups once, print the resolved config and the parallel
+metadata, which fills in what prepare recorded (``megatron_pack.cli.run_config``), and the
+checkpoint to resume from (nothing is built before that; a refusal prints once and exits 2), initialise the process groups once, print the resolved config and the parallel
 layout (rank 0), then train (``megatron_pack.training.loop``).
 """
 
@@ -52,17 +52,25 @@ def _refusal(exc: Exception) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_pack.config import config_to_yaml, load_config, validate
-    from megatron_pack.data.batches.loader import open_dataset
-    from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
+    from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.run_config import load_run_config
 
     check_only = CHECK_FLAG in argv
-    argv = [a for a in argv if a != CHECK_FLAG]
+    line = parse_command_line("train", [a for a in argv if a != CHECK_FLAG])
+    if isinstance(line, int):  # --help / --version answer without importing torch
+        return line
+    from megatron_pack.config import config_to_yaml
+    from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
+
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    # --cfg job outside torchrun prints the config without the world-size rules (no world yet)
+    checked_world = None if line.print_config and "WORLD_SIZE" not in os.environ else world_size
     try:
-        cfg = load_config(argv, world_size=world_size)
-        dataset = open_dataset(cfg)
-        validate(cfg, world_size=world_size, dataset_meta=dict(dataset.metadata))
+        run = load_run_config(line.overrides, config_dirs=line.config_dirs, world_size=checked_world,
+                              open_data=not line.print_config)
+        if line.print_config:
+            return print_resolved(run.cfg, "\n".join(run.notes) or None)
+        cfg, dataset = run.cfg, run.dataset
         resume = check_resume(cfg, world_size)
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
@@ -77,7 +85,7 @@ def main(argv: list[str]) -> int:
     enable_cpu_compat_without_cuda()  # megatron-core's CUDA assumptions, answered on a CPU host
     state = initialize_parallel(cfg)
     if rank == 0:
-        print("resolved config:\n" + config_to_yaml(cfg), flush=True)
+        print("".join(f"{note}\n" for note in run.notes) + "resolved config:\n" + config_to_yaml(cfg), flush=True)
         print("parallel layout: " + state.describe(), flush=True)
     try:
         run_training(cfg, state, build_loader(cfg, state, dataset))

@@ -1,6 +1,7 @@
 """`megatron-pack verify`: the unpacked replay, as one command.
 
-Loads the packed dataset at ``data.dataset_dir`` (the plan matching the config), builds the model
+Loads the packed dataset at ``data.dataset_dir`` (its only plan, or ``data.plan``; pack size, pad
+multiple, tokenizer and vocab size as prepare recorded them unless given), builds the model
 from ``model.*`` (random init with ``train.seed``, or the weights of ``verify.checkpoint``), and
 for the first ``verify.num_packs`` packs runs the pack once (THD, as training does) and each of
 its samples alone (a pack of one, no padding). For every pack it prints the largest absolute
@@ -194,8 +195,9 @@ def format_pack(result: PackResult, tolerance: float, *, leaks_by_design: bool =
     return "\n".join(lines)
 
 
-def run_verify(cfg, *, out=print) -> int:
-    """Verify ``cfg.verify.num_packs`` packs of ``cfg.data.dataset_dir``; 0 when all pass, else 1."""
+def run_verify(cfg, *, dataset=None, out=print) -> int:
+    """Verify ``cfg.verify.num_packs`` packs of ``dataset`` (default: the plan of ``cfg.data.dataset_dir``
+    matching ``cfg``); 0 when all pass, else 1."""
     if cfg.verify.reference == "transformers":  # against transformers' forward (below)
         return run_verify_transformers(cfg, out=out)
     from megatron_pack.data.batches.loader import collate_from_config, open_dataset
@@ -203,7 +205,7 @@ def run_verify(cfg, *, out=print) -> int:
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
-    dataset = open_dataset(cfg)
+    dataset = dataset if dataset is not None else open_dataset(cfg)
     if cfg.packing.mode == "online":  # no plan: the first packs a single-rank run would make
         dataset = dataset.first_packs(cfg.verify.num_packs)
     meta = dataset.metadata
@@ -363,15 +365,24 @@ def run_verify_transformers(cfg, *, out=print) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_pack.config import load_config
+    from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.run_config import load_run_config
     from megatron_pack.config.schema import ConfigError
     from megatron_pack.data.formats.sources import DataError
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+    line = parse_command_line("verify", argv)
+    if isinstance(line, int):
+        return line
     try:
         launched = "WORLD_SIZE" in os.environ  # under torchrun (verify.reference=transformers runs at TP/CP)
-        cfg = load_config(list(argv), world_size=int(os.environ["WORLD_SIZE"]) if launched else None)
-        return run_verify(cfg)
+        run = load_run_config(line.overrides, config_dirs=line.config_dirs, open_data=not line.print_config,
+                              world_size=int(os.environ["WORLD_SIZE"]) if launched else None)
+        if line.print_config:
+            return print_resolved(run.cfg, "\n".join(run.notes) or None)
+        for note in run.notes:
+            print(note)
+        return run_verify(run.cfg, dataset=run.dataset)
     except (ConfigError, DataError, FileNotFoundError, ValueError) as exc:
         print(f"megatron-pack verify: {exc}", file=sys.stderr)
         return 2

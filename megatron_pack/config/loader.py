@@ -1,7 +1,9 @@
-"""Compose the YAML under ``configs/`` with Hydra, convert once to the dataclasses, validate.
+"""Compose the preset YAML with Hydra, convert once to the dataclasses, validate.
 
-The structured schema (``Config``) is registered in Hydra's ConfigStore as ``base_config`` and
-is the first entry of ``configs/config.yaml``'s defaults list, so every YAML key and every
+The presets ship inside the package (``megatron_pack/config/presets/``); user folders are searched
+after them (``megatron_pack.config.search_path``). The structured schema (``Config``) is
+registered in Hydra's ConfigStore as ``base_config`` and is the first entry of
+``presets/config.yaml``'s defaults list, so every YAML key and every
 override is type-checked against the dataclasses. Overrides are checked against the schema
 and the available presets before Hydra runs, so a typo fails at once with a suggestion::
 
@@ -15,26 +17,24 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-import megatron_pack
 from megatron_pack.config.hf_config import apply_pretrained
 from megatron_pack.config.schema import GROUPS, Config, ConfigError
+from megatron_pack.config.search_path import (CONFIG_DIR_ENV, PRESETS_DIR, experiment_files, presets,  # noqa: F401
+                                              shadow_problems, user_config_dirs)
 from megatron_pack.config.validate import validate
 
-CONFIG_DIR_ENV = "MEGATRON_PACK_CONFIG_DIR"
 _SCHEMA_NAME = "base_config"
 _registered = False
 
 
 def config_dir() -> Path:
-    """``$MEGATRON_PACK_CONFIG_DIR`` when set, else the repository's ``configs/``."""
-    override = os.environ.get(CONFIG_DIR_ENV)
-    return Path(override) if override else Path(megatron_pack.__file__).resolve().parents[1] / "configs"
+    """The shipped presets folder (``megatron_pack/config/presets``), the first on the search path."""
+    return PRESETS_DIR
 
 
 def _unfreeze(node: DictConfig) -> None:
@@ -61,13 +61,10 @@ def register_schema() -> None:
     _unfreeze(schema)
     OmegaConf.set_struct(schema.data.role_aliases, False)  # a user mapping: its keys are the user's role names
     OmegaConf.set_struct(schema.data.sources, False)  # entries are user mappings, checked by DataConfig
+    schema.train.min_lr = None  # unset unless YAML or an override sets it: TrainConfig derives it from train.lr
+
     ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
     _registered = True
-
-
-def presets(root: Path) -> dict[str, list[str]]:
-    """YAML options per config group directory: ``{"model": ["llama3_8b", "tiny"], ...}``."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(root.iterdir()) if d.is_dir()}
 
 
 def _all_keys() -> list[str]:
@@ -79,33 +76,81 @@ def _did_you_mean(word: str, candidates: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
-def _unknown_key(text: str, key: str, keys: list[str]) -> str:
-    hint = _did_you_mean(key, keys)
-    if not hint:  # a bare field name (``num_layers=2``) or a mistyped group in front of a good field
-        by_leaf = {k.split(".", 1)[1]: k for k in keys}
-        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.8)
-        hint = f"; did you mean '{by_leaf[leaf[0]]}'?" if leaf else ""
+SYNONYMS = {
+    "learning_rate": "train.lr", "lr": "train.lr", "min_learning_rate": "train.min_lr",
+    "max_steps": "train.train_iters", "num_steps": "train.train_iters", "steps": "train.train_iters",
+    "warmup_steps": "train.lr_warmup_iters", "warmup_iters": "train.lr_warmup_iters",
+    "per_device_train_batch_size": "train.micro_batch_size", "batch_size": "train.global_batch_size",
+    "max_seq_length": "packing.packed_sequence_size", "max_length": "packing.packed_sequence_size",
+    "pack_size": "packing.packed_sequence_size", "seq_length": "model.seq_length",
+    "tp": "parallel.tensor_model_parallel_size", "tensor_parallel_size": "parallel.tensor_model_parallel_size",
+    "cp": "parallel.context_parallel_size", "context_parallel_size": "parallel.context_parallel_size",
+    "output": "data.dataset_dir", "dataset_dir": "data.dataset_dir", "input": "data.input",
+    "dataset": "data.input", "tokenizer": "data.tokenizer", "output_dir": "train.output_dir",
+    "save": "checkpoint.save", "load": "checkpoint.load", "resume": "checkpoint.load",
+}
+"""Names users bring from TRL / NeMo / Megatron-LM / torchtune (or prepare's shorthands), by the leaf
+of the key they typed; the first suggestion tried."""
+
+
+def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
+    """The key a mistyped ``key`` most likely meant, or None.
+
+    Tried in order: a known synonym of its last part (``train.learning_rate`` -> ``train.lr``);
+    for a bare word a close group name (``paralel`` -> ``parallel``) or a field of any group
+    (``num_layers`` -> ``model.num_layers``); for a dotted key a close key of its own group, then
+    of any group (``modle.num_layers`` -> ``model.num_layers``), then its last part as a field.
+    """
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in SYNONYMS and SYNONYMS[leaf] in keys:
+        return SYNONYMS[leaf]
+    close = lambda word, options, cutoff: (difflib.get_close_matches(word, options, n=1, cutoff=cutoff) or [None])[0]  # noqa: E731
+    by_leaf: dict[str, str] = {}
+    for k in keys:
+        by_leaf.setdefault(k.split(".", 1)[1], k)
+    if "." not in key:  # a group (``paralel=cp2``) or a field without its group (``num_layers=2``)
+        found = close(key, groups, 0.75) or close(key, list(by_leaf), 0.8)
+        return by_leaf.get(found, found) if found else close(key, keys, 0.6)
     group = key.split(".", 1)[0]
-    if not hint and group in GROUPS:
-        hint = f"; keys of {group}: {', '.join(f.name for f in dataclasses.fields(GROUPS[group]))}"
-    return f"{text}: unknown key '{key}'{hint}"
+    in_group = [k.split(".", 1)[1] for k in keys if k.startswith(group + ".")]
+    # prefer a field of the group the user named (compared without the shared group prefix, which
+    # would make ``train.foo`` look like ``train.bf16``) over a close spelling elsewhere
+    found = f"{group}.{close(leaf, in_group, 0.6)}" if close(leaf, in_group, 0.6) else None
+    found = found or (close(key, keys, 0.6) if group not in GROUPS else None)
+    leaf_found = close(leaf, list(by_leaf), 0.8)
+    return found or (by_leaf[leaf_found] if leaf_found else None)
+
+
+def _unknown_key(text: str, key: str, keys: list[str], groups: Optional[list[str]] = None) -> str:
+    """The message for an override or YAML key that names no field (never raises, whatever ``key`` is)."""
+    groups = sorted(set(groups or []) | set(GROUPS))
+    dotted = [k for k in keys if "." in k]
+    best = suggest_key(key, dotted, groups)
+    if best:
+        return f"{text}: unknown key '{key}'; did you mean '{best}'?"
+    group = key.split(".", 1)[0]
+    if group in GROUPS:
+        return f"{text}: unknown key '{key}'; keys of {group}: {', '.join(f.name for f in dataclasses.fields(GROUPS[group]))}"
+    return (f"{text}: unknown key '{key}'; keys are group.key=value with a group among {', '.join(groups)} "
+            "(`megatron-pack <command> --help` lists the common ones, docs/configuration.md all of them).")
 
 
 def _check_selection(text: str, group: str, value: Any, options: dict[str, list[str]]) -> Optional[str]:
-    """A ``group=option`` override: the option must name a YAML file in configs/<group>/."""
+    """A ``group=option`` override: the option must name a YAML file ``<group>/<option>.yaml`` on the search path."""
     choices = options[group]
     if value is None or (isinstance(value, str) and value in choices):
         return None
     hint = _did_you_mean(str(value), choices)
-    return f"{text}: no preset '{value}' in configs/{group}/{hint} Available: {', '.join(choices)}."
+    return (f"{text}: no preset '{value}' in {group}/ (shipped presets, {CONFIG_DIR_ENV}, --config-dir){hint} "
+            f"Available: {', '.join(choices)}.")
 
 
-def check_overrides(overrides: list[str], root: Path) -> list[str]:
+def check_overrides(overrides: list[str], roots: Path | list[Path]) -> list[str]:
     """Problems with override keys, preset names and value types, found before Hydra composes."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    options, keys, problems = presets(root), _all_keys(), []
+    options, keys, problems = presets(roots), _all_keys(), []
     parser = OverridesParser.create()
     for text in overrides:
         try:
@@ -130,9 +175,9 @@ def _check_override(text: str, override: Any, options: dict[str, list[str]], key
             return None if override.is_delete() else _check_selection(text, key, override.value(), options)
         if key in GROUPS:
             first = dataclasses.fields(GROUPS[key])[0].name
-            return (f"{text}: '{key}' has no presets (no configs/{key}/ directory); set its keys instead, "
+            return (f"{text}: '{key}' has no presets (no {key}/ folder of presets); set its keys instead, "
                     f"e.g. {key}.{first}=<value>.")
-        return _unknown_key(text, key, keys + list(options))
+        return _unknown_key(text, key, keys, list(options))
     group, name = key.split(".")[:2]
     if f"{group}.{name}" not in keys:
         return _unknown_key(text, f"{group}.{name}", keys)
@@ -160,7 +205,7 @@ def _normalize(overrides: list[str]) -> list[str]:
     return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
 
 
-def _compose(overrides: list[str], root: Path) -> DictConfig:
+def _compose(overrides: list[str], user_dirs: list[Path]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -170,8 +215,9 @@ def _compose(overrides: list[str], root: Path) -> DictConfig:
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(root), version_base=None):
-            return compose(config_name="config", overrides=overrides)
+        search = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in user_dirs)}]"] if user_dirs else []
+        with initialize_config_dir(config_dir=str(PRESETS_DIR), version_base=None):
+            return compose(config_name="config", overrides=search + overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError([_hydra_message(exc)]) from exc
 
@@ -207,24 +253,38 @@ def to_config(composed: DictConfig) -> Config:
 
 
 def load_config(overrides: list[str], *, world_size: Optional[int] = None,
-                dataset_meta: Optional[dict[str, Any]] = None) -> Config:
-    """Compose configs/config.yaml with ``overrides``, convert to a read-only ``Config``, validate.
+                dataset_meta: Optional[dict[str, Any]] = None,
+                config_dirs: Sequence[str | Path] = ()) -> Config:
+    """Compose the presets' config.yaml with ``overrides``, convert to a read-only ``Config``, validate.
+
+    ``config_dirs`` (``--config-dir``) and ``$MEGATRON_PACK_CONFIG_DIR`` add user preset folders,
+    searched after the shipped presets; ``experiment=path/to/run.yaml`` reads one file.
 
     >>> cfg = load_config(["experiment=quickstart", "packing.packed_sequence_size=1024", "model.seq_length=1024"])
     >>> cfg.parallel.context_parallel_size, cfg.packing.packed_sequence_size
     (2, 1024)
     """
-    root = config_dir()
-    if not (root / "config.yaml").is_file():
-        raise ConfigError([f"config directory {root} has no config.yaml; set {CONFIG_DIR_ENV} to a directory "
-                           "laid out like the repository's configs/."])
-    overrides = _normalize(list(overrides))
-    problems = check_overrides(overrides, root)
-    if problems:
-        raise ConfigError(problems)
-    cfg = apply_pretrained(to_config(_compose(overrides, root)), overrides)
+    cfg = compose_config(overrides, config_dirs=config_dirs)
     validate(cfg, world_size=world_size, dataset_meta=dataset_meta)
     return cfg
+
+
+def compose_config(overrides: list[str], *, config_dirs: Sequence[str | Path] = ()) -> Config:
+    """``load_config`` without the cross-group rules: presets + overrides, each group's fields checked.
+
+    For commands that complete the config from a prepared dataset before validating it
+    (``megatron_pack.cli.run_config``).
+    """
+    user_dirs = user_config_dirs(config_dirs)
+    problems = shadow_problems(user_dirs)
+    if problems:
+        raise ConfigError(problems)
+    with experiment_files(_normalize(list(overrides))) as (overrides, scratch):
+        search = user_dirs + scratch
+        problems = check_overrides(overrides, [PRESETS_DIR, *search])
+        if problems:
+            raise ConfigError(problems)
+        return apply_pretrained(to_config(_compose(overrides, search)), overrides)
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -67,7 +67,7 @@ class ModelConfig(_Group):
     GROUP = "model"
 
     name: str = "tiny"
-    """Human-readable model name (the YAML preset under configs/model/)."""
+    """Human-readable model name (the YAML preset under presets/model/)."""
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -185,11 +185,12 @@ class DataConfig(_Group):
     GROUP = "data"
 
     name: str = "synthetic"
-    """Preset name (configs/data/<name>.yaml)."""
+    """Preset name (presets/data/<name>.yaml)."""
     source: str = "synthetic"
     """'synthetic' (embedded deterministic SFT set) or 'files' (read data.input)."""
     input: Optional[str] = None
-    """A JSONL/Parquet file, a directory or a glob; required when data.source=files."""
+    """A JSONL/Parquet file, a directory or a glob; required by prepare when data.source=files
+    (train/verify check it against the store when given)."""
     schema: str = "auto"
     """'auto', 'prompt_completion' or 'chat' (a 'messages' list of {role, content})."""
     prompt_key: str = "prompt"
@@ -221,6 +222,8 @@ class DataConfig(_Group):
     """Train on completion/assistant tokens (and their eos) only; False trains on every token."""
     dataset_dir: str = "data/synthetic"
     """Directory of the prepared token store and plans (written by prepare, read by train)."""
+    plan: Optional[str] = None
+    """Plan folder under data.dataset_dir/plans to train or verify on; None picks the only one that fits."""
     pad_to_max_length: bool = False
     """Pad every pack to packing.packed_sequence_size (fixed shapes; required for CUDA graphs)."""
     num_workers: int = 0
@@ -243,9 +246,6 @@ class DataConfig(_Group):
         problems += _source_problems(self.sources, self.input)
         if self.sources and self.source != "files":
             problems.append(f"data.sources needs data.source=files (it is {self.source}); set data.source=files.")
-        if self.source == "files" and not self.input and not self.sources:
-            problems.append("data.input (None) is required when data.source=files; "
-                            "set data.input=/path/to/train.jsonl (a file, directory or glob).")
         return problems
 
 
@@ -280,7 +280,8 @@ class PackingConfig(_Group):
     pad_cu_seqlens: bool = False
     """Give cu_seqlens a fixed length (max_samples_per_bin + 2) for CUDA graphs."""
     in_batch: bool = False
-    """Pack right-padded [B, S] micro-batches into one THD row at run time (needs micro_batch_size > 1)."""
+    """Train on the token store without a plan: each micro-batch of train.micro_batch_size samples is packed
+    into one THD row at collate (needs packing.packed_sequence_size=0 and micro_batch_size > 1)."""
     export: str = "none"
     """'none' or 'bridge' (also write Megatron-Bridge's packed parquet in prepare)."""
     mode: str = "offline"
@@ -411,14 +412,20 @@ class ParallelConfig(_Group):
         return problems
 
 
+MIN_LR_DIVISOR = 10
+"""train.min_lr when unset is train.lr / MIN_LR_DIVISOR (the lr / 10 of Megatron-LM and NeMo recipes)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig(_Group):
     GROUP = "train"
 
     micro_batch_size: int = 1
-    """Rows per micro-batch; 1 with offline packing (a pack is one row)."""
+    """Samples per micro-batch with packing.in_batch (packed into one THD row); 1 with offline packing
+    (a pack is one micro-batch)."""
     global_batch_size: int = 8
-    """Micro-batches (packs) per optimizer step summed over data-parallel ranks."""
+    """Packs (offline) or samples (packing.in_batch) per optimizer step, summed over data-parallel ranks;
+    each rank runs global_batch_size / (dp * micro_batch_size) micro-batches."""
     global_batch_tokens: Optional[int] = None
     """Tokens per optimizer step (train.token_budget): packs are taken until met; replaces global_batch_size when set."""
     token_budget: str = "target"
@@ -427,8 +434,8 @@ class TrainConfig(_Group):
     """Optimizer steps."""
     lr: float = 3e-3
     """Peak learning rate."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of cosine decay."""
+    min_lr: Optional[float] = None
+    """Learning rate at the end of the decay; None means train.lr / 10."""
     lr_warmup_iters: int = 5
     """Linear warmup steps."""
     lr_decay_style: str = "cosine"
@@ -456,6 +463,11 @@ class TrainConfig(_Group):
     exit_after_iters: Optional[int] = None
     """Stop after this many steps in this process (for tests of kill and resume); None runs to train_iters."""
 
+    def __post_init__(self) -> None:
+        if self.min_lr is None and isinstance(self.lr, (int, float)):  # derived once, so every reader sees a float
+            object.__setattr__(self, "min_lr", self.lr / MIN_LR_DIVISOR)
+        _Group.__post_init__(self)
+
     def field_problems(self) -> list[str]:
         g = self.GROUP
         problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters",
@@ -466,7 +478,7 @@ class TrainConfig(_Group):
         if not self.lr > 0:
             problems.append(f"train.lr ({self.lr}) must be > 0; set train.lr=3e-4.")
         elif not 0 <= self.min_lr <= self.lr:
-            problems.append(f"train.min_lr ({self.min_lr}) must be in [0, train.lr={self.lr}]; set train.min_lr={self.lr / 10}.")
+            problems.append(f"train.min_lr ({self.min_lr}) must be in [0, train.lr={self.lr}]; set train.min_lr={self.lr / MIN_LR_DIVISOR:g} (or leave it unset: lr / 10).")
         if self.clip_grad < 0:
             problems.append(f"train.clip_grad ({self.clip_grad}) must be >= 0; set train.clip_grad=1.0 (0 disables).")
         return problems

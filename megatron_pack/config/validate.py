@@ -6,7 +6,7 @@ and ``validate`` raises one ``ConfigError`` listing every problem of every rule.
 names the dotted key, its value and the fix, for example::
 
     packing.pad_seq_to_mult (4) must be a multiple of lcm(2*cp=4, cp*tp=8) = 8 for cp=2, tp=4 with
-    sequence_parallel; set packing.pad_seq_to_mult=8 (or leave it unset to derive 8).
+    sequence_parallel; set packing.pad_seq_to_mult=8.
 
 Rules that need the world size run only when ``world_size`` is given; rules about the prepared
 dataset run only when ``dataset_meta`` (the packed dataset's plan metadata) is given.
@@ -21,8 +21,9 @@ from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "validate",
-           "validate_parallel", "vocab_problems"]
+__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "launch_problems",
+           "prepare_problems",
+           "validate", "validate_parallel", "vocab_problems"]
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -80,6 +81,8 @@ def _validate_pipeline_parallel(cfg: Config) -> list[str]:
 def _validate_context_parallel(cfg: Config) -> list[str]:
     cp = cfg.parallel.context_parallel_size
     seq = cfg.model.seq_length
+    if cfg.packing.offline and seq == cfg.packing.packed_sequence_size:
+        return []  # _validate_packed_sizes names the one fix for both keys (the pad multiple is a multiple of 2*CP)
     if cp > 1 and seq % (2 * cp):
         return [f"model.seq_length ({seq}) must be divisible by 2*parallel.context_parallel_size = {2 * cp} "
                 f"(each sequence is cut into 2*CP chunks); set model.seq_length={_ceil_to(seq, 2 * cp)}."]
@@ -223,17 +226,31 @@ def _validate_cuda_graphs(cfg: Config) -> list[str]:
     return problems
 
 
+def _pad_multiple_fix(cfg: Config) -> Optional[int]:
+    """None when packing.pad_seq_to_mult is unset or valid; else the one value to set it to.
+
+    The smallest multiple of the lcm rule that is >= the chosen value and divides the pack size
+    (so the pack-size rule then holds too), or the smallest multiple >= the value when none does.
+    """
+    value = cfg.packing.pad_seq_to_mult
+    required = required_pad_multiple(*_layout(cfg))
+    if value is None or value % required == 0:
+        return None
+    size = cfg.packing.packed_sequence_size
+    fixes = [m for m in range(_ceil_to(value, required), size + 1, required) if size % m == 0] if size else []
+    return fixes[0] if fixes else _ceil_to(value, required)
+
+
 def _validate_pad_multiple(cfg: Config) -> list[str]:
     """An explicit pad_seq_to_mult must be a multiple of the lcm rule."""
-    value = cfg.packing.pad_seq_to_mult
+    fix = _pad_multiple_fix(cfg)
+    if fix is None:
+        return []
     cp, tp, sp = _layout(cfg)
     required = required_pad_multiple(cp, tp, sp)
-    if value is None or value % required == 0:
-        return []
-    fix = _ceil_to(value, required)
-    return [f"packing.pad_seq_to_mult ({value}) must be a multiple of {pad_rule_text(cp, tp, sp)} = {required} "
-            f"for cp={cp}, tp={tp}{_sp_text(cp, tp, sp)}; set packing.pad_seq_to_mult={fix} "
-            f"(or leave it unset to derive {required})."]
+    return [f"packing.pad_seq_to_mult ({cfg.packing.pad_seq_to_mult}) must be a multiple of "
+            f"{pad_rule_text(cp, tp, sp)} = {required} for cp={cp}, tp={tp}{_sp_text(cp, tp, sp)}; "
+            f"set packing.pad_seq_to_mult={fix}."]
 
 
 def _validate_packed_sizes(cfg: Config) -> list[str]:
@@ -241,20 +258,22 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
     if not cfg.packing.offline:
         return []
     problems = []
-    size, pad = cfg.packing.packed_sequence_size, effective_pad_multiple(cfg)
+    size = cfg.packing.packed_sequence_size
+    pad = _pad_multiple_fix(cfg) or effective_pad_multiple(cfg)  # the value the pad message says to set
     if size % pad:
         source = ("packing.pad_seq_to_mult" if cfg.packing.pad_seq_to_mult is not None
                   else f"derived: {pad_rule_text(*_layout(cfg))}")
+        both = (f" and model.seq_length={_ceil_to(size, pad)} (they are equal with offline packing)"
+                if cfg.model.seq_length == size else "")
         problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
-                        f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}.")
+                        f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}{both}.")
     longest = cfg.packing.max_single_sequence_length
     if longest is not None and longest > size:
         problems.append(f"packing.max_single_sequence_length ({longest}) must be <= packing.packed_sequence_size "
                         f"({size}); set packing.max_single_sequence_length={size} (or leave it unset).")
     if cfg.model.seq_length != size:
         problems.append(f"model.seq_length ({cfg.model.seq_length}) must equal packing.packed_sequence_size ({size}) "
-                        f"with offline packing; set model.seq_length={size} "
-                        f"(or packing.packed_sequence_size={cfg.model.seq_length}).")
+                        f"with offline packing; set model.seq_length={size}.")
     return problems
 
 
@@ -492,3 +511,19 @@ def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None
     problems = _world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
     if problems:
         raise ConfigError(problems)
+
+
+def launch_problems(cfg: Config, *, world_size: Optional[int]) -> list[str]:
+    """The rules no setting read from a prepared dataset can change (world size, PP, sequence
+    parallelism, batch split): train checks them before it looks for the dataset."""
+    par = cfg.parallel
+    return (_world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
+            + _validate_batch_size(cfg, world_size))
+
+
+def prepare_problems(cfg: Config) -> list[str]:
+    """What only ``prepare`` needs (it reads the raw data; train and verify read the prepared dataset)."""
+    if cfg.data.source == "files" and not cfg.data.input:
+        return ["data.input (None) is required by prepare when data.source=files; "
+                "set data.input=/path/to/train.jsonl (a file, directory or glob), or input=... for short."]
+    return []

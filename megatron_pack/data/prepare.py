@@ -71,6 +71,9 @@ def store_inputs(cfg, tokenizer) -> dict:
         mixture = [{"name": e["name"], "input": e["input"], "schema": source_schema(cfg, e).identity()}
                    for e in d.sources]
         sources = {"kind": "files", "input": [e["input"] for e in d.sources], "files": files, "mixture": mixture}
+    elif not d.input:
+        raise DataError("data.input (None) is required by prepare when data.source=files; "
+                        "set data.input=/path/to/train.jsonl (a file, directory or glob), or data.sources.")
     else:
         files = resolve_inputs(d.input)
         sources = {"kind": "files", "input": d.input,
@@ -101,6 +104,11 @@ def _chunks(cfg, inputs: dict):
         yield from iter_chunks([Path(f["path"]) for f in src["files"]], FILE_CHUNK)
 
 
+def _tokenizer_path(name: str) -> str:
+    """What train and verify set data.tokenizer to by default: 'byte', or the absolute tokenizer folder."""
+    return name if name == "byte" or not Path(name).exists() else str(Path(name).resolve())
+
+
 def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = True) -> TokenStore:
     """Tokenize into a temporary directory beside ``target`` and rename it into place."""
     num_workers = default_num_workers(cfg.data.tokenize_workers, tokenizer)
@@ -115,7 +123,8 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
         if counts["num_samples"] == 0:
             raise DataError(f"data.input ({cfg.data.input}) holds no records; nothing to prepare.")
         meta = {**inputs, **counts, **store_statistics(tmp), "format": STORE_FORMAT,
-                "fingerprint": fingerprint(inputs), "vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
+                "fingerprint": fingerprint(inputs), "tokenizer_path": _tokenizer_path(cfg.data.tokenizer),
+                "vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
                 "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
                 "token_dtype": np.dtype(token_dtype_for(tokenizer.vocab_size)).name,
                 "num_tokenize_workers": num_workers, "tokenize_seconds": round(time.perf_counter() - start, 3),

@@ -3,9 +3,11 @@
 One optimizer step on every rank:
 
 1. ``ddp.zero_grad_buffer()``;
-2. ``num_microbatches = train.global_batch_size / dp`` forward/backward passes, each on one pack
-   (or as many as the loader's ``begin_step()`` plans: a token budget, a balanced deal, online packs)
-   (``forward_step``: next pack, this CP rank's slice, ``PackedSeqParams``), backward on the
+2. ``num_microbatches = train.global_batch_size / (dp * micro_batch_size)`` forward/backward passes,
+   each on one THD row: an offline pack (micro_batch_size 1) or, with ``packing.in_batch``,
+   micro_batch_size samples packed at collate (or as many as the loader's ``begin_step()`` plans:
+   a token budget, a balanced deal, online packs) (``forward_step``: next row, this CP rank's slice,
+   ``PackedSeqParams``), backward on the
    pack's loss SUM. Nothing divides by the number of micro-batches, CP or DP size. On GPU this
    is megatron-core's ``get_forward_backward_func()``; on CPU :func:`forward_backward_cpu` runs
    the same logic without its CUDA-only pieces;
@@ -181,7 +183,9 @@ class Trainer:
 
     @property
     def num_microbatches(self) -> int:
-        return self.cfg.train.global_batch_size // self.state.dp_size
+        """Micro-batches per step on this DP rank: global_batch_size / (dp * micro_batch_size). Each is one
+        THD row: a pack (offline, micro_batch_size 1) or micro_batch_size samples packed at collate."""
+        return self.cfg.train.global_batch_size // (self.state.dp_size * self.cfg.train.micro_batch_size)
 
     def compute_gradients(self) -> tuple[StepCounts, list[PackInfo]]:
         """Forward/backward over this step's micro-batches, the loss check, and
@@ -423,9 +427,12 @@ def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
         first, last = records[0], records[-1]
         lines.append(f"lm loss: first {first['lm_loss']:.4f} (step {first['step']}) -> "
                      f"last {last['lm_loss']:.4f} (step {last['step']})")
-    if getattr(dataset, "plan_dir", None) is not None:  # online packing has no plan
+    if getattr(dataset, "plan_dir", None) is not None:  # online packing and in-batch packing have no plan
         plan = Path(dataset.plan_dir)
         lines.append(f"packing report: {plan / 'report.json'} and {plan / 'report.png'}")
+    elif cfg.packing.in_batch:
+        lines.append(f"in-batch packing: micro-batches of {cfg.train.micro_batch_size} samples packed at collate "
+                     f"(no offline plan, so no packing report)")
     lines += [f"metrics: {out / 'metrics.jsonl'}",
               f"TensorBoard: tensorboard --logdir {out / 'tensorboard'}"]
     if cfg.checkpoint.enabled:

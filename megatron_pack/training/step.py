@@ -16,11 +16,47 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 
+def _cu_seqlens(batch: Mapping[str, Any], key: str) -> torch.Tensor:
+    """``batch[key]`` as int32 [N+1]; a [1, N+1] tensor (a DataLoader's batch dimension) is squeezed.
+
+    Anything else ([B, N+1] with B > 1, a scalar) is refused naming the key: one THD row has one
+    cu_seqlens, and flattening several would silently join their sequences.
+    """
+    value = batch[key]
+    cu = value if torch.is_tensor(value) else torch.as_tensor(value)
+    if cu.dim() == 2 and cu.shape[0] == 1:
+        cu = cu[0]
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"batch['{key}'] has shape {list(cu.shape)}; get_packed_seq_params needs one THD row's "
+                         f"cumulative lengths, shape [N+1] (or [1, N+1]) starting at 0. Collate with "
+                         "micro_batch_size 1 (one pack per micro-batch), or pack the rows of a [B, S] batch into "
+                         "one row with megatron_pack.data.in_batch.pack_batch_sequences.")
+    return cu.to(torch.int32)
+
+
+def _max_seqlen(batch: Mapping[str, Any]) -> int:
+    """``batch['max_seqlen']`` as a Python int; a one-element tensor or array is read, more are refused."""
+    value = batch["max_seqlen"]
+    if torch.is_tensor(value) or hasattr(value, "shape"):
+        flat = torch.as_tensor(value).reshape(-1)
+        if flat.numel() != 1:
+            raise ValueError(f"batch['max_seqlen'] has shape {list(torch.as_tensor(value).shape)} ({flat.tolist()[:8]}); "
+                             "it must be one integer per THD row (the longest padded sub-sequence). Collate "
+                             "with micro_batch_size 1, or pass int(batch['max_seqlen'].max()) for one packed row.")
+        if flat.device.type != "cpu":
+            raise ValueError("batch['max_seqlen'] is a device tensor; keep it a Python int (the collate's), "
+                             "reading it would sync the device.")
+        value = flat[0].item()
+    if isinstance(value, bool) or int(value) != value or int(value) < 0:
+        raise ValueError(f"batch['max_seqlen'] ({value!r}) must be a non-negative integer.")
+    return int(value)
+
+
 def _has_padding(batch: Mapping[str, Any]) -> bool:
     """True when the pack holds padding tokens: from the collate's count, else from CPU cu_seqlens."""
     if "num_pad_tokens" in batch:
         return int(batch["num_pad_tokens"]) > 0
-    real, padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
+    real, padded = _cu_seqlens(batch, "cu_seqlens"), _cu_seqlens(batch, "cu_seqlens_padded")
     if real.device.type != "cpu" or padded.device.type != "cpu":
         raise ValueError("get_packed_seq_params needs batch['num_pad_tokens'] or CPU cu_seqlens (reading a "
                          "device tensor would sync the device); call it on the loader's batch before moving it.")
@@ -33,16 +69,21 @@ def get_packed_seq_params(batch: Mapping[str, Any], *, force_padded: bool = Fals
     ``cu_seqlens_q/kv`` are the real cumulative lengths; ``cu_seqlens_q/kv_padded`` the physical
     ones, passed only when the pack has padding (an unpadded pack takes the faster kernel path)
     or when ``force_padded`` is set (CUDA graphs: the captured call must see the same arguments
-    every step). ``max_seqlen_q/kv`` are Python ints. The tensors are the batch's own int32 CPU
+    every step). ``max_seqlen_q/kv`` are Python ints. A DataLoader's leading batch dimension of 1
+    is squeezed (cu_seqlens [1, N+1], max_seqlen tensor([8])); several rows are refused naming the
+    key (pack them into one row first). The tensors are the batch's own int32 CPU
     tensors; the caller moves the result to the device. No device tensor is read.
 
     Example: ``cu_seqlens=[0,2,4]``, ``cu_seqlens_padded=[0,4,8]``, ``max_seqlen=4`` ->
     ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=[0,2,4], cu_seqlens_q_padded=[0,4,8],
     max_seqlen_q=4, ...)`` (kv the same).
     """
-    cu_seqlens = batch["cu_seqlens"].to(torch.int32)
-    padded = batch["cu_seqlens_padded"].to(torch.int32) if force_padded or _has_padding(batch) else None
-    max_seqlen = int(batch["max_seqlen"])
+    cu_seqlens = _cu_seqlens(batch, "cu_seqlens")
+    padded = _cu_seqlens(batch, "cu_seqlens_padded") if force_padded or _has_padding(batch) else None
+    if padded is not None and padded.numel() != cu_seqlens.numel():
+        raise ValueError(f"batch['cu_seqlens'] has {cu_seqlens.numel()} entries but batch['cu_seqlens_padded'] has "
+                         f"{padded.numel()}; both list the same N sub-sequences (N+1 entries each).")
+    max_seqlen = _max_seqlen(batch)
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,

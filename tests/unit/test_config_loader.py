@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_pack.config import (Config, ConfigError, DataConfig, ModelConfig, config_dir, config_to_yaml,
                                   load_config)
@@ -19,12 +23,20 @@ TYPOS = [
     ("group-of-key", ["modle.num_layers=2"], "unknown key 'modle.num_layers'", "did you mean 'model.num_layers'?"),
     ("bare-field", ["num_layers=3"], "unknown key 'num_layers'", "did you mean 'model.num_layers'?"),
     ("added-key", ["+train.lrr=0.1"], "unknown key 'train.lrr'", "did you mean 'train.lr'?"),
-    ("preset", ["data=synthtic"], "no preset 'synthtic' in configs/data/", "did you mean 'synthetic'?"),
+    ("preset", ["data=synthtic"], "no preset 'synthtic' in data/", "did you mean 'synthetic'?"),
     ("group", ["paralel=cp2"], "unknown key 'paralel'", "did you mean 'parallel'?"),
     ("experiment", ["experiment=quickstrat"], "no preset 'quickstrat'", "did you mean 'quickstart'?"),
     ("no-presets", ["packing=big"], "'packing' has no presets", "packing.packed_sequence_size=<value>"),
     ("type", ["model.num_layers=abc"], "model.num_layers=abc", "set model.num_layers to a value of type int"),
     ("not-key-value", ["model.num_layers"], "not a key=value override", "group.key=value"),
+    # issue 11 item 2: bare keys with no close match crashed the checker with an IndexError
+    ("bare-lr", ["lr=1e-4"], "unknown key 'lr'", "did you mean 'train.lr'?"),
+    ("bare-no-match", ["foo=1"], "unknown key 'foo'", "with a group among checkpoint, data"),
+    ("bare-empty-value", ["output="], "unknown key 'output'", "did you mean 'data.dataset_dir'?"),
+    ("synonym", ["train.learning_rate=1e-4"], "unknown key 'train.learning_rate'", "did you mean 'train.lr'?"),
+    ("synonym-hf", ["max_steps=10"], "unknown key 'max_steps'", "did you mean 'train.train_iters'?"),
+    ("group-no-close-field", ["train.foo=1"], "unknown key 'train.foo'", "keys of train: micro_batch_size"),
+    ("unknown-group", ["xyz.abc=1"], "unknown key 'xyz.abc'", "with a group among"),
 ]
 
 
@@ -34,6 +46,24 @@ def test_typo_fails_with_suggestion(overrides, problem, fix):
         load_config(overrides)
     assert len(info.value.problems) == 1
     assert problem in info.value.problems[0] and fix in info.value.problems[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abcdefghijklmnopqrstuvwxyz_.0123456789", min_size=1, max_size=30))
+def test_suggestion_never_raises_whatever_the_key(key):
+    from megatron_pack.config.loader import _all_keys, _unknown_key
+
+    message = _unknown_key(f"{key}=1", key, _all_keys(), ["model", "data", "experiment"])
+    assert message.startswith(f"{key}=1: unknown key '{key}'") and ("did you mean" in message or "keys " in message)
+
+
+def test_min_lr_defaults_to_a_tenth_of_lr():
+    """issue 11 item 8: ``train.lr=2e-5`` alone validates; an explicit min_lr still wins and is checked."""
+    assert load_config(["train.lr=2e-5"]).train.min_lr == pytest.approx(2e-6, rel=1e-12)
+    assert load_config([]).train.min_lr == pytest.approx(3e-4, rel=1e-12)
+    assert load_config(["train.lr=2e-5", "train.min_lr=0"]).train.min_lr == 0.0
+    with pytest.raises(ConfigError, match=r"train.min_lr \(0.1\) must be in \[0, train.lr=2e-05\]"):
+        load_config(["train.lr=2e-5", "train.min_lr=0.1"])
 
 
 def test_every_typo_reported_at_once():
@@ -47,10 +77,10 @@ def test_every_typo_reported_at_once():
 
 def test_field_problems_collected_from_every_group():
     with pytest.raises(ConfigError) as info:
-        load_config(["model.num_layers=0", "train.lr=-1", "parallel.cp_comm_type=ring", "data.source=files"])
+        load_config(["model.num_layers=0", "train.lr=-1", "parallel.cp_comm_type=ring", "data.num_workers=-1"])
     text = str(info.value)
     assert len(info.value.problems) == 4
-    for part in ("model.num_layers (0)", "train.lr (-1.0)", "parallel.cp_comm_type ('ring')", "data.input (None)"):
+    for part in ("model.num_layers (0)", "train.lr (-1.0)", "parallel.cp_comm_type ('ring')", "data.num_workers (-1)"):
         assert part in text
 
 
@@ -128,22 +158,81 @@ def test_config_to_yaml_round_trips():
     assert Config(**{k: type(getattr(cfg, k))(**v) for k, v in loaded.items()}) == cfg
 
 
-def test_config_dir_from_environment(tmp_path, monkeypatch):
-    custom = tmp_path / "configs"
-    shutil.copytree(config_dir(), custom)
-    (custom / "parallel" / "cp8.yaml").write_text("context_parallel_size: 8\n")
-    monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", str(custom))
-    assert config_dir() == custom
-    assert load_config(["parallel=cp8"]).parallel.context_parallel_size == 8
-    monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", str(tmp_path / "missing"))
-    with pytest.raises(ConfigError, match="MEGATRON_PACK_CONFIG_DIR"):
-        load_config([])
+def test_presets_ship_inside_the_package():
+    """issue 11 item 9: the presets are package data (a wheel install has them), not a repo folder."""
+    import megatron_pack
+
+    assert config_dir() == Path(megatron_pack.__file__).resolve().parent / "config" / "presets"
+    assert {"model", "data", "parallel", "experiment"} <= set(presets(config_dir()))
+    assert (config_dir() / "config.yaml").is_file() and "quickstart" in presets(config_dir())["experiment"]
 
 
-def test_unknown_key_inside_a_yaml_file_fails(tmp_path, monkeypatch):
-    custom = tmp_path / "configs"
-    shutil.copytree(config_dir(), custom)
-    (custom / "model" / "bad.yaml").write_text("num_layer: 2\n")
-    monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", str(custom))
+def _user_dir(tmp_path) -> Path:
+    user = tmp_path / "mine"
+    (user / "parallel").mkdir(parents=True)
+    (user / "parallel" / "cp8.yaml").write_text("context_parallel_size: 8\n")
+    (user / "experiment").mkdir()
+    (user / "experiment" / "my_run.yaml").write_text("# @package _global_\ntrain:\n  lr: 0.0123\n")
+    return user
+
+
+USER_DIRS = [  # how a user folder is named: the environment variable, --config-dir, or both
+    ("env", "env"), ("flag", "flag"), ("env-with-separator", "env2"),
+]
+
+
+@pytest.mark.parametrize("how", [c[1] for c in USER_DIRS], ids=[c[0] for c in USER_DIRS])
+def test_user_config_folder_is_searched_after_the_shipped_presets(tmp_path, monkeypatch, how):
+    user = _user_dir(tmp_path)
+    dirs = []
+    if how == "flag":
+        dirs = [str(user)]
+    else:
+        other = tmp_path / "other"
+        other.mkdir()
+        monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", str(user) if how == "env" else f"{other}{os.pathsep}{user}")
+    cfg = load_config(["parallel=cp8", "experiment=my_run"], config_dirs=dirs)
+    assert cfg.parallel.context_parallel_size == 8 and cfg.train.lr == 0.0123
+    assert load_config(["model=tiny"], config_dirs=dirs).model.name == "tiny"  # shipped presets still there
+
+
+def test_experiment_file_by_path_needs_no_folder(tmp_path, monkeypatch):
+    run = tmp_path / "quickstart.yaml"  # even the name of a shipped preset, and without a package line
+    run.write_text("train:\n  lr: 0.05\nparallel:\n  context_parallel_size: 2\n")
+    monkeypatch.chdir(tmp_path)
+    for spelling in (str(run), "quickstart.yaml", "+experiment=quickstart.yaml"):
+        text = spelling if spelling.startswith("+") else f"experiment={spelling}"
+        cfg = load_config([text])
+        assert cfg.train.lr == 0.05 and cfg.parallel.context_parallel_size == 2, text
+    assert not list(Path(tempfile.gettempdir()).glob("megatron_pack_experiment_*"))  # scratch removed
+
+
+USER_DIR_ERRORS = [
+    ("missing-flag", lambda t: ([], [str(t / "missing")], None), "--config-dir"),
+    ("missing-env", lambda t: ([], [], str(t / "missing")), "MEGATRON_PACK_CONFIG_DIR"),
+    ("missing-file", lambda t: ([f"experiment={t / 'nope.yaml'}"], [], None), "no such file"),
+    ("shadows-shipped", lambda t: ([], [str(t / "mine")], None), "has the name of the shipped preset model=tiny"),
+    ("unknown-preset", lambda t: (["parallel=cp9"], [str(t / "mine")], None), "Available: cp1, cp2, cp4, cp8"),
+]
+
+
+@pytest.mark.parametrize("build,message", [c[1:] for c in USER_DIR_ERRORS], ids=[c[0] for c in USER_DIR_ERRORS])
+def test_user_config_folder_mistakes_name_the_fix(tmp_path, monkeypatch, build, message):
+    user = _user_dir(tmp_path)
+    (user / "model").mkdir()
+    overrides, dirs, env = build(tmp_path)
+    if "shipped preset" in message:
+        (user / "model" / "tiny.yaml").write_text("num_layers: 7\n")
+    if env:
+        monkeypatch.setenv("MEGATRON_PACK_CONFIG_DIR", env)
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, config_dirs=dirs)
+    assert len(info.value.problems) == 1 and message in info.value.problems[0], info.value.problems
+
+
+def test_unknown_key_inside_a_yaml_file_fails(tmp_path):
+    user = tmp_path / "mine"
+    (user / "model").mkdir(parents=True)
+    (user / "model" / "bad.yaml").write_text("num_layer: 2\n")
     with pytest.raises(ConfigError, match="num_layer"):
-        load_config(["model=bad"])
+        load_config(["model=bad"], config_dirs=[user])

@@ -20,8 +20,8 @@ FIELD_CASES = [  # (id, group, fields, fragments of the problem; () = valid)
     ("model-gqa", "model", dict(num_query_groups=3), ("model.num_query_groups (3) must divide", "(e.g. 2)")),
     ("model-head-dim", "model", dict(hidden_size=66), ("model.hidden_size (66)", "set model.kv_channels=<head dim>")),
     ("model-head-dim-explicit", "model", dict(hidden_size=66, kv_channels=16), ()),
-    ("data-files-need-input", "data", dict(source="files"), ("data.input (None) is required",
-                                                              "set data.input=/path/to/train.jsonl")),
+    # issue 11 item 6: train reads the prepared store, so data.input is required by prepare only
+    ("data-files-input-optional", "data", dict(source="files"), ()),
     ("data-files", "data", dict(source="files", input="/x.jsonl"), ()),
     ("data-workers-zero-ok", "data", dict(num_workers=0), ()),
     ("data-workers-negative", "data", dict(num_workers=-1), ("data.num_workers (-1) must be a non-negative integer",)),

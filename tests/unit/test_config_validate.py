@@ -250,7 +250,7 @@ def test_pad_multiple_rule_property(cp, tp, sp, factor, delta):
     problems = validate_module._validate_pad_multiple(make(**layout, packing__pad_seq_to_mult=bad))
     if bad % required:
         assert len(problems) == 1 and f"= {required} for cp={cp}, tp={tp}" in problems[0]
-        fix = int(problems[0].split("set packing.pad_seq_to_mult=")[1].split(" ")[0])
+        fix = int(problems[0].split("set packing.pad_seq_to_mult=")[1].split(" ")[0].rstrip("."))
         assert fix % required == 0 and fix >= bad
     else:
         assert problems == []
@@ -277,3 +277,42 @@ def test_validate_parallel_is_validate_world_rules():
         validate(cfg, world_size=3)
     assert set(info.value.problems) <= set(full.value.problems)
     validate_module.validate_parallel(make().parallel, world_size=4)  # a valid layout passes
+
+def _apply_fixes(cfg: Config, problems: list[str]) -> tuple[Config, int]:
+    """``cfg`` with every ``set group.key=<int>`` a message names applied; and how many were applied."""
+    import re
+
+    changes = {}
+    for text in problems:
+        for key, value in re.findall(r"(?:set|and) ([a-z]+\.[a-z_]+)=(\d+)", text):
+            changes[key.replace(".", "__")] = int(value)
+    fields = {f"{g}__{f.name}": getattr(getattr(cfg, g), f.name)
+              for g in ("packing", "model", "parallel") for f in dataclasses.fields(getattr(cfg, g))}
+    return make(**{**{k: v for k, v in fields.items() if k.startswith(("packing", "model", "parallel"))},
+                   **changes}), len(changes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cp=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 4]), sp=st.booleans(),
+       pad=st.one_of(st.none(), st.integers(1, 24)), size=st.integers(8, 600))
+def test_pad_and_pack_size_messages_give_one_fix_that_works(cp, tp, sp, pad, size):
+    """issue 11 item 7: applying the fixes the pad-multiple, pack-size and CP messages name (each
+    names one value per key) leaves none of those problems; they never contradict each other."""
+    cfg = make(parallel__context_parallel_size=cp, parallel__tensor_model_parallel_size=tp,
+               parallel__sequence_parallel=sp and tp > 1, model__num_query_groups=4, packing__pad_seq_to_mult=pad,
+               packing__packed_sequence_size=size, model__seq_length=size)
+    rules = (validate_module._validate_pad_multiple, validate_module._validate_packed_sizes,
+             validate_module._validate_context_parallel)
+    problems = [p for rule in rules for p in rule(cfg)]
+    keys = [p.split(" ", 1)[0] for p in problems]
+    assert len(keys) == len(set(keys)), problems  # one message per key
+    fixed, num_changes = _apply_fixes(cfg, problems)
+    assert bool(problems) == bool(num_changes), problems  # a problem always names a value to set
+    assert [p for rule in rules for p in rule(fixed)] == [], (problems, fixed.packing, fixed.model.seq_length)
+
+
+def test_fix_property_is_not_vacuous():
+    bad = make(parallel__context_parallel_size=2, packing__pad_seq_to_mult=6)
+    problems = validate_module._validate_pad_multiple(bad) + validate_module._validate_packed_sizes(bad)
+    assert problems == ["packing.pad_seq_to_mult (6) must be a multiple of lcm(2*cp=4) = 4 for cp=2, tp=1; "
+                        "set packing.pad_seq_to_mult=8."]

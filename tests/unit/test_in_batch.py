@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import itertools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -121,3 +123,79 @@ def test_in_batch_properties(lengths, multiple):
     real = out["loss_mask"][0] > 0
     expected = [10 * (b + 1) + j for b, n in enumerate(lengths) for j in range(n)]
     assert out["tokens"][0][real].tolist() == expected and int(real.sum()) == sum(lengths) > 0
+
+
+# ---- collate_in_batch: the collate of packing.in_batch=true (issue 11, "in-batch packing must train") ----
+
+def test_collate_in_batch_hand_computed():
+    from megatron_pack.data.batches.in_batch import collate_in_batch
+
+    samples = [{"input_ids": [5, 6, 7, 2], "loss_mask": [0, 1, 1, 1], "sample_id": 40},
+               {"input_ids": [8, 9, 10, 11, 12, 2], "loss_mask": [0, 0, 1, 1, 1, 1], "sample_id": 7}]
+    b = collate_in_batch(samples, pad_multiple=4, pad_id=0)
+    assert b["tokens"].tolist() == [[5, 6, 7, 0, 8, 9, 10, 11, 12, 0, 0, 0]]
+    assert b["labels"].tolist() == [[6, 7, 2, 0, 9, 10, 11, 12, 2, 0, 0, 0]]
+    assert b["loss_mask"].tolist() == [[1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0]]
+    assert b["cu_seqlens"].tolist() == [0, 3, 8] and b["cu_seqlens_padded"].tolist() == [0, 4, 12]
+    assert b["max_seqlen"] == 8 and b["sample_ids"].tolist() == [40, 7] and b["num_target_tokens"] == 7
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=6), mult=st.sampled_from([1, 2, 4, 8]),
+       seed=st.integers(0, 10**6))
+def test_collate_in_batch_equals_the_offline_collate_per_sample(lengths, mult, seed):
+    """Every sub-sequence (tokens, labels, loss_mask, positions, boundaries) is what collate_thd gives the
+    same samples, with a pad id that also occurs inside samples (boundaries never come from token values)."""
+    from megatron_pack.config.layout import round_up
+    from megatron_pack.data.batches.in_batch import collate_in_batch
+    from megatron_pack.data.batches.thd import collate_thd
+
+    rng = np.random.default_rng(seed)
+    samples = [{"input_ids": np.append(rng.integers(0, 4, n), 3), "loss_mask": rng.integers(0, 2, n + 1),
+                "sample_id": i} for i, n in enumerate(lengths)]  # pad id 0 appears inside the samples
+    got = collate_in_batch(samples, pad_multiple=mult, pad_id=0)
+    size = sum(round_up(n, mult) for n in lengths)
+    ref = collate_thd(samples, pack_size=size, pad_multiple=mult, pad_id=0)
+    assert got["tokens"].shape[-1] % mult == 0 and got["cu_seqlens_padded"][-1] == got["tokens"].shape[-1]
+    for key in ("tokens", "labels", "loss_mask", "cu_seqlens", "cu_seqlens_padded", "sample_ids"):
+        assert torch.equal(got[key].to(ref[key].dtype), ref[key]), key
+    real = [torch.arange(c, c + n) for c, n in zip(ref["cu_seqlens_padded"][:-1].tolist(), lengths)]
+    idx = torch.cat(real)
+    assert torch.equal(got["position_ids"][0, idx], ref["position_ids"][0, idx])
+    assert got["num_target_tokens"] == int(sum(int(s["loss_mask"][1:].sum()) for s in samples)) >= 0
+
+
+def test_micro_batch_dataset_keeps_every_sample_once(tmp_path):
+    from megatron_pack.cli.main import main
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.loader import collate_from_config, open_dataset
+
+    ds = tmp_path / "ds"
+    assert main(["prepare", "data=synthetic", "data.synthetic_num_samples=50", "data.tokenize_workers=1",
+                 f"data.dataset_dir={ds}", "packing.packed_sequence_size=256"]) == 0
+    cfg = load_config([f"data.dataset_dir={ds}", "packing.in_batch=true", "packing.packed_sequence_size=0",
+                       "train.micro_batch_size=4", "train.global_batch_size=8", "model.seq_length=256",
+                       "parallel.context_parallel_size=2"])
+    dataset = open_dataset(cfg)
+    groups = [dataset.sample_ids(i).tolist() for i in range(len(dataset))]
+    assert len(dataset) == 13 and [len(g) for g in groups] == [4] * 12 + [2]  # 50 = 12 * 4 + 2: none left out
+    assert sorted(i for g in groups for i in g) == list(range(50))
+    batch = collate_from_config(cfg, dataset.metadata)(dataset[0])
+    assert batch["sample_ids"].tolist() == groups[0]
+    assert all(int(n) % 4 == 0 for n in torch.diff(batch["cu_seqlens_padded"]))  # CP=2 pad multiple
+
+
+def test_micro_batch_dataset_applies_the_overflow_policy(tmp_path):
+    from megatron_pack.cli.main import main
+    from megatron_pack.data.batches.micro_batches import MicroBatchDataset
+    from megatron_pack.data.formats.sources import DataError
+
+    ds = tmp_path / "ds"
+    assert main(["prepare", "data=synthetic", "data.synthetic_num_samples=50", "data.tokenize_workers=1",
+                 f"data.dataset_dir={ds}", "packing.packed_sequence_size=256"]) == 0
+    longest = int(json.loads((ds / "metadata.json").read_text())["sample_num_ids_percentiles"]["max"]) - 1
+    with pytest.raises(DataError, match="model.seq_length"):
+        MicroBatchDataset(ds, micro_batch_size=4, max_length=longest - 1)
+    kept = MicroBatchDataset(ds, micro_batch_size=4, max_length=longest - 1, on_overflow="truncate")
+    assert kept.metadata["accounting"]["num_samples_truncated"] >= 1
+    assert max(len(s["input_ids"]) for i in range(len(kept)) for s in kept[i]) - 1 <= longest - 1

@@ -49,3 +49,43 @@ def test_device_tensors_without_count_are_refused():
     batch["cu_seqlens"] = batch["cu_seqlens"].to("meta")
     with pytest.raises(ValueError, match="num_pad_tokens"):
         get_packed_seq_params(batch)
+
+
+# issue 11 item 11: a DataLoader's batch dimension is squeezed; shapes that are not one row are
+# refused naming the key (was a bare torch error)
+SQUEEZED = [
+    ("cu-1xN", {"cu_seqlens": torch.tensor([[0, 2, 4]]), "cu_seqlens_padded": torch.tensor([[0, 4, 8]]),
+                "max_seqlen": 4}),
+    ("max-seqlen-tensor-1", {"cu_seqlens": torch.tensor([0, 2, 4]), "cu_seqlens_padded": torch.tensor([0, 4, 8]),
+                             "max_seqlen": torch.tensor([4])}),
+    ("max-seqlen-0d", {"cu_seqlens": [0, 2, 4], "cu_seqlens_padded": [0, 4, 8], "max_seqlen": torch.tensor(4)}),
+]
+
+
+@pytest.mark.parametrize("batch", [c[1] for c in SQUEEZED], ids=[c[0] for c in SQUEEZED])
+def test_batch_dimension_of_one_is_squeezed(batch):
+    params = get_packed_seq_params(batch)
+    assert params.cu_seqlens_q.tolist() == [0, 2, 4] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8]
+    assert params.cu_seqlens_q.dtype == torch.int32
+    assert type(params.max_seqlen_q) is int and params.max_seqlen_q == 4
+
+
+REFUSED = [
+    ("max-seqlen-per-row", {"cu_seqlens": torch.tensor([0, 2, 4]), "cu_seqlens_padded": torch.tensor([0, 4, 8]),
+                            "max_seqlen": torch.tensor([4, 4])}, "batch['max_seqlen'] has shape [2]"),
+    ("cu-2xN", {"cu_seqlens": torch.tensor([[0, 2, 4], [0, 1, 2]]), "cu_seqlens_padded": torch.tensor([0, 4, 8]),
+                "max_seqlen": 4}, "batch['cu_seqlens'] has shape [2, 3]"),
+    ("cu-padded-2xN", {"cu_seqlens": torch.tensor([0, 2, 4]), "cu_seqlens_padded": torch.tensor([[0, 4, 8], [0, 4, 8]]),
+                       "max_seqlen": 4}, "batch['cu_seqlens_padded'] has shape [2, 3]"),
+    ("cu-scalar", {"cu_seqlens": torch.tensor(4), "cu_seqlens_padded": torch.tensor([0, 4]), "max_seqlen": 4},
+     "batch['cu_seqlens'] has shape []"),
+    ("length-mismatch", {"cu_seqlens": torch.tensor([0, 2]), "cu_seqlens_padded": torch.tensor([0, 4, 8]),
+                         "max_seqlen": 4}, "has 2 entries but batch['cu_seqlens_padded'] has 3"),
+]
+
+
+@pytest.mark.parametrize("batch,message", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_not_one_row_is_refused_naming_the_key(batch, message):
+    with pytest.raises(ValueError) as info:
+        get_packed_seq_params(batch)
+    assert message in str(info.value)

@@ -116,6 +116,34 @@ def test_overflow_error_lists_offenders(tmp_path):
     assert "packing.on_overflow=drop" in message and "packing.on_overflow=truncate" in message
 
 
+OVERFLOW_FIXES = [  # (id, packing settings that overflow, the fix the message must name)
+    ("pack-too-small", {"packed_sequence_size": 64}, "packing.packed_sequence_size=72"),
+    ("max-length-below-pack", {"packed_sequence_size": 128, "max_single_sequence_length": 64},
+     "packing.max_single_sequence_length=128"),
+]
+
+
+@pytest.mark.parametrize("packing,fix", [c[1:] for c in OVERFLOW_FIXES], ids=[c[0] for c in OVERFLOW_FIXES])
+def test_overflow_fixes_each_work_as_written(tmp_path, packing, fix):
+    """issue 11 item 7: every ``set key=value`` the overflow error names makes prepare succeed
+    (raising max_single_sequence_length past the pack size was offered and could not work)."""
+    import re
+
+    write_jsonl(tmp_path / "train.jsonl", _overflow_records())
+    with pytest.raises(DataError) as err:
+        prepare(make_cfg(tmp_path, packing=packing), progress=False)
+    fixes = re.findall(r"set (packing\.[a-z_]+)=([a-z0-9]+)", str(err.value))
+    assert f"{fix.split('=')[0]}" in dict(fixes) and dict(fixes)[fix.split("=")[0]] == fix.split("=")[1], fixes
+    assert len(fixes) >= 2  # truncate, and the way to keep them whole
+    for key, value in fixes:
+        name = key.split(".")[1]
+        changed = {**packing, name: int(value) if value.isdigit() else value}
+        if name == "packed_sequence_size":
+            changed.pop("max_single_sequence_length", None)
+        plan = prepare(make_cfg(tmp_path, packing=changed), progress=False)
+        assert (plan / "metadata.json").is_file(), (key, value)
+
+
 def test_idempotent_and_plans_share_the_store(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", mixed_records(50))
     cfg = make_cfg(tmp_path, packing={"packed_sequence_size": 128})

@@ -102,8 +102,13 @@ class PackedSFTDataset:
         return plans[0]
 
     @classmethod
-    def from_config(cls, cfg) -> "PackedSFTDataset":
-        """The dataset at ``data.dataset_dir`` with the plan matching ``cfg``'s packing settings."""
+    def from_config(cls, cfg, *, plan_dir=None, check_tokenizer: bool = True) -> "PackedSFTDataset":
+        """The dataset at ``data.dataset_dir`` with the plan matching ``cfg``'s packing settings.
+
+        ``plan_dir`` (chosen by ``megatron_pack.data.store.recorded.choose_plan``) must hold the
+        plan ``cfg`` describes; ``check_tokenizer=False`` skips rebuilding ``data.tokenizer`` when it
+        was read from the dataset itself.
+        """
         dataset_dir = Path(cfg.data.dataset_dir)
         fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} "
                f"packing.packed_sequence_size={cfg.packing.packed_sequence_size} ...` with the same config first")
@@ -111,11 +116,12 @@ class PackedSFTDataset:
             raise DataError(f"data.dataset_dir ({dataset_dir}) holds no prepared dataset; {fix}.")
         store_meta = read_json(dataset_dir / "metadata.json")
         settings = plan_settings(cfg)
-        plan_dir = dataset_dir / "plans" / settings.dirname(store_meta.get("fingerprint", ""))
+        plan_dir = Path(plan_dir) if plan_dir is not None else dataset_dir / "plans" / settings.dirname(
+            store_meta.get("fingerprint", ""))
         if not plan_dir.is_dir():
             have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
             raise DataError(f"{dataset_dir} has no packing plan for {describe_settings(settings)} (plans there: {have}); {fix}.")
-        dataset = cls(dataset_dir, plan_dir, expected_tokenizer=_expected_tokenizer(cfg))
+        dataset = cls(dataset_dir, plan_dir, expected_tokenizer=_expected_tokenizer(cfg) if check_tokenizer else None)
         expected = settings.fingerprint(dataset.store_metadata["fingerprint"])
         if dataset.metadata.get("fingerprint") != expected:  # a plan copied or renamed into this name
             raise DataError(f"plan {plan_dir} holds a plan made with other settings (fingerprint "

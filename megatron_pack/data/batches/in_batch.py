@@ -120,3 +120,33 @@ def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: 
         "num_pad_tokens": num_tokens - num_real,
         "num_target_tokens": int((packed_mask != 0).sum()),
     }
+
+
+def collate_in_batch(samples, *, pad_multiple: int = 1, pad_id: int = 0) -> dict:
+    """One micro-batch of samples -> one THD row, packed at collate time (``packing.in_batch=true``).
+
+    ``samples`` are the token store's dicts ``{"input_ids", "loss_mask", "sample_id"}`` (ids end with
+    eos). They become a right-padded [B, S] batch (``tokens = ids[:-1]``, ``labels = ids[1:]``,
+    ``loss_mask = answer_mask[1:]``, real lengths ``len(ids) - 1`` passed as ``lengths``, never read
+    from pad ids), which ``pack_batch_sequences`` packs with every sub-sequence padded to
+    ``pad_multiple`` (the CP/TP rule). ``sample_ids`` are the store ids. Example, samples of 4 and
+    6 ids, ``pad_multiple=4``: rows of 3 and 5 tokens -> cu_seqlens [0, 3, 8], cu_seqlens_padded
+    [0, 4, 12], T = 12.
+    """
+    rows = [(torch.as_tensor(s["input_ids"], dtype=torch.int64), torch.as_tensor(s["loss_mask"])) for s in samples]
+    lengths = torch.tensor([ids.numel() - 1 for ids, _ in rows], dtype=torch.int64)
+    if not rows or int(lengths.min()) < 0:
+        raise ValueError("collate_in_batch needs at least one sample, each with at least one id (ending with eos).")
+    width = max(int(lengths.max()), 1)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.int64)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(rows):
+        n = ids.numel() - 1
+        tokens[i, :n], labels[i, :n], loss_mask[i, :n] = ids[:-1], ids[1:], mask[1:].to(torch.float32)
+    batch = pack_batch_sequences(tokens, labels, loss_mask, None, pad_token_id=pad_id,
+                                 pad_to_multiple_of=pad_multiple, lengths=lengths)
+    store_ids = torch.tensor([int(s.get("sample_id", -1)) for s in samples], dtype=torch.int64)
+    batch["sample_ids"] = store_ids[batch["sample_ids"]]
+    batch["labels"] = torch.where(batch["labels"] == IGNORE_INDEX, pad_id, batch["labels"])  # as collate_thd
+    return batch

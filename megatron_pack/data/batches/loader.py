@@ -3,7 +3,8 @@
 ``megatron-pack train`` and ``megatron-pack verify`` (and the tests) go through these three
 functions, so the collate every path uses is configured once::
 
-    dataset = open_dataset(cfg)                                   # the plan matching cfg.packing (or the online source)
+    dataset = open_dataset(cfg)                                   # the plan matching cfg.packing (or the online
+                                                                  # source; with packing.in_batch, micro-batches)
     collate = collate_from_config(cfg, dataset.metadata)          # one pack -> one THD batch
     loader = build_loader(cfg, dataset, dp_rank=0, dp_size=2)     # this DP rank's resumable packs
 
@@ -18,13 +19,17 @@ size (``megatron_pack.training.loop.build_loader`` passes them from its ``Parall
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from megatron_pack.config.layout import effective_pad_multiple
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
+from megatron_pack.data.batches.in_batch import collate_in_batch
+from megatron_pack.data.batches.micro_batches import MicroBatchDataset
 from megatron_pack.data.batches.online import OnlineLoader, OnlineSource
 from megatron_pack.data.batches.sampler import PackLoader, PackSampler, build_pack_loader
 from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule, pack_stats
@@ -34,17 +39,31 @@ from megatron_pack.data.formats.sources import DataError
 log = logging.getLogger("megatron_pack.train")
 
 
-def open_dataset(cfg: Config) -> PackedSFTDataset | OnlineSource:
-    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command), or
-    with ``packing.mode=online`` the ``OnlineSource`` its packs are made from."""
+def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True
+                 ) -> PackedSFTDataset | MicroBatchDataset | OnlineSource:
+    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command);
+    with ``packing.mode=online`` the ``OnlineSource`` its packs are made from; with
+    ``packing.in_batch`` the token store as micro-batches of ``train.micro_batch_size`` samples.
+
+    ``plan_dir`` is the plan ``megatron_pack.data.store.recorded.choose_plan`` picked (default: the
+    one named by ``cfg.packing``); ``check_tokenizer=False`` when ``data.tokenizer`` was read from
+    the dataset itself (``megatron_pack.cli.run_config``).
+    """
     if cfg.packing.mode == "online":
         return OnlineSource(cfg)
-    return PackedSFTDataset.from_config(cfg)
+    if cfg.packing.in_batch:
+        return MicroBatchDataset.from_config(cfg, check_tokenizer=check_tokenizer)
+    return PackedSFTDataset.from_config(cfg, plan_dir=plan_dir, check_tokenizer=check_tokenizer)
 
 
 def collate_from_config(cfg: Config, metadata: Mapping[str, Any]) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
     """The collate of ``cfg``: pack size, pad multiple and pad id from the dataset's plan ``metadata``,
-    the fixed-shape switches (``data.pad_to_max_length``, ``packing.pad_cu_seqlens``) from the config."""
+    the fixed-shape switches (``data.pad_to_max_length``, ``packing.pad_cu_seqlens``) from the config.
+    With ``packing.in_batch``: ``collate_in_batch`` (one micro-batch of samples -> one THD row) at the
+    config's pad multiple (packing.pad_seq_to_mult or the CP/TP rule)."""
+    if cfg.packing.in_batch:
+        return functools.partial(collate_in_batch, pad_multiple=effective_pad_multiple(cfg),
+                                 pad_id=int(metadata.get("pad_id", 0)))
     return make_collate_fn(metadata, pad_to_max_length=cfg.data.pad_to_max_length,
                            pad_cu_seqlens=cfg.packing.pad_cu_seqlens)
 

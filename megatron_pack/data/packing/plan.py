@@ -116,13 +116,25 @@ def _split_selection(store: TokenStore, settings: PlanSettings, empty: np.ndarra
 
 
 def _overflow_message(store: TokenStore, settings: PlanSettings, offenders: np.ndarray, padded) -> str:
+    """Every offender (the first few by file and line) and fixes that each work as written.
+
+    ``packing.max_single_sequence_length`` is capped at the pack size, so raising it is offered
+    only when it (not the pack) is what the offenders exceed.
+    """
     lines = [f"  {store.where(i)}: THD length {int(store.offsets[i + 1] - store.offsets[i]) - 1} "
              f"(padded {int(padded[i])})" for i in offenders[:NUM_OFFENDERS_SHOWN]]
     more = f"\n  ... and {len(offenders) - NUM_OFFENDERS_SHOWN} more" if len(offenders) > NUM_OFFENDERS_SHOWN else ""
+    longest = int(np.max(np.asarray(padded)[offenders]))
+    if longest <= settings.pack_size:  # only max_single_sequence_length is in the way
+        whole = (f"set packing.max_single_sequence_length={settings.pack_size} (or leave it unset) to keep them whole")
+    else:
+        whole = (f"set packing.packed_sequence_size={longest} (a multiple of the pad multiple "
+                 f"{settings.pad_multiple}) to keep them whole")
     return (f"{len(offenders)} sample(s) are longer than the pack allows (pack size {settings.pack_size}, "
             f"pad multiple {settings.pad_multiple}, max length {settings.max_length}):\n" + "\n".join(lines) + more +
-            "\nSet packing.on_overflow=drop, packing.on_overflow=truncate or packing.on_overflow=split, or raise "
-            "packing.packed_sequence_size / packing.max_single_sequence_length.")
+            f"\nFix: set packing.on_overflow=truncate to cut them to {settings.truncate_to} tokens (or "
+            f"packing.on_overflow=drop to skip them, counted, or packing.on_overflow=split to cut them into "
+            f"pieces), or {whole}.")
 
 
 @dataclass

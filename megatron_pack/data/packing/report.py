@@ -1,7 +1,10 @@
 """The dataset report: ``report.json`` and ``report.png`` in a plan directory.
 
-Figures: the sample-length histogram with the pack size marked, the pack-fill histogram, the
-padding share, and the number of samples per pack. ``report.json`` holds the same numbers.
+Figures: the sample-length histogram (log count axis, bins up to the 99th percentile (or the
+pack size, when lower) and one tail bar beyond it, so a few very long samples do not squeeze the bulk into one bar; the pack size
+marked; truncated and dropped-too-long samples shown), the pack-fill histogram zoomed to the range
+the packs occupy, the padding share, and the number of samples per pack. ``report.json`` holds the
+same numbers.
 """
 
 from __future__ import annotations
@@ -15,6 +18,46 @@ from megatron_pack.data.packing.algorithms import thd_lengths
 from megatron_pack.data.store.token_store import TokenStore
 
 
+NUM_LENGTH_BINS = 40
+NUM_FILL_BINS = 20
+
+
+def length_histogram(lengths: np.ndarray, pack_size: int) -> dict:
+    """Bins of equal width up to a split, and one tail bin from the split to the longest sample;
+    counts sum to ``len(lengths)``. The split is the 99th percentile of the samples that fit the
+    pack (what lies beyond the pack is cut or dropped: one bar, counted, is enough), so even a few
+    percent of very long samples leave the bulk spread over the bins.
+
+    Example: 99 samples of length 10 and one of 10000, pack 512 -> every fitting sample is 10, so
+    40 bins over [0, 10] and a tail bin (10, 10000] holding 1 sample.
+    """
+    if lengths.size == 0:
+        return {"edges": [0.0, 1.0], "counts": [0], "p99": 0, "split": 1, "num_in_tail": 0}
+    p99, longest = int(np.ceil(np.percentile(lengths, 99))), int(lengths.max())
+    fitting = lengths[lengths <= pack_size]
+    split = max(int(np.ceil(np.percentile(fitting, 99))) if fitting.size else pack_size, 1)
+    edges = np.linspace(0, split, NUM_LENGTH_BINS + 1)
+    counts, _ = np.histogram(np.minimum(lengths, split), bins=edges)
+    tail = int((lengths > split).sum())
+    counts[-1] -= tail  # np.minimum put the tail into the last bin; it gets its own
+    if tail:
+        edges, counts = np.append(edges, longest), np.append(counts, tail)
+    return {"edges": edges.round(2).tolist(), "counts": counts.tolist(), "p99": p99, "split": split,
+            "num_in_tail": tail}
+
+
+def fill_histogram(fill: np.ndarray) -> dict:
+    """Pack-fill histogram over the range the packs occupy (not [0, 1]): from the 1st percentile
+    (floored to a percent) to 1; the few packs below it (usually the last, partly filled one) are
+    counted in the first bar. Packs of a good plan sit in the top percent, which [0, 1] shows as one bar.
+    """
+    low = float(np.floor(np.percentile(fill, 1) * 100) / 100) if fill.size else 0.0
+    low = min(low, 0.98)  # at least a 2-point window
+    counts, edges = np.histogram(np.maximum(fill, low), bins=NUM_FILL_BINS, range=(low, 1.0))
+    return {"edges": edges.round(4).tolist(), "counts": counts.tolist(), "range": [low, 1.0],
+            "num_below_range": int((fill < low).sum())}
+
+
 def report_numbers(store: TokenStore, plan_dir: Path) -> dict:
     """Histograms and shares for one plan (all numbers plain ints / floats)."""
     meta = read_json(Path(plan_dir) / "metadata.json")
@@ -26,22 +69,23 @@ def report_numbers(store: TokenStore, plan_dir: Path) -> dict:
     fill = np.add.reduceat(padded, offsets[:-1]) / pack_size if len(offsets) > 1 else np.zeros(0)
     per_pack = np.diff(offsets)
     all_thd = store.num_ids() - 1
-    edges = np.linspace(0, max(int(all_thd.max()), pack_size) + 1, 51)
-    length_hist, _ = np.histogram(all_thd, bins=edges)
-    fill_hist, fill_edges = np.histogram(fill, bins=20, range=(0.0, 1.0))
     total = len(per_pack) * pack_size
+    acc = meta["accounting"]
     return {
         "pack_size": pack_size, "pad_seq_to_mult": mult, "num_packs": int(len(per_pack)),
         "num_samples_in_store": int(len(all_thd)), "num_samples_packed": int(len(thd)),
-        "sample_length_histogram": {"edges": edges.round(2).tolist(), "counts": length_hist.tolist()},
+        "sample_length_histogram": length_histogram(all_thd, pack_size),
         "num_samples_longer_than_pack": int((all_thd > pack_size).sum()),
-        "pack_fill_histogram": {"edges": fill_edges.round(3).tolist(), "counts": fill_hist.tolist()},
+        "num_samples_truncated": int(acc["num_samples_truncated"]),
+        "num_samples_dropped_too_long": int(acc["num_samples_dropped"].get("too_long", 0)
+                                            + acc["num_samples_dropped"].get("no_answer_tokens_after_truncation", 0)),
+        "pack_fill_histogram": fill_histogram(fill),
         "mean_pack_fill": float(fill.mean()) if fill.size else 0.0,
         "padding_share": float(1 - thd.sum() / total) if total else 0.0,
         "alignment_padding_share": float((padded - thd).sum() / total) if total else 0.0,
         "samples_per_pack": {"counts": np.bincount(per_pack).tolist(), "mean": float(per_pack.mean()) if
                              per_pack.size else 0.0, "max": int(per_pack.max()) if per_pack.size else 0},
-        "packing_efficiency": meta["packing_efficiency"], "accounting": meta["accounting"],
+        "packing_efficiency": meta["packing_efficiency"], "accounting": acc,
         "algorithm": meta["algorithm"], "on_overflow": meta["on_overflow"],
         **{k: meta[k] for k in ("buckets", "wrapped_attention", "split_overlap", "mixture") if k in meta},
     }
@@ -56,21 +100,21 @@ def write_report(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def _plot(n: dict, path: Path) -> None:
+def report_figure(n: dict):
+    """The four-panel matplotlib figure of ``report.png`` (returned, for tests and notebooks)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    h = n["sample_length_histogram"]
-    axes[0, 0].stairs(h["counts"], h["edges"], fill=True)
-    axes[0, 0].axvline(n["pack_size"], color="red", linestyle="--", label=f"pack size {n['pack_size']}")
-    axes[0, 0].set(title="sample length (THD tokens)", xlabel="tokens", ylabel="samples")
-    axes[0, 0].legend()
+    _plot_lengths(axes[0, 0], n)
     f = n["pack_fill_histogram"]
     axes[0, 1].stairs(f["counts"], f["edges"], fill=True)
-    axes[0, 1].set(title=f"pack fill (mean {n['mean_pack_fill']:.1%})", xlabel="fraction of pack", ylabel="packs")
+    axes[0, 1].set_xlim(*f["range"])
+    below = f"; {f['num_below_range']} below {f['range'][0]:.0%} in the first bar" if f["num_below_range"] else ""
+    axes[0, 1].set(title=f"pack fill (mean {n['mean_pack_fill']:.1%}; zoomed{below})",
+                   xlabel="fraction of pack", ylabel="packs")
     real = 1 - n["padding_share"]
     align = n["alignment_padding_share"]
     axes[1, 0].bar(["sample tokens", "alignment pad", "tail pad"], [real, align, n["padding_share"] - align])
@@ -80,6 +124,38 @@ def _plot(n: dict, path: Path) -> None:
     axes[1, 1].set(title=f"samples per pack (mean {n['samples_per_pack']['mean']:.2f})", xlabel="samples",
                    ylabel="packs")
     fig.tight_layout()
+    return fig
+
+
+def _plot_lengths(ax, n: dict) -> None:
+    h = n["sample_length_histogram"]
+    edges, counts = np.asarray(h["edges"]), np.asarray(h["counts"])
+    bulk = len(edges) - 1 - (1 if h["num_in_tail"] else 0)
+    ax.stairs(counts[:bulk], edges[:bulk + 1], fill=True, label="samples")
+    if h["num_in_tail"]:  # drawn one bin wide at the right edge, labelled with its true range
+        width = edges[1] - edges[0]
+        ax.bar(edges[bulk] + width / 2, h["num_in_tail"], width=width, color="tab:orange",
+               label=f"> {h['split']} ({h['num_in_tail']} samples, up to {int(edges[-1])})")
+    right = edges[bulk] + 2 * (edges[1] - edges[0])
+    if n["pack_size"] <= right:
+        ax.axvline(n["pack_size"], color="red", linestyle="--", label=f"pack size {n['pack_size']}")
+    else:  # the axis shows the samples, not the empty room up to the pack
+        ax.plot([], [], color="red", linestyle="--", label=f"pack size {n['pack_size']} (right of the axis)")
+    over = n["num_samples_longer_than_pack"]
+    if over:
+        ax.plot([], [], " ", label=f"longer than pack: {over} ({n['num_samples_truncated']} truncated, "
+                                   f"{n['num_samples_dropped_too_long']} dropped)")
+    ax.set_xlim(0, max(right, n["pack_size"] * 1.02 if n["pack_size"] <= right else right))
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=0.7)
+    ax.set(title=f"sample length (THD tokens; P99 {h['p99']})", xlabel="tokens", ylabel="samples (log)")
+    ax.legend(fontsize=8)
+
+
+def _plot(n: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(n)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=80)
     plt.close(fig)

@@ -1,0 +1,147 @@
+"""The README's commands, as written, from a fresh copy of the repository and from a wheel installed in
+another folder (issue 11, "Done when").
+
+The commands are read from README.md's "## Commands" block, so the README cannot drift from what
+works. Stand-ins, each named: ``train.jsonl`` and ``/path/to/hf_tokenizer`` are a small JSONL file
+and a tiny local tokenizer written here; the optional ``[export=bridge]`` is run; the 8-rank GPU
+line (Llama 3 8B) is skipped; training runs 2 steps instead of 50 (``train.train_iters=2``), which
+is the only override added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = Path(sys.executable)
+CHEAP_TRAIN = ["train.train_iters=2", "checkpoint.save_interval=0"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def readme_commands() -> list[list[str]]:
+    """Each command line of README.md's '## Commands' bash block, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [shlex.split(line) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _stand_ins(argv: list[str], work: Path, tokenizer: Path) -> list[str] | None:
+    """The command with the README's placeholders filled, or None for the GPU-only line."""
+    if any("llama3_8b" in a for a in argv):
+        return None
+    out = []
+    for arg in argv:
+        if arg.startswith("[") and arg.endswith("]"):
+            arg = arg[1:-1]  # an optional argument: run it
+        out.append(arg.replace("/path/to/hf_tokenizer", str(tokenizer)))
+    if out[:2] == ["bash", "launch/single_node.sh"] or "megatron_pack.train" in out:
+        out += CHEAP_TRAIN
+    return out
+
+
+def _tiny_tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["what is two plus two", "four", "hello world"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>").save_pretrained(path)
+    return path
+
+
+def _run_all(work: Path, env: dict, tokenizer: Path, console: list[str], launch) -> str:
+    """Run the README's commands in ``work``; ``megatron-pack`` is ``console``; ``bash launch/single_node.sh ARGS``
+    becomes ``launch(ARGS)``."""
+    (work / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": f"what is {i} plus {i}", "completion": f"{2 * i}"}) + "\n" for i in range(200)))
+    log = []
+    commands = [_stand_ins(c, work, tokenizer) for c in readme_commands()]
+    assert sum(c is not None for c in commands) >= 5, commands  # the block was found and read
+    for argv in filter(None, commands):
+        if argv[0] == "megatron-pack":
+            argv = console + argv[1:]
+        elif argv[:2] == ["bash", "launch/single_node.sh"]:
+            argv = launch(argv[2:])
+        done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        log.append(f"$ {shlex.join(argv)}\n{done.stdout}{done.stderr}")
+        assert done.returncode == 0, "\n".join(log)[-8000:]
+    return "\n".join(log)
+
+
+def _check_outputs(work: Path, log: str) -> None:
+    assert (work / "data" / "synthetic" / "metadata.json").is_file() and (work / "data" / "mine" / "plans").is_dir()
+    assert "verify: 4/4 packs PASS" in log and "packing.pad_seq_to_mult=4 (was None; recorded in the plan)" in log
+    assert list((work / "data" / "mine" / "plans").glob("*/training_4096.idx.parquet"))  # export=bridge ran
+    metrics = [json.loads(line) for line in (work / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["lm_loss"] > 0 for m in metrics)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **extra}
+
+
+def _copy_tree(dest: Path) -> Path:
+    """A fresh clone of the working tree (tracked and untracked-but-not-ignored files, no build outputs)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file() and not src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(src.read_bytes())
+    return dest
+
+
+def test_readme_commands_from_a_fresh_clone(tmp_path):
+    clone = _copy_tree(tmp_path / "megatron_pack")
+    tokenizer = _tiny_tokenizer(tmp_path / "hf_tokenizer")
+    env = _env(PYTHONPATH=str(clone), PYTHON=str(PY))
+    console = [str(PY), "-c", "import sys; from megatron_pack.cli.main import main; sys.exit(main())"]
+    log = _run_all(clone, env, tokenizer, console, lambda args: ["bash", "launch/single_node.sh", *args])
+    _check_outputs(clone, log)
+
+
+def test_readme_commands_from_a_wheel_in_another_folder(tmp_path):
+    """A non-editable install: the presets must come from inside the package."""
+    build = _copy_tree(tmp_path / "src")
+    subprocess.run([str(PY), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(build)], check=True, capture_output=True, timeout=600)
+    wheel = next((tmp_path / "dist").glob("megatron_pack-*.whl"))
+    venv = tmp_path / "venv"
+    base = subprocess.run([str(PY), "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    subprocess.run([f"{base}/bin/python3", "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    shared = subprocess.run([str(PY), "-c", "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    # torch, megatron-core, hydra from the shared environment; a plain path entry, so its editable
+    # install of megatron_pack (a .pth finder there) is not activated
+    (site / "zz_shared_deps.pth").write_text(shared + "\n")
+    vpy, work = venv / "bin" / "python", tmp_path / "elsewhere"
+    work.mkdir()
+    where = subprocess.run([str(vpy), "-c", "import megatron_pack; print(megatron_pack.__file__)"], cwd=work,
+                           env=_env(), capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(site)), where  # the wheel's copy, not the repository's
+    assert (site / "megatron_pack/config/presets/experiment/quickstart.yaml").is_file()
+    tokenizer = _tiny_tokenizer(tmp_path / "hf_tokenizer")
+
+    def launch(args):  # a wheel user has no launch/: the same torchrun line (docs/launch.md)
+        return [str(vpy), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", args[0],
+                "-m", "megatron_pack.train", "parallel.backend=gloo", *args[1:]]
+
+    log = _run_all(work, _env(), tokenizer, [str(venv / "bin" / "megatron-pack")], launch)
+    _check_outputs(work, log)
