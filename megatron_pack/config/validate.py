@@ -404,6 +404,25 @@ def _validate_verify_reference(cfg: Config) -> list[str]:
     return []
 
 
+def _validate_evaluation(cfg: Config) -> list[str]:
+    """Evaluation settings need a validation set; a validation set needs offline packs."""
+    d, t = cfg.data, cfg.train
+    has_validation = d.validation is not None or d.validation_fraction > 0
+    problems = []
+    if not has_validation:
+        for key in ("eval_interval", "eval_iters"):
+            if getattr(t, key):
+                problems.append(f"train.{key} ({getattr(t, key)}) has no validation set to evaluate; set "
+                                "data.validation=/path/to/valid.jsonl or data.validation_fraction=0.05, "
+                                f"or train.{key}=0.")
+    elif not cfg.packing.offline:
+        key = "data.validation" if d.validation is not None else "data.validation_fraction"
+        problems.append(f"{key} needs offline packing (validation packs are prepared like the training packs), but "
+                        "packing.packed_sequence_size is 0; set packing.packed_sequence_size=<tokens per pack> "
+                        f"or unset {key}.")
+    return problems
+
+
 _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_verify_reference,
     _validate_pipeline_parallel,
@@ -422,6 +441,7 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_vocab_size,
     _validate_distributed_optimizer,
     _validate_attention_backend,
+    _validate_evaluation,
 )
 
 

@@ -40,6 +40,15 @@ CASES = [
      ("verify.reference (transformers) needs model.pretrained=DIR", "verify.reference=self")),
     ("verify_reference", dict(verify__reference="transformers", model__pretrained="models/x", verify__checkpoint="ck"),
      {}, ("verify.checkpoint (ck) with verify.reference=transformers", "megatron-pack export")),
+
+
+    ("evaluation", dict(data__validation_fraction=0.1, train__eval_interval=5, train__eval_iters=2), {}, ()),
+    ("evaluation", {}, {}, ()),
+    ("evaluation", dict(train__eval_interval=5), {},
+     ("train.eval_interval (5) has no validation set", "set data.validation=/path/to/valid.jsonl",
+      "or train.eval_interval=0")),
+    ("evaluation", dict(data__validation="v.jsonl", packing__packed_sequence_size=0), {},
+     ("data.validation needs offline packing", "set packing.packed_sequence_size=<tokens per pack>")),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
      dict(world_size=8), ()),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),

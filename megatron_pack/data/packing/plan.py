@@ -22,7 +22,8 @@ import numpy as np
 from megatron_pack.data.store.atomic import atomic_directory, sha256_file, write_json
 from megatron_pack.data.packing.algorithms import lower_bound_bins, plan_packing, thd_lengths
 from megatron_pack.data.formats.sources import DataError
-from megatron_pack.data.store.metadata import PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings
+from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
+                                               held_out_mask)
 from megatron_pack.data.store.token_store import TokenStore
 
 PLAN_ARRAYS = ("bin_offsets", "sample_order", "sample_num_ids")
@@ -39,24 +40,29 @@ class Selection:
     num_truncated: int
 
 
-def select_samples(store: TokenStore, settings: PlanSettings) -> Selection:
-    """Apply the empty-sample rule and the overflow policy; ``error`` raises listing offenders."""
+def select_samples(store: TokenStore, settings: PlanSettings, include=None) -> Selection:
+    """Apply the empty-sample rule and the overflow policy; ``error`` raises listing offenders.
+
+    ``include`` (bool [num samples], default all) limits the plan to those samples (the training
+    or the held-out validation share); the others are neither packed nor counted as dropped."""
     if settings.truncate_to < 1:
         raise DataError(f"packing.packed_sequence_size ({settings.pack_size}) is smaller than the pad multiple "
                         f"({settings.pad_multiple}); raise it to a multiple of {settings.pad_multiple}.")
     num_ids = store.num_ids()
     empty = np.asarray(store.num_targets) == 0
     padded = thd_lengths(num_ids, settings.pad_multiple)
-    over = ((num_ids - 1 > settings.max_length) | (padded > settings.pack_size)) & ~empty
+    include = np.ones(len(num_ids), dtype=bool) if include is None else np.asarray(include, dtype=bool)
+    empty = empty & include
+    over = ((num_ids - 1 > settings.max_length) | (padded > settings.pack_size)) & ~empty & include
     dropped = {"no_answer_tokens": int(empty.sum()), "too_long": 0, "no_answer_tokens_after_truncation": 0}
     take = num_ids.copy()
     if over.any() and settings.on_overflow == "error":
         raise DataError(_overflow_message(store, settings, np.flatnonzero(over), padded))
     if settings.on_overflow == "drop":
         dropped["too_long"] = int(over.sum())
-        keep = ~empty & ~over
+        keep = ~empty & ~over & include
     else:
-        keep = ~empty
+        keep = ~empty & include
         for i in np.flatnonzero(over):
             take[i] = settings.truncate_to + 1
             start = int(store.offsets[i])
@@ -78,15 +84,17 @@ def _overflow_message(store: TokenStore, settings: PlanSettings, offenders: np.n
             "packing.packed_sequence_size / packing.max_single_sequence_length.")
 
 
-def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selection, plan) -> dict:
-    """Megatron-Bridge fields, our settings and the accounting of every sample read."""
+def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selection, plan,
+                  num_held_out: int = 0) -> dict:
+    """Megatron-Bridge fields, our settings and the accounting of every sample read
+    (``num_held_out``: samples of the store this plan leaves to another, e.g. validation)."""
     thd = selection.num_ids.astype(np.int64) - 1
     loads = plan.bin_loads()
     num_read = len(store)
     num_dropped = sum(selection.dropped.values())
-    if num_read != len(selection.kept) + num_dropped:
+    if num_read != len(selection.kept) + num_dropped + num_held_out:
         raise AssertionError(f"accounting broken: read {num_read} != packed {len(selection.kept)} + dropped "
-                             f"{num_dropped}")
+                             f"{num_dropped} + held out {num_held_out}")
     meta = store.metadata
     return {
         "pack_size": settings.pack_size,
@@ -104,31 +112,50 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
         "eos_id": meta["eos_id"], "bos_id": meta["bos_id"],
         "accounting": {"num_samples_read": num_read, "num_samples_packed": len(selection.kept),
                        "num_samples_dropped": selection.dropped, "num_samples_truncated": selection.num_truncated,
-                       "balanced": True},
+                       "num_samples_held_out": num_held_out, "balanced": True},
     }
 
 
 def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
-    """Plan ``store`` under ``settings`` into ``<store>/plans/<name>`` (atomically); return the directory."""
+    """Plan ``store`` under ``settings`` into ``<store>/plans/<name>`` (atomically); return the directory.
+
+    With ``settings.validation_fraction`` > 0 the held-out samples (``held_out_mask``, chosen
+    before packing) are packed into their own plan ``<name>/validation`` with the same settings;
+    the training plan never holds them, and both metadata files record the split."""
     target = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
-    selection = select_samples(store, settings)
+    held = (held_out_mask(len(store), settings.validation_fraction, settings.validation_seed)
+            if settings.validation_fraction else np.zeros(len(store), dtype=bool))
+    with atomic_directory(target, replace=True) as tmp:
+        split = {"validation_fraction": settings.validation_fraction, "validation_seed": settings.validation_seed,
+                 "num_samples_held_out": int(held.sum())}
+        _write_plan_arrays(tmp, store, settings, ~held, split)
+        if held.any():
+            (tmp / VALIDATION_DIRNAME).mkdir()
+            _write_plan_arrays(tmp / VALIDATION_DIRNAME, store, settings, held, {**split, "role": "validation"})
+        elif settings.validation_fraction:
+            raise DataError(f"data.validation_fraction ({settings.validation_fraction}) of {len(store)} samples holds "
+                            "out none; raise data.validation_fraction or prepare more samples.")
+    return target
+
+
+def _write_plan_arrays(directory: Path, store: TokenStore, settings: PlanSettings, include: np.ndarray,
+                       split: dict) -> None:
+    selection = select_samples(store, settings, include)
     if selection.kept.size == 0:
         raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
-                        "data.answer_only_loss, data.schema and packing.on_overflow.")
+                        "data.answer_only_loss, data.schema, packing.on_overflow and data.validation_fraction.")
     plan = plan_packing(thd_lengths(selection.num_ids, settings.pad_multiple), settings.pack_size,
                         settings.algorithm, settings.seed)
-    metadata = plan_metadata(store, settings, selection, plan)
-    with atomic_directory(target, replace=True) as tmp:
-        np.save(tmp / "bin_offsets.npy", plan.bin_offsets.astype(np.int64), allow_pickle=False)
-        np.save(tmp / "sample_order.npy", selection.kept[plan.order].astype(np.int64), allow_pickle=False)
-        np.save(tmp / "sample_num_ids.npy", selection.num_ids[plan.order], allow_pickle=False)
-        metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION,
-                        store_fingerprint=store.metadata["fingerprint"],
-                        fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
-                        files={f"{name}.npy": {"sha256": sha256_file(tmp / f"{name}.npy"),
-                                               "size": (tmp / f"{name}.npy").stat().st_size} for name in PLAN_ARRAYS})
-        write_json(tmp / "metadata.json", metadata)
-    return target
+    metadata = plan_metadata(store, settings, selection, plan, num_held_out=int((~include).sum()))
+    np.save(directory / "bin_offsets.npy", plan.bin_offsets.astype(np.int64), allow_pickle=False)
+    np.save(directory / "sample_order.npy", selection.kept[plan.order].astype(np.int64), allow_pickle=False)
+    np.save(directory / "sample_num_ids.npy", selection.num_ids[plan.order], allow_pickle=False)
+    metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION, split=split,
+                    store_fingerprint=store.metadata["fingerprint"],
+                    fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
+                    files={f"{name}.npy": {"sha256": sha256_file(directory / f"{name}.npy"),
+                                           "size": (directory / f"{name}.npy").stat().st_size} for name in PLAN_ARRAYS})
+    write_json(directory / "metadata.json", metadata)
 
 
 def plan_lengths(plan_dir: Path, pad_multiple: int) -> tuple[np.ndarray, np.ndarray]:

@@ -39,15 +39,22 @@ class PlanSettings:
     on_overflow: str
     max_length: int
     """Longest THD length kept (packing.max_single_sequence_length, default the pack size)."""
+    validation_fraction: float = 0.0
+    """Share of the store's samples held out (by validation_seed, before packing) into a validation plan."""
+    validation_seed: int = 0
 
     def fingerprint(self, store_fingerprint: str) -> str:
-        blob = json.dumps({"store": store_fingerprint, **asdict(self), "format_version": PLAN_FORMAT_VERSION},
+        settings = asdict(self)
+        if not self.validation_fraction:  # plans without a held-out share keep their fingerprint
+            del settings["validation_fraction"], settings["validation_seed"]
+        blob = json.dumps({"store": store_fingerprint, **settings, "format_version": PLAN_FORMAT_VERSION},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def dirname(self, store_fingerprint: str) -> str:
+        held_out = f"val{self.validation_fraction:g}s{self.validation_seed}_" if self.validation_fraction else ""
         return (f"pack{self.pack_size}_mult{self.pad_multiple}_{self.algorithm}_seed{self.seed}_"
-                f"{self.on_overflow}_{self.fingerprint(store_fingerprint)[:12]}")
+                f"{self.on_overflow}_{held_out}{self.fingerprint(store_fingerprint)[:12]}")
 
     @property
     def truncate_to(self) -> int:
@@ -64,13 +71,35 @@ def plan_settings(cfg) -> PlanSettings:
     max_length = cfg.packing.max_single_sequence_length or pack_size
     return PlanSettings(pack_size=pack_size, pad_multiple=effective_pad_multiple(cfg),
                         algorithm=cfg.packing.algorithm, seed=cfg.packing.seed,
-                        on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size))
+                        on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size),
+                        validation_fraction=float(cfg.data.validation_fraction),
+                        validation_seed=cfg.data.validation_seed)
 
 
 def describe_settings(settings: PlanSettings) -> str:
     """One line naming every setting, for messages."""
+    held_out = (f", validation fraction {settings.validation_fraction:g} (seed {settings.validation_seed})"
+                if settings.validation_fraction else "")
     return (f"pack size {settings.pack_size}, pad multiple {settings.pad_multiple}, algorithm {settings.algorithm}, "
-            f"seed {settings.seed}, on_overflow {settings.on_overflow}, max length {settings.max_length}")
+            f"seed {settings.seed}, on_overflow {settings.on_overflow}, max length {settings.max_length}{held_out}")
+
+
+VALIDATION_DIRNAME = "validation"
+"""Where a plan's held-out validation plan sits (``<plan>/validation``) and where ``data.validation``
+is prepared (``<data.dataset_dir>/validation``)."""
+
+
+def held_out_mask(num_samples: int, fraction: float, seed: int) -> "np.ndarray":
+    """Boolean [num_samples]: True for the ``round(fraction * num_samples)`` samples held out for
+    validation, chosen by a permutation seeded by ``seed`` (independent of packing settings).
+
+    Example: 10 samples, fraction 0.2 -> exactly 2 True, the same 2 for the same seed.
+    """
+    import numpy as np
+
+    mask = np.zeros(num_samples, dtype=bool)
+    mask[np.random.default_rng([seed, 0x5A11D]).permutation(num_samples)[:round(fraction * num_samples)]] = True
+    return mask
 
 
 _VERIFIED: dict[tuple[str, int, int], str] = {}
