@@ -54,6 +54,7 @@ def _refusal(exc: Exception) -> int:
 def main(argv: list[str]) -> int:
     from megatron_pack.config import config_to_yaml, load_config, validate
     from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.training.eval import build_validation_loader, open_validation
     from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
 
     check_only = CHECK_FLAG in argv
@@ -63,7 +64,8 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv, world_size=world_size)
         dataset = open_dataset(cfg)
         validate(cfg, world_size=world_size, dataset_meta=dict(dataset.metadata))
-        resume = check_resume(cfg, world_size)
+        validation = open_validation(cfg, dataset)
+        resume = check_resume(cfg, world_size, dataset)
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     if check_only:
@@ -80,7 +82,8 @@ def main(argv: list[str]) -> int:
         print("resolved config:\n" + config_to_yaml(cfg), flush=True)
         print("parallel layout: " + state.describe(), flush=True)
     try:
-        run_training(cfg, state, build_loader(cfg, state, dataset))
+        run_training(cfg, state, build_loader(cfg, state, dataset),
+                     validation=build_validation_loader(cfg, state, validation))
     finally:
         destroy_parallel(destroy_process_group=True)
     if rank == 0:

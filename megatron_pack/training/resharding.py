@@ -90,11 +90,13 @@ def save_sharded(state: dict[str, Any], directory: str, writer_factory: Callable
                                                                      _replace_state_dict_keys_with_sharded_keys,
                                                                      mcore_to_pyt_state_dict)
 
-    sharded_part, _ = save_preprocess(dict(state), validate_access_integrity=False)
-    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=False)
+    # megatron-core checks that every global piece has exactly one main replica (replica id 0)
+    # among all ranks; only main replicas are written (each piece once, whatever the DP/CP size)
+    sharded_part, _ = save_preprocess(dict(state), validate_access_integrity=dist.is_initialized())
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=True)
     pyt_state = mcore_to_pyt_state_dict(flat, False)
     dcp.save(pyt_state, storage_writer=writer_factory(directory),
-             planner=MCoreSavePlanner(dedup_replicated_tensors=True, flatten_state_dict=False),
+             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
              no_dist=not dist.is_initialized())
 
 
