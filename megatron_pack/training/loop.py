@@ -104,9 +104,11 @@ def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     d = cfg.ddp
+    # On CPU the distributed optimizer is ours (optim.ShardedTrainOptimizer): it shards the AdamW
+    # state over its own flat layout and needs the whole all-reduced gradient, so DDP all-reduces.
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-        use_distributed_optimizer=d.use_distributed_optimizer, check_for_nan_in_grad=d.check_for_nan_in_grad,
+        use_distributed_optimizer=d.use_distributed_optimizer and state.device.type == "cuda", check_for_nan_in_grad=d.check_for_nan_in_grad,
         bucket_size=d.bucket_size, average_in_collective=d.average_in_collective)
     # the expert groups DDP asks for are in state.pg_collection (initialize_parallel), not megatron's globals
     ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=state.pg_collection)

@@ -265,6 +265,8 @@ class ShardedTrainOptimizer:
         norm = grad_norm(self.params, self.tp_group)
         factor = clip_grads_([], self.clip_grad, norm)  # the factor only: gradients stay untouched
         for param, start, stop, piece in self.pieces:
+            # the parameter is the source of truth (a checkpoint load or weights-only start writes it)
+            piece.copy_(param.detach().reshape(-1)[start:stop])
             grad = param.grad.detach().reshape(-1)[start:stop].clone()
             piece.grad = grad.mul_(factor) if factor != 1.0 else grad
         for group in self.optimizer.param_groups:
