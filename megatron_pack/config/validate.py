@@ -21,7 +21,7 @@ from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "validate",
+__all__ = ["collect_problems", "effective_pad_multiple", "validate",
            "validate_parallel", "vocab_problems"]
 
 
@@ -287,18 +287,6 @@ def _validate_vocab_size(cfg: Config) -> list[str]:
     return vocab_problems(cfg)
 
 
-def distributed_optimizer_problems(cfg: Config) -> list[str]:
-    """ddp.use_distributed_optimizer is refused: the trainer's AdamW keeps whole optimizer state per rank."""
-    if cfg.ddp.use_distributed_optimizer:
-        return ["ddp.use_distributed_optimizer (True) is not supported by this trainer's AdamW (optimizer state is "
-                "kept whole on each rank); set ddp.use_distributed_optimizer=false."]
-    return []
-
-
-def _validate_distributed_optimizer(cfg: Config) -> list[str]:
-    return distributed_optimizer_problems(cfg)
-
-
 def _validate_attention_backend(cfg: Config) -> list[str]:
     """The torch THD attention cannot be captured in a CUDA graph, and the broken verify mode exists only there."""
     problems = []
@@ -439,7 +427,6 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_packed_sizes,
     _validate_device,
     _validate_vocab_size,
-    _validate_distributed_optimizer,
     _validate_attention_backend,
     _validate_evaluation,
 )

@@ -121,25 +121,27 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
 
     With ``settings.validation_fraction`` > 0 the held-out samples (``held_out_mask``, chosen
     before packing) are packed into their own plan ``<name>/validation`` with the same settings;
-    the training plan never holds them, and both metadata files record the split."""
+    the training plan never holds them, and both metadata files record the split. Nothing is
+    written when either plan cannot be made."""
     target = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
     held = (held_out_mask(len(store), settings.validation_fraction, settings.validation_seed)
             if settings.validation_fraction else np.zeros(len(store), dtype=bool))
+    if settings.validation_fraction and not held.any():
+        raise DataError(f"data.validation_fraction ({settings.validation_fraction}) of {len(store)} samples holds "
+                        "out none; raise data.validation_fraction or prepare more samples.")
+    split = {"validation_fraction": settings.validation_fraction, "validation_seed": settings.validation_seed,
+             "num_samples_held_out": int(held.sum())}
+    plans = [("", _make_plan(store, settings, ~held, {**split, "role": "train"}))]
+    if held.any():
+        plans.append((VALIDATION_DIRNAME, _make_plan(store, settings, held, {**split, "role": "validation"})))
     with atomic_directory(target, replace=True) as tmp:
-        split = {"validation_fraction": settings.validation_fraction, "validation_seed": settings.validation_seed,
-                 "num_samples_held_out": int(held.sum())}
-        _write_plan_arrays(tmp, store, settings, ~held, split)
-        if held.any():
-            (tmp / VALIDATION_DIRNAME).mkdir()
-            _write_plan_arrays(tmp / VALIDATION_DIRNAME, store, settings, held, {**split, "role": "validation"})
-        elif settings.validation_fraction:
-            raise DataError(f"data.validation_fraction ({settings.validation_fraction}) of {len(store)} samples holds "
-                            "out none; raise data.validation_fraction or prepare more samples.")
+        for subdir, arrays in plans:
+            (tmp / subdir).mkdir(exist_ok=True)
+            _write_plan_arrays(tmp / subdir, store, settings, *arrays)
     return target
 
 
-def _write_plan_arrays(directory: Path, store: TokenStore, settings: PlanSettings, include: np.ndarray,
-                       split: dict) -> None:
+def _make_plan(store: TokenStore, settings: PlanSettings, include: np.ndarray, split: dict):
     selection = select_samples(store, settings, include)
     if selection.kept.size == 0:
         raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
@@ -147,10 +149,16 @@ def _write_plan_arrays(directory: Path, store: TokenStore, settings: PlanSetting
     plan = plan_packing(thd_lengths(selection.num_ids, settings.pad_multiple), settings.pack_size,
                         settings.algorithm, settings.seed)
     metadata = plan_metadata(store, settings, selection, plan, num_held_out=int((~include).sum()))
+    metadata["split"] = split
+    return selection, plan, metadata
+
+
+def _write_plan_arrays(directory: Path, store: TokenStore, settings: PlanSettings, selection: Selection, plan,
+                       metadata: dict) -> None:
     np.save(directory / "bin_offsets.npy", plan.bin_offsets.astype(np.int64), allow_pickle=False)
     np.save(directory / "sample_order.npy", selection.kept[plan.order].astype(np.int64), allow_pickle=False)
     np.save(directory / "sample_num_ids.npy", selection.num_ids[plan.order], allow_pickle=False)
-    metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION, split=split,
+    metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION,
                     store_fingerprint=store.metadata["fingerprint"],
                     fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
                     files={f"{name}.npy": {"sha256": sha256_file(directory / f"{name}.npy"),
