@@ -84,7 +84,7 @@ class StepMetrics:
         val = f"val loss {self.val_loss:.6f} | " if self.val_loss is not None else ""
         epoch = f"epoch {self.epoch:.2f} | " if self.epoch is not None else ""
         eta = format_duration(self.eta_s) if self.eta_s is not None else "?"
-        return (f"step {self.step}/{train_iters} | {epoch}lm loss {self.lm_loss:.6f} | {val}"
+        return (f"step {self.step}/{train_iters} | lm loss {self.lm_loss:.6f} | {val}{epoch}"
                 f"target tok/s {self.target_tokens_per_s:,.0f} | real tok/s {self.real_tokens_per_s:,.0f} | "
                 f"padding {100 * self.padding_share:.1f}% | samples {self.samples} | "
                 f"target tokens {self.target_tokens} | consumed samples {self.consumed_samples} | "

@@ -20,6 +20,7 @@ Worlds: 1, 2 and 4 processes, several cases each (the megatron-core import is pa
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -345,3 +346,66 @@ def test_distributed_optimizer_matches_plain_with_half_the_state(dataset_dir, tm
     assert plain == 2 * int(r0["false_num_params"])  # exp_avg + exp_avg_sq of every parameter
     for r in results:
         assert abs(int(r["true_state"]) / plain - 0.5) < 0.01
+
+
+# ----- the run record, through the real entry (torchrun, CP=2) ------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _train_cli(dataset_dir: str, out: Path, *extra: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_pack.train", *DATA, f"data.dataset_dir={dataset_dir}", f"train.output_dir={out}",
+           "logging.tensorboard=true", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+
+
+def test_epochs_validation_and_run_record_through_the_entry(dataset_dir, tmp_path, monkeypatch, capsys):
+    from megatron_pack.training.metrics import read_metrics
+
+    out = tmp_path / "run"
+    proc = _train_cli(dataset_dir, out, "train.train_iters=null", "train.num_epochs=1", "train.global_batch_size=8",
+                      "train.eval_interval=2", "train.eval_iters=1", "checkpoint.save_interval=0")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    from megatron_pack.data.batches.loader import open_dataset
+
+    records = read_metrics(out / "metrics.jsonl")
+    num_steps = len(records)
+    num_packs = len(open_dataset(_config(dataset_dir, str(out), 1, 2, 2)))
+    assert num_steps == num_packs // 8 >= 3  # one epoch of whole global batches
+    assert records[-1]["epoch"] == pytest.approx(num_steps * 8 / num_packs) and records[0]["epoch"] > 0
+    assert [r["step"] for r in records if r["val_loss"] is not None] == sorted(
+        {s for s in range(2, num_steps + 1, 2)} | {num_steps})
+    assert records[-1]["consumed_samples"] == sum(r["samples"] for r in records)
+    assert records[-1]["consumed_target_tokens"] == sum(r["target_tokens"] for r in records)
+    line = next(ln for ln in log.splitlines() if f"step 2/{num_steps} | lm loss" in ln)
+    for fragment in ("val loss", "epoch 0.", "consumed samples", "consumed target tokens", "elapsed", "ETA"):
+        assert fragment in line, line
+    best = min(r["val_loss"] for r in records if r["val_loss"] is not None)
+    assert f"validation loss: best {best:.4f}" in log and "total: " in log and "target tokens" in log
+    record = json.loads((out / "run.json").read_text())
+    assert record["train_iters"] == num_steps and record["config"]["data"]["validation_fraction"] == 0.1
+    assert record["versions"]["megatron-core"] and record["layout"]["context_parallel_size"] == 2
+    assert (out / "config.yaml").is_file()
+    assert list((out / "tensorboard" / "hparams").glob("events.out.tfevents.*"))
+
+    # resuming with a changed lr: refused by the entry before any process group (in-process: torchrun
+    # would add its own traceback of the failed child), one message naming the change and the fix
+    from megatron_pack.cli.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    argv = [*DATA, f"data.dataset_dir={dataset_dir}", f"train.output_dir={out}", "train.train_iters=null",
+            "train.num_epochs=1", "train.global_batch_size=8", "train.eval_interval=2", "train.eval_iters=1",
+            "train.lr=1e-3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-pack train: 1 config problem(s):")
+    assert "train.lr: 0.003 -> 0.001" in err and "set checkpoint.allow_changed=true" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2
