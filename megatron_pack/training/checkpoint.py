@@ -239,3 +239,31 @@ def read_rank_state(path: str | Path, rank: Optional[int] = None) -> Optional[di
     """This rank's plain state file of checkpoint ``path``, or None when the checkpoint has none for it."""
     rank_file = Path(path) / f"rank_{_rank() if rank is None else rank:05d}.pt"
     return torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
+
+
+def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every model parameter of a layout-free checkpoint as the TP=1 model holds it, in one process.
+
+    ``{name: tensor}`` keyed by ``named_parameters()`` names of a TP=1 GPTModel: a layout-free
+    checkpoint stores each parameter by its global identity, which megatron-core lays out as the
+    TP=1 parameter (SwiGLU ``[gate; up]``, fused QKV per query group), with the layers of
+    ``decoder.layers.<rest>`` stacked along a leading axis; this splits that axis back into
+    ``decoder.layers.<i>.<rest>``. No process group and no model are needed (export, verify).
+    """
+    path = Path(path)
+    if read_meta(path).get("format") != SHARDED_FORMAT:
+        raise ValueError(f"checkpoint {path} is not in the layout-free format ({SHARDED_FORMAT}).")
+    reader = checkpoint_reader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
+             if not key.startswith("optimizer.") and hasattr(md, "size")}
+    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            for i, layer in enumerate(tensor.unbind(0)):
+                out[f"decoder.layers.{i}.{rest}"] = layer.clone()
+        else:
+            out[key] = tensor
+    return out

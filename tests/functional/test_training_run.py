@@ -409,3 +409,15 @@ def test_epochs_validation_and_run_record_through_the_entry(dataset_dir, tmp_pat
     assert err.startswith("megatron-pack train: 1 config problem(s):")
     assert "train.lr: 0.003 -> 0.001" in err and "set checkpoint.allow_changed=true" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 2
+
+
+def test_export_and_verify_read_a_tp2_cp2_checkpoint_as_the_tp1_model(resume_results):
+    """``read_full_model`` (what ``export`` and ``verify.checkpoint`` read) gives the TP=1 tensors
+    of a checkpoint written at TP2 x CP2: equal to the run's parameters gathered over TP."""
+    from megatron_pack.training.checkpoint import find_latest, read_full_model
+
+    full = read_full_model(find_latest(resume_results["tmp"] / "killed" / "checkpoints"))
+    names = [k[len("param."):] for k in resume_results["full"] if k.startswith("param.")]
+    assert len(names) >= 10 and set(full) == {n.replace("__", ".") for n in names}
+    for name in names:
+        np.testing.assert_array_equal(full[name.replace("__", ".")].numpy(), resume_results["full"][f"param.{name}"])
