@@ -290,7 +290,7 @@ class Trainer:
                               consumed_samples=self.consumed_samples,
                               consumed_target_tokens=self.consumed_target_tokens,
                               elapsed_s=self.elapsed_before_s + now - self._start,
-                              eta_s=(now - self._start) / done * max(0, self.train_iters - self.step,
+                              eta_s=(now - self._start) / done * max(0, self.train_iters - self.step),
                               imbalance_before=getattr(self.step_info, "imbalance_before", None),
                               imbalance_after=getattr(self.step_info, "imbalance_after", None))
         self.history.append(metrics)
