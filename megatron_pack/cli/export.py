@@ -58,12 +58,15 @@ def _hf_source(step_dir: Path) -> Path:
 
 
 def read_model_shards(step_dir: Path) -> list[dict]:
-    """Every TP rank's model tensors of a training checkpoint (``model/tp<r>/<name>``), in one process."""
+    """Every TP rank's model tensors of a training checkpoint, in one process: a layout-free
+    checkpoint (the trainer's) as one TP=1 shard, an older one as its ``model/tp<r>/<name>`` shards."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron_pack.training.checkpoint import checkpoint_reader, read_meta
+    from megatron_pack.training.checkpoint import SHARDED_FORMAT, checkpoint_reader, read_full_model, read_meta
 
+    if read_meta(step_dir).get("format") == SHARDED_FORMAT:  # layout-free: read as one TP=1 shard
+        return [read_full_model(step_dir)]
     tp = int(read_meta(step_dir).get("tensor_model_parallel_size", 1))
     stored = checkpoint_reader(step_dir).read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()

@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
     if isinstance(line, int):  # --help / --version answer without importing torch
         return line
     from megatron_pack.config import config_to_yaml
+    from megatron_pack.training.eval import build_validation_loader, open_validation
     from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -71,7 +72,8 @@ def main(argv: list[str]) -> int:
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         cfg, dataset = run.cfg, run.dataset
-        resume = check_resume(cfg, world_size)
+        validation = open_validation(cfg, dataset)
+        resume = check_resume(cfg, world_size, dataset)
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     if check_only:
@@ -88,7 +90,8 @@ def main(argv: list[str]) -> int:
         print("".join(f"{note}\n" for note in run.notes) + "resolved config:\n" + config_to_yaml(cfg), flush=True)
         print("parallel layout: " + state.describe(), flush=True)
     try:
-        run_training(cfg, state, build_loader(cfg, state, dataset))
+        run_training(cfg, state, build_loader(cfg, state, dataset),
+                     validation=build_validation_loader(cfg, state, validation))
     finally:
         destroy_parallel(destroy_process_group=True)
     if rank == 0:

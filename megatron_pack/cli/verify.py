@@ -102,7 +102,8 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
     """
     import torch.distributed.checkpoint as dcp
 
-    from megatron_pack.training.checkpoint import checkpoint_reader, find_latest, read_meta
+    from megatron_pack.training.checkpoint import (SHARDED_FORMAT, checkpoint_reader, find_latest, read_full_model,
+                                                   read_meta)
 
     path = Path(checkpoint)
     if not (path / "meta.json").is_file():
@@ -111,6 +112,15 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
             raise FileNotFoundError(f"verify.checkpoint ({checkpoint}) holds no complete checkpoint (no meta.json, "
                                     "no 'latest'); point it at checkpoint.save of a training run or a step_* folder.")
         path = latest
+    if read_meta(path).get("format") == SHARDED_FORMAT:  # layout-free (the trainer's): the TP=1 tensors
+        full = read_full_model(path)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name not in full or full[name].shape != param.shape:
+                    raise ValueError(f"checkpoint {path}: {name} is missing or has another shape; it was written for "
+                                     "another model: use the same model.* settings as the training run.")
+                param.copy_(full[name])
+        return path
     tp = int(read_meta(path).get("tensor_model_parallel_size", 1))
     stored = checkpoint_reader(path).read_metadata().state_dict_metadata  # .metadata via the allowlist, not pickle
     state = {}

@@ -129,6 +129,13 @@ class ModelConfig(_Group):
     """llama3 rope scaling: high_freq_factor."""
     rope_original_max_position_embeddings: int = 8192
     """llama3 rope scaling: original_max_position_embeddings."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation (megatron-core): None (off), 'selective' (core attention) or 'full' (whole layers)."""
+    recompute_method: Optional[str] = None
+    """With 'full': 'uniform' (checkpoint every recompute_num_layers layers) or 'block'; None means 'uniform'."""
+    recompute_num_layers: Optional[int] = None
+    """With 'full': layers per recompute unit ('uniform') or layers recomputed ('block'); None means 1 ('uniform')
+    or every layer ('block')."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
@@ -150,6 +157,7 @@ class ModelConfig(_Group):
         problems += _choice(g, self, "attention_backend", ("auto", "torch", "te"))
         problems += _choice(g, self, "params_dtype", ("float32", "bfloat16"))
         problems += _choice(g, self, "cuda_graph_impl", ("none", "local", "transformer_engine"))
+        problems += _recompute_problems(self)
         for scope in self.cuda_graph_scope:
             if scope not in ("attn", "mlp"):
                 problems.append(f"model.cuda_graph_scope entry {scope!r} must be 'attn' or 'mlp'; "
@@ -173,6 +181,30 @@ class ModelConfig(_Group):
                             f"({heads}) when model.kv_channels is None; set model.kv_channels=<head dim> "
                             f"or model.num_attention_heads to a divisor of {self.hidden_size}.")
         return problems
+
+
+def _recompute_problems(m: "ModelConfig") -> list[str]:
+    problems = []
+    if m.recompute_granularity not in (None, "selective", "full"):
+        problems.append(f"model.recompute_granularity ({m.recompute_granularity!r}) must be null, 'selective' or "
+                        "'full'; set model.recompute_granularity=selective.")
+    if m.recompute_method not in (None, "uniform", "block"):
+        problems.append(f"model.recompute_method ({m.recompute_method!r}) must be null, 'uniform' or 'block'; "
+                        "set model.recompute_method=uniform.")
+    if m.recompute_num_layers is not None and (isinstance(m.recompute_num_layers, bool)
+                                               or m.recompute_num_layers < 1):
+        problems.append(f"model.recompute_num_layers ({m.recompute_num_layers!r}) must be a positive integer; "
+                        "set model.recompute_num_layers=1.")
+    if m.recompute_granularity != "full":
+        for key in ("recompute_method", "recompute_num_layers"):
+            if getattr(m, key) is not None:
+                problems.append(f"model.{key} ({getattr(m, key)!r}) applies only to model.recompute_granularity=full "
+                                f"(it is {m.recompute_granularity!r}); set model.recompute_granularity=full or "
+                                f"model.{key}=null.")
+    elif m.recompute_num_layers is not None and m.recompute_num_layers > m.num_layers:
+        problems.append(f"model.recompute_num_layers ({m.recompute_num_layers}) must be <= model.num_layers "
+                        f"({m.num_layers}); set model.recompute_num_layers={m.num_layers}.")
+    return problems
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -231,6 +263,14 @@ class DataConfig(_Group):
     tokenize_workers: int = 0
     """Processes used to tokenize in prepare; 0 means auto (1 for a Hugging Face fast tokenizer, whose batch
     encoding uses every core; all cores for the byte tokenizer)."""
+    validation: Optional[str] = None
+    """Validation JSONL/Parquet file, directory or glob, prepared like the training data into
+    <data.dataset_dir>/validation (its own packs, same pack size and pad multiple); None: none."""
+    validation_fraction: float = 0.0
+    """Share of the training samples held out for validation, chosen by data.validation_seed before packing
+    (never trained on, recorded in the plan metadata); 0 holds out nothing."""
+    validation_seed: int = 0
+    """Seed choosing the held-out validation samples of data.validation_fraction."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
@@ -246,6 +286,13 @@ class DataConfig(_Group):
         problems += _source_problems(self.sources, self.input)
         if self.sources and self.source != "files":
             problems.append(f"data.sources needs data.source=files (it is {self.source}); set data.source=files.")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            problems.append(f"data.validation_fraction ({self.validation_fraction}) must be in [0, 1); "
+                            "set data.validation_fraction=0.05 (or 0 for none).")
+        if self.validation is not None and self.validation_fraction > 0:
+            problems.append(f"data.validation ({self.validation}) and data.validation_fraction "
+                            f"({self.validation_fraction}) both choose a validation set; set data.validation=null "
+                            "or data.validation_fraction=0.")
         return problems
 
 
@@ -430,8 +477,15 @@ class TrainConfig(_Group):
     """Tokens per optimizer step (train.token_budget): packs are taken until met; replaces global_batch_size when set."""
     token_budget: str = "target"
     """What global_batch_tokens counts: 'target' (loss-carrying tokens) or 'real' (all sample tokens)."""
-    train_iters: int = 50
-    """Optimizer steps."""
+    train_iters: Optional[int] = 50
+    """Optimizer steps; exactly one of train.train_iters and train.num_epochs is set (null the other)."""
+    num_epochs: Optional[int] = None
+    """Passes over the packed training data; the steps are num_epochs * packs per epoch // global_batch_size."""
+    eval_interval: int = 0
+    """Validation loss every N steps (and always at the end); 0 only at the end. Needs a validation set."""
+    eval_iters: int = 0
+    """Validation global batches (train.global_batch_size packs each) per evaluation; 0 means every
+    validation pack."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: Optional[float] = None
@@ -470,9 +524,13 @@ class TrainConfig(_Group):
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
-        problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters",
-                                       "exit_after_iters", "global_batch_tokens"), allow_zero=("lr_warmup_iters",))
+        problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "num_epochs",
+                                       "lr_warmup_iters", "exit_after_iters", "global_batch_tokens", "eval_interval",
+                                       "eval_iters"), allow_zero=("lr_warmup_iters", "eval_interval", "eval_iters"))
         problems += _choice(g, self, "token_budget", TOKEN_BUDGET_KINDS)
+        if (self.train_iters is None) == (self.num_epochs is None):
+            problems.append(f"train.train_iters ({self.train_iters}) and train.num_epochs ({self.num_epochs}): set "
+                            "exactly one, e.g. train.train_iters=null train.num_epochs=2, or train.num_epochs=null.")
         problems += _choice(g, self, "lr_decay_style", ("cosine", "linear", "constant"))
         problems += _choice(g, self, "device", ("auto", "cuda", "cpu"))
         if not self.lr > 0:
@@ -493,7 +551,8 @@ class DDPConfig(_Group):
     overlap_grad_reduce: bool = False
     """Overlap the gradient all-reduce with backward."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state across data-parallel ranks (megatron-core optimizer, GPU)."""
+    """Shard optimizer state across data-parallel ranks (megatron-core's distributed optimizer on GPU; on CPU
+    the AdamW state and update are sharded over DP and the parameters all-gathered)."""
     grad_reduce_in_fp32: bool = True
     """Reduce gradients in float32."""
     check_for_nan_in_grad: bool = True
@@ -519,9 +578,17 @@ class CheckpointConfig(_Group):
     """Checkpoints kept on disk; older ones are deleted after a successful save."""
     enabled: bool = True
     """Write checkpoints at all."""
+    load_weights_only: bool = False
+    """Start a new run from checkpoint.load's model weights: fresh optimizer, schedule, data order and step 0."""
+    allow_changed: bool = False
+    """Resume even though lr, schedule, global batch or data plan differ from the checkpoint's (listed at start)."""
 
     def field_problems(self) -> list[str]:
-        return _positive(self.GROUP, self, ("save_interval", "keep_last"), allow_zero=("save_interval",))
+        problems = _positive(self.GROUP, self, ("save_interval", "keep_last"), allow_zero=("save_interval",))
+        if self.load_weights_only and self.load is None:
+            problems.append("checkpoint.load_weights_only (True) needs checkpoint.load (None): the checkpoint whose "
+                            "weights start the run; set checkpoint.load=/path/to/checkpoints.")
+        return problems
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

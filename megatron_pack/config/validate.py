@@ -21,8 +21,7 @@ from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["collect_problems", "distributed_optimizer_problems", "effective_pad_multiple", "launch_problems",
-           "prepare_problems",
+__all__ = ["collect_problems", "effective_pad_multiple", "launch_problems", "prepare_problems",
            "validate", "validate_parallel", "vocab_problems"]
 
 
@@ -306,18 +305,6 @@ def _validate_vocab_size(cfg: Config) -> list[str]:
     return vocab_problems(cfg)
 
 
-def distributed_optimizer_problems(cfg: Config) -> list[str]:
-    """ddp.use_distributed_optimizer is refused: the trainer's AdamW keeps whole optimizer state per rank."""
-    if cfg.ddp.use_distributed_optimizer:
-        return ["ddp.use_distributed_optimizer (True) is not supported by this trainer's AdamW (optimizer state is "
-                "kept whole on each rank); set ddp.use_distributed_optimizer=false."]
-    return []
-
-
-def _validate_distributed_optimizer(cfg: Config) -> list[str]:
-    return distributed_optimizer_problems(cfg)
-
-
 def _validate_attention_backend(cfg: Config) -> list[str]:
     """The torch THD attention cannot be captured in a CUDA graph, and the broken verify mode exists only there."""
     problems = []
@@ -459,6 +446,25 @@ def _validate_packing_strategy(cfg: Config) -> list[str]:
     return problems
 
 
+def _validate_evaluation(cfg: Config) -> list[str]:
+    """Evaluation settings need a validation set; a validation set needs offline packs."""
+    d, t = cfg.data, cfg.train
+    has_validation = d.validation is not None or d.validation_fraction > 0
+    problems = []
+    if not has_validation:
+        for key in ("eval_interval", "eval_iters"):
+            if getattr(t, key):
+                problems.append(f"train.{key} ({getattr(t, key)}) has no validation set to evaluate; set "
+                                "data.validation=/path/to/valid.jsonl or data.validation_fraction=0.05, "
+                                f"or train.{key}=0.")
+    elif not cfg.packing.offline:
+        key = "data.validation" if d.validation is not None else "data.validation_fraction"
+        problems.append(f"{key} needs offline packing (validation packs are prepared like the training packs), but "
+                        "packing.packed_sequence_size is 0; set packing.packed_sequence_size=<tokens per pack> "
+                        f"or unset {key}.")
+    return problems
+
+
 _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_verify_reference,
     _validate_pipeline_parallel,
@@ -476,8 +482,8 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_packing_strategy,
     _validate_device,
     _validate_vocab_size,
-    _validate_distributed_optimizer,
     _validate_attention_backend,
+    _validate_evaluation,
 )
 
 

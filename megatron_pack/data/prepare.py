@@ -22,7 +22,8 @@ import numpy as np
 from megatron_pack.data.store.atomic import atomic_directory, read_json, sha256_file, write_json
 from megatron_pack.data.packing.plan import write_plan
 from megatron_pack.data.formats.sources import Chunk, DataError, iter_chunks, resolve_inputs
-from megatron_pack.data.store.metadata import PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings, plan_settings, read_metadata
+from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
+                                               plan_settings, read_metadata)
 from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore,
                                       default_num_workers, store_statistics, token_dtype_for, tokenize_stream,
                                       write_store)
@@ -165,10 +166,23 @@ def ensure_plan(store: TokenStore, settings: PlanSettings) -> Path:
     return write_plan(store, settings)
 
 
+def validation_config(cfg):
+    """``cfg`` for preparing and opening ``data.validation``: the same tokenizer, schema, pack size
+    and pad multiple, read from ``data.validation`` into ``<data.dataset_dir>/validation``."""
+    import dataclasses
+
+    data = dataclasses.replace(cfg.data, source="files", input=cfg.data.validation, validation=None,
+                               dataset_dir=str(Path(cfg.data.dataset_dir) / VALIDATION_DIRNAME))
+    return dataclasses.replace(cfg, data=data)
+
+
 def _prepare_here(cfg, *, progress: bool) -> Path:
     settings = plan_settings(cfg)
     store = ensure_store(cfg, progress=progress)
     plan_dir = ensure_plan(store, settings)
+    if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
+        valid_cfg = validation_config(cfg)
+        ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg))
     from megatron_pack.data.packing.report import write_report
 
     if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():

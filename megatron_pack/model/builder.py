@@ -119,7 +119,26 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         bias_activation_fusion=False, gradient_accumulation_fusion=apex_wgrad_fusion_available(),
         persist_layer_norm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
+        **recompute_kwargs(cfg),
     )
+
+
+def recompute_kwargs(cfg: Config) -> dict:
+    """megatron-core's recompute settings for ``model.recompute_*``.
+
+    'selective' recomputes core attention (megatron-core's default module list ``["core_attn"]``);
+    'full' checkpoints whole layers: 'uniform' every ``recompute_num_layers`` (default 1) layers,
+    'block' the first ``recompute_num_layers`` (default all) layers.
+    """
+    m = cfg.model
+    if m.recompute_granularity is None:
+        return {}
+    if m.recompute_granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    method = m.recompute_method or "uniform"
+    default_layers = 1 if method == "uniform" else m.num_layers
+    return {"recompute_granularity": "full", "recompute_method": method,
+            "recompute_num_layers": m.recompute_num_layers or default_layers}
 
 
 def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layernorm: bool = False):

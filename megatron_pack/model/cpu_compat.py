@@ -10,6 +10,11 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
    states. ``CpuRNGStatesTracker`` keeps the same named streams as CPU generator states, so
    ``model_parallel_cuda_manual_seed`` and ``fork()`` work unchanged.
 
+3. Activation recomputation (``tensor_parallel.checkpoint``, used by ``model.recompute_granularity``)
+   saves and restores the *CUDA* default generator around the recomputed forward. On CPU the
+   CPU generator (which it saves too) and the tracker's streams are the whole RNG state, so the
+   CUDA part is an empty placeholder here.
+
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
 
@@ -63,6 +68,14 @@ def _cpu_tracker_class() -> type:
     return CpuRNGStatesTracker
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
 def enable_cpu_compat() -> None:
     """Install the CPU answers to megatron-core's CUDA assumptions (hosts without CUDA only)."""
     global _ENABLED
@@ -75,6 +88,8 @@ def enable_cpu_compat() -> None:
     torch.cuda.current_device = _cpu_current_device
     mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = _no_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_no_cuda_rng_state
     _ENABLED = True
 
 

@@ -79,12 +79,15 @@ def _rank() -> int:
 
 def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch.Tensor],
                     optim_state: dict[str, torch.Tensor], rank_state: dict, meta: dict, tp_rank: int = 0,
-                    keep_last: int = 2, group: Optional[dist.ProcessGroup] = None) -> Path:
+                    keep_last: int = 2, group: Optional[dist.ProcessGroup] = None,
+                    sharded_state: Optional[dict] = None) -> Path:
     """Collectively write checkpoint ``step``; returns its final folder. Every rank must call it.
 
     ``model_state`` / ``optim_state`` map names to this rank's tensors (TP shards); ``rank_state``
     is this rank's plain state (RNG, sampler, schedule); ``meta`` is recorded in ``meta.json``
-    (it must hold ``tensor_model_parallel_size`` for the resume check).
+    (it must hold ``tensor_model_parallel_size`` for the resume check). ``sharded_state`` (from
+    ``resharding.sharded_state``, the trainer's format) is written by global identity instead,
+    so any layout can read it back (``load_sharded_checkpoint``); then the two plain dicts are empty.
     """
     root = Path(root)
     final, tmp = root / step_dirname(step), root / f"tmp.{step_dirname(step)}"
@@ -94,9 +97,14 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(group)
-    state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
-    state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.is_initialized())
+    if sharded_state is not None:
+        from megatron_pack.training.resharding import save_sharded
+
+        save_sharded(sharded_state, str(tmp), dcp.FileSystemWriter)
+    else:
+        state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
+        state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.is_initialized())
     torch.save(rank_state, tmp / f"rank_{_rank():05d}.pt")
     _barrier(group)
     if _rank() == 0:
@@ -204,3 +212,58 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
     rank_file = path / f"rank_{_rank():05d}.pt"
     return torch.load(rank_file, weights_only=True)
 
+
+
+SHARDED_FORMAT = "megatron_pack.sharded/1"
+"""``meta.json`` ``format`` of checkpoints written by global identity (the trainer's since issue 13)."""
+
+
+def load_sharded_checkpoint(path: str | Path, sharded_state: dict) -> dict[str, torch.Tensor]:
+    """Read the slices ``sharded_state`` (this run's layout) asks for from checkpoint ``path``.
+
+    Any layout reads a checkpoint written by any other (see ``megatron_pack.training.resharding``).
+    Raises ``ValueError`` for a checkpoint in the older per-TP-rank format.
+    """
+    from megatron_pack.training.resharding import load_sharded
+
+    path = Path(path)
+    saved = read_meta(path)
+    if saved.get("format") != SHARDED_FORMAT:
+        raise ValueError(f"checkpoint {path} was written in the older per-tensor-parallel-rank format "
+                         f"(meta.json format {saved.get('format')!r}, expected {SHARDED_FORMAT!r}); it cannot be "
+                         "resharded: resume it with the megatron_pack version that wrote it, or start a new run.")
+    return load_sharded(sharded_state, checkpoint_reader(path))
+
+
+def read_rank_state(path: str | Path, rank: Optional[int] = None) -> Optional[dict]:
+    """This rank's plain state file of checkpoint ``path``, or None when the checkpoint has none for it."""
+    rank_file = Path(path) / f"rank_{_rank() if rank is None else rank:05d}.pt"
+    return torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
+
+
+def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every model parameter of a layout-free checkpoint as the TP=1 model holds it, in one process.
+
+    ``{name: tensor}`` keyed by ``named_parameters()`` names of a TP=1 GPTModel: a layout-free
+    checkpoint stores each parameter by its global identity, which megatron-core lays out as the
+    TP=1 parameter (SwiGLU ``[gate; up]``, fused QKV per query group), with the layers of
+    ``decoder.layers.<rest>`` stacked along a leading axis; this splits that axis back into
+    ``decoder.layers.<i>.<rest>``. No process group and no model are needed (export, verify).
+    """
+    path = Path(path)
+    if read_meta(path).get("format") != SHARDED_FORMAT:
+        raise ValueError(f"checkpoint {path} is not in the layout-free format ({SHARDED_FORMAT}).")
+    reader = checkpoint_reader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
+             if not key.startswith("optimizer.") and hasattr(md, "size")}
+    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            for i, layer in enumerate(tensor.unbind(0)):
+                out[f"decoder.layers.{i}.{rest}"] = layer.clone()
+        else:
+            out[key] = tensor
+    return out

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_pack.config.schema import Config, ConfigError
-from megatron_pack.config.validate import distributed_optimizer_problems
 from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
@@ -45,7 +44,7 @@ from megatron_pack.data.batches.sampler import PackLoader
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
-from megatron_pack.training.optim import LRSchedule, MegatronTrainOptimizer, TrainOptimizer, build_optimizer
+from megatron_pack.training.optim import LRSchedule, build_optimizer
 
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
@@ -109,9 +108,11 @@ def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     d = cfg.ddp
+    # On CPU the distributed optimizer is ours (optim.ShardedTrainOptimizer): it shards the AdamW
+    # state over its own flat layout and needs the whole all-reduced gradient, so DDP all-reduces.
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-        use_distributed_optimizer=d.use_distributed_optimizer, check_for_nan_in_grad=d.check_for_nan_in_grad,
+        use_distributed_optimizer=d.use_distributed_optimizer and state.device.type == "cuda", check_for_nan_in_grad=d.check_for_nan_in_grad,
         bucket_size=d.bucket_size, average_in_collective=d.average_in_collective)
     # the expert groups DDP asks for are in state.pg_collection (initialize_parallel), not megatron's globals
     ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=state.pg_collection)
@@ -157,6 +158,56 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
         pg_collection=state.pg_collection)
 
 
+def resolve_train_iters(cfg: Config, num_packs: Optional[int], dp_size: int) -> int:
+    """Optimizer steps of the run: ``train.train_iters``, or ``train.num_epochs`` passes over the
+    packs a DP size of ``dp_size`` trains per epoch (``num_packs - num_packs % dp_size``: the
+    sampler's drop_last) in global batches. Example: 103 packs, dp 2, global batch 8, 2 epochs ->
+    2 * 102 // 8 = 25 steps."""
+    t = cfg.train
+    if t.train_iters is not None:
+        return t.train_iters
+    if num_packs is None:
+        raise ValueError("train.num_epochs needs the pack loader (build_loader) to count packs per epoch; "
+                         "set train.train_iters instead with another loader.")
+    per_epoch = num_packs - num_packs % dp_size
+    iters = t.num_epochs * per_epoch // t.global_batch_size
+    if iters < 1:
+        raise ConfigError([f"train.num_epochs ({t.num_epochs}) over {per_epoch} packs per epoch is less than one "
+                           f"global batch (train.global_batch_size={t.global_batch_size}); raise train.num_epochs, "
+                           "lower train.global_batch_size, or prepare more data."])
+    return iters
+
+
+def run_settings(cfg: Config, train_iters: int, plan_fingerprint: Optional[str]) -> dict[str, Any]:
+    """What a resume must not change silently: learning rate and schedule, optimizer, global batch, data."""
+    t = cfg.train
+    return {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.lr_warmup_iters": t.lr_warmup_iters,
+            "train.lr_decay_style": t.lr_decay_style, "train iterations (resolved)": train_iters,
+            "train.weight_decay": t.weight_decay, "train.adam_beta1": t.adam_beta1, "train.adam_beta2": t.adam_beta2,
+            "train.adam_eps": t.adam_eps, "train.clip_grad": t.clip_grad,
+            "train.global_batch_size": t.global_batch_size, "train.seed": t.seed, "data plan": plan_fingerprint}
+
+
+DATA_SETTINGS = ("train.seed", "data plan")
+"""Settings that define the pack order: when they change, the data position starts over."""
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``["train.lr: 0.003 -> 0.001", ...]`` for every setting recorded in ``saved`` that differs."""
+    return [f"{key}: {saved[key]!r} -> {value!r}" for key, value in now.items() if key in saved and saved[key] != value]
+
+
+def check_resume_settings(cfg: Config, path: Path, now: dict[str, Any]) -> list[str]:
+    """Refuse (``ConfigError``) resuming ``path`` with changed settings unless ``checkpoint.allow_changed``;
+    returns the changes (printed by the caller when allowed)."""
+    changes = changed_settings(ckpt.read_meta(path).get("settings", {}), now)
+    if changes and not cfg.checkpoint.allow_changed:
+        raise ConfigError([f"resuming {path} with changed settings ({'; '.join(changes)}); set "
+                           "checkpoint.allow_changed=true to go on with the new values, restore the old ones, or set "
+                           "checkpoint.load_weights_only=true to start a new run from its weights."])
+    return changes
+
+
 @dataclass
 class Trainer:
     """Everything one run holds; built by :func:`build_trainer`, advanced by :meth:`train_step`."""
@@ -164,10 +215,15 @@ class Trainer:
     cfg: Config
     state: ParallelState
     model: torch.nn.Module
-    optimizer: TrainOptimizer | MegatronTrainOptimizer
+    optimizer: Any
     schedule: LRSchedule
     loader: ResumableLoader
     forward_step_func: Callable
+    train_iters: int = 0
+    """Optimizer steps of the run (train.train_iters, or derived from train.num_epochs)."""
+    validation: Any = None
+    """This DP rank's validation loader (``eval.ValidationLoader``) or None."""
+    plan_fingerprint: Optional[str] = None
     step: int = 0
     data_iterator: Optional[RecordingIterator] = None
     pack_log: list[list[list[int]]] = field(default_factory=list)
@@ -180,6 +236,17 @@ class Trainer:
     """Length buckets of the dataset (packing.buckets; 0: no per-bucket metrics)."""
     source_names: list[str] = field(default_factory=list)
     """data.sources names (empty: no per-source metrics)."""
+    consumed_samples: int = 0
+    """Samples trained on since step 0 (over all DP ranks, carried by checkpoints)."""
+    consumed_target_tokens: int = 0
+    """Target tokens trained on since step 0 (over all DP ranks, carried by checkpoints)."""
+    elapsed_before_s: float = 0.0
+    """Training time of the processes before this one (from the checkpoint)."""
+    val_history: list[list[float]] = field(default_factory=list)
+    """``[step, validation loss]`` of every evaluation since step 0."""
+    _start: float = field(default_factory=time.perf_counter)
+    _first_step: int = 0
+
 
     @property
     def num_microbatches(self) -> int:
@@ -216,6 +283,8 @@ class Trainer:
     def train_step(self) -> StepMetrics:
         """One optimizer step (see the module docstring); returns its global metrics."""
         start = time.perf_counter()
+        if not self.history:
+            self._start, self._first_step = start, self.step
         total, packs = self.compute_gradients()
         lr = self.schedule.next_lr()
         norm = self.optimizer.step(lr)
@@ -226,15 +295,43 @@ class Trainer:
             from megatron_pack.training.breakdown import source_metrics
 
             source_loss, source_share = source_metrics(total.source_loss, self.source_names)
-        metrics = StepMetrics(step=self.step, lm_loss=total.lm_loss(), target_tokens=int(round(total.target_tokens)),
+        target_tokens = int(round(total.target_tokens))
+        self.consumed_samples += total.samples
+        self.consumed_target_tokens += target_tokens
+        now = time.perf_counter()
+        done = self.step - self._first_step
+        metrics = StepMetrics(step=self.step, lm_loss=total.lm_loss(), target_tokens=target_tokens,
                               real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
-                              grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start,
+                              grad_norm=norm, lr=lr, step_time_s=now - start, epoch=self.epoch(),
+                              consumed_samples=self.consumed_samples,
+                              consumed_target_tokens=self.consumed_target_tokens,
+                              elapsed_s=self.elapsed_before_s + now - self._start,
+                              eta_s=(now - self._start) / done * max(0, self.train_iters - self.step),
                               imbalance_before=getattr(self.step_info, "imbalance_before", None),
                               imbalance_after=getattr(self.step_info, "imbalance_after", None),
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
                               source_target_share=source_share)
         self.history.append(metrics)
         return metrics
+
+    def epoch(self) -> Optional[float]:
+        """Epochs completed, fractional (from the pack sampler's position); None without a sampler."""
+        sampler = getattr(self.loader, "sampler", None)
+        if sampler is None or not hasattr(sampler, "num_packs_per_epoch"):
+            return None
+        per_epoch = sampler.num_packs_per_epoch * sampler.dp_size
+        return sampler.epoch + (sampler.consumed / per_epoch if per_epoch else 0.0)
+
+    def evaluate(self):
+        """Validation loss over the validation packs (``eval.evaluate``); None without a validation set."""
+        if self.validation is None:
+            return None
+        from megatron_pack.training.eval import evaluate
+
+        result = evaluate(self.model, self.validation, forward_step_func=self.forward_step_func,
+                          group=self.state.dp_cp_group, num_packs=self.validation.num_packs)
+        self.val_history.append([self.step, result.loss])
+        return result
 
     def _count(self, reports: list[dict], packs: list[PackInfo]) -> tuple[StepCounts, torch.Tensor]:
         counts = StepCounts(bucket_real_tokens=[0] * self.num_buckets, source_loss=[0.0] * (2 * len(self.source_names)))
@@ -266,37 +363,95 @@ class Trainer:
 
     # ----- checkpoints -----------------------------------------------------------------------
 
-    def _named_params(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.model.module.named_parameters()}
-
-    def _meta(self) -> dict:
+    def _layout(self) -> dict:
         s = self.state
         return layout_meta(s.world_size, s.tp_size, s.cp_size, s.dp_size)
 
-    def save(self, root: str | Path) -> Path:
-        rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
-                      "schedule": self.schedule.state_dict(), "step": self.step,
-                      "optimizer": self.optimizer.rank_state()}
-        return ckpt.save_checkpoint(root, self.step, model_state=self._named_params(),
-                                    optim_state=self.optimizer.named_state(materialize=True),
-                                    rank_state=rank_state, meta=self._meta(), tp_rank=self.state.tp_rank,
-                                    keep_last=self.cfg.checkpoint.keep_last)
+    def settings(self) -> dict[str, Any]:
+        return run_settings(self.cfg, self.train_iters, self.plan_fingerprint)
 
-    def load(self, path: str | Path) -> None:
-        rank_state = ckpt.load_checkpoint(path, model_state=self._named_params(),
-                                          optim_state=self.optimizer.named_state(materialize=True),
-                                          meta=self._meta(), tp_rank=self.state.tp_rank)
-        self.optimizer.load_rank_state(rank_state.get("optimizer"))
-        self.loader.load_state_dict(rank_state["loader"])
-        self.schedule.load_state_dict(rank_state["schedule"])
-        ckpt.set_rng_state(rank_state["rng"])
-        self.step = int(rank_state["step"])
+    def _train_state(self) -> dict:
+        """The run's position, the same on every rank: written once, in meta.json."""
+        elapsed = self.history[-1].elapsed_s if self.history else self.elapsed_before_s
+        return {"step": self.step, "schedule": self.schedule.state_dict(), "loader": self.loader.state_dict(),
+                "consumed_samples": self.consumed_samples, "consumed_target_tokens": self.consumed_target_tokens,
+                "elapsed_s": elapsed, "val_history": self.val_history}
+
+    def _sharded_state(self, *, with_optimizer: bool) -> dict:
+        from megatron_pack.training.resharding import sharded_state
+
+        if not with_optimizer:
+            return sharded_state(self.model, {})
+        tensors, step = self.optimizer.checkpoint_tensors()
+        return sharded_state(self.model, tensors, step)
+
+    def save(self, root: str | Path) -> Path:
+        """Collectively write a checkpoint any layout can resume (see docs/training.md)."""
+        sharded = self._sharded_state(with_optimizer=True)
+        meta = {**self._layout(), "format": ckpt.SHARDED_FORMAT, "train_state": self._train_state(),
+                "settings": self.settings()}
+        rank_state = {"rng": ckpt.rng_state(), "optimizer": self.optimizer.rank_state()}
+        return ckpt.save_checkpoint(root, self.step, model_state={}, optim_state={}, rank_state=rank_state,
+                                    meta=meta, keep_last=self.cfg.checkpoint.keep_last, sharded_state=sharded)
+
+    def _copy_model(self, loaded: dict[str, torch.Tensor]) -> None:
+        from megatron_pack.training.resharding import core_model
+
+        with torch.no_grad():
+            for name, param in core_model(self.model).named_parameters():
+                param.copy_(loaded[f"model.{name}"])
+
+    def load_weights(self, path: str | Path) -> None:
+        """Model weights of checkpoint ``path`` (any layout); optimizer, schedule, data and step stay fresh."""
+        self._copy_model(ckpt.load_sharded_checkpoint(path, self._sharded_state(with_optimizer=False)))
+
+    def load(self, path: str | Path) -> list[str]:
+        """Resume from checkpoint ``path`` written at any layout; returns the settings that changed
+        (refused unless ``checkpoint.allow_changed``)."""
+        meta = ckpt.read_meta(path)
+        changes = check_resume_settings(self.cfg, Path(path), self.settings())
+        same_layout = all(meta.get(k) == v for k, v in self._layout().items())
+        if self.optimizer.rank_state() is not None and not same_layout:
+            raise ValueError(f"checkpoint {path} was written at layout {({k: meta.get(k) for k in self._layout()})} "
+                             f"and megatron-core's GPU optimizer state resumes only at the same layout "
+                             f"({self._layout()}); resume with that layout, or set checkpoint.load_weights_only=true.")
+        sharded = self._sharded_state(with_optimizer=True)
+        loaded = ckpt.load_sharded_checkpoint(path, sharded)
+        self._copy_model(loaded)
+        tensors, _ = self.optimizer.checkpoint_tensors()
+        self.optimizer.load_checkpoint_tensors(
+            {name: {key: loaded[f"optimizer.{key}.{name}"] for key in state} for name, state in tensors.items()},
+            loaded.get("optimizer.step", torch.zeros(())))
+        rank_state = ckpt.read_rank_state(path) if same_layout else None
+        if rank_state is not None:
+            self.optimizer.load_rank_state(rank_state.get("optimizer"))
+            ckpt.set_rng_state(rank_state["rng"])
+        self._load_train_state(meta["train_state"], changes)
+        return changes
+
+    def _load_train_state(self, state: dict, changes: list[str]) -> None:
+        self.step = int(state["step"])
+        self.schedule.load_state_dict(state["schedule"])
+        if any(change.split(":")[0] in DATA_SETTINGS for change in changes):
+            log.warning("the data plan or train.seed changed: the data order starts over at its first pack")
+        else:
+            self.loader.load_state_dict(state["loader"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.consumed_target_tokens = int(state["consumed_target_tokens"])
+        self.elapsed_before_s = float(state["elapsed_s"])
+        self.val_history = [list(v) for v in state.get("val_history", [])]
         self.data_iterator = None
 
 
 def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
-    """(where to save, what to resume from or None)."""
+    """(where to save, what to resume from or None).
+
+    With ``checkpoint.load_weights_only`` the second is the checkpoint whose weights start the
+    run, unless the run's own ``checkpoint.save`` already holds a checkpoint (the new run was
+    interrupted): then that one is resumed in full."""
     save = Path(cfg.checkpoint.save or Path(cfg.train.output_dir) / "checkpoints")
+    if cfg.checkpoint.load_weights_only and ckpt.find_latest(save) is not None:
+        return save, ckpt.find_latest(save)
     if cfg.checkpoint.load is not None:
         found = ckpt.find_latest(cfg.checkpoint.load)
         if found is None:
@@ -312,30 +467,46 @@ def layout_meta(world_size: int, tp: int, cp: int, dp: int) -> dict:
             "data_parallel_size": dp}
 
 
-def check_resume(cfg: Config, world_size: int) -> Optional[Path]:
-    """The checkpoint this run will resume from (None: a fresh start), checked before any
-    process group exists: a ``checkpoint.load`` that holds no checkpoint, or one written with
-    another world size or layout, raises ``ConfigError`` (printed once by the entry, exit 2)
-    instead of failing on every rank inside ``Trainer.load``."""
+def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
+    """The checkpoint this run starts from (None: a fresh start), checked before any process
+    group exists; what the run cannot do raises ``ConfigError`` (printed once by the entry,
+    exit 2) instead of failing on every rank inside ``Trainer.load``:
+
+    - ``checkpoint.load`` holds no checkpoint;
+    - a full resume at another layout of a checkpoint that cannot reshard: one in the older
+      per-tensor-parallel-rank format, or a GPU run (megatron-core's optimizer state is per rank);
+      a layout-free checkpoint resumes at any layout on CPU;
+    - with ``dataset`` (the opened training plan): a full resume with changed lr, schedule,
+      optimizer, global batch, seed or data plan, unless ``checkpoint.allow_changed``.
+
+    A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
     from megatron_pack.parallel.dims import ParallelDims
 
     try:
-        _, resume = checkpoint_dirs(cfg)
+        resume, kind = _resume_kind(cfg)
     except FileNotFoundError as exc:
         raise ConfigError([str(exc)]) from None
     if resume is None:
         return None
-    dims = ParallelDims.from_config(cfg, world_size)
     saved = ckpt.read_meta(resume)
+    dims = ParallelDims.from_config(cfg, world_size)
     mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here"
                 for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp).items() if saved.get(k) != v]
-    if mismatch:
+    layout_free = saved.get("format") == ckpt.SHARDED_FORMAT
+    on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if mismatch and (not layout_free or (on_gpu and kind == "resume")):
         key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        why = ("it was written in the older per-tensor-parallel-rank format, which does not reshard" if not layout_free
+               else "megatron-core's GPU optimizer state resumes only at the layout that wrote it (the weights reshard;"
+                    " checkpoint.load_weights_only=true starts a new run from them)")
         raise ConfigError([f"cannot resume from {resume}: it was written with another parallel layout "
-                           f"({'; '.join(mismatch)}). Resume it on {saved.get('world_size')} ranks with "
+                           f"({'; '.join(mismatch)}) and {why}. Resume it on {saved.get('world_size')} ranks with "
                            f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
                            f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
                            "to another directory to start fresh."])
+    if dataset is not None and kind == "resume":
+        iters = resolve_train_iters(cfg, len(dataset), dims.dp)
+        check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
     return resume
 
 
@@ -345,20 +516,22 @@ def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -
     announce = state.rank == 0
     if cfg.packing.mode == "online":
         announce = state.tp_rank == 0 and state.cp_rank == 0
-    return loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
-                                   pin_memory=state.device.type == "cuda", announce=announce)
+    loader = loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
+                                     pin_memory=state.device.type == "cuda", announce=announce)
+    loader.plan_fingerprint = dataset.metadata.get("fingerprint")  # what a resume compares (run_settings)
+    return loader
 
 
 def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
-                  forward_step_func: Optional[Callable] = None) -> Trainer:
+                  forward_step_func: Optional[Callable] = None, validation=None) -> Trainer:
     """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` yields full THD packs
-    for this DP rank and has ``state_dict()`` / ``load_state_dict()`` (resume at the next pack)."""
+    for this DP rank and has ``state_dict()`` / ``load_state_dict()`` (resume at the next pack);
+    ``validation`` is this DP rank's ``eval.ValidationLoader`` (or None)."""
     from megatron_pack.model.builder import build_model
     from megatron_pack.training.step import forward_step
 
-    refused = distributed_optimizer_problems(cfg)  # validate()'s rule, for a Config built without load_config
-    if refused:
-        raise ConfigError(refused)
+    sampler = getattr(loader, "sampler", None)
+    train_iters = resolve_train_iters(cfg, getattr(sampler, "num_packs", None), state.dp_size)
     model = build_model(cfg, state)
     if cfg.train.bf16:  # megatron-core's bf16 wrapper: casts inputs, keeps fp32 main grads
         from megatron.core.transformer.module import Float16Module
@@ -366,44 +539,83 @@ def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
         model = Float16Module(model.config, model)
     ddp = wrap_ddp(cfg, model, state)
     optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
-                                device=state.device.type)
+                                device=state.device.type, dp_group=state.dp_group)
     dataset = getattr(loader, "dataset", None)  # the breakdowns need the same sizes on every rank
     num_buckets = len(dataset.metadata.get("buckets", {}).get("per_bucket", [])) if dataset is not None else 0
-    return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg),
-                   loader=loader, forward_step_func=forward_step_func or forward_step, num_buckets=num_buckets,
+    return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg, train_iters),
+                   loader=loader, forward_step_func=forward_step_func or forward_step, train_iters=train_iters,
+                   validation=validation, plan_fingerprint=getattr(loader, "plan_fingerprint", None),
+                   num_buckets=num_buckets,
                    source_names=list(getattr(dataset, "source_names", [])) if dataset is not None else [])
 
 
-def _should_save(cfg: Config, step: int) -> bool:
+def _should_save(cfg: Config, step: int, train_iters: int) -> bool:
     c = cfg.checkpoint
-    return c.enabled and (step == cfg.train.train_iters or (c.save_interval > 0 and step % c.save_interval == 0))
+    return c.enabled and (step == train_iters or (c.save_interval > 0 and step % c.save_interval == 0))
+
+
+def _should_evaluate(cfg: Config, trainer: Trainer) -> bool:
+    interval = cfg.train.eval_interval
+    return trainer.validation is not None and (trainer.step == trainer.train_iters
+                                               or (interval > 0 and trainer.step % interval == 0))
+
+
+def _resume_kind(cfg: Config) -> tuple[Optional[Path], str]:
+    """(checkpoint, 'resume' | 'weights') this run starts from, or (None, 'fresh')."""
+    save, resume = checkpoint_dirs(cfg)
+    if resume is None:
+        return None, "fresh"
+    own = resume.parent.resolve() == save.resolve()
+    return resume, "weights" if cfg.checkpoint.load_weights_only and not own else "resume"
+
+
+def start_or_resume(cfg: Config, trainer: Trainer) -> None:
+    """Resume from the newest checkpoint (any layout), or start from checkpoint.load's weights."""
+    resume, kind = _resume_kind(cfg)
+    if kind == "fresh":
+        return
+    if kind == "weights":
+        trainer.load_weights(resume)
+        log.info("started a new run from the weights of %s (fresh optimizer, schedule and data order)", resume)
+        return
+    changes = trainer.load(resume)
+    for change in changes:
+        log.warning("resumed with a changed setting (checkpoint.allow_changed=true): %s", change)
+    log.info("resumed from %s at step %d (%d packs consumed)", resume, trainer.step,
+             trainer.step * cfg.train.global_batch_size)
 
 
 def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
-                 forward_step_func: Optional[Callable] = None) -> Trainer:
-    """Train to ``train.train_iters`` (or ``train.exit_after_iters`` steps in this process),
-    resuming from the newest checkpoint when there is one. Returns the trainer (its
-    ``pack_log`` holds the sample ids of every pack this rank consumed in this process)."""
-    trainer = build_trainer(cfg, state, loader, forward_step_func=forward_step_func)
-    save_dir, resume = checkpoint_dirs(cfg)
+                 forward_step_func: Optional[Callable] = None, validation=None) -> Trainer:
+    """Train to the run's last step (``train.train_iters`` or ``train.num_epochs``; or
+    ``train.exit_after_iters`` steps in this process), resuming from the newest checkpoint when
+    there is one, evaluating ``validation`` every ``train.eval_interval`` steps and at the end.
+    Returns the trainer (its ``pack_log`` holds the sample ids of every pack this rank consumed
+    in this process)."""
+    from megatron_pack.training.record import write_run_record
+
+    trainer = build_trainer(cfg, state, loader, forward_step_func=forward_step_func, validation=validation)
+    save_dir, _ = checkpoint_dirs(cfg)
     if cfg.model.pretrained and cfg.checkpoint.enabled and state.rank == 0:  # lets `export` read a checkpoint alone
         from megatron_pack.model.hf.export import save_hf_source
 
         save_hf_source(cfg.model.pretrained, save_dir)
-    if resume is not None:
-        trainer.load(resume)
-        log.info("resumed from %s at step %d", resume, trainer.step)
+    start_or_resume(cfg, trainer)
+    if state.rank == 0:
+        write_run_record(cfg, state, trainer.train_iters)
     writer = MetricsWriter(cfg.train.output_dir, enabled=state.rank == 0, log_interval=cfg.logging.log_interval,
-                           tensorboard=cfg.logging.tensorboard, train_iters=cfg.train.train_iters)
+                           tensorboard=cfg.logging.tensorboard, train_iters=trainer.train_iters)
     num_run = 0
     try:
-        while trainer.step < cfg.train.train_iters:
+        while trainer.step < trainer.train_iters:
             metrics = trainer.train_step()
+            if _should_evaluate(cfg, trainer):
+                metrics.val_loss = trainer.evaluate().loss
             writer.write(metrics)
             if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0:
                 sample_log.info("step %d rank %d dp_rank %d packs %s", trainer.step, state.rank, state.dp_rank,
                                 trainer.pack_log[-1])
-            if _should_save(cfg, trainer.step):
+            if _should_save(cfg, trainer.step, trainer.train_iters):
                 path = trainer.save(save_dir)
                 if state.rank == 0:
                     log.info("saved checkpoint %s", path)
@@ -411,6 +623,8 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
             if cfg.train.exit_after_iters is not None and num_run >= cfg.train.exit_after_iters:
                 log.info("train.exit_after_iters=%d reached at step %d; stopping", num_run, trainer.step)
                 break
+        if trainer.step >= trainer.train_iters and trainer.history:
+            writer.write_hparams(cfg, trainer)
     finally:
         writer.close()
     return trainer
@@ -427,6 +641,7 @@ def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
         first, last = records[0], records[-1]
         lines.append(f"lm loss: first {first['lm_loss']:.4f} (step {first['step']}) -> "
                      f"last {last['lm_loss']:.4f} (step {last['step']})")
+        lines += _summary_totals(records)
     if getattr(dataset, "plan_dir", None) is not None:  # online packing and in-batch packing have no plan
         plan = Path(dataset.plan_dir)
         lines.append(f"packing report: {plan / 'report.json'} and {plan / 'report.png'}")
@@ -438,3 +653,20 @@ def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
     if cfg.checkpoint.enabled:
         lines.append(f"checkpoints: {checkpoint_dirs(cfg)[0]}")
     return "\n".join(lines)
+
+
+def _summary_totals(records: list[dict]) -> list[str]:
+    """Total time and tokens, and the best and last validation loss, from the metrics records."""
+    from megatron_pack.training.metrics import format_duration
+
+    last = records[-1]
+    lines = [f"total: {format_duration(last.get('elapsed_s') or 0.0)} training time, "
+             f"{last.get('consumed_target_tokens', 0):,} target tokens, "
+             f"{last.get('consumed_samples', 0):,} samples"
+             + (f", {last['epoch']:.2f} epochs" if last.get("epoch") is not None else "")]
+    evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if evals:
+        best = min(evals, key=lambda e: e[1])
+        lines.append(f"validation loss: best {best[1]:.4f} (step {best[0]}), last {evals[-1][1]:.4f} "
+                     f"(step {evals[-1][0]})")
+    return lines

@@ -56,6 +56,19 @@ class StepMetrics:
     """Token-weighted loss per data.sources name (None for a source with no target this step)."""
     source_target_share: Optional[dict] = None
     """Share of the step's target tokens per data.sources name."""
+    epoch: Optional[float] = None
+    """Epochs completed (fractional) after this step; None when the loader has no pack sampler."""
+    consumed_samples: int = 0
+    """Samples trained on since step 0."""
+    consumed_target_tokens: int = 0
+    """Target tokens trained on since step 0."""
+    elapsed_s: float = 0.0
+    """Training time since step 0 (summed over resumed processes)."""
+    eta_s: Optional[float] = None
+    """Estimated time to the last step, from this process's mean step time."""
+    val_loss: Optional[float] = None
+    """Token-weighted validation loss, on steps that evaluate."""
+
 
     @property
     def padding_share(self) -> float:
@@ -86,11 +99,17 @@ class StepMetrics:
         return out
 
     def line(self, train_iters: int) -> str:
-        return (f"step {self.step}/{train_iters} | lm loss {self.lm_loss:.6f} | "
+        val = f"val loss {self.val_loss:.6f} | " if self.val_loss is not None else ""
+        epoch = f"epoch {self.epoch:.2f} | " if self.epoch is not None else ""
+        eta = format_duration(self.eta_s) if self.eta_s is not None else "?"
+        return (f"step {self.step}/{train_iters} | lm loss {self.lm_loss:.6f} | {val}{epoch}"
                 f"target tok/s {self.target_tokens_per_s:,.0f} | real tok/s {self.real_tokens_per_s:,.0f} | "
                 f"padding {100 * self.padding_share:.1f}% | samples {self.samples} | "
-                f"target tokens {self.target_tokens} | grad norm {self.grad_norm:.4f} | "
-                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms" + self._imbalance_text() + self._breakdown_text())
+                f"target tokens {self.target_tokens} | consumed samples {self.consumed_samples} | "
+                f"consumed target tokens {self.consumed_target_tokens} | grad norm {self.grad_norm:.4f} | "
+                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms | "
+                f"elapsed {format_duration(self.elapsed_s)} | ETA {eta}" + self._imbalance_text()
+                + self._breakdown_text())
 
     def _imbalance_text(self) -> str:
         if self.imbalance_before is None:
@@ -108,6 +127,16 @@ class StepMetrics:
 
 
 _BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share")
+
+
+def format_duration(seconds: float) -> str:
+    """``3725.0 -> '1h02m05s'``, ``65.2 -> '1m05s'``, ``4.3 -> '4s'``."""
+    total = int(round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 @dataclass
@@ -192,15 +221,19 @@ class MetricsWriter:
         if self._tb is not None:
             for key in ("lm_loss", "target_tokens_per_s", "real_tokens_per_s", "padding_share", "samples",
                         "target_tokens", "target_tokens_spread", "grad_norm", "lr", "step_time_s",
-                        "imbalance_before", "imbalance_after"):
+                        "imbalance_before", "imbalance_after", "epoch", "consumed_samples",
+                        "consumed_target_tokens", "elapsed_s"):
                 value = record[key]
                 if value is not None and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, metrics.step)
             for key, value in metrics.breakdown_scalars().items():
                 if math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, metrics.step)
+            if metrics.val_loss is not None and math.isfinite(metrics.val_loss):
+                self._tb.add_scalar("validation/lm_loss", metrics.val_loss, metrics.step)
+
             self._tb.flush()
-        if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters:
+        if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters or metrics.val_loss is not None:
             log.info(metrics.line(self.train_iters) + f" | target tokens spread {100 * record['target_tokens_spread']:.1f}%")
 
     def _spread(self, target_tokens: int) -> float:
@@ -210,6 +243,20 @@ class MetricsWriter:
         self._mean += delta / self._num_steps
         self._m2 += delta * (target_tokens - self._mean)
         return math.sqrt(self._m2 / self._num_steps) / self._mean if self._mean > 0 else 0.0
+
+    def write_hparams(self, cfg, trainer) -> None:
+        """TensorBoard hparams: every config key (flattened) with the run's last and best losses."""
+        if self._tb is None:
+            return
+        from megatron_pack.training.record import flat_config
+
+        last = trainer.history[-1]
+        results = {"hparam/lm_loss": last.lm_loss}
+        if trainer.val_history:
+            results["hparam/val_loss_last"] = trainer.val_history[-1][1]
+            results["hparam/val_loss_best"] = min(v for _, v in trainer.val_history)
+        self._tb.add_hparams(flat_config(cfg), results, run_name="hparams")
+        self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:

@@ -53,10 +53,11 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_iters: int, train_iters
 class LRSchedule:
     """Warmup + decay schedule over optimizer steps; its state is the number of steps taken."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, train_iters: Optional[int] = None):
+        """``train_iters``: the run's steps when derived from train.num_epochs (default train.train_iters)."""
         t = cfg.train
         self._kwargs = dict(lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
-                            train_iters=t.train_iters, decay_style=t.lr_decay_style)
+                            train_iters=train_iters or t.train_iters, decay_style=t.lr_decay_style)
         self.num_steps = 0
 
     def next_lr(self) -> float:
@@ -174,6 +175,28 @@ class TrainOptimizer:
     def load_rank_state(self, state: Optional[dict]) -> None:
         return None
 
+    def checkpoint_tensors(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
+        """``({param name: {"exp_avg": t, "exp_avg_sq": t}}, step)`` shaped like this rank's parameter
+        shards (zeros before the first step): what a checkpoint stores, resharded by parameter."""
+        self.named_state(materialize=True)
+        tensors = {self.names[p]: {k: self.optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
+                   for p in self.params}
+        return tensors, _step_of(self.optimizer.state[self.params[0]]["step"])
+
+    def load_checkpoint_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
+        """Copy state read from a checkpoint (same shapes as :meth:`checkpoint_tensors`)."""
+        self.named_state(materialize=True)
+        for param in self.params:
+            state = self.optimizer.state[param]
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].copy_(tensors[self.names[param]][key])
+            state["step"].fill_(float(step))
+
+    @property
+    def num_state_elements(self) -> int:
+        """Optimizer-state elements held by this rank (for memory reports)."""
+        return sum(t.numel() for t in self.named_state().values() if t.dim() > 0)
+
     def load_named_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy tensors produced by ``named_state`` back into the optimizer state."""
         current = self.named_state(materialize=True)
@@ -183,6 +206,140 @@ class TrainOptimizer:
                            "the checkpoint was written for another model (check model.* overrides).")
         for key, tensor in current.items():
             tensor.copy_(state[key])
+
+
+def _step_of(step: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(step), dtype=torch.float32)
+
+
+class ShardedTrainOptimizer:
+    """CPU distributed optimizer: AdamW state and update sharded over the data-parallel group.
+
+    Every trainable parameter is flattened into one virtual buffer of N elements, cut into
+    ``dp`` contiguous shards of ``ceil(N / dp)``; DP rank r keeps AdamW state for shard r only
+    (about 1/dp of the plain optimizer's). A step: the global gradient norm and clipping factor
+    from the full (already DP x CP-reduced) ``main_grad`` exactly as :class:`TrainOptimizer`,
+    AdamW on this rank's pieces, then one all-gather over DP of the updated pieces into every
+    parameter. AdamW is element-wise, so the trajectory is the plain optimizer's, bit for bit.
+
+    Example: parameters of 3 and 4 elements, dp=2 -> N=7, shards of 4: rank 0 owns param 0
+    [0:3] and param 1 [0:1]; rank 1 owns param 1 [1:4] (and one padding slot).
+
+    Gradients are still all-reduced by DDP (gloo has no reduce-scatter for megatron-core's grad
+    buffers on CPU); what is sharded is the optimizer state, its update and its memory.
+    """
+
+    def __init__(self, cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
+                 tp_group: Optional[dist.ProcessGroup], dp_group: Optional[dist.ProcessGroup]):
+        t = cfg.train
+        self.clip_grad, self.tp_group, self.dp_group = t.clip_grad, tp_group, dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.names = {p: n for n, p in named}
+        total = sum(p.numel() for p in self.params)
+        self.shard_size = -(-total // self.dp_size)
+        lo, hi = self.dp_rank * self.shard_size, min(total, (self.dp_rank + 1) * self.shard_size)
+        self.pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
+        """(param, start, stop, fp32 copy of param.flatten()[start:stop]) for this rank's shard."""
+        groups = {True: [], False: []}
+        offset = 0
+        for name, param in named:
+            start, stop = max(lo, offset) - offset, min(hi, offset + param.numel()) - offset
+            if start < stop:
+                piece = param.detach().reshape(-1)[start:stop].clone()
+                self.pieces.append((param, start, stop, piece))
+                groups[_no_weight_decay(name, param)].append(piece)
+            offset += param.numel()
+        param_groups = [{"params": groups[False], "weight_decay": t.weight_decay},
+                        {"params": groups[True], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in param_groups if g["params"]] or [{"params": []}], lr=t.lr,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=False)
+
+    def step(self, lr: float) -> float:
+        grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+                 for p in self.params]
+        for param, grad in zip(self.params, grads):
+            param.grad = grad
+        norm = grad_norm(self.params, self.tp_group)
+        factor = clip_grads_([], self.clip_grad, norm)  # the factor only: gradients stay untouched
+        for param, start, stop, piece in self.pieces:
+            # the parameter is the source of truth (a checkpoint load or weights-only start writes it)
+            piece.copy_(param.detach().reshape(-1)[start:stop])
+            grad = param.grad.detach().reshape(-1)[start:stop].clone()
+            piece.grad = grad.mul_(factor) if factor != 1.0 else grad
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None
+        for _, _, _, piece in self.pieces:
+            piece.grad = None
+        self._all_gather_params()
+        return norm
+
+    def _all_gather_params(self) -> None:
+        """Every DP rank's updated shard into every parameter (one all-gather of flat buffers)."""
+        local = torch.zeros(self.shard_size, dtype=torch.float32)
+        at = 0
+        for _, start, stop, piece in self.pieces:
+            local[at:at + stop - start] = piece
+            at += stop - start
+        full = local if self.dp_size == 1 else torch.empty(self.shard_size * self.dp_size, dtype=torch.float32)
+        if self.dp_size > 1:
+            dist.all_gather_into_tensor(full, local, group=self.dp_group)
+        offset = 0
+        with torch.no_grad():
+            for param in self.params:
+                param.copy_(full[offset:offset + param.numel()].view_as(param))
+                offset += param.numel()
+
+    def _state_vector(self, key: str) -> torch.Tensor:
+        """This rank's shard of one AdamW state, as the flat virtual buffer slice."""
+        local = torch.zeros(self.shard_size, dtype=torch.float32)
+        at = 0
+        for _, start, stop, piece in self.pieces:
+            state = self.optimizer.state.get(piece)
+            if state:
+                local[at:at + stop - start] = state[key]
+            at += stop - start
+        return local
+
+    def checkpoint_tensors(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
+        """The whole per-parameter state (gathered over DP: a checkpoint is layout-free), and step."""
+        out: dict[str, dict[str, torch.Tensor]] = {self.names[p]: {} for p in self.params}
+        for key in ("exp_avg", "exp_avg_sq"):
+            local = self._state_vector(key)
+            full = local if self.dp_size == 1 else torch.empty(self.shard_size * self.dp_size, dtype=torch.float32)
+            if self.dp_size > 1:
+                dist.all_gather_into_tensor(full, local, group=self.dp_group)
+            offset = 0
+            for param in self.params:
+                out[self.names[param]][key] = full[offset:offset + param.numel()].view_as(param).clone()
+                offset += param.numel()
+        steps = [self.optimizer.state[piece]["step"] for *_, piece in self.pieces if self.optimizer.state.get(piece)]
+        step = torch.tensor(float(steps[0]) if steps else 0.0)
+        if self.dp_size > 1:  # a rank without pieces still learns the step
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return out, step
+
+    def load_checkpoint_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
+        for param, start, stop, piece in self.pieces:
+            state = self.optimizer.state[piece]
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = tensors[self.names[param]][key].detach().reshape(-1)[start:stop].clone().float()
+
+    @property
+    def num_state_elements(self) -> int:
+        return sum(t.numel() for state in self.optimizer.state.values() for t in state.values() if t.dim() > 0)
+
+    def rank_state(self) -> Optional[dict]:
+        return None
+
+    def load_rank_state(self, state: Optional[dict]) -> None:
+        return None
 
 
 class MegatronTrainOptimizer:
@@ -215,7 +372,14 @@ class MegatronTrainOptimizer:
         return None
 
     def rank_state(self) -> Optional[dict]:
+        """The whole megatron-core optimizer state of this rank: it resumes at the same layout only."""
         return self.optimizer.state_dict()
+
+    def checkpoint_tensors(self) -> tuple[dict, None]:
+        return {}, None
+
+    def load_checkpoint_tensors(self, tensors: dict, step) -> None:
+        return None
 
     def load_rank_state(self, state: Optional[dict]) -> None:
         if state is None:
@@ -226,11 +390,14 @@ class MegatronTrainOptimizer:
 
 def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
                     tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model: Optional[torch.nn.Module] = None,
-                    device: str = "cpu"):
-    """torch AdamW over DDP's ``main_grad`` with TP-aware clipping on CPU; megatron-core's
-    optimizer over ``ddp_model`` on CUDA."""
+                    device: str = "cpu", dp_group: Optional[dist.ProcessGroup] = None):
+    """torch AdamW over DDP's ``main_grad`` with TP-aware clipping on CPU (state sharded over
+    ``dp_group`` with ``ddp.use_distributed_optimizer``); megatron-core's optimizer (its
+    distributed optimizer when asked) over ``ddp_model`` on CUDA."""
     if device == "cuda":
         if ddp_model is None:
             raise ValueError("build_optimizer(device='cuda') needs ddp_model (the megatron-core DDP-wrapped model).")
         return MegatronTrainOptimizer(cfg, [ddp_model])
+    if cfg.ddp.use_distributed_optimizer:
+        return ShardedTrainOptimizer(cfg, named_params, tp_group, dp_group)
     return TrainOptimizer(cfg, named_params, tp_group)

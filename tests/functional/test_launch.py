@@ -63,8 +63,8 @@ REFUSALS = [
     ("single-node-typo", ["single_node.sh", "2"], ["train.lrr=0.1"], "train.lrr"),
     ("single-node-world", ["single_node.sh", "3"], [], "world size (3)"),
     ("multi-node-typo", ["multi_node.sh", "1", "0", "127.0.0.1:{port}", "2"], ["train.lrr=0.1"], "train.lrr"),
-    ("resume-other-layout", ["single_node.sh", "1"], ["parallel=cp1", "packing.pad_seq_to_mult=4", "train.output_dir=ref"],
-     "cannot resume from ref/checkpoints/step_00000003"),
+    ("resume-changed-settings", ["single_node.sh", "2"], ["train.weight_decay=0.5", "train.output_dir=ref"],
+     "resuming ref/checkpoints/step_00000003 with changed settings (train.weight_decay: 0.01 -> 0.5)"),
 ]
 
 
@@ -84,8 +84,8 @@ def test_scripts_refuse_once_with_exit_2(script, overrides, fragment, launch_wor
 
 TORCHRUN_REFUSALS = [
     ("typo", ["train.lrr=0.1", "train.output_dir=refused"], "train.lrr"),
-    ("resume-other-layout", ["parallel=cp1", "packing.pad_seq_to_mult=4", "train.output_dir=ref"],
-     "cannot resume from ref/checkpoints/step_00000003"),
+    ("resume-changed-settings", ["train.weight_decay=0.5", "train.output_dir=ref"],
+     "resuming ref/checkpoints/step_00000003 with changed settings (train.weight_decay: 0.01 -> 0.5)"),
 ]
 
 

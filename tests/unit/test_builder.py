@@ -139,15 +139,17 @@ def test_initialize_parallel_state_is_one_typed_layout(world_of_one):
     assert state.pg_collection.ep.size() == 1 and state.pg_collection.expt_dp.size() == 1
 
 
-def test_build_trainer_refuses_the_distributed_optimizer_with_the_validate_message():
+def test_build_trainer_distributed_optimizer_on_cpu(world_of_one):
+    """On CPU the flag builds the DP-sharded AdamW; megatron-core's DDP keeps all-reducing whole gradients."""
     from megatron_pack.config.schema import DDPConfig
-    from megatron_pack.config.validate import distributed_optimizer_problems
+    from megatron_pack.parallel.groups import initialize_parallel
     from megatron_pack.training.loop import build_trainer
+    from megatron_pack.training.optim import ShardedTrainOptimizer
 
     cfg = Config(ddp=DDPConfig(use_distributed_optimizer=True))
-    with pytest.raises(ConfigError) as info:
-        build_trainer(cfg, state=None, loader=[])  # refused before anything is built
-    assert info.value.problems == distributed_optimizer_problems(cfg) != []
+    trainer = build_trainer(cfg, state=initialize_parallel(cfg), loader=[])
+    assert isinstance(trainer.optimizer, ShardedTrainOptimizer)
+    assert trainer.model.ddp_config.use_distributed_optimizer is False
 
 
 def test_build_model_local_spec_and_thd_forward(world_of_one):

@@ -1,5 +1,7 @@
 """``check_resume``: a resume the run cannot do is refused by the entry before any process group
-(printed once, exit 2), not on every rank inside ``Trainer.load``.
+(printed once, exit 2), not on every rank inside ``Trainer.load``. A layout-free checkpoint (the
+trainer's format) resumes at any layout on CPU; an older per-TP-rank one, or a GPU run's
+optimizer state, only at the layout that wrote it.
 
 Checkpoints here are only their ``meta.json`` (all the check reads); a real one written by a
 CP=2 run and refused at CP=1 is in tests/functional/test_launch.py.
@@ -19,11 +21,12 @@ from megatron_pack.config.schema import ConfigError
 from megatron_pack.training.loop import check_resume
 
 
-def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3) -> Path:
+def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3, fmt: str | None = None) -> Path:
+    """Without ``fmt``: the older per-TP-rank format (does not reshard)."""
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True, exist_ok=True)
     meta = {"step": step, "world_size": world, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
-            "data_parallel_size": world // (tp * cp)}
+            "data_parallel_size": world // (tp * cp), **({"format": fmt} if fmt else {})}
     (path / "meta.json").write_text(json.dumps(meta))
     (root / "latest").write_text(path.name)
     return path
@@ -100,6 +103,35 @@ def test_refused_exactly_when_the_layout_differs(tmp_path_factory):
 
     prop()
     assert outcomes == {True, False}  # both branches really ran
+
+
+@pytest.mark.parametrize("saved,run", [((2, 1, 2), (2, 1, 1)), ((4, 2, 2), (1, 1, 1)), ((2, 1, 1), (4, 2, 2))],
+                         ids=["cp2-to-dp2", "tp2cp2-to-world1", "dp2-to-tp2cp2"])
+def test_layout_free_checkpoint_resumes_at_another_layout_on_cpu(tmp_path, monkeypatch, saved, run):
+    from megatron_pack.training.checkpoint import SHARDED_FORMAT
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    written = _write_checkpoint(tmp_path / "run" / "checkpoints", *saved, fmt=SHARDED_FORMAT)
+    world, tp, cp = run
+    assert check_resume(_cfg(tmp_path, tp, cp), world) == written
+
+
+def test_layout_free_checkpoint_at_another_layout_refused_on_gpu(tmp_path, monkeypatch):
+    from megatron_pack.training.checkpoint import SHARDED_FORMAT
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2, fmt=SHARDED_FORMAT)
+    with pytest.raises(ConfigError, match="megatron-core's GPU optimizer state resumes only at the layout that wrote"):
+        check_resume(_cfg(tmp_path, 1, 1), 2)
+    weights_only = _cfg(tmp_path, 1, 1, f"checkpoint.load={tmp_path}/run/checkpoints", "checkpoint.load_weights_only=true",
+                        f"checkpoint.save={tmp_path}/new")
+    assert check_resume(weights_only, 2) is not None  # weights reshard on any device
+
+
+def test_older_format_names_why(tmp_path):
+    _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2)
+    with pytest.raises(ConfigError, match="older per-tensor-parallel-rank format, which does not reshard"):
+        check_resume(_cfg(tmp_path, 1, 1), 2)
 
 
 @pytest.mark.parametrize("local_rank,printed", [("0", True), ("1", False)], ids=["local-rank-0", "local-rank-1"])

@@ -30,7 +30,8 @@ from megatron_pack.data.packing.mixing import mix_selection
 from megatron_pack.data.packing.split import split_entries
 from megatron_pack.data.packing.wrapped import wrapped_entries
 from megatron_pack.data.formats.sources import DataError
-from megatron_pack.data.store.metadata import PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings
+from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
+                                               held_out_mask)
 from megatron_pack.data.store.token_store import TokenStore
 
 PLAN_ARRAYS = ("bin_offsets", "sample_order", "sample_num_ids")
@@ -66,17 +67,21 @@ class Selection:
         return int(np.unique(self.kept).size)
 
 
-def select_samples(store: TokenStore, settings: PlanSettings) -> Selection:
+def select_samples(store: TokenStore, settings: PlanSettings, include=None) -> Selection:
     """Apply the empty-sample rule and the overflow policy; ``error`` raises listing offenders.
 
-    ``wrapped`` cuts documents at row ends by construction, so no sample is over-long there."""
+    ``wrapped`` cuts documents at row ends by construction, so no sample is over-long there.
+    ``include`` (bool [num samples], default all) limits the plan to those samples (the training
+    or the held-out validation share); the others are neither packed nor counted as dropped."""
     if settings.truncate_to < 1:
         raise DataError(f"packing.packed_sequence_size ({settings.pack_size}) is smaller than the pad multiple "
                         f"({settings.pad_multiple}); raise it to a multiple of {settings.pad_multiple}.")
     num_ids = store.num_ids()
     empty = np.asarray(store.num_targets) == 0
     padded = thd_lengths(num_ids, settings.pad_multiple)
-    over = ((num_ids - 1 > settings.max_length) | (padded > settings.pack_size)) & ~empty
+    include = np.ones(len(num_ids), dtype=bool) if include is None else np.asarray(include, dtype=bool)
+    empty = empty & include
+    over = ((num_ids - 1 > settings.max_length) | (padded > settings.pack_size)) & ~empty & include
     if settings.algorithm == "wrapped":
         over[:] = False
     dropped = {"no_answer_tokens": int(empty.sum()), "too_long": 0, "no_answer_tokens_after_truncation": 0}
@@ -84,12 +89,12 @@ def select_samples(store: TokenStore, settings: PlanSettings) -> Selection:
     if over.any() and settings.on_overflow == "error":
         raise DataError(_overflow_message(store, settings, np.flatnonzero(over), padded))
     if settings.on_overflow == "split":
-        return _split_selection(store, settings, empty, over, num_ids, dropped)
+        return _split_selection(store, settings, empty | ~include, over, num_ids, dropped)
     if settings.on_overflow == "drop":
         dropped["too_long"] = int(over.sum())
-        keep = ~empty & ~over
+        keep = ~empty & ~over & include
     else:
-        keep = ~empty
+        keep = ~empty & include
         for i in np.flatnonzero(over):
             take[i] = settings.truncate_to + 1
             start = int(store.offsets[i])
@@ -176,16 +181,18 @@ def _wrapped_layout(selection: Selection, settings: PlanSettings) -> Layout:
     return Layout(plan, entries, None, {"wrapped_attention": settings.wrapped_attention})
 
 
-def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selection, layout: Layout) -> dict:
-    """Megatron-Bridge fields, our settings and the accounting of every sample read."""
+def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selection, layout: Layout,
+                  num_held_out: int = 0) -> dict:
+    """Megatron-Bridge fields, our settings and the accounting of every sample read
+    (``num_held_out``: samples of the store this plan leaves to another, e.g. validation)."""
     plan, entries = layout.plan, layout.entries
     thd = entries.num_ids.astype(np.int64) - 1
     loads = plan.bin_loads()
     num_read = len(store)
     num_dropped = sum(selection.dropped.values())
-    if num_read != entries.num_samples + num_dropped:
+    if num_read != entries.num_samples + num_dropped + num_held_out:
         raise AssertionError(f"accounting broken: read {num_read} != packed {entries.num_samples} + dropped "
-                             f"{num_dropped}")
+                             f"{num_dropped} + held out {num_held_out}")
     meta = store.metadata
     cross = settings.algorithm == "wrapped" and settings.wrapped_attention == "cross"
     out = {
@@ -208,24 +215,49 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
                        "num_samples_dropped": selection.dropped, "num_samples_truncated": selection.num_truncated,
                        "num_samples_split": entries.num_split or selection.num_split,
                        "num_packed_entries": len(thd),
-                       "num_pieces_without_answer": selection.num_pieces_without_answer, "balanced": True},
+                       "num_pieces_without_answer": selection.num_pieces_without_answer,
+                       "num_samples_held_out": num_held_out, "balanced": True},
     }
     out.update(layout.extra or {})
     return out
 
 
 def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
-    """Plan ``store`` under ``settings`` into ``<store>/plans/<name>`` (atomically); return the directory."""
+    """Plan ``store`` under ``settings`` into ``<store>/plans/<name>`` (atomically); return the directory.
+
+    With ``settings.validation_fraction`` > 0 the held-out samples (``held_out_mask``, chosen
+    before packing) are packed into their own plan ``<name>/validation`` with the same settings;
+    the training plan never holds them, and both metadata files record the split. Nothing is
+    written when either plan cannot be made."""
     target = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
-    selection = select_samples(store, settings)
+    held = (held_out_mask(len(store), settings.validation_fraction, settings.validation_seed)
+            if settings.validation_fraction else np.zeros(len(store), dtype=bool))
+    if settings.validation_fraction and not held.any():
+        raise DataError(f"data.validation_fraction ({settings.validation_fraction}) of {len(store)} samples holds "
+                        "out none; raise data.validation_fraction or prepare more samples.")
+    split = {"validation_fraction": settings.validation_fraction, "validation_seed": settings.validation_seed,
+             "num_samples_held_out": int(held.sum())}
+    plans = [("", _make_plan(store, settings, ~held, {**split, "role": "train"}))]
+    if held.any():
+        plans.append((VALIDATION_DIRNAME, _make_plan(store, settings, held, {**split, "role": "validation"})))
+    with atomic_directory(target, replace=True) as tmp:
+        for subdir, arrays in plans:
+            (tmp / subdir).mkdir(exist_ok=True)
+            _write_plan_arrays(tmp / subdir, store, settings, *arrays)
+    return target
+
+
+def _make_plan(store: TokenStore, settings: PlanSettings, include: np.ndarray, split: dict):
+    selection = select_samples(store, settings, include)
     if selection.kept.size == 0:
         raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
-                        "data.answer_only_loss, data.schema and packing.on_overflow.")
+                        "data.answer_only_loss, data.schema, packing.on_overflow and data.validation_fraction.")
     mixture = None
     if settings.mixture is not None:
         selection, mixture = _mix(store, settings, selection)
     layout = lay_out(selection, settings)
-    metadata = plan_metadata(store, settings, selection, layout)
+    metadata = plan_metadata(store, settings, selection, layout, num_held_out=int((~include).sum()))
+    metadata["split"] = split
     if mixture is not None:
         metadata["mixture"] = mixture
     entries, order = layout.entries, layout.plan.order
@@ -241,16 +273,19 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
     if file_source is not None:  # every pack records its samples' source
         arrays["sample_source"] = file_source[np.asarray(store.source_file)[arrays["sample_order"]]].astype(np.int32)
         metadata["source_names"] = [m["name"] for m in store.metadata["sources"]["mixture"]]
-    with atomic_directory(target, replace=True) as tmp:
-        for name, array in arrays.items():
-            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
-        metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION,
-                        store_fingerprint=store.metadata["fingerprint"],
-                        fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
-                        files={f"{name}.npy": {"sha256": sha256_file(tmp / f"{name}.npy"),
-                                               "size": (tmp / f"{name}.npy").stat().st_size} for name in arrays})
-        write_json(tmp / "metadata.json", metadata)
-    return target
+    return arrays, metadata
+
+
+def _write_plan_arrays(directory: Path, store: TokenStore, settings: PlanSettings, arrays: dict,
+                       metadata: dict) -> None:
+    for name, array in arrays.items():
+        np.save(directory / f"{name}.npy", array, allow_pickle=False)
+    metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION,
+                    store_fingerprint=store.metadata["fingerprint"],
+                    fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
+                    files={f"{name}.npy": {"sha256": sha256_file(directory / f"{name}.npy"),
+                                           "size": (directory / f"{name}.npy").stat().st_size} for name in arrays})
+    write_json(directory / "metadata.json", metadata)
 
 
 def source_of_files(store_metadata: dict) -> np.ndarray | None:

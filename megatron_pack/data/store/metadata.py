@@ -47,17 +47,23 @@ class PlanSettings:
     """'document' or 'cross' (algorithm=wrapped)."""
     mixture: object = None
     """None, or a tuple of (source name, 'weight' | 'tokens', value) from data.sources."""
+    validation_fraction: float = 0.0
+    """Share of the store's samples held out (by validation_seed, before packing) into a validation plan."""
+    validation_seed: int = 0
 
     def fingerprint(self, store_fingerprint: str) -> str:
         # settings at their defaults are left out, so plans made before they existed keep their names
         settings = {k: v for k, v in asdict(self).items() if k not in _NEWER_DEFAULTS or v != _NEWER_DEFAULTS[k]}
+        if not self.validation_fraction:  # plans without a held-out share keep their fingerprint
+            del settings["validation_fraction"], settings["validation_seed"]
         blob = json.dumps({"store": store_fingerprint, **settings, "format_version": PLAN_FORMAT_VERSION},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def dirname(self, store_fingerprint: str) -> str:
+        held_out = f"val{self.validation_fraction:g}s{self.validation_seed}_" if self.validation_fraction else ""
         return (f"pack{self.pack_size}_mult{self.pad_multiple}_{self.algorithm}_seed{self.seed}_"
-                f"{self.on_overflow}_{self.fingerprint(store_fingerprint)[:12]}")
+                f"{self.on_overflow}_{held_out}{self.fingerprint(store_fingerprint)[:12]}")
 
     @property
     def truncate_to(self) -> int:
@@ -80,7 +86,9 @@ def plan_settings(cfg) -> PlanSettings:
                         on_overflow=cfg.packing.on_overflow, max_length=min(max_length, pack_size),
                         split_overlap=cfg.packing.split_overlap, buckets=_buckets(cfg.packing.buckets),
                         wrapped_attention=cfg.packing.wrapped_attention if cfg.packing.algorithm == "wrapped"
-                        else "document", mixture=_mixture(cfg.data.sources))
+                        else "document", mixture=_mixture(cfg.data.sources),
+                        validation_fraction=float(cfg.data.validation_fraction),
+                        validation_seed=cfg.data.validation_seed)
 
 
 def _mixture(sources):
@@ -99,7 +107,27 @@ def describe_settings(settings: PlanSettings) -> str:
     text = (f"pack size {settings.pack_size}, pad multiple {settings.pad_multiple}, algorithm {settings.algorithm}, "
             f"seed {settings.seed}, on_overflow {settings.on_overflow}, max length {settings.max_length}")
     extras = {k: getattr(settings, k) for k, v in _NEWER_DEFAULTS.items() if getattr(settings, k) != v}
-    return text + "".join(f", {k.replace('_', ' ')} {v}" for k, v in extras.items())
+    held_out = (f", validation fraction {settings.validation_fraction:g} (seed {settings.validation_seed})"
+                if settings.validation_fraction else "")
+    return text + "".join(f", {k.replace('_', ' ')} {v}" for k, v in extras.items()) + held_out
+
+
+VALIDATION_DIRNAME = "validation"
+"""Where a plan's held-out validation plan sits (``<plan>/validation``) and where ``data.validation``
+is prepared (``<data.dataset_dir>/validation``)."""
+
+
+def held_out_mask(num_samples: int, fraction: float, seed: int) -> "np.ndarray":
+    """Boolean [num_samples]: True for the ``round(fraction * num_samples)`` samples held out for
+    validation, chosen by a permutation seeded by ``seed`` (independent of packing settings).
+
+    Example: 10 samples, fraction 0.2 -> exactly 2 True, the same 2 for the same seed.
+    """
+    import numpy as np
+
+    mask = np.zeros(num_samples, dtype=bool)
+    mask[np.random.default_rng([seed, 0x5A11D]).permutation(num_samples)[:round(fraction * num_samples)]] = True
+    return mask
 
 
 _VERIFIED: dict[tuple[str, int, int], str] = {}

@@ -1,0 +1,81 @@
+"""Every recipe in configs/experiment passes ``validate()`` at the world size it states.
+
+A recipe states its world size in a header line ``# world size: N``; a recipe without one fails
+here (a launch size is part of a recipe). Recipes reading ``data.source=files`` get a placeholder
+``data.input`` (the user's file; ``validate()`` does not open it). Nothing a recipe sets may be
+refused later: the distributed optimizer, recompute and every other key go through the same
+``validate()`` the training entry runs before any process group starts.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatron_pack.config import load_config
+from megatron_pack.config.loader import config_dir
+
+# config.json of the Hugging Face folders the pretrained recipes name (architecture keys only: what
+# load_config reads from model.pretrained); the published configs of these models.
+_LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+               "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+               "torch_dtype": "bfloat16"}
+_QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+              "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+              "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+              "torch_dtype": "bfloat16"}
+PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B}
+
+RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
+
+
+def _world_size(path) -> int:
+    match = re.search(r"^# world size: (\d+)", path.read_text(encoding="utf-8"), flags=re.M)
+    assert match, f"{path.name} does not state its world size; add a header line '# world size: N'"
+    return int(match.group(1))
+
+
+def test_recipes_exist():
+    assert {p.stem for p in RECIPES} >= {"quickstart", "llama3_8b_tp2_cp2"}
+
+
+def _pretrained_folder(path, root) -> list[str]:
+    """The recipe's model.pretrained folder under ``root`` (config.json only; tiny-llama: a tiny random one)."""
+    import json
+
+    match = re.search(r"^  pretrained: (\S+)", path.read_text(encoding="utf-8"), flags=re.M)
+    if not match:
+        return []
+    folder = root / match.group(1)
+    if match.group(1) in PRETRAINED:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(PRETRAINED[match.group(1)]))
+    else:
+        import sys
+
+        sys.path.insert(0, str(config_dir().parent / "tests"))
+        from _hf import make_family
+
+        make_family(folder.parent, "llama_rope", name=folder.name)
+    return [f"model.pretrained={folder}", "data.tokenizer=byte"]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_validates_at_its_world_size(path, tmp_path):
+    world_size = _world_size(path)
+    reads_files = re.search(r"override /data: files", path.read_text(encoding="utf-8")) is not None
+    extra = (["data.input=train.jsonl"] if reads_files else []) + _pretrained_folder(path, tmp_path)
+    cfg = load_config([f"experiment={path.stem}", *extra], world_size=world_size)  # validate() runs inside
+    par = cfg.parallel
+    assert world_size % (par.tensor_model_parallel_size * par.context_parallel_size) == 0
+
+
+def test_llama3_recipe_uses_the_distributed_optimizer():
+    cfg = load_config(["experiment=llama3_8b_tp2_cp2", "data.input=train.jsonl"], world_size=8)
+    assert cfg.ddp.use_distributed_optimizer and cfg.parallel.sequence_parallel

@@ -1,0 +1,158 @@
+"""The pure parts of a complete run: the held-out split, epochs, eval sizes, changed settings,
+the step line, the run record, the activation meter, the CPU distributed optimizer at DP=1."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_pack.config import Config, ConfigError
+from megatron_pack.config.schema import TrainConfig
+from megatron_pack.data.store.metadata import held_out_mask
+
+
+@pytest.mark.parametrize("num,fraction,expected", [(10, 0.2, 2), (10, 0.0, 0), (240, 0.1, 24), (7, 0.5, 4), (3, 0.1, 0)],
+                         ids=["10x0.2", "none", "240x0.1", "round-half", "too-few"])
+def test_held_out_mask_size(num, fraction, expected):
+    assert int(held_out_mask(num, fraction, seed=0).sum()) == expected
+
+
+@settings(max_examples=50, deadline=None)
+@given(num=st.integers(1, 2000), fraction=st.floats(0.01, 0.99), seed=st.integers(0, 2**31 - 1))
+def test_held_out_mask_is_seeded_and_exact(num, fraction, seed):
+    mask = held_out_mask(num, fraction, seed)
+    assert mask.shape == (num,) and int(mask.sum()) == round(fraction * num)
+    np.testing.assert_array_equal(mask, held_out_mask(num, fraction, seed))
+
+
+def test_held_out_mask_depends_on_the_seed():
+    masks = {held_out_mask(1000, 0.1, seed).tobytes() for seed in range(5)}
+    assert len(masks) == 5
+
+
+def _cfg(**train) -> Config:
+    base = dict(train_iters=None, num_epochs=2, global_batch_size=8)
+    base.update(train)
+    return Config(train=TrainConfig(**base))
+
+
+@pytest.mark.parametrize("train,num_packs,dp,expected", [
+    (dict(train_iters=7, num_epochs=None), 103, 2, 7),
+    (dict(), 103, 2, 25),           # 2 * (103 - 1) // 8
+    (dict(), 104, 1, 26),
+    (dict(num_epochs=1, global_batch_size=4), 10, 4, 2),  # 8 packs per epoch at dp 4
+], ids=["iters", "epochs-dp2", "epochs-dp1", "epochs-drop-last"])
+def test_resolve_train_iters(train, num_packs, dp, expected):
+    from megatron_pack.training.loop import resolve_train_iters
+
+    assert resolve_train_iters(_cfg(**train), num_packs, dp) == expected
+
+
+def test_resolve_train_iters_refuses_less_than_one_step():
+    from megatron_pack.training.loop import resolve_train_iters
+
+    with pytest.raises(ConfigError, match=r"train.num_epochs \(1\) over 6 packs per epoch is less than one global batch"):
+        resolve_train_iters(_cfg(num_epochs=1), 6, 1)
+
+
+def test_changed_settings_lists_each_change():
+    from megatron_pack.training.loop import changed_settings, run_settings
+
+    before = run_settings(Config(), 50, "abc")
+    after = run_settings(Config(train=TrainConfig(lr=1e-3, global_batch_size=16)), 50, "def")
+    assert changed_settings(before, after) == ["train.lr: 0.003 -> 0.001", "train.global_batch_size: 8 -> 16",
+                                               "data plan: 'abc' -> 'def'"]
+    assert changed_settings(before, run_settings(Config(), 50, "abc")) == []
+    assert changed_settings({}, after) == []  # an older checkpoint recorded nothing to compare
+
+
+@pytest.mark.parametrize("seconds,text", [(4.3, "4s"), (65.2, "1m05s"), (3725.0, "1h02m05s")])
+def test_format_duration(seconds, text):
+    from megatron_pack.training.metrics import format_duration
+
+    assert format_duration(seconds) == text
+
+
+def test_step_line_carries_epoch_consumed_validation_elapsed_eta():
+    from megatron_pack.training.metrics import StepMetrics
+
+    m = StepMetrics(step=3, lm_loss=2.0, target_tokens=10, real_tokens=20, slots=32, samples=4, grad_norm=1.0,
+                    lr=1e-3, step_time_s=0.5, epoch=1.25, consumed_samples=12, consumed_target_tokens=30,
+                    elapsed_s=65.0, eta_s=4.0, val_loss=1.5)
+    line = m.line(5)
+    for fragment in ("step 3/5", "epoch 1.25", "val loss 1.500000", "consumed samples 12", "consumed target tokens 30",
+                     "elapsed 1m05s", "ETA 4s"):
+        assert fragment in line
+    record = m.record()
+    assert record["val_loss"] == 1.5 and record["epoch"] == 1.25 and record["consumed_target_tokens"] == 30
+
+
+def test_num_eval_packs():
+    from megatron_pack.training.eval import num_eval_packs
+
+    assert [num_eval_packs(10, 0, 4), num_eval_packs(10, 2, 4), num_eval_packs(10, 3, 4)] == [10, 8, 10]
+
+
+def test_validation_loader_deals_every_pack_once():
+    from megatron_pack.training.eval import ValidationLoader
+
+    shares = [ValidationLoader(list(range(7)), lambda p: p, num_packs=7, dp_rank=r, dp_size=3) for r in range(3)]
+    assert [list(s) for s in shares] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert sorted(sum((list(s) for s in shares), [])) == list(range(7))
+
+
+def test_run_record(tmp_path):
+    from megatron_pack.training.record import write_run_record
+
+    cfg = Config(train=TrainConfig(output_dir=str(tmp_path)))
+    state = SimpleNamespace(world_size=2, tp_size=1, cp_size=2, dp_size=1)
+    path = write_run_record(cfg, state, 50)
+    record = json.loads(path.read_text())
+    assert record["train_iters"] == 50 and record["layout"]["context_parallel_size"] == 2
+    assert record["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert record["versions"]["megatron-core"] and record["config"]["train"]["lr"] == cfg.train.lr
+    assert record["git"] is None or len(record["git"]["commit"]) == 40
+    assert "train:" in (tmp_path / "config.yaml").read_text()
+    write_run_record(cfg, state, 50)  # a resumed process keeps the earlier record
+    assert len(list(tmp_path.glob("run.*.json"))) == 1
+
+
+def test_saved_activation_meter_hand_computed():
+    from megatron_pack.training.memory import SavedActivationMeter
+
+    x = torch.randn(1000, requires_grad=True)
+    meter = SavedActivationMeter()
+    with meter:
+        y = torch.sin(x)           # saves x: 4000 bytes
+        z = torch.cos(y)           # saves y: 4000 more
+        z.sum().backward()
+    assert meter.peak_bytes == 8000 and meter.bytes == 0
+    excluded = SavedActivationMeter(exclude=[x])
+    with excluded:
+        torch.cos(torch.sin(x)).sum().backward()
+    assert excluded.peak_bytes == 4000
+
+
+def test_sharded_optimizer_at_dp1_is_the_plain_optimizer():
+    from megatron_pack.training.optim import ShardedTrainOptimizer, TrainOptimizer
+
+    torch.manual_seed(0)
+    cfg = Config(train=TrainConfig(lr=1e-2, clip_grad=0.5))
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    plain = TrainOptimizer(cfg, list(models[0].named_parameters()))
+    sharded = ShardedTrainOptimizer(cfg, list(models[1].named_parameters()), None, None)
+    for step in range(3):
+        x = torch.randn(5, 4)
+        for model, opt in ((models[0], plain), (models[1], sharded)):
+            model(x).pow(2).sum().backward()
+            opt.step(1e-2)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert sharded.num_state_elements == plain.num_state_elements == 2 * sum(p.numel() for p in models[0].parameters())
