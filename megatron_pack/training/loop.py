@@ -390,7 +390,10 @@ class Trainer:
         sharded = self._sharded_state(with_optimizer=True)
         meta = {**self._layout(), "format": ckpt.SHARDED_FORMAT, "train_state": self._train_state(),
                 "settings": self.settings()}
-        rank_state = {"rng": ckpt.rng_state(), "optimizer": self.optimizer.rank_state()}
+        # each DP rank's own loader position too (online buffers and planned steps differ per rank);
+        # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
+        rank_state = {"rng": ckpt.rng_state(), "optimizer": self.optimizer.rank_state(),
+                      "loader": self.loader.state_dict()}
         return ckpt.save_checkpoint(root, self.step, model_state={}, optim_state={}, rank_state=rank_state,
                                     meta=meta, keep_last=self.cfg.checkpoint.keep_last, sharded_state=sharded)
 
@@ -426,7 +429,10 @@ class Trainer:
         if rank_state is not None:
             self.optimizer.load_rank_state(rank_state.get("optimizer"))
             ckpt.set_rng_state(rank_state["rng"])
-        self._load_train_state(meta["train_state"], changes)
+        train_state = dict(meta["train_state"])
+        if rank_state is not None and rank_state.get("loader") is not None:
+            train_state["loader"] = rank_state["loader"]
+        self._load_train_state(train_state, changes)
         return changes
 
     def _load_train_state(self, state: dict, changes: list[str]) -> None:
@@ -505,7 +511,8 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
                            f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
                            "to another directory to start fresh."])
     if dataset is not None and kind == "resume":
-        iters = resolve_train_iters(cfg, len(dataset), dims.dp)
+        num_packs = len(dataset) if hasattr(dataset, "__len__") else None  # online packing: no count up front
+        iters = resolve_train_iters(cfg, num_packs, dims.dp)
         check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
     return resume
 

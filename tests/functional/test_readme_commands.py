@@ -123,8 +123,9 @@ def test_readme_commands_from_a_wheel_in_another_folder(tmp_path):
     base = subprocess.run([str(PY), "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True,
                           check=True).stdout.strip()
     subprocess.run([f"{base}/bin/python3", "-m", "venv", str(venv)], check=True, timeout=300)
+    # env without PYTHONPATH: a repository on it (with its egg-info) would make pip think the wheel is installed
     subprocess.run([str(venv / "bin" / "pip"), "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+                   check=True, capture_output=True, timeout=300, env=_env())
     site = next(venv.glob("lib/python3*/site-packages"))
     shared = subprocess.run([str(PY), "-c", "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))"],
                             capture_output=True, text=True, check=True).stdout.strip()
@@ -133,8 +134,10 @@ def test_readme_commands_from_a_wheel_in_another_folder(tmp_path):
     (site / "zz_shared_deps.pth").write_text(shared + "\n")
     vpy, work = venv / "bin" / "python", tmp_path / "elsewhere"
     work.mkdir()
-    where = subprocess.run([str(vpy), "-c", "import megatron_pack; print(megatron_pack.__file__)"], cwd=work,
-                           env=_env(), capture_output=True, text=True, check=True).stdout
+    proc = subprocess.run([str(vpy), "-c", "import megatron_pack; print(megatron_pack.__file__)"], cwd=work,
+                          env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    where = proc.stdout
     assert where.startswith(str(site)), where  # the wheel's copy, not the repository's
     assert (site / "megatron_pack/config/presets/experiment/quickstart.yaml").is_file()
     tokenizer = _tiny_tokenizer(tmp_path / "hf_tokenizer")

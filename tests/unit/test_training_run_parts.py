@@ -66,8 +66,10 @@ def test_changed_settings_lists_each_change():
 
     before = run_settings(Config(), 50, "abc")
     after = run_settings(Config(train=TrainConfig(lr=1e-3, global_batch_size=16)), 50, "def")
-    assert changed_settings(before, after) == ["train.lr: 0.003 -> 0.001", "train.global_batch_size: 8 -> 16",
-                                               "data plan: 'abc' -> 'def'"]
+    # train.min_lr follows train.lr (lr / 10) unless set, so it changes with it
+    assert changed_settings(before, after) == ["train.lr: 0.003 -> 0.001",
+                                               f"train.min_lr: {0.003 / 10} -> {0.001 / 10}",
+                                               "train.global_batch_size: 8 -> 16", "data plan: 'abc' -> 'def'"]
     assert changed_settings(before, run_settings(Config(), 50, "abc")) == []
     assert changed_settings({}, after) == []  # an older checkpoint recorded nothing to compare
 

@@ -18,7 +18,7 @@ remain, the one the config itself describes; otherwise an error naming them and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -76,9 +76,7 @@ def _check_named_right(plan_dir: Path, meta: dict, cfg, store_fingerprint: str) 
     """Refuse a plan whose folder name is not the one its own settings give (copied or renamed into
     place): its recorded settings cannot be trusted to be what the name promises."""
     try:
-        own = PlanSettings(pack_size=meta["pack_size"], pad_multiple=meta["pad_seq_to_mult"],
-                           algorithm=meta["algorithm"], seed=meta["seed"], on_overflow=meta["on_overflow"],
-                           max_length=meta["max_single_sequence_length"])
+        own = _recorded_settings(meta, plan_settings(cfg))
     except KeyError:
         return plan_dir  # an incomplete metadata.json: opening the plan names what is missing
     if own.dirname(store_fingerprint) == plan_dir.name:
@@ -89,6 +87,20 @@ def _check_named_right(plan_dir: Path, meta: dict, cfg, store_fingerprint: str) 
     raise DataError(f"plan {plan_dir} holds a plan made with other settings (its metadata.json records "
                     f"{describe_settings(own)}{stands_for}: edited, copied or renamed); delete it and run "
                     f"`megatron-pack prepare data.dataset_dir={plan_dir.parent.parent} ...` with the settings you want.")
+
+
+def _recorded_settings(meta: dict, from_cfg: PlanSettings) -> PlanSettings:
+    """The settings a plan's metadata.json records; what it cannot record (the data.sources weights)
+    is taken from the config."""
+    buckets = (meta.get("buckets") or {}).get("spec")
+    split = meta.get("split") or {}
+    return replace(from_cfg, pack_size=meta["pack_size"], pad_multiple=meta["pad_seq_to_mult"],
+                   algorithm=meta["algorithm"], seed=meta["seed"], on_overflow=meta["on_overflow"],
+                   max_length=meta["max_single_sequence_length"], split_overlap=meta.get("split_overlap", 0),
+                   buckets=buckets if buckets is None or buckets == "auto" else tuple(int(b) for b in buckets),
+                   wrapped_attention=meta.get("wrapped_attention", "document"),
+                   validation_fraction=float(split.get("validation_fraction", 0.0)),
+                   validation_seed=int(split.get("validation_seed", 0)))
 
 
 def choose_plan(cfg, dataset_dir: Path, given: set[str]) -> Path:
