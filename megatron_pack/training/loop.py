@@ -248,11 +248,16 @@ class Trainer:
     # ----- checkpoints -----------------------------------------------------------------------
 
     def _named_params(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.model.module.named_parameters()}
+        """What a checkpoint holds of the model: every parameter, or with peft=lora the adapters only
+        (the frozen base is re-read from model.pretrained, whose path ``_meta`` records)."""
+        lora = self.cfg.peft.method != "none"
+        return {name: p.detach() for name, p in self.model.module.named_parameters() if p.requires_grad or not lora}
 
     def _meta(self) -> dict:
+        from megatron_pack.model.peft import peft_meta
+
         s = self.state
-        return layout_meta(s.world_size, s.tp_size, s.cp_size, s.dp_size)
+        return {**layout_meta(s.world_size, s.tp_size, s.cp_size, s.dp_size), "peft": peft_meta(self.cfg)}
 
     def save(self, root: str | Path) -> Path:
         rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
@@ -317,7 +322,20 @@ def check_resume(cfg: Config, world_size: int) -> Optional[Path]:
                            f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
                            f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
                            "to another directory to start fresh."])
+    _check_resume_peft(cfg, resume, saved)
     return resume
+
+
+def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:
+    """A LoRA checkpoint resumes only as the same LoRA run (adapters only, on the recorded base)."""
+    from megatron_pack.model.peft import peft_meta
+
+    want, have = peft_meta(cfg), saved.get("peft")
+    if want != have:
+        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        raise ConfigError([f"cannot resume from {resume}: it was written with peft {have!r}, this run has peft "
+                           f"{want!r}; resume with the same peft.* and model.pretrained, or set {key} to another "
+                           "directory to start fresh."])
 
 
 def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
@@ -345,11 +363,21 @@ def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model.config, model)
+    _log_parameter_counts(model, state)
     ddp = wrap_ddp(cfg, model, state)
     optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
                                 device=state.device.type)
     return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg),
                    loader=loader, forward_step_func=forward_step_func or forward_step)
+
+
+def _log_parameter_counts(model: torch.nn.Module, state) -> None:
+    """'trainable parameters: X of Y (Z%)' on rank 0 (every TP rank enters the count's all-reduce)."""
+    from megatron_pack.model.peft.lora import count_parameters, describe
+
+    trainable, total = count_parameters(model, state.tp_group)
+    if state.rank == 0:
+        log.info(describe(trainable, total, getattr(getattr(model, "module", model), "num_adapters", None)))
 
 
 def _should_save(cfg: Config, step: int) -> bool:
