@@ -57,6 +57,7 @@ def hf_module_names(model_type: str, targets) -> list[str]:
 def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, targets) -> dict[str, Tensor]:
     """peft key -> tensor from every TP rank's adapter tensors (rank order)."""
     dims = Dims.from_model_config(model_cfg, len(shards))
+    shards = [_plain(shard) for shard in shards]
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     for rule, prefix, hf in adapter_targets(model_type, targets, num_layers=model_cfg.num_layers):
@@ -116,26 +117,14 @@ def write_adapter_folder(output: str | Path, tensors: dict[str, Tensor], config:
     return sorted(p.name for p in output.iterdir())
 
 
-def checkpoint_peft(step_dir: str | Path) -> dict:
-    """The ``peft`` block of a checkpoint's meta.json; a one-line error when it is a full fine-tuning checkpoint."""
-    from megatron_pack.training.checkpoint import read_meta
-
-    peft = read_meta(step_dir).get("peft")
-    if not peft:
-        raise ValueError(f"export.adapter / export.merge: checkpoint {step_dir} is a full fine-tuning checkpoint "
-                         "(no LoRA adapters); drop export.adapter / export.merge to export the full model.")
-    return peft
-
-
-def export_adapter(*, output: str | Path, checkpoint: str | Path, source: str | Path, model_cfg,
+def export_adapter(*, output: str | Path, shards: list[dict[str, Tensor]], peft: dict, source: str | Path, model_cfg,
                    dtype: Optional[str] = None) -> tuple[list[str], torch.dtype]:
-    """A peft=lora checkpoint -> a peft adapter folder; returns (files, dtype written)."""
+    """A peft=lora checkpoint's adapter tensors (every TP rank's, ``model/tp<r>/`` names) and its ``peft``
+    meta -> a peft adapter folder; returns (files, dtype written)."""
     from megatron_pack.config.hf_config import read_hf_config
-    from megatron_pack.model.hf.export import DTYPES, shards_from_checkpoint
+    from megatron_pack.model.hf.export import DTYPES
 
-    peft = checkpoint_peft(checkpoint)
     model_type = read_hf_config(source)["model_type"]
-    shards = shards_from_checkpoint(checkpoint)
     tensors = peft_tensors(shards, model_type, model_cfg, peft["target_modules"])
     out_dtype = DTYPES[dtype] if dtype else next(iter(tensors.values())).dtype
     files = write_adapter_folder(output, tensors, adapter_config(peft, model_type, peft.get("base_model")),
@@ -155,15 +144,15 @@ def base_folder(peft: dict, given: Optional[str | Path]) -> Path:
                             "Hugging Face folder it was trained from>.")
 
 
-def export_merged(*, output: str | Path, checkpoint: str | Path, source: str | Path, base: str | Path, model_cfg,
-                  dtype: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], torch.dtype]:
-    """A peft=lora checkpoint -> the base with ``(alpha / r) B A`` added to every adapted weight, as a HF folder."""
+def export_merged(*, output: str | Path, shards: list[dict[str, Tensor]], peft: dict, source: str | Path,
+                  base: str | Path, model_cfg, dtype: Optional[str] = None,
+                  max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], torch.dtype]:
+    """The base with ``(alpha / r) B A`` added to every adapted weight, as a HF folder; ``shards`` are the
+    checkpoint's adapter tensors of every TP rank."""
     from megatron_pack.config.hf_config import read_hf_config
-    from megatron_pack.model.hf.export import (DTYPES, hf_tensors, shards_from_checkpoint, shards_from_pretrained,
-                                               source_dtype, write_hf_folder)
+    from megatron_pack.model.hf.export import DTYPES, hf_tensors, shards_from_pretrained, source_dtype, write_hf_folder
 
-    peft = checkpoint_peft(checkpoint)
-    adapters = shards_from_checkpoint(checkpoint)
+    adapters = [_plain(shard) for shard in shards]
     bases = shards_from_pretrained(base, model_cfg, tp=len(adapters))
     scale = float(peft["alpha"]) / int(peft["dim"])
     merged = [merged_shards(b, a, scale) for b, a in zip(bases, adapters)]
@@ -171,6 +160,11 @@ def export_merged(*, output: str | Path, checkpoint: str | Path, source: str | P
     files = write_hf_folder(output, hf_tensors(merged, read_hf_config(source)["model_type"], model_cfg), source,
                             dtype=out_dtype, max_shard_bytes=max_shard_bytes)
     return files, out_dtype
+
+
+def _plain(shard: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Names without the ``module.`` prefix of megatron-core's Float16Module (a bf16 run's checkpoint)."""
+    return {name.removeprefix("module."): tensor for name, tensor in shard.items()}
 
 
 class _TensorReader:
@@ -188,34 +182,41 @@ class _TensorReader:
         return t[:, cols] if cols is not None else t
 
 
-def load_adapter(model: torch.nn.Module, folder: str | Path, model_type: str, model_cfg, targets, *,
-                 tp_rank: int, tp_size: int) -> int:
-    """Fill this TP rank's adapters of ``model`` (built with peft=lora) from a peft adapter folder; the
-    inverse of ``peft_tensors``. A fused linear's parts must share lora_A (as our export writes them).
-    Returns the number of adapters filled."""
-    from safetensors.torch import load_file
-
+def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, targets, *, tp_rank: int,
+                     tp_size: int, where: str = "the adapter") -> dict[str, Tensor]:
+    """This TP rank's adapter tensors (megatron names) from peft-format tensors: the inverse of
+    ``peft_tensors``. A fused linear's parts must share lora_A (as our export writes them)."""
     from megatron_pack.model.hf.mapping import load_shard
 
-    tensors = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
     reader, dims = _TensorReader(tensors), Dims.from_model_config(model_cfg, tp_size)
+    out: dict[str, Tensor] = {}
+    for rule, prefix, hf in adapter_targets(model_type, targets, num_layers=model_cfg.num_layers):
+        a_names = tuple(f"{PEFT_PREFIX}{h}.lora_A.weight" for h in hf)
+        b_names = tuple(f"{PEFT_PREFIX}{h}.lora_B.weight" for h in hf)
+        missing = [n for n in a_names + b_names if n not in tensors]
+        if missing:
+            raise ValueError(f"{where} has no {missing[0]}; it was not written for these peft.target_modules.")
+        if prefix.rsplit(".", 1)[-1] in COLUMN_PARALLEL:
+            if any(not torch.equal(tensors[n], tensors[a_names[0]]) for n in a_names):
+                raise ValueError(f"{where}: {', '.join(a_names)} differ; the fused {prefix} has one lora_A for its "
+                                 "parts, so they must be equal.")
+            out[prefix + IN], out[prefix + OUT] = tensors[a_names[0]], load_shard(rule, b_names, reader, dims, tp_rank)
+        else:
+            out[prefix + IN], out[prefix + OUT] = load_shard(rule, a_names, reader, dims, tp_rank), tensors[b_names[0]]
+    return out
+
+
+def load_adapter(model: torch.nn.Module, folder: str | Path, model_type: str, model_cfg, targets, *,
+                 tp_rank: int, tp_size: int) -> int:
+    """Fill this TP rank's adapters of ``model`` (built with peft=lora) from a peft adapter folder
+    written by ``export.adapter`` (or with the same shared lora_A); returns the number filled."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    mine = shards_from_peft(tensors, model_type, model_cfg, targets, tp_rank=tp_rank, tp_size=tp_size,
+                            where=f"{folder}/{ADAPTER_WEIGHTS}")
     params = {name.removeprefix("module."): p for name, p in model.named_parameters()}
-    found = adapter_targets(model_type, targets, num_layers=model_cfg.num_layers)
     with torch.no_grad():
-        for rule, prefix, hf in found:
-            a_names = tuple(f"{PEFT_PREFIX}{h}.lora_A.weight" for h in hf)
-            b_names = tuple(f"{PEFT_PREFIX}{h}.lora_B.weight" for h in hf)
-            missing = [n for n in a_names + b_names if n not in tensors]
-            if missing:
-                raise ValueError(f"{folder}: {ADAPTER_WEIGHTS} has no {missing[0]}; it was not written for these "
-                                 "peft.target_modules.")
-            if prefix.rsplit(".", 1)[-1] in COLUMN_PARALLEL:
-                if any(not torch.equal(tensors[n], tensors[a_names[0]]) for n in a_names):
-                    raise ValueError(f"{folder}: {', '.join(a_names)} differ; the fused {prefix} has one lora_A for "
-                                     "its parts, so they must be equal.")
-                a, b = tensors[a_names[0]], load_shard(rule, b_names, reader, dims, tp_rank)
-            else:
-                a, b = load_shard(rule, a_names, reader, dims, tp_rank), tensors[b_names[0]]
-            params[prefix + IN].copy_(a)
-            params[prefix + OUT].copy_(b)
-    return len(found)
+        for name, tensor in mine.items():
+            params[name].copy_(tensor)
+    return len(mine) // 2
