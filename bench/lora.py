@@ -1,7 +1,7 @@
 """Peak memory per rank and step time: full fine-tuning against LoRA (peft=lora), TP=2 on CPU.
 
 A random Llama-shaped folder (hidden 1024, 8 layers, FFN 2816, GQA 16/4, vocabulary 32,000,
-untied: 184M parameters, 0.74 GB in float32) is written once (``megatron_pack.model.hf.synthetic``).
+untied: 155M parameters, 0.62 GB in float32) is written once (``megatron_pack.model.hf.synthetic``).
 Each case then runs in two fresh gloo processes (TP=2, float32, the trainer of ``megatron-pack
 train``: megatron-core DDP + AdamW), on the same 1024-token packs (4 samples each):
 
@@ -139,11 +139,11 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'case':<6} {'rank':>4} {'peak RSS MB':>12} {'params MB':>10} {'grad buf MB':>12} {'optim MB':>9} "
-          f"{'trainable':>12} {'step s':>8}")
+          f"{'trainable/rank':>15} {'step s':>8}")
     for mode, ranks in results.items():
         for r, res in enumerate(ranks):
             print(f"{mode:<6} {r:>4} {res['peak_mb']:>12.0f} {res['params_mb']:>10.0f} {res['grads_mb']:>12.1f} "
-                  f"{res['optim_mb']:>9.1f} {res['trainable']:>12,} {res['step_s']:>8.2f}")
+                  f"{res['optim_mb']:>9.1f} {res['trainable']:>15,} {res['step_s']:>8.2f}")
     for r in range(TP):
         full, lora = results["full"][r], results["lora"][r]
         print(f"rank {r}: LoRA / full: peak RSS {lora['peak_mb'] / full['peak_mb']:.2f}x, "
