@@ -139,11 +139,11 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'case':<6} {'rank':>4} {'peak RSS MB':>12} {'params MB':>10} {'grad buf MB':>12} {'optim MB':>9} "
-          f"{'trainable/rank':>15} {'step s':>8}")
+          f"{'trainable':>12} {'step s':>8}")
     for mode, ranks in results.items():
         for r, res in enumerate(ranks):
             print(f"{mode:<6} {r:>4} {res['peak_mb']:>12.0f} {res['params_mb']:>10.0f} {res['grads_mb']:>12.1f} "
-                  f"{res['optim_mb']:>9.1f} {res['trainable']:>15,} {res['step_s']:>8.2f}")
+                  f"{res['optim_mb']:>9.1f} {res['trainable']:>12,} {res['step_s']:>8.2f}")
     for r in range(TP):
         full, lora = results["full"][r], results["lora"][r]
         print(f"rank {r}: LoRA / full: peak RSS {lora['peak_mb'] / full['peak_mb']:.2f}x, "
