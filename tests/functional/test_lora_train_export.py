@@ -141,7 +141,8 @@ def test_checkpoint_holds_adapters_and_base_path(runs):
     optim_keys = [k for k in keys if k.startswith("optim/")]
     assert len(model_keys) == 2 * 4 * 2  # A and B of 4 linears x 2 layers; nothing of the base
     assert all(".adapter.linear_" in k for k in model_keys + optim_keys) and optim_keys
-    assert "trainable parameters: 11,776 of " in runs["logs"]["full"]  # 2 layers x 8 x (64+128 + 64+64 + 64+192 + 96+64)
+    # adapters: 2 layers x r=8 x (64+128 + 64+64 + 64+192 + 96+64); base: 2 x 301 x 64 (untied) + 2 x 30,848 + 64
+    assert "trainable parameters: 11,776 of 112,064 (10.508%) in 8 adapters" in runs["logs"]["full"]
 
 
 @pytest.mark.slow
