@@ -31,7 +31,8 @@ setup(
         "safetensors>=0.4",  # model.pretrained: streamed, TP-sliced loading (megatron_pack.model.hf)
     ],
     extras_require={
-        "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2", "transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
+        "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2", "transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1",
+                 "peft>=0.13"],  # tests/functional/test_lora_*: the reference LoRA implementation
         "hf": ["transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
         # apex has no PyPI release: build it from source (docs/model.md) after installing this extra.
         "gpu": ["transformer-engine[pytorch]>=2.0"],

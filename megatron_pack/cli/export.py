@@ -3,13 +3,18 @@
     megatron-pack export checkpoint=runs/sft/checkpoints/step_00000100 output=exports/sft-100
     megatron-pack export checkpoint=runs/sft/checkpoints output=exports/sft-latest export.dtype=bfloat16
     megatron-pack export model.pretrained=models/Llama-3.2-1B output=exports/roundtrip   # no checkpoint
+    megatron-pack export checkpoint=runs/lora/checkpoints output=exports/lora export.adapter=true  # peft adapter
+    megatron-pack export checkpoint=runs/lora/checkpoints output=exports/lora-merged export.merge=true
 
 ``checkpoint=`` and ``output=`` are short for ``export.checkpoint=`` / ``export.output=``. A
 checkpoint of a run started from ``model.pretrained`` carries that folder's config.json and
 tokenizer in ``<checkpoint.save>/hf_source/``; pass ``model.pretrained=DIR`` to use another copy.
 Runs in one process, whatever TP / CP / DP layout wrote the checkpoint. The dtype written is the
 source folder's unless ``export.dtype`` says otherwise; shards are capped at
-``export.max_shard_size``.
+``export.max_shard_size``. A ``peft=lora`` checkpoint holds adapters only: ``export.adapter=true``
+writes them in the peft format (``PeftModel.from_pretrained(base, DIR)``), ``export.merge=true``
+merges them into the base it was trained from (recorded in the checkpoint; ``model.pretrained=``
+names another copy) and writes a full model.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ def run_export(argv: list[str], *, out=print) -> int:
     argv = _expand(argv)
     checkpoint = _given(argv, "export.checkpoint")
     step_dir = resolve_checkpoint(checkpoint) if checkpoint else None
+    given_base = _given(argv, "model.pretrained")
     if step_dir is not None and _given(argv, "model.pretrained") is None:
         argv = argv + [f"model.pretrained={_hf_source(step_dir)}"]
     cfg = load_config(argv)
@@ -102,6 +108,8 @@ def run_export(argv: list[str], *, out=print) -> int:
     if output.exists() and any(output.iterdir()):  # before reading anything
         raise FileExistsError(f"export.output ({output}) exists and is not empty; choose a new folder (nothing is "
                               "overwritten).")
+    if cfg.export.adapter or cfg.export.merge or (step_dir is not None and _checkpoint_peft(step_dir)):
+        return _export_lora(cfg, step_dir, given_base, out)
     shards = read_model_shards(step_dir) if step_dir is not None else None
     files, dtype = export_folder(output=cfg.export.output, source=cfg.model.pretrained, model_cfg=cfg.model,
                                  shards=shards, dtype=cfg.export.dtype,
@@ -109,6 +117,44 @@ def run_export(argv: list[str], *, out=print) -> int:
     what = f"checkpoint {step_dir}" if step_dir else f"{cfg.model.pretrained} (round trip, no checkpoint)"
     out(f"export: {what} -> {cfg.export.output} ({dtype}, {len(files)} files: {', '.join(files)})")
     out(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({str(cfg.export.output)!r})")
+    return 0
+
+
+def _checkpoint_peft(step_dir: Path) -> dict | None:
+    """The ``peft`` block of a checkpoint's meta.json (None: a full fine-tuning checkpoint)."""
+    from megatron_pack.training.checkpoint import read_meta
+
+    return read_meta(step_dir).get("peft")
+
+
+def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int:
+    """export.adapter / export.merge of a peft=lora checkpoint (model/peft/export.py)."""
+    from megatron_pack.config.schema import ConfigError, parse_size
+    from megatron_pack.model.peft.export import base_folder, export_adapter, export_merged
+
+    if step_dir is None:
+        raise ConfigError(["export.adapter / export.merge need checkpoint=RUN/checkpoints[/step_N] of a peft=lora run."])
+    peft = _checkpoint_peft(step_dir)
+    if not peft:
+        raise ValueError(f"export.adapter / export.merge: checkpoint {step_dir} is a full fine-tuning checkpoint "
+                         "(no LoRA adapters); drop export.adapter / export.merge to export the full model.")
+    if not (cfg.export.adapter or cfg.export.merge):
+        raise ConfigError([f"export.checkpoint ({step_dir}) holds LoRA adapters only (peft=lora); add "
+                           "export.adapter=true (adapter folder for peft) or export.merge=true (full merged model)."])
+    output = str(cfg.export.output)
+    if cfg.export.adapter:
+        files, dtype = export_adapter(output=output, shards=read_model_shards(step_dir), peft=peft,
+                                      source=cfg.model.pretrained, model_cfg=cfg.model, dtype=cfg.export.dtype)
+        out(f"export: LoRA adapters of checkpoint {step_dir} -> {output} ({dtype}, {', '.join(files)})")
+        out(f"load it with: peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+            f"{peft.get('base_model')!r}), {output!r})")
+        return 0
+    base = base_folder(peft, given_base)
+    files, dtype = export_merged(output=output, shards=read_model_shards(step_dir), peft=peft,
+                                 source=cfg.model.pretrained, base=base, model_cfg=cfg.model, dtype=cfg.export.dtype,
+                                 max_shard_bytes=parse_size(cfg.export.max_shard_size))
+    out(f"export: checkpoint {step_dir} merged into {base} -> {output} ({dtype}, {len(files)} files: {', '.join(files)})")
+    out(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({output!r})")
     return 0
 
 

@@ -112,19 +112,21 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
             raise FileNotFoundError(f"verify.checkpoint ({checkpoint}) holds no complete checkpoint (no meta.json, "
                                     "no 'latest'); point it at checkpoint.save of a training run or a step_* folder.")
         path = latest
-    if read_meta(path).get("format") == SHARDED_FORMAT:  # layout-free (the trainer's): the TP=1 tensors
+    meta = read_meta(path)
+    if meta.get("format") == SHARDED_FORMAT:  # layout-free (the trainer's): the TP=1 tensors
         full = read_full_model(path)
         with torch.no_grad():
-            for name, param in model.named_parameters():
+            for name, param in _checkpointed_params(model, meta, path):
                 if name not in full or full[name].shape != param.shape:
                     raise ValueError(f"checkpoint {path}: {name} is missing or has another shape; it was written for "
                                      "another model: use the same model.* settings as the training run.")
                 param.copy_(full[name])
         return path
-    tp = int(read_meta(path).get("tensor_model_parallel_size", 1))
+    tp = int(meta.get("tensor_model_parallel_size", 1))
     stored = checkpoint_reader(path).read_metadata().state_dict_metadata  # .metadata via the allowlist, not pickle
+    named = _checkpointed_params(model, meta, path)
     state = {}
-    for name, param in model.named_parameters():
+    for name, param in named:
         keys = [f"model/tp{r}/{name}" for r in range(tp)]
         missing = [k for k in keys if k not in stored]
         if missing:
@@ -133,13 +135,29 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
         state.update({k: torch.empty(tuple(stored[k].size), dtype=param.dtype) for k in keys})
     dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in named:
             full = _merge_tp_shards([state[f"model/tp{r}/{name}"] for r in range(tp)], param)
             if full.shape != param.shape:
                 raise ValueError(f"checkpoint {path}: {name} has shape {tuple(full.shape)}, the model expects "
                                  f"{tuple(param.shape)}; use the same model.* settings as the training run.")
             param.copy_(full)
     return path
+
+
+def _checkpointed_params(model: torch.nn.Module, meta: dict, path: Path) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a checkpoint holds: all of them, or the LoRA adapters of a peft=lora run
+    (its base is model.pretrained, already loaded)."""
+    from megatron_pack.model.peft.lora import is_adapter_param
+
+    named = list(model.named_parameters())
+    peft = meta.get("peft")
+    has_adapters = any(is_adapter_param(n) for n, _ in named)
+    if peft and not has_adapters:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters (peft=lora, dim {peft['dim']}, targets "
+                         f"{peft['target_modules']}); add peft=lora with the same peft.* and model.pretrained={peft['base_model']}.")
+    if has_adapters and not peft:
+        raise ValueError(f"checkpoint {path} is a full fine-tuning checkpoint; drop peft=lora to load it.")
+    return [(n, p) for n, p in named if is_adapter_param(n)] if peft else named
 
 
 def _logits(model, batch: dict, device: torch.device) -> torch.Tensor:
@@ -230,6 +248,9 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
         model = build_model(local_cfg, state, attention_mode=cfg.verify.attention)
         weights = (f"checkpoint {load_model_weights(model, cfg.verify.checkpoint)}" if cfg.verify.checkpoint
                    else f"random init (train.seed={cfg.train.seed})")
+        if cfg.peft.method == "lora":
+            weights += (f", LoRA active (dim {cfg.peft.dim}, alpha {cfg.peft.alpha}, "
+                        f"{getattr(model, 'num_adapters', 0)} adapters on {','.join(cfg.peft.target_modules)})")
         model.eval()
         num_packs = min(cfg.verify.num_packs, len(dataset))
         out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); model {cfg.model.name}, "

@@ -667,6 +667,11 @@ class ExportConfig(_Group):
     max_shard_size: str = "5GB"
     """Largest safetensors shard written, as transformers spells it ('5GB', '500MB', '2GiB');
     model.safetensors.index.json maps tensors to shards when there are several."""
+    adapter: bool = False
+    """Write the LoRA adapters of a peft=lora checkpoint in the peft format (adapter_model.safetensors +
+    adapter_config.json, for ``PeftModel.from_pretrained`` on the base) instead of a full model."""
+    merge: bool = False
+    """Write the base with the LoRA adapters of a peft=lora checkpoint merged in (a full HF model)."""
 
     def field_problems(self) -> list[str]:
         problems = []
@@ -676,7 +681,44 @@ class ExportConfig(_Group):
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16"):
             problems.append(f"export.dtype ({self.dtype!r}) must be 'float32' or 'bfloat16'; "
                             "leave it unset to keep the source folder's dtype.")
+        if self.adapter and self.merge:
+            problems.append("export.adapter and export.merge are both true; choose one: export.adapter=true writes "
+                            "the adapters for peft, export.merge=true a full model with them merged in.")
         return problems
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PeftConfig(_Group):
+    GROUP = "peft"
+
+    method: str = "none"
+    """'none' (full fine-tuning) or 'lora' (low-rank adapters on the target linears; base frozen)."""
+    dim: int = 32
+    """LoRA rank r: A is [r, in], B is [out, r]."""
+    alpha: float = 32.0
+    """LoRA alpha; the adapter output is scaled by alpha / dim (peft's ``lora_alpha / r``)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (peft's ``lora_dropout``)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """megatron-core linears that get an adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+
+    def field_problems(self) -> list[str]:
+        problems = _choice(self.GROUP, self, "method", ("none", "lora"))
+        problems += _positive(self.GROUP, self, ("dim",))
+        if not self.alpha > 0:
+            problems.append(f"peft.alpha ({self.alpha}) must be > 0; set peft.alpha={self.dim} (scale 1).")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"peft.dropout ({self.dropout}) must be in [0, 1); set peft.dropout=0.0.")
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        if unknown or not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            problems.append(f"peft.target_modules ({list(self.target_modules)}) must be distinct names from "
+                            f"{list(LORA_TARGETS)} (megatron-core names; q/k/v are the fused linear_qkv, gate/up "
+                            "the fused linear_fc1); set peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2].")
+        return problems
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The megatron-core linears LoRA can adapt (column-parallel: linear_qkv, linear_fc1; row-parallel: the others)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -703,10 +745,12 @@ class Config:
     """The `megatron-pack verify` command."""
     export: ExportConfig = field(default_factory=ExportConfig)
     """The `megatron-pack export` command."""
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    """Parameter-efficient fine-tuning (LoRA)."""
 
 
 GROUPS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "packing": PackingConfig, "parallel": ParallelConfig,
     "train": TrainConfig, "ddp": DDPConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
-    "verify": VerifyConfig, "export": ExportConfig,
+    "verify": VerifyConfig, "export": ExportConfig, "peft": PeftConfig,
 }

@@ -263,6 +263,12 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
         model.pretrained_report = load_pretrained(model, cfg.model.pretrained, cfg.model, tp_rank=pg.tp_rank,
                                                   tp_size=cfg.parallel.tensor_model_parallel_size)
+    if cfg.peft.method == "lora":  # after loading: the base is complete and then frozen
+        from megatron_pack.model.peft import apply_lora
+
+        model.num_adapters = apply_lora(model, cfg.peft, seed=cfg.train.seed, tp_group=pg.tp_group,
+                                        tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
+                                        sequence_parallel=cfg.parallel.sequence_parallel)
     return model.to(pg.device)
 
 

@@ -51,7 +51,18 @@ def rng_state() -> dict:
                        "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    tracker = _rng_tracker()
+    if tracker is not None and tracker.is_initialized():  # megatron's named streams (dropout in TP regions)
+        state["tracker"] = {name: s.clone() for name, s in tracker.get_states().items()}
     return state
+
+
+def _rng_tracker():
+    """megatron-core's RNG tracker when megatron is imported (a model was built), else None."""
+    import sys
+
+    random_module = sys.modules.get("megatron.core.tensor_parallel.random")
+    return random_module.get_cuda_rng_tracker() if random_module is not None else None
 
 
 def set_rng_state(state: dict) -> None:
@@ -61,6 +72,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    tracker = _rng_tracker()
+    if "tracker" in state and tracker is not None:
+        tracker.set_states(dict(state["tracker"]))
 
 
 def _as_tuple(value: Any) -> Any:
@@ -203,7 +217,7 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
     mismatch = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in meta.items() if saved.get(k) != v]
     if mismatch:
         raise ValueError(f"checkpoint {path} does not match this run ({'; '.join(mismatch)}); resume with the "
-                         "same parallel.* and world size, or point checkpoint.load at another directory.")
+                         "same parallel.*, peft.* and world size, or point checkpoint.load at another directory.")
     state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
     state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
     reader = checkpoint_reader(path)

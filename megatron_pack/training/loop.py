@@ -367,6 +367,18 @@ class Trainer:
         s = self.state
         return layout_meta(s.world_size, s.tp_size, s.cp_size, s.dp_size)
 
+    def _meta(self) -> dict:
+        """The layout plus the peft settings and base model (None for full fine-tuning)."""
+        from megatron_pack.model.peft import peft_meta
+
+        return {**self._layout(), "peft": peft_meta(self.cfg)}
+
+    @property
+    def _lora(self) -> bool:
+        """peft=lora: checkpoints hold the trainable adapters only (the frozen base is re-read from
+        model.pretrained, whose path ``_meta`` records)."""
+        return self.cfg.peft.method != "none"
+
     def settings(self) -> dict[str, Any]:
         return run_settings(self.cfg, self.train_iters, self.plan_fingerprint)
 
@@ -381,14 +393,14 @@ class Trainer:
         from megatron_pack.training.resharding import sharded_state
 
         if not with_optimizer:
-            return sharded_state(self.model, {})
+            return sharded_state(self.model, {}, trainable_only=self._lora)
         tensors, step = self.optimizer.checkpoint_tensors()
-        return sharded_state(self.model, tensors, step)
+        return sharded_state(self.model, tensors, step, trainable_only=self._lora)
 
     def save(self, root: str | Path) -> Path:
         """Collectively write a checkpoint any layout can resume (see docs/training.md)."""
         sharded = self._sharded_state(with_optimizer=True)
-        meta = {**self._layout(), "format": ckpt.SHARDED_FORMAT, "train_state": self._train_state(),
+        meta = {**self._meta(), "format": ckpt.SHARDED_FORMAT, "train_state": self._train_state(),
                 "settings": self.settings()}
         # each DP rank's own loader position too (online buffers and planned steps differ per rank);
         # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
@@ -402,7 +414,8 @@ class Trainer:
 
         with torch.no_grad():
             for name, param in core_model(self.model).named_parameters():
-                param.copy_(loaded[f"model.{name}"])
+                if param.requires_grad or not self._lora:
+                    param.copy_(loaded[f"model.{name}"])
 
     def load_weights(self, path: str | Path) -> None:
         """Model weights of checkpoint ``path`` (any layout); optimizer, schedule, data and step stay fresh."""
@@ -412,6 +425,7 @@ class Trainer:
         """Resume from checkpoint ``path`` written at any layout; returns the settings that changed
         (refused unless ``checkpoint.allow_changed``)."""
         meta = ckpt.read_meta(path)
+        _check_resume_peft(self.cfg, Path(path), meta)
         changes = check_resume_settings(self.cfg, Path(path), self.settings())
         same_layout = all(meta.get(k) == v for k, v in self._layout().items())
         if self.optimizer.rank_state() is not None and not same_layout:
@@ -510,11 +524,24 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
                            f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
                            f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
                            "to another directory to start fresh."])
+    _check_resume_peft(cfg, resume, saved)
     if dataset is not None and kind == "resume":
         num_packs = len(dataset) if hasattr(dataset, "__len__") else None  # online packing: no count up front
         iters = resolve_train_iters(cfg, num_packs, dims.dp)
         check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
     return resume
+
+
+def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:
+    """A LoRA checkpoint resumes only as the same LoRA run (adapters only, on the recorded base)."""
+    from megatron_pack.model.peft import peft_meta
+
+    want, have = peft_meta(cfg), saved.get("peft")
+    if want != have:
+        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        raise ConfigError([f"cannot resume from {resume}: it was written with peft {have!r}, this run has peft "
+                           f"{want!r}; resume with the same peft.* and model.pretrained, or set {key} to another "
+                           "directory to start fresh."])
 
 
 def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
@@ -544,6 +571,7 @@ def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model.config, model)
+    _log_parameter_counts(model, state)
     ddp = wrap_ddp(cfg, model, state)
     optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
                                 device=state.device.type, dp_group=state.dp_group)
@@ -554,6 +582,15 @@ def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
                    validation=validation, plan_fingerprint=getattr(loader, "plan_fingerprint", None),
                    num_buckets=num_buckets,
                    source_names=list(getattr(dataset, "source_names", [])) if dataset is not None else [])
+
+
+def _log_parameter_counts(model: torch.nn.Module, state) -> None:
+    """'trainable parameters: X of Y (Z%)' on rank 0 (every TP rank enters the count's all-reduce)."""
+    from megatron_pack.model.peft.lora import count_parameters, describe
+
+    trainable, total = count_parameters(model, state.tp_group)
+    if state.rank == 0:
+        log.info(describe(trainable, total, getattr(getattr(model, "module", model), "num_adapters", None)))
 
 
 def _should_save(cfg: Config, step: int, train_iters: int) -> bool:

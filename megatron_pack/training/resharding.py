@@ -40,28 +40,56 @@ def core_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def model_sharded_tensors(model: torch.nn.Module) -> dict[str, Any]:
+def model_sharded_tensors(model: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Any]:
     """``{parameter name: ShardedTensor | ShardedTensorFactory}`` of this rank's parameters.
 
     Keyed by ``named_parameters()`` names of the core model (the same names on every layout).
+    ``trainable_only`` keeps the parameters that train (peft=lora: the adapters; the frozen base is
+    re-read from model.pretrained). LoRA adapter weights split across TP ranks are described here
+    (megatron-core's parent linear would mark them replicated).
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     core = core_model(model)
-    by_id = {id(p): n for n, p in core.named_parameters()}
+    by_id = {id(p): n for n, p in core.named_parameters() if p.requires_grad or not trainable_only}
+    gated = bool(getattr(getattr(core, "config", None), "gated_linear_unit", False))
     out: dict[str, Any] = {}
     for item in nested_values(core.sharded_state_dict()):
         if isinstance(item, (ShardedTensor, ShardedTensorFactory)) and id(item.data) in by_id:
-            out[by_id[id(item.data)]] = item
+            out[by_id[id(item.data)]] = _tp_split_adapter(item, gated) if isinstance(item, ShardedTensor) else item
     missing = sorted(set(by_id.values()) - set(out))
     if missing:
         raise AssertionError(f"megatron-core's sharded_state_dict has no entry for parameters {missing[:3]}")
     return out
 
 
+def _tp_split_adapter(item: Any, gated: bool) -> Any:
+    """A LoRA adapter weight split across TP ranks (``tensor_model_parallel``) as the slice it is of
+    the TP=1 weight; with a gated MLP, fc1's B (rows ``[gate_r; up_r]`` like the output of its base)
+    through megatron-core's SwiGLU factory. Any other item is returned unchanged."""
+    data = item.data
+    if not getattr(data, "tensor_model_parallel", False) or ".adapter." not in item.key:
+        return item
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    prepend = [(i, item.global_offset[i], item.global_shape[i]) for i in range(item.prepend_axis_num)]
+    replica_id = (0, 0, item.replica_id[2] if isinstance(item.replica_id, tuple) else 0)
+    axis = int(data.partition_dim)
+    if gated and ".linear_fc1.adapter.linear_out." in item.key:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        plain = ShardedTensor.from_rank_offsets(item.key, data, *prepend, (axis + len(prepend), tp_rank, tp_size),
+                                                replica_id=replica_id, prepend_axis_num=len(prepend))
+        return apply_swiglu_sharded_factory(plain, tuple(prepend))
+    return ShardedTensor.from_rank_offsets(item.key, data, *prepend, (axis + len(prepend), tp_rank, tp_size),
+                                           replica_id=replica_id, prepend_axis_num=len(prepend))
+
+
 def sharded_state(model: torch.nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor]],
-                  step_tensor: Optional[torch.Tensor] = None) -> dict[str, Any]:
+                  step_tensor: Optional[torch.Tensor] = None, *, trainable_only: bool = False) -> dict[str, Any]:
     """The sharded state dict of the model and (optionally) its optimizer state.
 
     ``optim_tensors`` maps a parameter name to its state tensors (shaped like this rank's
@@ -71,7 +99,7 @@ def sharded_state(model: torch.nn.Module, optim_tensors: dict[str, dict[str, tor
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    params = model_sharded_tensors(model)
+    params = model_sharded_tensors(model, trainable_only=trainable_only)
     state: dict[str, Any] = {f"model.{name}": sh for name, sh in params.items()}
     for name, tensors in optim_tensors.items():
         for key, tensor in tensors.items():

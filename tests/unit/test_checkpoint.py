@@ -47,6 +47,28 @@ def test_rng_round_trip():
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
 
 
+def test_rng_round_trip_includes_megatron_named_streams(tmp_path):
+    """Dropout inside TP regions (LoRA's row-parallel adapters, attention dropout) draws from
+    megatron's tracker streams; a resumed run must continue them, not restart them from the seed."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
+
+    enable_cpu_compat_without_cuda()
+    model_parallel_cuda_manual_seed(7, tp_rank=0, ep_rank=0, etp_rank=0)
+    tracker = get_cuda_rng_tracker()
+    with tracker.fork():
+        torch.rand(3)  # advance the stream past its seed
+    torch.save(ckpt.rng_state(), tmp_path / "rng.pt")
+    with tracker.fork():
+        want = torch.rand(4)
+    model_parallel_cuda_manual_seed(7, tp_rank=0, ep_rank=0, etp_rank=0)  # a fresh process re-seeds
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    with tracker.fork():
+        got = torch.rand(4)
+    assert torch.equal(got, want)
+
+
 def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
     good = _save(tmp_path, 2, seed=1)
 

@@ -69,6 +69,11 @@ FIELD_CASES = [  # (id, group, fields, fragments of the problem; () = valid)
     ("export-dtype", "export", dict(dtype="float16"), ("export.dtype ('float16')",)),
     ("export-shard-size", "export", dict(max_shard_size="big"), ("export.max_shard_size ('big')", "5GB")),
     ("export-shard-size-units", "export", dict(max_shard_size="500MiB"), ()),
+    ("export-adapter-and-merge", "export", dict(adapter=True, merge=True), ("choose one",)),
+    ("peft-defaults", "peft", {}, ()),
+    ("peft-lora", "peft", dict(method="lora", dim=8, alpha=16.0, dropout=0.05, target_modules=["linear_qkv"]), ()),
+    ("peft-method", "peft", dict(method="dora"), ("peft.method ('dora')",)),
+    ("peft-hf-target", "peft", dict(target_modules=["q_proj"]), ("peft.target_modules (['q_proj'])", "megatron-core names")),
 ]
 
 

@@ -63,6 +63,16 @@ MISTAKES = [  # (id, argv (formatted with the folder and tmp), fragments of the 
     ("output-not-empty", ["model.pretrained={src}", "output={tmp}/full"], ["exists and is not empty"]),
     ("bad-dtype", ["model.pretrained={src}", "output={tmp}/o", "export.dtype=float16"], ["export.dtype ('float16')"]),
     ("typo", ["model.pretrained={src}", "output={tmp}/o", "export.dtpye=bfloat16"], ["did you mean 'export.dtype'"]),
+    ("adapter-of-full-checkpoint", ["checkpoint={tmp}/ck", "model.pretrained={src}", "output={tmp}/o",
+                                    "export.adapter=true"], ["is a full fine-tuning checkpoint", "drop export.adapter"]),
+    ("lora-checkpoint-without-flag", ["checkpoint={tmp}/lora", "model.pretrained={src}", "output={tmp}/o"],
+     ["holds LoRA adapters only", "export.adapter=true", "export.merge=true"]),
+    ("merge-without-base-weights", ["checkpoint={tmp}/lora", "output={tmp}/o", "export.merge=true"],
+     ["holds no safetensors", "pass model.pretrained="]),
+    ("adapter-and-merge", ["checkpoint={tmp}/lora", "model.pretrained={src}", "output={tmp}/o", "export.adapter=true",
+                           "export.merge=true"], ["choose one"]),
+    ("adapter-without-checkpoint", ["model.pretrained={src}", "output={tmp}/o", "export.adapter=true"],
+     ["need checkpoint=RUN/checkpoints", "peft=lora"]),
 ]
 
 
@@ -73,6 +83,13 @@ def test_mistakes_are_one_line(qwen2, tmp_path, capsys, argv, fragments):
     (tmp_path / "ck" / "step_00000001").mkdir(parents=True)
     (tmp_path / "ck" / "step_00000001" / "meta.json").write_text('{"step": 1}')
     (tmp_path / "ck" / "latest").write_text("step_00000001")
+    lora = tmp_path / "lora" / "step_00000002"
+    lora.mkdir(parents=True)
+    (lora / "meta.json").write_text(json.dumps({"step": 2, "peft": {"method": "lora", "dim": 4, "alpha": 8.0,
+                                                                    "dropout": 0.0, "target_modules": ["linear_qkv"],
+                                                                    "base_model": str(tmp_path / "gone")}}))
+    (tmp_path / "lora" / "hf_source").mkdir()
+    (tmp_path / "lora" / "hf_source" / "config.json").write_text((qwen2 / "config.json").read_text())
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "config.json").write_text("{}")
     assert main([a.format(src=qwen2, tmp=tmp_path) for a in argv]) == 2

@@ -143,3 +143,31 @@ def test_refusal_prints_once_per_node(monkeypatch, capsys, local_rank, printed):
     assert train._refusal(ConfigError(["train.lrr: unknown key"])) == 2
     err = capsys.readouterr().err
     assert (err.count("megatron-pack train: 1 config problem(s)") == 1) == printed and (err == "") != printed
+
+
+LORA = {"method": "lora", "dim": 8, "alpha": 16.0, "dropout": 0.0,
+        "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "base_model": None}
+# (id, peft recorded in the checkpoint, this run's peft overrides, None or fragments of the refusal)
+PEFT_CASES = [
+    ("full-resumes-full", None, [], None),
+    ("lora-resumes-lora", LORA, ["peft=lora", "peft.dim=8", "peft.alpha=16"], None),
+    ("lora-checkpoint-full-run", LORA, [], ["written with peft {'method': 'lora'", "this run has peft None"]),
+    ("full-checkpoint-lora-run", None, ["peft=lora", "peft.dim=8", "peft.alpha=16"],
+     ["written with peft None", "this run has peft {'method': 'lora'"]),
+    ("other-rank", LORA, ["peft=lora", "peft.dim=16", "peft.alpha=16"], ["'dim': 16", "same peft.*"]),
+]
+
+
+@pytest.mark.parametrize("recorded,overrides,fragments", [c[1:] for c in PEFT_CASES], ids=[c[0] for c in PEFT_CASES])
+def test_check_resume_peft(tmp_path, recorded, overrides, fragments):
+    written = _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2)
+    meta = json.loads((written / "meta.json").read_text())
+    (written / "meta.json").write_text(json.dumps({**meta, "peft": recorded}))
+    cfg = _cfg(tmp_path, 1, 2, *overrides)
+    if fragments is None:
+        assert check_resume(cfg, 2) == written
+        return
+    with pytest.raises(ConfigError) as info:
+        check_resume(cfg, 2)
+    for fragment in [f"cannot resume from {written}"] + fragments:
+        assert fragment in str(info.value), str(info.value)

@@ -144,3 +144,18 @@ def test_loader_resume_is_identical_to_an_uninterrupted_run(num_workers):
         resumed.load_state_dict(state)
         assert head + _consume(resumed, 11 - stop_after) == reference, stop_after
     assert len({tuple(ids) for ids in reference[:3]}) == 3 and reference[:3] != reference[3:6]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["workers-0", "workers-2"])
+def test_starting_the_loader_leaves_the_global_rng_alone(num_workers):
+    """A resumed run restores the RNG and then starts its loader; a draw there would shift every later
+    dropout mask (LoRA / model dropout) against the uninterrupted run."""
+    import torch
+
+    dataset, collate = _Packs(4), make_collate_fn({"pack_size": 32}, pad_multiple=4)
+    loader = build_pack_loader(dataset, collate, PackSampler(4, dp_rank=0, dp_size=1, seed=3), num_workers)
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    assert len(_consume(loader, 2)) == 2
+    assert torch.equal(torch.rand(3), want)

@@ -167,6 +167,10 @@ class PackLoader:
         self.sampler = sampler
         self.dataset = dataset
         """The packed dataset (its metadata sizes the per-bucket and per-source metrics)."""
+        # A DataLoader iterator draws its workers' base seed from the global torch RNG unless it has
+        # its own generator; a resumed run creates its iterator after restoring the RNG, so that draw
+        # would shift every later dropout mask against the uninterrupted run. Collate draws nothing.
+        loader_kwargs.setdefault("generator", torch.Generator().manual_seed(0))
         self._loader = DataLoader(dataset, batch_size=None, sampler=sampler, collate_fn=collate_fn,
                                   num_workers=num_workers, **loader_kwargs)
 

@@ -183,7 +183,10 @@ class StepLoader:
                  num_workers: int = 0, pin_memory: bool = False):
         self.planner, self.dp_rank, self.seed, self.num_packs = planner, dp_rank, seed, len(dataset)
         self.epoch, self.consumed = 0, 0
-        kwargs: dict[str, Any] = {"pin_memory": pin_memory and torch.cuda.is_available()}
+        # its own generator: making the iterator after a resume draws nothing from the global torch RNG
+        # (PackLoader does the same; the draw would shift every later dropout mask)
+        kwargs: dict[str, Any] = {"pin_memory": pin_memory and torch.cuda.is_available(),
+                                  "generator": torch.Generator().manual_seed(0)}
         if num_workers > 0:
             kwargs["prefetch_factor"] = 2
         self._loader = DataLoader(dataset, batch_size=None, sampler=_PlannedSampler(self), collate_fn=collate_fn,

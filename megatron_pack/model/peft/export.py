@@ -1,0 +1,222 @@
+"""LoRA adapters of a ``peft=lora`` checkpoint -> the peft format, or merged into a full HF model.
+
+The mapping is the family table of ``model/hf/mapping.py``: an adapter's split tensor follows its
+base weight's rule, the other one is replicated. Shapes for H=64, 4 query heads in 2 groups of
+head dim 16, FFN 96, r=8, TP=2:
+
+| target     | base rule | A (linear_in)                      | B (linear_out)                                   |
+|------------|-----------|------------------------------------|--------------------------------------------------|
+| linear_qkv | qkv       | [8, 64] replicated -> q/k/v lora_A | [64, 8] per rank -> qkv transform -> q [64, 8], k [32, 8], v [32, 8] |
+| linear_fc1 | gate_up   | [8, 64] replicated -> gate/up lora_A | [96, 8] per rank = [gate_r; up_r] -> gate [96, 8], up [96, 8] |
+| linear_proj| row       | [8, 32] per rank -> cat -> o lora_A [8, 64] | [64, 8] replicated -> o lora_B          |
+| linear_fc2 | row       | [8, 48] per rank -> down lora_A [8, 96] | [64, 8] replicated -> down lora_B            |
+
+A fused linear has one A for its parts, so q, k and v (gate and up) get the same lora_A and
+their own rows of B: ``B_q A`` is exactly the q rows of ``B_qkv A``. Keys are peft's:
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron_pack.model.hf.mapping import Dims, export_tensors, rules_for
+from megatron_pack.model.peft.lora import COLUMN_PARALLEL, merged_shards
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+
+
+def adapter_targets(model_type: str, targets, *, num_layers: int):
+    """(base rule, megatron prefix, HF prefixes) of every adapted linear, from the family table."""
+    out = []
+    for rule, mcore, hf_names in rules_for(model_type, tied=False, num_layers=num_layers):
+        leaf = mcore.removesuffix(".weight").rsplit(".", 1)[-1]
+        if mcore.endswith(".weight") and leaf in targets:
+            out.append((rule, mcore.removesuffix(".weight"), tuple(h.removesuffix(".weight") for h in hf_names)))
+    return out
+
+
+def hf_module_names(model_type: str, targets) -> list[str]:
+    """peft's ``target_modules`` for our megatron-core targets: linear_qkv -> q_proj, k_proj, v_proj, ..."""
+    names = []
+    for _, _, hf in adapter_targets(model_type, targets, num_layers=1):
+        names += [h.rsplit(".", 1)[-1] for h in hf]
+    return list(dict.fromkeys(names))
+
+
+def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, targets) -> dict[str, Tensor]:
+    """peft key -> tensor from every TP rank's adapter tensors (rank order)."""
+    dims = Dims.from_model_config(model_cfg, len(shards))
+    shards = [_plain(shard) for shard in shards]
+    out: dict[str, Tensor] = {}
+    used: set[str] = set()
+    for rule, prefix, hf in adapter_targets(model_type, targets, num_layers=model_cfg.num_layers):
+        missing = [r for r, s in enumerate(shards) if prefix + IN not in s or prefix + OUT not in s]
+        if missing:
+            raise ValueError(f"the checkpoint has no adapter for {prefix} on TP rank {missing[0]}; it was written "
+                             "with other peft.target_modules (or without peft=lora).")
+        a_shards, b_shards = [s[prefix + IN] for s in shards], [s[prefix + OUT] for s in shards]
+        if prefix.rsplit(".", 1)[-1] in COLUMN_PARALLEL:
+            a_parts, b_parts = [a_shards[0]] * len(hf), export_tensors(rule, b_shards, dims)
+        else:
+            a_parts, b_parts = export_tensors(rule, a_shards, dims), [b_shards[0]]
+        for name, a, b in zip(hf, a_parts, b_parts):
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
+        used.update({prefix + IN, prefix + OUT})
+    extra = sorted(set(shards[0]) - used)
+    if extra:
+        raise ValueError(f"checkpoint tensors {extra[:3]} are not adapters of {list(targets)}; export.adapter reads "
+                         "a peft=lora checkpoint (nothing is dropped silently).")
+    return out
+
+
+def adapter_config(peft_meta: dict, model_type: str, base: Optional[str]) -> dict:
+    """adapter_config.json as ``peft.LoraConfig`` writes it (fields peft does not need take its defaults)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+            "r": int(peft_meta["dim"]), "lora_alpha": float(peft_meta["alpha"]),
+            "lora_dropout": float(peft_meta["dropout"]), "bias": "none", "fan_in_fan_out": False,
+            "target_modules": hf_module_names(model_type, peft_meta["target_modules"]),
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": None, "layers_to_transform": None}
+
+
+def write_adapter_folder(output: str | Path, tensors: dict[str, Tensor], config: dict, *, dtype: torch.dtype,
+                         source: Optional[str | Path] = None) -> list[str]:
+    """adapter_model.safetensors + adapter_config.json (+ the source's tokenizer files), written atomically."""
+    from safetensors.torch import save_file
+
+    from megatron_pack.model.hf.export import TOKENIZER_FILES
+
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise FileExistsError(f"export.output ({output}) exists and is not empty; choose a new folder (nothing is "
+                              "overwritten).")
+    tmp = output.with_name(f".{output.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    for name in TOKENIZER_FILES if source is not None else ():
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, tmp / name)
+    if output.exists():
+        output.rmdir()
+    os.replace(tmp, output)
+    return sorted(p.name for p in output.iterdir())
+
+
+def export_adapter(*, output: str | Path, shards: list[dict[str, Tensor]], peft: dict, source: str | Path, model_cfg,
+                   dtype: Optional[str] = None) -> tuple[list[str], torch.dtype]:
+    """A peft=lora checkpoint's adapter tensors (every TP rank's, ``model/tp<r>/`` names) and its ``peft``
+    meta -> a peft adapter folder; returns (files, dtype written)."""
+    from megatron_pack.config.hf_config import read_hf_config
+    from megatron_pack.model.hf.export import DTYPES
+
+    model_type = read_hf_config(source)["model_type"]
+    tensors = peft_tensors(shards, model_type, model_cfg, peft["target_modules"])
+    out_dtype = DTYPES[dtype] if dtype else next(iter(tensors.values())).dtype
+    files = write_adapter_folder(output, tensors, adapter_config(peft, model_type, peft.get("base_model")),
+                                 dtype=out_dtype, source=source)
+    return files, out_dtype
+
+
+def base_folder(peft: dict, given: Optional[str | Path]) -> Path:
+    """The base model's HF folder (with weights): ``given`` when it holds safetensors, else the checkpoint's."""
+    from megatron_pack.model.hf.load import INDEX, SINGLE
+
+    for candidate in (given, peft.get("base_model")):
+        if candidate and ((Path(candidate) / SINGLE).is_file() or (Path(candidate) / INDEX).is_file()):
+            return Path(candidate)
+    raise FileNotFoundError(f"export.merge needs the base model's weights: the checkpoint names "
+                            f"{peft.get('base_model')!r}, which holds no safetensors; pass model.pretrained=<the "
+                            "Hugging Face folder it was trained from>.")
+
+
+def export_merged(*, output: str | Path, shards: list[dict[str, Tensor]], peft: dict, source: str | Path,
+                  base: str | Path, model_cfg, dtype: Optional[str] = None,
+                  max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], torch.dtype]:
+    """The base with ``(alpha / r) B A`` added to every adapted weight, as a HF folder; ``shards`` are the
+    checkpoint's adapter tensors of every TP rank."""
+    from megatron_pack.config.hf_config import read_hf_config
+    from megatron_pack.model.hf.export import DTYPES, hf_tensors, shards_from_pretrained, source_dtype, write_hf_folder
+
+    adapters = [_plain(shard) for shard in shards]
+    bases = shards_from_pretrained(base, model_cfg, tp=len(adapters))
+    scale = float(peft["alpha"]) / int(peft["dim"])
+    merged = [merged_shards(b, a, scale) for b, a in zip(bases, adapters)]
+    out_dtype = DTYPES[dtype] if dtype else source_dtype(base)
+    files = write_hf_folder(output, hf_tensors(merged, read_hf_config(source)["model_type"], model_cfg), source,
+                            dtype=out_dtype, max_shard_bytes=max_shard_bytes)
+    return files, out_dtype
+
+
+def _plain(shard: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Names without the ``module.`` prefix of megatron-core's Float16Module (a bf16 run's checkpoint)."""
+    return {name.removeprefix("module."): tensor for name, tensor in shard.items()}
+
+
+class _TensorReader:
+    """``mapping.Reader`` over tensors in memory (an adapter file is small)."""
+
+    def __init__(self, tensors: dict[str, Tensor]):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> Tensor:
+        t = self.tensors[name]
+        t = t[rows] if rows is not None else t
+        return t[:, cols] if cols is not None else t
+
+
+def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, targets, *, tp_rank: int,
+                     tp_size: int, where: str = "the adapter") -> dict[str, Tensor]:
+    """This TP rank's adapter tensors (megatron names) from peft-format tensors: the inverse of
+    ``peft_tensors``. A fused linear's parts must share lora_A (as our export writes them)."""
+    from megatron_pack.model.hf.mapping import load_shard
+
+    reader, dims = _TensorReader(tensors), Dims.from_model_config(model_cfg, tp_size)
+    out: dict[str, Tensor] = {}
+    for rule, prefix, hf in adapter_targets(model_type, targets, num_layers=model_cfg.num_layers):
+        a_names = tuple(f"{PEFT_PREFIX}{h}.lora_A.weight" for h in hf)
+        b_names = tuple(f"{PEFT_PREFIX}{h}.lora_B.weight" for h in hf)
+        missing = [n for n in a_names + b_names if n not in tensors]
+        if missing:
+            raise ValueError(f"{where} has no {missing[0]}; it was not written for these peft.target_modules.")
+        if prefix.rsplit(".", 1)[-1] in COLUMN_PARALLEL:
+            if any(not torch.equal(tensors[n], tensors[a_names[0]]) for n in a_names):
+                raise ValueError(f"{where}: {', '.join(a_names)} differ; the fused {prefix} has one lora_A for its "
+                                 "parts, so they must be equal.")
+            out[prefix + IN], out[prefix + OUT] = tensors[a_names[0]], load_shard(rule, b_names, reader, dims, tp_rank)
+        else:
+            out[prefix + IN], out[prefix + OUT] = load_shard(rule, a_names, reader, dims, tp_rank), tensors[b_names[0]]
+    return out
+
+
+def load_adapter(model: torch.nn.Module, folder: str | Path, model_type: str, model_cfg, targets, *,
+                 tp_rank: int, tp_size: int) -> int:
+    """Fill this TP rank's adapters of ``model`` (built with peft=lora) from a peft adapter folder
+    written by ``export.adapter`` (or with the same shared lora_A); returns the number filled."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    mine = shards_from_peft(tensors, model_type, model_cfg, targets, tp_rank=tp_rank, tp_size=tp_size,
+                            where=f"{folder}/{ADAPTER_WEIGHTS}")
+    params = {name.removeprefix("module."): p for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, tensor in mine.items():
+            params[name].copy_(tensor)
+    return len(mine) // 2

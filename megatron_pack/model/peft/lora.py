@@ -1,0 +1,202 @@
+"""LoRA adapters on megatron-core's tensor-parallel linears (``peft=lora``).
+
+Each target linear ``W`` (a ``ColumnParallelLinear`` or ``RowParallelLinear`` of every layer)
+gets an adapter ``adapter.linear_in`` (A, [r, in]) and ``adapter.linear_out`` (B, [out, r]); the
+layer's output becomes ``W x + (alpha / r) * B A dropout(x)``, peft's formula. The base linear
+keeps its own parameter names (the adapter runs from a forward hook), so the HF tables, the
+loader and the exporter see the same model as in full fine-tuning. Every base parameter is
+frozen: megatron-core's DDP allocates no gradient buffer for it, the optimizer never sees it.
+
+Tensor parallelism, shapes for H=64, r=8 at TP=2:
+
+``column`` (linear_qkv, linear_fc1)  A [8, 64] replicated on every TP rank; B [out/TP, 8] split
+    like the base weight (rows), so B's rows follow the base layout: per query group [q; k; v]
+    for linear_qkv, [gate_r; up_r] for linear_fc1. The [tokens, r] product A x is made whole on
+    every TP rank: a ``copy_to`` (backward all-reduce) or, with sequence parallelism, a gather
+    of the sequence shards (backward reduce-scatter).
+``row`` (linear_proj, linear_fc2)  A [8, in/TP] split like the base weight (columns); B [64, 8]
+    replicated. The partial products A_r x_r are summed over TP (all-reduce, or reduce-scatter to
+    the sequence shards with sequence parallelism) before B.
+
+With sequence parallelism the replicated A (column) and B (row) see only this rank's sequence
+shard, so their gradients are partial sums: they carry ``sequence_parallel = True`` and
+megatron-core's ``finalize_model_grads`` all-reduces them over TP, as it does for norm weights.
+
+A and B start as peft starts them (A Kaiming-uniform, B zero, so the adapted model equals the
+base at step 0). A is drawn whole from ``torch.Generator().manual_seed(seed + layer)`` and then
+sliced, so every TP size starts from the same adapters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+
+
+class LoRAAdapter(nn.Module):
+    """``(alpha / r) * B A dropout(x)`` for one TP-sharded linear; see the module docstring."""
+
+    def __init__(self, *, in_features: int, out_features: int, dim: int, alpha: float, dropout: float,
+                 parallel: str, tp_group, tp_size: int, sequence_parallel: bool, dtype: torch.dtype,
+                 partition_stride: int = 1):
+        super().__init__()
+        if parallel not in ("column", "row"):
+            raise ValueError(f"LoRAAdapter: parallel ({parallel!r}) must be 'column' or 'row'.")
+        self.parallel, self.tp_group, self.tp_size = parallel, tp_group, tp_size
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.scale = alpha / dim
+        self.linear_in = nn.Linear(in_features, dim, bias=False, dtype=dtype)
+        self.linear_out = nn.Linear(dim, out_features, bias=False, dtype=dtype)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        split = self.linear_out.weight if parallel == "column" else self.linear_in.weight
+        whole = self.linear_in.weight if parallel == "column" else self.linear_out.weight
+        # B of linear_fc1 is split like its base, [gate_r; up_r] (stride 2), so TP shards merge alike
+        split.tensor_model_parallel, split.partition_dim = True, (0 if parallel == "column" else 1)
+        split.partition_stride = partition_stride
+        whole.tensor_model_parallel = False
+        whole.sequence_parallel = self.sequence_parallel  # a partial sum over the sequence shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        h = self.linear_in(self._dropout(x))  # [s, b, r]: whole (column) or a partial sum (row)
+        if self.tp_size > 1:
+            if self.parallel == "column":
+                h = (mappings.gather_from_sequence_parallel_region(h, True, self.tp_group) if self.sequence_parallel
+                     else mappings.copy_to_tensor_model_parallel_region(h, self.tp_group))
+            else:
+                h = (mappings.reduce_scatter_to_sequence_parallel_region(h, self.tp_group) if self.sequence_parallel
+                     else mappings.reduce_from_tensor_model_parallel_region(h, self.tp_group))
+        return self.linear_out(h) * self.scale
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout masks differ across TP ranks where x does (a sequence or feature shard), as megatron's do."""
+        if isinstance(self.dropout, nn.Identity) or not self.training:
+            return x
+        if self.sequence_parallel or self.parallel == "row":
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                return self.dropout(x)
+        return self.dropout(x)
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scale * B A``: this rank's shard of the update the adapter adds to the base weight."""
+        return (self.linear_out.weight.float() @ self.linear_in.weight.float()) * self.scale
+
+
+def _adapter_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The input the base weight multiplies. Transformer Engine's ``LayerNormColumnParallelLinear``
+    (the TE spec's linear_qkv / linear_fc1) applies its norm inside; the adapter applies the same norm."""
+    weight = getattr(module, "layer_norm_weight", None)
+    if weight is None:
+        return x
+    eps = float(getattr(module, "eps", 1e-5))
+    gamma = weight + 1 if getattr(module, "zero_centered_gamma", False) else weight
+    xf = x.float()
+    if getattr(module, "normalization", "LayerNorm") == "RMSNorm":
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()
+    else:
+        bias = getattr(module, "layer_norm_bias", None)
+        out = torch.nn.functional.layer_norm(xf, (xf.shape[-1],), gamma.float(), None if bias is None else bias.float(), eps)
+    return out.to(x.dtype)
+
+
+def _adapter_hook(module: nn.Module, args: tuple, output):
+    out, bias = output
+    return out + module.adapter(_adapter_input(module, args[0])).to(out.dtype), bias
+
+
+def _init_adapter(adapter: LoRAAdapter, *, seed: int, tp_rank: int) -> None:
+    """A as peft draws it (Kaiming-uniform, a=sqrt(5)) on the whole [r, in], sliced for row-parallel; B = 0."""
+    a = adapter.linear_in.weight
+    in_whole = a.shape[1] * (adapter.tp_size if adapter.parallel == "row" else 1)
+    whole = torch.empty(a.shape[0], in_whole, dtype=torch.float32)
+    nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed))
+    if adapter.parallel == "row":
+        whole = whole[:, tp_rank * a.shape[1]:(tp_rank + 1) * a.shape[1]]
+    with torch.no_grad():
+        a.copy_(whole)
+        adapter.linear_out.weight.zero_()
+
+
+def target_linears(model: nn.Module, targets) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every linear named in ``targets`` inside the decoder layers, in model order."""
+    return [(name, module) for name, module in model.named_modules()
+            if ".layers." in name and name.rsplit(".", 1)[-1] in targets]
+
+
+def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int, tp_rank: int,
+               sequence_parallel: bool) -> int:
+    """Freeze every parameter of ``model`` and attach an adapter to each target linear; returns
+    the number of adapters. The model's own parameter names do not change."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    found = target_linears(model, peft_cfg.target_modules)
+    if not found:
+        raise ValueError(f"peft.target_modules ({list(peft_cfg.target_modules)}) match no linear of the model.")
+    for index, (name, module) in enumerate(found):
+        leaf = name.rsplit(".", 1)[-1]
+        out_local, in_local = module.weight.shape
+        adapter = LoRAAdapter(in_features=in_local, out_features=out_local, dim=peft_cfg.dim, alpha=peft_cfg.alpha,
+                              dropout=peft_cfg.dropout, parallel="column" if leaf in COLUMN_PARALLEL else "row",
+                              tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                              dtype=module.weight.dtype,
+                              partition_stride=getattr(module.weight, "partition_stride", 1)).to(module.weight.device)
+        _init_adapter(adapter, seed=seed + index, tp_rank=tp_rank)
+        module.add_module("adapter", adapter)
+        module.register_forward_hook(_adapter_hook)
+    return len(found)
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".adapter.linear_in." in name or ".adapter.linear_out." in name
+
+
+def count_parameters(model: nn.Module, tp_group=None) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model, each counted once across TP ranks
+    (a TP-split tensor contributes every rank's shard, a replicated one its size once). Every TP rank
+    must call it (one all-reduce)."""
+    import torch.distributed as dist
+
+    split = torch.zeros(2, dtype=torch.float64)  # [trainable, total] of TP-split tensors on this rank
+    whole = [0, 0]
+    for param in model.parameters():
+        n = param.numel()
+        if getattr(param, "tensor_model_parallel", False):
+            split += torch.tensor([n if param.requires_grad else 0, n], dtype=torch.float64)
+        else:
+            whole[0] += n if param.requires_grad else 0
+            whole[1] += n
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(split, group=tp_group)
+    return int(split[0]) + whole[0], int(split[1]) + whole[1]
+
+
+def merged_shards(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float
+                  ) -> dict[str, torch.Tensor]:
+    """One TP rank's base tensors with ``scale * B A`` added to each adapted weight (megatron layout,
+    so the column/row shards need no communication: W_r + s B_r A, or W_r + s B A_r)."""
+    out = dict(base)
+    for name in sorted(n for n in adapters if n.endswith(".adapter.linear_in.weight")):
+        prefix = name[: -len(".adapter.linear_in.weight")]
+        a, b = adapters[name].double(), adapters[prefix + ".adapter.linear_out.weight"].double()
+        weight = base[prefix + ".weight"]
+        out[prefix + ".weight"] = (weight.double() + scale * (b @ a)).to(weight.dtype)
+    return out
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's adapter tensors by name (no DDP / Float16Module prefix)."""
+    return {name.removeprefix("module."): p for name, p in model.named_parameters() if is_adapter_param(name)}
+
+
+def describe(trainable: int, total: int, num_adapters: Optional[int] = None) -> str:
+    where = f" in {num_adapters} adapters" if num_adapters is not None else ""
+    return (f"trainable parameters: {trainable:,} of {total:,} ({100.0 * trainable / max(total, 1):.3f}%){where}")
