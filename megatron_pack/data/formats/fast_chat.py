@@ -20,6 +20,9 @@ with the span of ``"yo<|im_end|>"`` marks the tokens ``yo`` and ``<|im_end|>`` o
 
 from __future__ import annotations
 
+import weakref
+from itertools import chain
+
 import numpy as np
 
 
@@ -44,16 +47,23 @@ def assistant_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndar
     return (valid & (offsets[:, 1] > span_start[np.minimum(index, len(spans) - 1)])).astype(np.uint8)
 
 
+_PLAIN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Per tokenizer object, its backend copy without truncation and padding (made once, not per chunk)."""
+
+
 def _backend(tok):
     """The fast tokenizer's backend with truncation and padding off (what ``apply_chat_template`` encodes with)."""
     backend = tok.backend_tokenizer
     if backend.truncation is None and backend.padding is None:
         return backend
-    from tokenizers import Tokenizer
+    plain = _PLAIN.get(tok)
+    if plain is None:
+        from tokenizers import Tokenizer
 
-    plain = Tokenizer.from_str(backend.to_str())
-    plain.no_truncation()
-    plain.no_padding()
+        plain = Tokenizer.from_str(backend.to_str())
+        plain.no_truncation()
+        plain.no_padding()
+        _PLAIN[tok] = plain
     return plain
 
 
@@ -63,8 +73,8 @@ def supports_batched_chat(tok) -> bool:
             and "{% generation %}" in (tok.chat_template or ""))
 
 
-def encode_chats(tok, conversations: list[list[dict]]) -> list[tuple[list[int], np.ndarray]]:
-    """``(ids, assistant mask)`` of every conversation, as ``apply_chat_template(...,
+def encode_chats(tok, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids int32, assistant mask uint8)`` of every conversation, as ``apply_chat_template(...,
     return_assistant_tokens_mask=True)`` gives them one at a time."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -73,5 +83,9 @@ def encode_chats(tok, conversations: list[list[dict]]) -> list[tuple[list[int], 
         return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
         **tok.special_tokens_map)
     encodings = _backend(tok).encode_batch(rendered, add_special_tokens=False)
-    return [(enc.ids, assistant_mask(np.asarray(enc.offsets, dtype=np.int64), list(span)))
-            for enc, span in zip(encodings, spans)]
+    out = []
+    for enc, span in zip(encodings, spans):
+        n = len(enc)
+        offsets = np.fromiter(chain.from_iterable(enc.offsets), np.int64, 2 * n)  # 2x faster than via tuples
+        out.append((np.fromiter(enc.ids, np.int32, n), assistant_mask(offsets, list(span))))
+    return out

@@ -111,6 +111,32 @@ def _identity(name: str, vocab, tok) -> dict:
             "special_ids": {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}}
 
 
+def load_hf_tokenizer(path: str):
+    """``AutoTokenizer.from_pretrained(path)``, without importing torch where the result is known.
+
+    A tokenizer-only folder (no ``config.json``, no ``auto_map``) whose ``tokenizer_config.json``
+    names the generic fast class (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as Llama 3
+    and tokenizers saved from a ``tokenizers.Tokenizer`` do) is what ``AutoTokenizer`` loads as
+    ``TokenizersBackend``; loading that class directly skips ``AutoTokenizer``'s config machinery,
+    which imports torch (2 of the ~5 s ``prepare`` spends before its first record; tested equal).
+    Every other folder goes through ``AutoTokenizer``.
+    """
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file() and (folder / "tokenizer.json").is_file() and not (folder / "config.json").exists():
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError:
+            config = {}
+        if config.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend") and "auto_map" not in config:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer from a local directory (``pip install megatron_pack[hf]``).
 
@@ -122,12 +148,12 @@ class HFTokenizer:
 
     def __init__(self, path: str, chat_template: str | None = None):
         try:
-            from transformers import AutoTokenizer
+            import transformers  # noqa: F401
         except ImportError as exc:
             raise ImportError(f"data.tokenizer={path!r} is a Hugging Face tokenizer, which needs transformers: "
                               "pip install 'megatron_pack[hf]', or use data.tokenizer=byte.") from exc
         self.path = str(path)
-        self.tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.tok = load_hf_tokenizer(self.path)
         if chat_template is not None:  # data.chat_template: part of the identity, so of the store fingerprint
             self.tok.chat_template = read_chat_template(chat_template)
         self.name = Path(self.path).name
@@ -137,6 +163,7 @@ class HFTokenizer:
         self.eos_id = int(self.tok.eos_token_id)
         self.bos_id = None if self.tok.bos_token_id is None else int(self.tok.bos_token_id)
         self.pad_id = int(self.tok.pad_token_id) if self.tok.pad_token_id is not None else self.eos_id
+        self._blank_tails: dict[tuple[int, ...], bool] = {}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -209,8 +236,7 @@ class HFTokenizer:
                 except (RecordError, UnicodeEncodeError) as exc:
                     results[i] = exc
                 continue
-            ids, mask = self._end_with_eos(list(encoded[n][0]), encoded[n][1].tolist())
-            ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+            ids, mask = self._end_with_eos_arrays(*encoded[n])
             results[i] = (ids, mask if answer_only_loss else np.ones_like(mask))
         return results
 
@@ -225,9 +251,25 @@ class HFTokenizer:
         if ids and ids[-1] == self.eos_id:
             return ids, mask
         last = len(ids) - 1 - ids[::-1].index(self.eos_id) if self.eos_id in ids else -1
-        if last >= 0 and not self.tok.decode(ids[last + 1:]).strip():
+        if last >= 0 and self._blank_tail(tuple(ids[last + 1:])):
             return ids[:last + 1], mask[:last + 1]
         return ids + [self.eos_id], mask + [mask[-1] if mask else 0]
+
+    def _end_with_eos_arrays(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_end_with_eos`` on int32 / uint8 arrays (the batched chat path), same result."""
+        if ids.size and ids[-1] == self.eos_id:
+            return ids, mask
+        where = np.flatnonzero(ids == self.eos_id)
+        if where.size and self._blank_tail(tuple(ids[where[-1] + 1:].tolist())):
+            return ids[:where[-1] + 1], mask[:where[-1] + 1]
+        return np.append(ids, np.int32(self.eos_id)), np.append(mask, np.uint8(mask[-1] if mask.size else 0))
+
+    def _blank_tail(self, tail: tuple[int, ...]) -> bool:
+        """True when ``tail`` decodes to whitespace only; memoised (every ChatML record ends ``<|im_end|>\\n``)."""
+        blank = self._blank_tails.get(tail)
+        if blank is None:
+            blank = self._blank_tails[tail] = not self.tok.decode(list(tail)).strip()
+        return blank
 
     def _template(self, messages, add_generation_prompt=False) -> list[int]:
         out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,

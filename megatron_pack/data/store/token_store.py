@@ -137,7 +137,11 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
     """Results in input order, from ``num_workers`` processes (inline when it is 1)."""
     if num_workers <= 1:
         init_worker(tokenizer, schema, answer_only_loss, chat_template)  # build_tokenizer's cache: built once
-        yield from map(tokenize_chunk, chunks)
+        threads = encode_threads(_WORKER["tokenizer"])
+        if threads <= 1:
+            yield from map(tokenize_chunk, chunks)
+            return
+        yield from _threaded(chunks, threads)
         return
     import multiprocessing as mp
 
@@ -150,6 +154,46 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+def encode_threads(tok) -> int:
+    """Threads that tokenize chunks in one process: every core for a Hugging Face fast tokenizer, else 1.
+
+    A fast tokenizer's Rust ``encode_batch`` releases the GIL, so while one thread encodes a chunk
+    another renders the next chunk's chat template (Python). Threads beat both alternatives on
+    this machine's 2 cores: the tokenizer's own Rayon parallelism in one ``encode_batch`` (1.1x
+    over one core), and processes (each pays seconds to import transformers and load the
+    tokenizer). See docs/benchmarks.md.
+    """
+    if getattr(getattr(tok, "tok", None), "is_fast", False):
+        return os.cpu_count() or 1
+    return 1
+
+
+def _threaded(chunks: Iterable[Chunk], threads: int) -> Iterator[ChunkResult]:
+    """``tokenize_chunk`` over ``chunks`` on ``threads`` threads, results in input order, few chunks in flight.
+
+    The tokenizer's Rayon pool is switched off meanwhile (``TOKENIZERS_PARALLELISM=false``, read at
+    every call): our threads already use every core, and Rayon on top only adds contention.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="tokenize") as pool:
+            pending: deque = deque()
+            for chunk in chunks:
+                pending.append(pool.submit(tokenize_chunk, chunk))
+                if len(pending) >= 2 * threads:  # bounded memory: never read far ahead
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, total: int | None = None,
@@ -233,8 +277,8 @@ class TokenStore:
 
 def default_num_workers(requested: int, tokenizer=None) -> int:
     """Tokenize processes: ``requested`` when > 0; else (auto) 1 for a Hugging Face fast tokenizer,
-    whose batch encoding already runs on every core (more processes only add start-up cost and
-    oversubscribe the cores), and all cores otherwise (the byte tokenizer is pure Python)."""
+    which tokenizes on one thread per core in that process (``encode_threads``; more processes
+    only add start-up cost), and all cores otherwise (the byte tokenizer is pure Python)."""
     if requested > 0:
         return requested
     if getattr(getattr(tokenizer, "tok", None), "is_fast", False):
