@@ -14,7 +14,9 @@ own per-sample ``apply_chat_template(..., return_assistant_tokens_mask=True)`` l
 the same run and interleaved (``--repeats`` rounds). Printed per round: the loop's seconds, the
 tokenizing seconds of ``prepare`` at default settings (``tokenize_seconds`` in the store metadata),
 its fixed cost (a 100-record file, whole command) and peak RSS at two input sizes (memory flat);
-wall and CPU seconds both, since a shared machine's wall clock is noisy.
+wall and CPU seconds both, since a shared machine's wall clock is noisy. Also per round: the
+rendered texts' Rust encode alone on one thread, which both paths run, and the ceiling it puts on
+any speed-up (loop seconds / (encode seconds / cores)).
 
     .venv/bin/python bench/prepare.py --chat [--chat-records 20000] [--repeats 3]
 """
@@ -120,6 +122,31 @@ def hf_loop_child(args) -> None:
                       "num_tokens": num_tokens}))
 
 
+def encode_only_child(args) -> None:
+    """The floor under any tokenize path: the Rust encode of the rendered texts alone, one thread.
+
+    transformers' loop and ``prepare`` both run this same ``encode_batch`` on the same texts, so
+    on ``cores`` cores no path can beat ``loop / (encode_one_thread / cores)``.
+    """
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from transformers import AutoTokenizer
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    records = [json.loads(line)["messages"] for line in open(args.input)]
+    start = time.perf_counter()
+    rendered, _ = render_jinja_template(conversations=records, tools=None, documents=None,
+                                        chat_template=tok.get_chat_template(), return_assistant_tokens_mask=True,
+                                        continue_final_message=False, add_generation_prompt=False,
+                                        **tok.special_tokens_map)
+    render = time.perf_counter() - start
+    start, cpu = time.perf_counter(), time.process_time()
+    for i in range(0, len(rendered), 512):
+        tok.backend_tokenizer.encode_batch(rendered[i:i + 512], add_special_tokens=False)
+    print(json.dumps({"render_seconds": render, "encode_seconds": time.perf_counter() - start,
+                      "encode_cpu_seconds": time.process_time() - cpu}))
+
+
 def _timed(cmd: list[str]) -> tuple[float, float, str]:
     """Wall and CPU seconds (this child and its children) of a command, and its stdout."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -143,10 +170,16 @@ def run_chat(args) -> None:
           f"ChatML with generation markers), {os.cpu_count()} cores, work dir {work}")
     print(f"{'round':>5} {'hf loop s':>9} {'cpu':>6} {'prepare tok s':>13} {'cpu':>6} {'wall x':>6} {'cpu x':>6} "
           f"{'fixed s':>8} {'cpu':>6} {'RSS full':>9} {'RSS half':>9}")
-    ratios, fixed = [], []
+    ratios, fixed, floors = [], [], []
     for r in range(args.repeats):
         loop = json.loads(_timed([sys.executable, __file__, "--hf-loop-child", "--tokenizer", str(tokenizer),
                                   "--input", str(big)])[2].strip().splitlines()[-1])
+        floor = json.loads(_timed([sys.executable, __file__, "--encode-only-child", "--tokenizer", str(tokenizer),
+                                   "--input", str(big)])[2].strip().splitlines()[-1])
+        floors.append(loop["seconds"] / (floor["encode_seconds"] / (os.cpu_count() or 1)))
+        print(f"      encode alone, one thread: {floor['encode_seconds']:.2f} s ({floor['encode_seconds'] / loop['seconds']:.0%}"
+              f" of the loop), render alone {floor['render_seconds']:.2f} s: no path can beat "
+              f"{floors[-1]:.2f}x the loop on {os.cpu_count()} cores")
         rows = {}
         for name, path in (("full", big), ("half", half), ("fixed", small)):
             out_dir = work / f"ds_{name}"
@@ -166,7 +199,8 @@ def run_chat(args) -> None:
     mid = len(ratios) // 2
     print(f"prepare tokenizing vs transformers' per-sample loop: median {sorted(r[0] for r in ratios)[mid]:.2f}x wall, "
           f"{sorted(r[1] for r in ratios)[mid]:.2f}x CPU (goal >= 3x); fixed cost median "
-          f"{sorted(f[0] for f in fixed)[mid]:.2f} s wall, {sorted(f[1] for f in fixed)[mid]:.2f} s CPU (goal < 5 s)")
+          f"{sorted(f[0] for f in fixed)[mid]:.2f} s wall, {sorted(f[1] for f in fixed)[mid]:.2f} s CPU (goal < 5 s); "
+          f"ceiling set by the encode alone: {sorted(floors)[mid]:.2f}x")
 
 
 def _child_peak_rss(cmd: list[str]) -> float:
@@ -190,6 +224,7 @@ def main() -> None:
     parser.add_argument("--chat-records", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-loop-child", action="store_true")
+    parser.add_argument("--encode-only-child", action="store_true")
     parser.add_argument("--tokenizer")
     parser.add_argument("--input")
     args = parser.parse_args()
@@ -197,6 +232,8 @@ def main() -> None:
         return child(args)
     if args.hf_loop_child:
         return hf_loop_child(args)
+    if args.encode_only_child:
+        return encode_only_child(args)
     if args.chat:
         return run_chat(args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_prepare_"))
