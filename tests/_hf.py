@@ -100,3 +100,78 @@ def hf_logits(folder: Path | str, samples: list[list[int]]) -> list[torch.Tensor
     model.eval()
     with torch.no_grad():
         return [model(torch.tensor([ids])).logits[0].float() for ids in samples]
+
+
+# --- running the CLI on a folder made with make_family (the fine-tune tests share these) ---
+
+def prepare_in(root: Path, args: list[str]) -> None:
+    """``megatron-pack prepare ARGS`` in-process, with ``root`` as the working folder."""
+    import os
+
+    from megatron_pack.cli.prepare import main as prepare_main
+
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        assert prepare_main(list(args)) == 0
+    finally:
+        os.chdir(cwd)
+
+
+def torchrun_train(root: Path, args: list[str], *, nproc: int = 2, timeout: int = 400) -> str:
+    """``torchrun --standalone -m megatron_pack.train ARGS`` in ``root``; its output (asserts exit 0)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "megatron_pack.train", *args]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc.stdout + proc.stderr
+
+
+def cli(root: Path, *args: str, timeout: int = 300) -> tuple[int, str]:
+    """``megatron-pack ARGS`` in ``root``: exit code and output."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_pack.cli.main", *args], cwd=root, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def packed_logits(root: Path, args: list[str], weights: Path, samples: list[list[int]]) -> list[torch.Tensor]:
+    """Our logits [n - 1, VOCAB] per sample, all in one THD pack, from the checkpoint ``weights``
+    (a run folder's checkpoints/ or one step) of the run configured by ``args`` (TP=1, one process).
+    Sample ``s`` gives the logits of its tokens ``s[:-1]``; pad-vocabulary columns are dropped."""
+    import os
+
+    from megatron_pack.cli.verify import load_model_weights, single_process_config
+    from megatron_pack.config import load_config
+    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        cfg = single_process_config(load_config(list(args)))
+        state = initialize_parallel(cfg)
+        try:
+            model = build_model(cfg, state)
+            load_model_weights(model, weights)
+            model.eval()
+            batch = collate_thd([{"input_ids": s, "loss_mask": [1] * len(s)} for s in samples], pack_size=256)
+            with torch.no_grad():
+                logits = model(batch["tokens"], batch["position_ids"], None,
+                               packed_seq_params=get_packed_seq_params(batch))[0]
+        finally:
+            destroy_parallel(destroy_process_group=True)
+    finally:
+        os.chdir(cwd)
+    cu = batch["cu_seqlens_padded"].tolist()
+    return [logits[cu[i]:cu[i] + len(s) - 1, :VOCAB] for i, s in enumerate(samples)]

@@ -289,21 +289,10 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
 
 
 def _full_logits(logits: torch.Tensor, batch: dict, state) -> torch.Tensor:
-    """[T, V_padded] from this rank's [1, T/CP, V/TP] (TP all-gather, CP all-gather + unslice)."""
-    import torch.distributed as dist
+    """[T, V_padded] from this rank's [1, T/CP, V/TP] (float32)."""
+    from megatron_pack.parallel.groups import gather_full_logits
 
-    from megatron_pack.parallel.cp import thd_unslice
-
-    logits = logits.detach().float().contiguous()
-    if state.tp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
-        dist.all_gather(shards, logits, group=state.tp_group)
-        logits = torch.cat(shards, dim=-1)
-    if state.cp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(state.cp_size)]
-        dist.all_gather(shards, logits, group=state.cp_group)
-        logits = thd_unslice(shards, batch["cu_seqlens_padded"], dim=1)
-    return logits[0]
+    return gather_full_logits(logits.float(), batch["cu_seqlens_padded"], state)[0]
 
 
 def _ours(model, batch: dict, state) -> torch.Tensor:

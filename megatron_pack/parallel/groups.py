@@ -198,3 +198,24 @@ def destroy_parallel(*, destroy_process_group: bool = False) -> None:
         mpu.destroy_model_parallel()
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_full_logits(logits: torch.Tensor, cu_seqlens_padded, state: ParallelState) -> torch.Tensor:
+    """The whole pack's logits [1, T, V_padded] from this rank's [1, T/CP, V/TP] slice.
+
+    All-gathers the vocabulary shards over TP (concatenated in rank order) and the token slices
+    over CP (put back at their global positions by ``thd_unslice``). Every rank of the TP and CP
+    groups must call it. Used by ``verify`` and by the parallel-equivalence tests.
+    """
+    from megatron_pack.parallel.cp import thd_unslice
+
+    logits = logits.detach().contiguous()
+    if state.tp_size > 1:
+        shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
+        dist.all_gather(shards, logits, group=state.tp_group)
+        logits = torch.cat(shards, dim=-1)
+    if state.cp_size > 1:
+        shards = [torch.empty_like(logits) for _ in range(state.cp_size)]
+        dist.all_gather(shards, logits, group=state.cp_group)
+        logits = thd_unslice(shards, cu_seqlens_padded, dim=1)
+    return logits

@@ -48,20 +48,9 @@ def _config(folder: str, tp: int, cp: int, sp: bool):
 
 
 def _full_logits(logits, batch, pg):
-    import torch.distributed as dist
+    from megatron_pack.parallel.groups import gather_full_logits
 
-    from megatron_pack.parallel.cp import thd_unslice
-
-    logits = logits.detach().contiguous()
-    if pg.tp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(pg.tp_size)]
-        dist.all_gather(shards, logits, group=pg.tp_group)
-        logits = torch.cat(shards, dim=-1)
-    if pg.cp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(pg.cp_size)]
-        dist.all_gather(shards, logits, group=pg.cp_group)
-        logits = thd_unslice(shards, batch["cu_seqlens_padded"], dim=1)
-    return logits[0]
+    return gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0]
 
 
 def _round_trip(model, cfg, pg, folder: str) -> tuple[bool, int]:

@@ -22,64 +22,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from _hf import make_family
+from _hf import cli, make_family, packed_logits, prepare_in, torchrun_train
 
 RUN = ["experiment=pretrained_tiny", "data.synthetic_num_samples=24", "logging.log_interval=1"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    from megatron_pack.cli.prepare import main as prepare_main
-
     root = tmp_path_factory.mktemp("hf_train")
     make_family(root / "models", "llama_rope", name="tiny-llama")
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        assert prepare_main(RUN) == 0
-    finally:
-        os.chdir(cwd)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_pack.train", *RUN]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    prepare_in(root, RUN)
+    torchrun_train(root, RUN)
     return root
 
 
 def _export(root: Path, *args: str) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "megatron_pack.cli.main", "export", *args], cwd=root,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def _ours_from_checkpoint(root: Path, samples: list[list[int]]) -> list[torch.Tensor]:
-    from megatron_pack.cli.verify import load_model_weights, single_process_config
-    from megatron_pack.config import load_config
-    from megatron_pack.data.thd import collate_thd
-    from megatron_pack.model.builder import build_model
-    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.step import get_packed_seq_params
-
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        cfg = single_process_config(load_config(RUN))
-        state = initialize_parallel(cfg)
-        try:
-            model = build_model(cfg, state)
-            load_model_weights(model, root / "runs/pretrained_tiny/checkpoints")
-            model.eval()
-            batch = collate_thd([{"input_ids": s, "loss_mask": [1] * len(s)} for s in samples], pack_size=256)
-            with torch.no_grad():
-                logits = model(batch["tokens"], batch["position_ids"], None,
-                               packed_seq_params=get_packed_seq_params(batch))[0]
-        finally:
-            destroy_parallel(destroy_process_group=True)
-    finally:
-        os.chdir(cwd)
-    cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
-    return [logits[cu_pad[i]:cu_pad[i] + cu[i + 1] - cu[i]] for i in range(len(samples))]
+    return cli(root, "export", *args)
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -119,7 +77,7 @@ def test_train_from_pretrained_export_and_load_with_transformers(trained):
     assert len(changed) == len(source), sorted(set(source) - set(changed))  # every tensor was trained
 
     samples = [[5, 17, 99, 200, 3, 44, 2], list(range(3, 40)) + [2]]
-    ours = _ours_from_checkpoint(root, samples)
+    ours = packed_logits(root, RUN, root / "runs/pretrained_tiny/checkpoints", samples)
     model.eval()
     with torch.no_grad():
         theirs = [model(torch.tensor([s[:-1]])).logits[0] for s in samples]

@@ -17,15 +17,12 @@ ranks, adapter dropout 0.1 so the resumed RNG state matters), 3 steps, a checkpo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _hf import make_family
+from _hf import cli, make_family, packed_logits, prepare_in, torchrun_train
 
 LORA = ["experiment=pretrained_tiny", "data.synthetic_num_samples=24", "logging.log_interval=1", "peft=lora",
         "peft.dim=8", "peft.alpha=16", "peft.dropout=0.1", "checkpoint.save_interval=1", "checkpoint.keep_last=5"]
@@ -33,26 +30,14 @@ FULL_RUN, SPLIT_RUN = "runs/lora_full", "runs/lora_split"
 
 
 def _torchrun(root: Path, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_pack.train", *LORA, *args]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc.stdout + proc.stderr
+    return torchrun_train(root, [*LORA, *args])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    from megatron_pack.cli.prepare import main as prepare_main
-
     root = tmp_path_factory.mktemp("lora_train")
     make_family(root / "models", "llama_rope", name="tiny-llama")
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        assert prepare_main(LORA) == 0
-    finally:
-        os.chdir(cwd)
+    prepare_in(root, LORA)
     logs = {"full": _torchrun(root, f"train.output_dir={FULL_RUN}")}
     logs["split1"] = _torchrun(root, f"train.output_dir={SPLIT_RUN}", "train.exit_after_iters=2")
     logs["split2"] = _torchrun(root, f"train.output_dir={SPLIT_RUN}")
@@ -60,9 +45,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _cli(root: Path, *args: str) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "megatron_pack.cli.main", *args], cwd=root, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc.returncode, proc.stdout + proc.stderr
+    return cli(root, *args)
 
 
 def _step_dir(root: Path, run: str, step: int) -> Path:
@@ -78,32 +61,7 @@ def _samples() -> list[list[int]]:
 
 def _ours(root: Path, step_dir: Path, samples: list[list[int]]) -> list[torch.Tensor]:
     """Our packed logits from the checkpoint's adapters on the base (TP=1, peft=lora)."""
-    from megatron_pack.cli.verify import load_model_weights, single_process_config
-    from megatron_pack.config import load_config
-    from megatron_pack.data.thd import collate_thd
-    from megatron_pack.model.builder import build_model
-    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.step import get_packed_seq_params
-
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        cfg = single_process_config(load_config(LORA))
-        state = initialize_parallel(cfg)
-        try:
-            model = build_model(cfg, state)
-            load_model_weights(model, step_dir)
-            model.eval()
-            batch = collate_thd([{"input_ids": s, "loss_mask": [1] * len(s)} for s in samples], pack_size=256)
-            with torch.no_grad():
-                logits = model(batch["tokens"], batch["position_ids"], None,
-                               packed_seq_params=get_packed_seq_params(batch))[0]
-        finally:
-            destroy_parallel(destroy_process_group=True)
-    finally:
-        os.chdir(cwd)
-    cu = batch["cu_seqlens_padded"].tolist()
-    return [logits[cu[i]:cu[i] + len(s) - 1, :301] for i, s in enumerate(samples)]  # tokens = ids[:-1]
+    return packed_logits(root, LORA, step_dir, samples)
 
 
 def _hf_logits(model, samples) -> list[torch.Tensor]:

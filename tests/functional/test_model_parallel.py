@@ -83,19 +83,10 @@ def _forward(model, batch, pg, *, labels: bool = False):
 
 def _full_logits(logits, batch, pg):
     """Reassemble [1, T, V] from every rank's [1, T/CP, V/TP] (TP all-gather, CP all-gather + unslice)."""
-    import torch.distributed as dist
-    from megatron_pack.parallel.cp import thd_unslice
+    from megatron_pack.parallel.groups import gather_full_logits
 
-    logits = logits.detach().contiguous()
-    if pg.tp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(pg.tp_size)]
-        dist.all_gather(shards, logits, group=pg.tp_group)
-        logits = torch.cat(shards, dim=-1)
-    if pg.cp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(pg.cp_size)]
-        dist.all_gather(shards, logits, group=pg.cp_group)
-        logits = thd_unslice(shards, batch["cu_seqlens_padded"], dim=1)
-    return logits
+    return gather_full_logits(logits, batch["cu_seqlens_padded"], pg)
+
 
 
 def _full_param(tensor, param, pg):

@@ -21,7 +21,8 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -124,28 +125,39 @@ def write_hf_folder(output: str | Path, tensors: dict[str, Tensor], source: str 
     from safetensors.torch import save_file
 
     output = Path(output)
+    with new_output_folder(output) as tmp:
+        tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
+        groups = _shard_groups(tensors, max_shard_bytes)
+        weight_map = {}
+        for k, names in enumerate(groups, start=1):
+            file = "model.safetensors" if len(groups) == 1 else f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+            save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update({n: file for n in names})
+        if len(groups) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+        _copy_metadata(Path(source), tmp, dtype)
+    return sorted(p.name for p in output.iterdir())
+
+
+@contextmanager
+def new_output_folder(output: Path) -> Iterator[Path]:
+    """A temporary sibling of ``output`` to write into, renamed to ``output`` when the block succeeds.
+
+    ``output`` may not exist yet or be empty (nothing is overwritten); a failed export leaves
+    only the hidden ``.<name>.tmp`` folder, never a half-written ``output``.
+    """
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"export.output ({output}) exists and is not empty; choose a new folder (nothing is "
                               "overwritten).")
     tmp = output.with_name(f".{output.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}
-    groups = _shard_groups(tensors, max_shard_bytes)
-    weight_map = {}
-    for k, names in enumerate(groups, start=1):
-        file = "model.safetensors" if len(groups) == 1 else f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in names})
-    if len(groups) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
-    _copy_metadata(Path(source), tmp, dtype)
+    yield tmp
     if output.exists():
         output.rmdir()
     os.replace(tmp, output)
-    return sorted(p.name for p in output.iterdir())
 
 
 def _copy_metadata(source: Path, dst: Path, dtype: torch.dtype) -> None:

@@ -19,7 +19,6 @@ their own rows of B: ``B_q A`` is exactly the q rows of ``B_qkv A``. Keys are pe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -96,24 +95,16 @@ def write_adapter_folder(output: str | Path, tensors: dict[str, Tensor], config:
     """adapter_model.safetensors + adapter_config.json (+ the source's tokenizer files), written atomically."""
     from safetensors.torch import save_file
 
-    from megatron_pack.model.hf.export import TOKENIZER_FILES
+    from megatron_pack.model.hf.export import TOKENIZER_FILES, new_output_folder
 
     output = Path(output)
-    if output.exists() and any(output.iterdir()):
-        raise FileExistsError(f"export.output ({output}) exists and is not empty; choose a new folder (nothing is "
-                              "overwritten).")
-    tmp = output.with_name(f".{output.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
-    for name in TOKENIZER_FILES if source is not None else ():
-        if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, tmp / name)
-    if output.exists():
-        output.rmdir()
-    os.replace(tmp, output)
+    with new_output_folder(output) as tmp:
+        save_file({k: v.to(dtype).contiguous().clone() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+        for name in TOKENIZER_FILES if source is not None else ():
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, tmp / name)
     return sorted(p.name for p in output.iterdir())
 
 
