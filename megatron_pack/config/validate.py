@@ -457,6 +457,10 @@ def _validate_evaluation(cfg: Config) -> list[str]:
                 problems.append(f"train.{key} ({getattr(t, key)}) has no validation set to evaluate; set "
                                 "data.validation=/path/to/valid.jsonl or data.validation_fraction=0.05, "
                                 f"or train.{key}=0.")
+    elif d.validation is not None and d.sources:
+        problems.append(f"data.validation ({d.validation}) cannot be used with data.sources: one validation file "
+                        "has no sources to give a validation loss per source; set data.validation=null and "
+                        "data.validation_fraction=0.05 (held out from every source).")
     elif not cfg.packing.offline:
         key = "data.validation" if d.validation is not None else "data.validation_fraction"
         problems.append(f"{key} needs offline packing (validation packs are prepared like the training packs), but "

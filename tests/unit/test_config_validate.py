@@ -31,6 +31,7 @@ def make(**dotted) -> Config:
 CP2_TP4_SP = dict(parallel__context_parallel_size=2, parallel__tensor_model_parallel_size=4,
                   parallel__sequence_parallel=True, model__num_query_groups=4)
 GRAPHS = dict(model__cuda_graph_impl="local", data__pad_to_max_length=True)
+SOURCES = [{"name": "chat", "input": "chat.jsonl", "weight": 0.7}, {"name": "code", "input": "code.jsonl", "weight": 0.3}]
 META_OK = {"pack_size": 512, "max_samples_per_bin": 7, "pad_seq_to_mult": 4, "vocab_size": 260}
 
 # (rule, config overrides, extra kwargs for the rule, fragments the problem must contain; () = passes)
@@ -49,6 +50,11 @@ CASES = [
       "or train.eval_interval=0")),
     ("evaluation", dict(data__validation="v.jsonl", packing__packed_sequence_size=0), {},
      ("data.validation needs offline packing", "set packing.packed_sequence_size=<tokens per pack>")),
+    ("evaluation", dict(data__source="files", data__sources=SOURCES, data__validation_fraction=0.1), {}, ()),
+    # one validation file has no sources (prepare failed on it with a message about data.input)
+    ("evaluation", dict(data__source="files", data__sources=SOURCES, data__validation="v.jsonl"), {},
+     ("data.validation (v.jsonl) cannot be used with data.sources", "set data.validation=null and "
+      "data.validation_fraction=0.05")),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
      dict(world_size=8), ()),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
