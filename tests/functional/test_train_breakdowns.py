@@ -135,6 +135,14 @@ def test_breakdowns_match_across_cp_and_the_packs(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()]
     assert set(records[0]["source_loss"]) == {"chat", "code"} and len(records[0]["bucket_real_tokens"]) == 2
 
+    # the validation plan holds every held-out sample once (not mixed: no repeats, none left out)
+    from megatron_pack.training.eval import open_validation
+
+    validation = open_validation(cfg, ds)
+    held = [s["sample_id"] for i in range(len(validation)) for s in validation[i]]
+    assert len(held) == len(set(held)) == validation.metadata["split"]["num_samples_held_out"] == 24
+    assert "mixture" not in validation.metadata and validation.source_names == list(NAMES)
+
     # validation per source: a per-sample reference, the same at CP2, and in metrics.jsonl
     sums, counts = one["reference_val_sums"], one["reference_val_counts"]
     assert np.all(counts > 20)  # guard: both sources hold validation targets
