@@ -429,6 +429,10 @@ def _validate_packing_strategy(cfg: Config) -> list[str]:
         if p.on_overflow in ("drop", "truncate"):
             problems.append(f"packing.on_overflow ({p.on_overflow}) does not apply to packing.algorithm=wrapped "
                             "(documents are cut at row ends by construction); set packing.on_overflow=split.")
+        if p.split_overlap:  # the dataset would mask the first split_overlap targets of every continued piece
+            problems.append(f"packing.split_overlap ({p.split_overlap}) does not apply to packing.algorithm=wrapped "
+                            "(a row's continued piece repeats no context, so its first targets would go untrained); "
+                            "set packing.split_overlap=0.")
         if p.wrapped_attention == "cross" and cfg.data.answer_only_loss:
             problems.append("packing.wrapped_attention=cross with data.answer_only_loss=true is refused: answer "
                             "tokens would attend to unrelated documents' prompts; set data.answer_only_loss=false "

@@ -98,6 +98,9 @@ CASES = [
      ("packing.buckets cannot be used with packing.algorithm=wrapped",)),
     ("packing_strategy", dict(packing__algorithm="wrapped", packing__on_overflow="drop"), {},
      ("packing.on_overflow (drop) does not apply", "set packing.on_overflow=split")),
+    # wrapped pieces repeat no context: an overlap masked 612 of 5223 targets on 60 records at pack 64
+    ("packing_strategy", dict(packing__algorithm="wrapped", packing__on_overflow="split", packing__split_overlap=8),
+     {}, ("packing.split_overlap (8) does not apply to packing.algorithm=wrapped", "set packing.split_overlap=0")),
     ("packing_strategy", dict(packing__wrapped_attention="cross"), {},
      ("packing.wrapped_attention (cross) only applies with packing.algorithm=wrapped",)),
     ("packing_strategy", dict(packing__on_overflow="split", packing__export="bridge"), {},
