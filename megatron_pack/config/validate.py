@@ -440,10 +440,13 @@ def _validate_packing_strategy(cfg: Config) -> list[str]:
     elif p.wrapped_attention != "document":
         problems.append(f"packing.wrapped_attention ({p.wrapped_attention}) only applies with "
                         "packing.algorithm=wrapped; set packing.algorithm=wrapped or packing.wrapped_attention=document.")
-    if p.export == "bridge" and (p.on_overflow == "split" or p.algorithm == "wrapped"):
-        problems.append("packing.export=bridge cannot carry split pieces or wrapped rows (the export reads whole "
-                        "samples); set packing.export=none, or packing.on_overflow=truncate/drop with a bin-packing "
-                        "packing.algorithm.")
+    if p.export == "bridge" and p.algorithm == "wrapped" and p.wrapped_attention == "cross":
+        # a Bridge sample's labels are its ids shifted by one: one sequence of several documents would
+        # train each document's last position on the next document's first token, never on its eos
+        problems.append("packing.export=bridge cannot carry packing.wrapped_attention=cross rows (a row is one "
+                        "sequence of several documents, which Bridge would train to predict the next document's "
+                        "first token instead of each document's eos); set packing.wrapped_attention=document or "
+                        "packing.export=none.")
     if p.bucket_order != "interleave" and p.buckets is None:
         problems.append(f"packing.bucket_order ({p.bucket_order}) needs length buckets; set packing.buckets=auto "
                         "(or boundaries such as [512,2048]) or packing.bucket_order=interleave.")
