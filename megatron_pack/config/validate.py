@@ -429,6 +429,10 @@ def _validate_packing_strategy(cfg: Config) -> list[str]:
         if p.on_overflow in ("drop", "truncate"):
             problems.append(f"packing.on_overflow ({p.on_overflow}) does not apply to packing.algorithm=wrapped "
                             "(documents are cut at row ends by construction); set packing.on_overflow=split.")
+        if p.split_overlap:  # the dataset would mask the first split_overlap targets of every continued piece
+            problems.append(f"packing.split_overlap ({p.split_overlap}) does not apply to packing.algorithm=wrapped "
+                            "(a row's continued piece repeats no context, so its first targets would go untrained); "
+                            "set packing.split_overlap=0.")
         if p.wrapped_attention == "cross" and cfg.data.answer_only_loss:
             problems.append("packing.wrapped_attention=cross with data.answer_only_loss=true is refused: answer "
                             "tokens would attend to unrelated documents' prompts; set data.answer_only_loss=false "
@@ -436,10 +440,13 @@ def _validate_packing_strategy(cfg: Config) -> list[str]:
     elif p.wrapped_attention != "document":
         problems.append(f"packing.wrapped_attention ({p.wrapped_attention}) only applies with "
                         "packing.algorithm=wrapped; set packing.algorithm=wrapped or packing.wrapped_attention=document.")
-    if p.export == "bridge" and (p.on_overflow == "split" or p.algorithm == "wrapped"):
-        problems.append("packing.export=bridge cannot carry split pieces or wrapped rows (the export reads whole "
-                        "samples); set packing.export=none, or packing.on_overflow=truncate/drop with a bin-packing "
-                        "packing.algorithm.")
+    if p.export == "bridge" and p.algorithm == "wrapped" and p.wrapped_attention == "cross":
+        # a Bridge sample's labels are its ids shifted by one: one sequence of several documents would
+        # train each document's last position on the next document's first token, never on its eos
+        problems.append("packing.export=bridge cannot carry packing.wrapped_attention=cross rows (a row is one "
+                        "sequence of several documents, which Bridge would train to predict the next document's "
+                        "first token instead of each document's eos); set packing.wrapped_attention=document or "
+                        "packing.export=none.")
     if p.bucket_order != "interleave" and p.buckets is None:
         problems.append(f"packing.bucket_order ({p.bucket_order}) needs length buckets; set packing.buckets=auto "
                         "(or boundaries such as [512,2048]) or packing.bucket_order=interleave.")
@@ -457,6 +464,10 @@ def _validate_evaluation(cfg: Config) -> list[str]:
                 problems.append(f"train.{key} ({getattr(t, key)}) has no validation set to evaluate; set "
                                 "data.validation=/path/to/valid.jsonl or data.validation_fraction=0.05, "
                                 f"or train.{key}=0.")
+    elif d.validation is not None and d.sources:
+        problems.append(f"data.validation ({d.validation}) cannot be used with data.sources: one validation file "
+                        "has no sources to give a validation loss per source; set data.validation=null and "
+                        "data.validation_fraction=0.05 (held out from every source).")
     elif not cfg.packing.offline:
         key = "data.validation" if d.validation is not None else "data.validation_fraction"
         problems.append(f"{key} needs offline packing (validation packs are prepared like the training packs), but "

@@ -16,8 +16,17 @@ so it does not depend on the layout (a DP rank with fewer packs contributes fewe
 a different weight). Forward passes have no DP collective, so DP ranks may hold different
 numbers of packs; every rank enters the one reduction.
 
-The reduction is keyed by group name (today only ``"all"``), so a per-source breakdown adds
-groups without changing the collective pattern: every rank reduces the same key list.
+A validation plan of a mixed dataset (``data.sources``; its packs record each sample's source,
+the batches carry ``token_source``) also gives each source's validation loss, formed exactly
+as the total: per source, the loss sum and the target count of its tokens, summed over packs
+and DP x CP in the same all-reduce, then divided::
+
+    source s loss = sum of the losses of s's target tokens / number of s's target tokens
+
+Example: two packs, one per DP rank; rank 0's holds targets of ``chat`` (losses 1 and 3) and
+``code`` (2), rank 1's one ``code`` target (4): validation loss (1+3+2+4)/4 = 2.5, chat 2.0
+(2 tokens, share 0.5), code 3.0 (2 tokens, share 0.5). The source names come from the dataset
+metadata, so every rank reduces a vector of the same size whatever sources (or packs) it holds.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,8 +50,17 @@ class EvalResult:
     """Token-weighted validation loss (0.0 when no validation token carries loss)."""
     target_tokens: int
     num_packs: int
-    by_group: dict[str, float] = field(default_factory=dict)
-    """Validation loss per group (``"all"`` equals ``loss``)."""
+    source_loss: dict[str, Optional[float]] = field(default_factory=dict)
+    """Token-weighted validation loss per data.sources name (None for a source without a target;
+    empty without data.sources)."""
+    source_target_tokens: dict[str, int] = field(default_factory=dict)
+    """Validation target tokens per data.sources name."""
+
+    @property
+    def source_target_share(self) -> dict[str, float]:
+        """Each source's share of the validation target tokens."""
+        return {name: (n / self.target_tokens if self.target_tokens else 0.0)
+                for name, n in self.source_target_tokens.items()}
 
 
 def open_validation(cfg, train_dataset=None):
@@ -89,6 +107,11 @@ class ValidationLoader:
         self.indices = list(range(dp_rank, num_packs, dp_size))
         self.num_packs = num_packs
 
+    @property
+    def source_names(self) -> list[str]:
+        """The dataset's data.sources names (the same on every rank; empty for a single input)."""
+        return list(getattr(self.dataset, "source_names", []))
+
     def __iter__(self):
         for i in self.indices:
             yield self.collate(self.dataset[i])
@@ -108,35 +131,46 @@ def build_validation_loader(cfg, state, dataset) -> Optional[ValidationLoader]:
     return ValidationLoader(dataset, collate, num_packs=num, dp_rank=state.dp_rank, dp_size=state.dp_size)
 
 
-def _unwrapped_forward(model: torch.nn.Module, forward_step_func: Callable, batch: dict):
+def _forward_report(model: torch.nn.Module, forward_step_func: Callable, batch: dict) -> dict:
     output, loss_fn = forward_step_func(iter([batch]), model)
     _, _, report = loss_fn(output)
-    return report["lm loss"].double().cpu()
+    return report
 
 
 def evaluate(model: torch.nn.Module, batches: Iterable[dict], *, forward_step_func: Callable,
              group: Optional[dist.ProcessGroup], num_packs: int = 0,
-             group_of: Optional[Callable[[dict], str]] = None, groups: tuple[str, ...] = ("all",)) -> EvalResult:
+             source_names: Sequence[str] = ()) -> EvalResult:
     """Token-weighted validation loss of ``batches`` (this rank's packs), reduced over ``group`` (DP x CP).
 
-    ``group_of(batch)`` names the group a pack counts towards besides ``"all"`` (for a
-    per-source breakdown); ``groups`` lists every group name, the same on every rank.
+    With ``source_names`` (the dataset's data.sources names, the same list on every rank) each
+    batch's report must carry ``"source loss"`` (``forward_step`` adds it for batches with
+    ``token_source``), and the result holds each source's loss and target count.
     """
-    sums = torch.zeros(len(groups), 2, dtype=torch.float64)
-    index = {name: i for i, name in enumerate(groups)}
+    from megatron_pack.training.breakdown import source_metrics
+
+    names = list(source_names)
+    # [loss sum, target count, per-source loss sums..., per-source target counts...]
+    sums = torch.zeros(2 + 2 * len(names), dtype=torch.float64)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             for batch in batches:
-                report = _unwrapped_forward(model, forward_step_func, batch)
-                sums[index["all"]] += report
-                if group_of is not None and group_of(batch) in index and group_of(batch) != "all":
-                    sums[index[group_of(batch)]] += report
+                report = _forward_report(model, forward_step_func, batch)
+                sums[:2] += report["lm loss"].double().cpu()
+                if names:
+                    if "source loss" not in report:
+                        raise ValueError(f"validation batch with sample_ids {batch.get('sample_ids')} has no "
+                                         f"token_source, but the dataset names sources {names}; collate it with "
+                                         "make_collate_fn(dataset.metadata).")
+                    sums[2:] += report["source loss"].double().cpu()
     finally:
         model.train(was_training)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, group=group)
-    losses = {name: float(sums[i, 0] / sums[i, 1]) if sums[i, 1] > 0 else 0.0 for name, i in index.items()}
-    return EvalResult(loss=losses["all"], target_tokens=int(round(float(sums[index["all"], 1]))),
-                      num_packs=num_packs, by_group=losses)
+    values = sums.tolist()
+    loss = values[0] / values[1] if values[1] > 0 else 0.0
+    source_loss, _ = source_metrics(values[2:], names)
+    counts = {name: int(round(c)) for name, c in zip(names, values[2 + len(names):])}
+    return EvalResult(loss=loss, target_tokens=int(round(values[1])), num_packs=num_packs, source_loss=source_loss,
+                      source_target_tokens=counts)

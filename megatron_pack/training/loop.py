@@ -329,7 +329,8 @@ class Trainer:
         from megatron_pack.training.eval import evaluate
 
         result = evaluate(self.model, self.validation, forward_step_func=self.forward_step_func,
-                          group=self.state.dp_cp_group, num_packs=self.validation.num_packs)
+                          group=self.state.dp_cp_group, num_packs=self.validation.num_packs,
+                          source_names=getattr(self.validation, "source_names", []))
         self.val_history.append([self.step, result.loss])
         return result
 
@@ -654,7 +655,7 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
         while trainer.step < trainer.train_iters:
             metrics = trainer.train_step()
             if _should_evaluate(cfg, trainer):
-                metrics.val_loss = trainer.evaluate().loss
+                metrics.add_validation(trainer.evaluate())
             writer.write(metrics)
             if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0:
                 sample_log.info("step %d rank %d dp_rank %d packs %s", trainer.step, state.rank, state.dp_rank,

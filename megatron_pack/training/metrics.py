@@ -68,6 +68,20 @@ class StepMetrics:
     """Estimated time to the last step, from this process's mean step time."""
     val_loss: Optional[float] = None
     """Token-weighted validation loss, on steps that evaluate."""
+    val_source_loss: Optional[dict] = None
+    """Token-weighted validation loss per data.sources name (None for a source without a validation target)."""
+    val_source_target_tokens: Optional[dict] = None
+    """Validation target tokens per data.sources name."""
+    val_source_target_share: Optional[dict] = None
+    """Share of the validation target tokens per data.sources name."""
+
+    def add_validation(self, result) -> None:
+        """Take an evaluation's numbers (``eval.EvalResult``): the loss, and per source when it has sources."""
+        self.val_loss = result.loss
+        if result.source_loss:
+            self.val_source_loss = dict(result.source_loss)
+            self.val_source_target_tokens = dict(result.source_target_tokens)
+            self.val_source_target_share = result.source_target_share
 
 
     @property
@@ -98,6 +112,18 @@ class StepMetrics:
             out[f"source_{name}/target_share"] = value
         return out
 
+    def validation_scalars(self) -> dict[str, float]:
+        """TensorBoard tags under ``validation/``: ``lm_loss``, ``source_<name>/loss``, ``source_<name>/target_share``."""
+        if self.val_loss is None:
+            return {}
+        out = {"lm_loss": self.val_loss}
+        for name, value in (self.val_source_loss or {}).items():
+            if value is not None:
+                out[f"source_{name}/loss"] = value
+        for name, value in (self.val_source_target_share or {}).items():
+            out[f"source_{name}/target_share"] = value
+        return out
+
     def line(self, train_iters: int) -> str:
         val = f"val loss {self.val_loss:.6f} | " if self.val_loss is not None else ""
         epoch = f"epoch {self.epoch:.2f} | " if self.epoch is not None else ""
@@ -120,13 +146,17 @@ class StepMetrics:
         parts = []
         if self.bucket_real_tokens is not None:
             parts.append("bucket tokens " + "/".join(str(v) for v in self.bucket_real_tokens))
-        for name, loss in (self.source_loss or {}).items():
-            share = (self.source_target_share or {}).get(name, 0.0)
-            parts.append(f"{name} loss {'n/a' if loss is None else f'{loss:.4f}'} ({100 * share:.0f}% targets)")
+        for prefix, losses, shares in (("", self.source_loss, self.source_target_share),
+                                       ("val ", self.val_source_loss, self.val_source_target_share)):
+            for name, loss in (losses or {}).items():
+                share = (shares or {}).get(name, 0.0)
+                parts.append(f"{prefix}{name} loss {'n/a' if loss is None else f'{loss:.4f}'} "
+                             f"({100 * share:.0f}% targets)")
         return "".join(f" | {p}" for p in parts)
 
 
-_BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share")
+_BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share", "val_source_loss",
+               "val_source_target_tokens", "val_source_target_share")
 
 
 def format_duration(seconds: float) -> str:
@@ -229,8 +259,9 @@ class MetricsWriter:
             for key, value in metrics.breakdown_scalars().items():
                 if math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, metrics.step)
-            if metrics.val_loss is not None and math.isfinite(metrics.val_loss):
-                self._tb.add_scalar("validation/lm_loss", metrics.val_loss, metrics.step)
+            for key, value in metrics.validation_scalars().items():
+                if math.isfinite(value):
+                    self._tb.add_scalar(f"validation/{key}", value, metrics.step)
 
             self._tb.flush()
         if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters or metrics.val_loss is not None:

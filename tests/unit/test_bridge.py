@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_pack.config import Config, DataConfig, PackingConfig, ParallelConfig
+from megatron_pack.config import Config, DataConfig, ModelConfig, PackingConfig, ParallelConfig, validate
 from megatron_pack.data.batches.dataset import PackedSFTDataset
+from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.bridge import export_bridge
 from megatron_pack.data.prepare import prepare
 from megatron_pack.data.thd import collate_thd
@@ -98,34 +99,42 @@ def test_hand_computed_two_samples_are_written_and_read_as_bridge_does(tmp_path,
     assert _bridge_read(rows[0], eos_id=2, multiple=multiple) == HAND_READ[multiple]
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4], ids=["cp1", "cp2", "cp4"])
-def test_bridge_reader_gives_our_thd_batch_for_every_sample(tmp_path, cp):
-    ds, plan_dir = _export(tmp_path, cp=cp)
+def _compare_every_sample(ds, plan_dir, pack_size: int) -> dict:
+    """Bridge's reading of every stored sample against our THD batch of the same pack: counts of
+    answer targets lost and gained, real lengths misread, and what was checked (for the guards)."""
     multiple, eos_id = ds.metadata["pad_seq_to_mult"], ds.metadata["eos_id"]
-    rows = pq.read_table(plan_dir / "training_256.idx.parquet").to_pylist()
+    rows = pq.read_table(plan_dir / f"training_{pack_size}.idx.parquet").to_pylist()
     assert len(rows) == len(ds) > 10
-    num_samples = num_targets = num_late_answers = num_lost = num_wrong = num_bad_length = 0
+    n = dict.fromkeys(("samples", "targets", "late_answers", "lost", "wrong", "bad_length", "pieces"), 0)
     for i, row in enumerate(rows):
-        batch = collate_thd(ds[i], pack_size=256, pad_multiple=multiple, pad_id=ds.metadata["pad_id"])
+        batch = collate_thd(ds[i], pack_size=pack_size, pad_multiple=multiple, pad_id=ds.metadata["pad_id"])
         cu_real, cu_padded = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
         read = _bridge_read(row, eos_id=eos_id, multiple=multiple)
-        assert len(read) == len(cu_padded) - 1
+        assert len(read) == len(cu_padded) - 1 == len(ds[i])
         for j, theirs in enumerate(read):
             lo, hi, real = cu_padded[j], cu_padded[j + 1], cu_real[j + 1] - cu_real[j]
             ours_mask = batch["loss_mask"][0, lo:hi].to(int).tolist()
             assert len(theirs["tokens"]) == hi - lo
-            num_lost += sum(o == 1 and t == 0 for o, t in zip(ours_mask, theirs["loss_mask"]))
-            num_wrong += sum(o == 0 and t == 1 for o, t in zip(ours_mask, theirs["loss_mask"]))
-            num_bad_length += theirs["real"] != real
+            n["lost"] += sum(o == 1 and t == 0 for o, t in zip(ours_mask, theirs["loss_mask"]))
+            n["wrong"] += sum(o == 0 and t == 1 for o, t in zip(ours_mask, theirs["loss_mask"]))
+            n["bad_length"] += theirs["real"] != real
             assert theirs["tokens"][:real] == batch["tokens"][0, lo:lo + real].tolist()
             assert theirs["labels"][:real] == batch["labels"][0, lo:lo + real].tolist()
-            num_samples += 1
-            num_targets += sum(ours_mask)
-            num_late_answers += any(ours_mask[1:]) and ours_mask[0] == 0  # a prompt: a roll would show
-    assert num_samples > 50 and num_targets > 1000 and num_late_answers > num_samples // 2  # guards
-    assert (num_lost, num_wrong, num_bad_length) == (0, 0, 0), (
-        f"Bridge drops {num_lost} of our {num_targets} answer targets, trains {num_wrong} targets we mask, "
-        f"and reads {num_bad_length} of {num_samples} real lengths wrong")
+            n["samples"] += 1
+            n["targets"] += sum(ours_mask)
+            n["late_answers"] += any(ours_mask[1:]) and ours_mask[0] == 0  # a prompt: a roll would show
+            n["pieces"] += ds[i][j].get("piece", 0) > 0
+    return n
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4], ids=["cp1", "cp2", "cp4"])
+def test_bridge_reader_gives_our_thd_batch_for_every_sample(tmp_path, cp):
+    ds, plan_dir = _export(tmp_path, cp=cp)
+    n = _compare_every_sample(ds, plan_dir, 256)
+    assert n["samples"] > 50 and n["targets"] > 1000 and n["late_answers"] > n["samples"] // 2  # guards
+    assert (n["lost"], n["wrong"], n["bad_length"]) == (0, 0, 0), (
+        f"Bridge drops {n['lost']} of our {n['targets']} answer targets, trains {n['wrong']} targets we mask, "
+        f"and reads {n['bad_length']} of {n['samples']} real lengths wrong")
 
 
 def test_cp1_export_is_the_rolled_mask_samples_byte_for_byte(tmp_path):
@@ -180,3 +189,109 @@ def test_cp_export_stores_samples_prepadded_to_the_plan_multiple(tmp_path, cp):
     assert meta[0]["dataset_max_seqlen"] == longest
     assert {k: meta[0][k] for k in SIX_FIELDS if k != "dataset_max_seqlen"} == {
         k: ds.metadata[k] for k in SIX_FIELDS if k != "dataset_max_seqlen"}
+
+
+# --- split pieces and wrapped rows ---------------------------------------------------------------
+
+# Hand-computed: one sample of 7 ids split at 4 positions with overlap 1 (split.split_spans(7, 4, 1) =
+# [(0, 5), (3, 4)]): piece 1 repeats id 12 and 13 as context, and its repeated target 13 is masked.
+PIECE_IDS = [1, 10, 11, 12, 13, 14, 2]
+PIECE_MASK = [0, 0, 1, 1, 1, 1, 1]
+PIECE_ROWS = {
+    1: {"input_ids": [1, 10, 11, 12, 13, 12, 13, 14, 2], "loss_mask": [0, 1, 1, 1, 0, 0, 1, 1, 0],
+        "seq_start_id": [0, 5]},
+    4: {"input_ids": [1, 10, 11, 12, 13, 12, 13, 14, 2, 2], "loss_mask": [0, 1, 1, 1, 0, 0, 1, 1, 0, 0],
+        "seq_start_id": [0, 5]},
+}
+PIECE_READ = {  # every answer target (11 12 13 14 2) once: 13 in piece 0, not again in piece 1
+    1: [{"tokens": [1, 10, 11, 12], "labels": [10, 11, 12, 13], "loss_mask": [0, 1, 1, 1], "real": 4},
+        {"tokens": [12, 13, 14], "labels": [13, 14, 2], "loss_mask": [0, 1, 1], "real": 3}],
+    4: [{"tokens": [1, 10, 11, 12], "labels": [10, 11, 12, 13], "loss_mask": [0, 1, 1, 1], "real": 4},
+        {"tokens": [12, 13, 14, 2], "labels": [13, 14, 2, 2], "loss_mask": [0, 1, 1, 0], "real": 3}],
+}
+
+
+def _piece_export(tmp_path, ids, mask, spans, multiple: int, overlap: int, **meta):
+    """Export one pack holding the pieces ``spans`` ((start, num_ids) of sample 0) as a split plan does."""
+    store = SimpleNamespace(tokens=np.array(ids), answer_mask=np.array(mask, dtype=np.uint8),
+                            offsets=np.array([0, len(ids)]))
+    arrays = {"sample_order": np.zeros(len(spans), np.int64), "sample_num_ids": np.array([n for _, n in spans]),
+              "bin_offsets": np.array([0, len(spans)]), "sample_start": np.array([s for s, _ in spans]),
+              "sample_piece": np.arange(len(spans), dtype=np.int32)}
+    for name, array in arrays.items():
+        np.save(tmp_path / f"{name}.npy", array)
+    (tmp_path / "metadata.json").write_text(json.dumps({
+        "pack_size": 16, "max_samples_per_bin": len(spans), "dataset_max_seqlen": 4, "min_packed_seqlen": 7,
+        "packing_factor": 2.0, "packing_efficiency": 50.0, "pad_seq_to_mult": multiple, "pad_id": 0, "eos_id": 2,
+        "split_overlap": overlap, "files": {f"{name}.npy": {} for name in arrays}, **meta}))
+    return export_bridge(store, tmp_path)
+
+
+@pytest.mark.parametrize("multiple", [1, 4], ids=["cp1", "cp2"])
+def test_hand_computed_split_pieces_are_written_and_read_as_our_thd_batch(tmp_path, multiple):
+    from megatron_pack.data.packing.split import split_spans
+
+    spans = split_spans(len(PIECE_IDS), 4, 1)
+    assert spans == [(0, 5), (3, 4)]
+    parquet_path, _ = _piece_export(tmp_path, PIECE_IDS, PIECE_MASK, spans, multiple, overlap=1)
+    rows = pq.read_table(parquet_path).to_pylist()
+    assert rows == [PIECE_ROWS[multiple]]
+    read = _bridge_read(rows[0], eos_id=2, multiple=multiple)
+    assert read == PIECE_READ[multiple]
+    trained = [t for r in read for t, m in zip(r["labels"], r["loss_mask"]) if m]
+    assert trained == [11, 12, 13, 14, 2]  # each answer target once
+
+
+def test_piece_ending_in_eos_is_refused_only_with_a_pad_multiple(tmp_path):
+    """A piece cut right after an eos inside its sample: with pad_seq_to_mult > 1 Bridge ends the
+    real length at the last input that is not eos, so it would read that piece one token short."""
+    ids, mask, spans = [1, 10, 2, 11, 12, 2], [0, 1, 1, 1, 1, 1], [(0, 4), (3, 3)]  # piece 0 inputs [1, 10, 2]
+    (tmp_path / "m4").mkdir()
+    with pytest.raises(DataError, match=r"1 packed piece\(s\) end with eos \(id 2\).*pack 0, entry 0, store sample "
+                                        r"0, piece 0.*set packing.export=none"):
+        _piece_export(tmp_path / "m4", ids, mask, spans, 4, overlap=0)
+    assert not list((tmp_path / "m4").glob("*parquet*"))  # nothing half-written
+    (tmp_path / "m1").mkdir()
+    parquet_path, _ = _piece_export(tmp_path / "m1", ids, mask, spans, 1, overlap=0)
+    read = _bridge_read(pq.read_table(parquet_path).to_pylist()[0], eos_id=2, multiple=1)
+    assert [r["real"] for r in read] == [3, 2] and read[0]["tokens"] == [1, 10, 2]
+
+
+def test_cross_rows_are_refused(tmp_path):
+    with pytest.raises(DataError, match="cannot carry packing.wrapped_attention=cross"):
+        _piece_export(tmp_path, PIECE_IDS, PIECE_MASK, [(0, 5), (3, 4)], 1, overlap=0, wrapped_attention="cross")
+
+
+def _strategy_export(tmp_path, strategy: str, cp: int):
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    records = [{"prompt": "".join(rng.choice(letters, int(rng.integers(1, 30)))),
+                "completion": "".join(rng.choice(letters, int(rng.integers(1, 140))))} for _ in range(120)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    packing = (dict(on_overflow="split", split_overlap=8) if strategy == "split"
+               else dict(algorithm="wrapped", wrapped_attention="document"))
+    cfg = Config(data=DataConfig(source="files", input=str(tmp_path / "t.jsonl"), dataset_dir=str(tmp_path / "ds"),
+                                 tokenize_workers=1),
+                 packing=PackingConfig(packed_sequence_size=64, export="bridge", **packing),
+                 model=ModelConfig(seq_length=64), parallel=ParallelConfig(context_parallel_size=cp))
+    validate(cfg)
+    plan_dir = prepare(cfg, progress=False)
+    return PackedSFTDataset(cfg.data.dataset_dir, plan_dir), plan_dir
+
+
+@pytest.mark.parametrize("strategy,cp", [(s, cp) for s in ("split", "wrapped") for cp in (1, 2, 4)],
+                         ids=[f"{s}-cp{cp}" for s in ("split", "wrapped") for cp in (1, 2, 4)])
+def test_bridge_reader_gives_our_thd_batch_for_every_piece(tmp_path, strategy, cp):
+    ds, plan_dir = _strategy_export(tmp_path, strategy, cp)
+    assert ds.metadata["pad_seq_to_mult"] == (2 * cp if cp > 1 else 1)
+    n = _compare_every_sample(ds, plan_dir, 64)
+    # guards: many pieces after the first (with split, their overlap targets are masked), many prompts
+    assert n["pieces"] > 40 and n["targets"] > 2000 and n["late_answers"] > n["samples"] // 3
+    assert (n["lost"], n["wrong"], n["bad_length"]) == (0, 0, 0), (
+        f"Bridge drops {n['lost']} of our {n['targets']} answer targets, trains {n['wrong']} targets we mask, "
+        f"and reads {n['bad_length']} of {n['samples']} real lengths wrong")
+    meta = json.loads((plan_dir / "64_metadata.jsonl").read_text())[0]
+    rows = pq.read_table(plan_dir / "training_64.idx.parquet").to_pylist()
+    longest = max(b - a - 1 for r in rows
+                  for a, b in zip(r["seq_start_id"], r["seq_start_id"][1:] + [len(r["input_ids"])]))
+    assert meta["dataset_max_seqlen"] == longest and meta["max_samples_per_bin"] == max(len(ds[i]) for i in range(len(ds)))

@@ -31,6 +31,7 @@ def make(**dotted) -> Config:
 CP2_TP4_SP = dict(parallel__context_parallel_size=2, parallel__tensor_model_parallel_size=4,
                   parallel__sequence_parallel=True, model__num_query_groups=4)
 GRAPHS = dict(model__cuda_graph_impl="local", data__pad_to_max_length=True)
+SOURCES = [{"name": "chat", "input": "chat.jsonl", "weight": 0.7}, {"name": "code", "input": "code.jsonl", "weight": 0.3}]
 META_OK = {"pack_size": 512, "max_samples_per_bin": 7, "pad_seq_to_mult": 4, "vocab_size": 260}
 
 # (rule, config overrides, extra kwargs for the rule, fragments the problem must contain; () = passes)
@@ -49,6 +50,11 @@ CASES = [
       "or train.eval_interval=0")),
     ("evaluation", dict(data__validation="v.jsonl", packing__packed_sequence_size=0), {},
      ("data.validation needs offline packing", "set packing.packed_sequence_size=<tokens per pack>")),
+    ("evaluation", dict(data__source="files", data__sources=SOURCES, data__validation_fraction=0.1), {}, ()),
+    # one validation file has no sources (prepare failed on it with a message about data.input)
+    ("evaluation", dict(data__source="files", data__sources=SOURCES, data__validation="v.jsonl"), {},
+     ("data.validation (v.jsonl) cannot be used with data.sources", "set data.validation=null and "
+      "data.validation_fraction=0.05")),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
      dict(world_size=8), ()),
     ("world_size", dict(parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2),
@@ -92,10 +98,17 @@ CASES = [
      ("packing.buckets cannot be used with packing.algorithm=wrapped",)),
     ("packing_strategy", dict(packing__algorithm="wrapped", packing__on_overflow="drop"), {},
      ("packing.on_overflow (drop) does not apply", "set packing.on_overflow=split")),
+    # wrapped pieces repeat no context: an overlap masked 612 of 5223 targets on 60 records at pack 64
+    ("packing_strategy", dict(packing__algorithm="wrapped", packing__on_overflow="split", packing__split_overlap=8),
+     {}, ("packing.split_overlap (8) does not apply to packing.algorithm=wrapped", "set packing.split_overlap=0")),
     ("packing_strategy", dict(packing__wrapped_attention="cross"), {},
      ("packing.wrapped_attention (cross) only applies with packing.algorithm=wrapped",)),
-    ("packing_strategy", dict(packing__on_overflow="split", packing__export="bridge"), {},
-     ("packing.export=bridge cannot carry split pieces",)),
+    ("packing_strategy", dict(packing__on_overflow="split", packing__export="bridge"), {}, ()),
+    ("packing_strategy", dict(packing__algorithm="wrapped", packing__export="bridge"), {}, ()),
+    ("packing_strategy", dict(packing__algorithm="wrapped", packing__wrapped_attention="cross", packing__export="bridge",
+                              data__answer_only_loss=False), {},
+     ("packing.export=bridge cannot carry packing.wrapped_attention=cross rows", "set packing.wrapped_attention=document "
+      "or packing.export=none")),
     ("packing_strategy", dict(packing__bucket_order="sequential"), {},
      ("packing.bucket_order (sequential) needs length buckets", "set packing.buckets=auto")),
     ("in_batch_packing", dict(packing__in_batch=True, packing__packed_sequence_size=0, train__micro_batch_size=4), {}, ()),

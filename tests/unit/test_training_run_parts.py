@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_pack.config import Config, ConfigError
@@ -93,12 +93,98 @@ def test_step_line_carries_epoch_consumed_validation_elapsed_eta():
         assert fragment in line
     record = m.record()
     assert record["val_loss"] == 1.5 and record["epoch"] == 1.25 and record["consumed_target_tokens"] == 30
+    assert "val_source_loss" not in record and m.validation_scalars() == {"lm_loss": 1.5}
+
+
+def test_validation_per_source_in_the_record_line_and_tensorboard_tags():
+    from megatron_pack.training.eval import EvalResult
+    from megatron_pack.training.metrics import StepMetrics
+
+    m = StepMetrics(step=3, lm_loss=2.0, target_tokens=10, real_tokens=20, slots=32, samples=4, grad_norm=1.0,
+                    lr=1e-3, step_time_s=0.5)
+    m.add_validation(EvalResult(loss=2.5, target_tokens=4, num_packs=2, source_loss={"chat": 2.0, "code": None},
+                                source_target_tokens={"chat": 4, "code": 0}))
+    record = m.record()
+    assert record["val_loss"] == 2.5 and record["val_source_loss"] == {"chat": 2.0, "code": None}
+    assert record["val_source_target_tokens"] == {"chat": 4, "code": 0}
+    assert record["val_source_target_share"] == {"chat": 1.0, "code": 0.0}
+    assert m.validation_scalars() == {"lm_loss": 2.5, "source_chat/loss": 2.0, "source_chat/target_share": 1.0,
+                                      "source_code/target_share": 0.0}
+    assert "val chat loss 2.0000 (100% targets) | val code loss n/a (0% targets)" in m.line(5)
 
 
 def test_num_eval_packs():
     from megatron_pack.training.eval import num_eval_packs
 
     assert [num_eval_packs(10, 0, 4), num_eval_packs(10, 2, 4), num_eval_packs(10, 3, 4)] == [10, 8, 10]
+
+
+class _Model(torch.nn.Module):
+    """Stands in for the model: ``evaluate`` only switches its mode."""
+
+
+def _fake_forward(data_iterator, model):
+    """``forward_step``'s contract without a model: the batch carries its per-token losses."""
+    from functools import partial
+
+    from megatron_pack.training.step import loss_func, loss_func_with_sources
+
+    batch = next(data_iterator)
+    if "token_source" in batch:
+        return batch["losses"], partial(loss_func_with_sources, batch["loss_mask"], batch["token_source"],
+                                        batch["num_sources"])
+    return batch["losses"], partial(loss_func, batch["loss_mask"])
+
+
+def _pack(losses, mask, sources=None, num_sources=0):
+    batch = {"losses": torch.tensor([losses], dtype=torch.float32), "loss_mask": torch.tensor([mask], dtype=torch.float32)}
+    if sources is not None:
+        batch.update(token_source=torch.tensor([sources]), num_sources=num_sources)
+    return batch
+
+
+def test_evaluate_per_source_hand_computed():
+    """The eval module's example: chat targets 1 and 3, code 2 and 4 (inf at a masked position, -1 on padding)."""
+    from megatron_pack.training.eval import evaluate
+
+    names = ["chat", "code", "math"]
+    packs = [_pack([1.0, 3.0, 2.0, float("inf")], [1, 1, 1, 0], [0, 0, 1, 1], 3), _pack([4.0, 7.0], [1, 0], [1, -1], 3)]
+    model = _Model().train()
+    result = evaluate(model, packs, forward_step_func=_fake_forward, group=None, num_packs=2, source_names=names)
+    assert model.training  # the training mode is restored
+    assert (result.loss, result.target_tokens, result.num_packs) == (2.5, 4, 2)
+    assert result.source_loss == {"chat": 2.0, "code": 3.0, "math": None}  # math: nothing measured, not 0
+    assert result.source_target_tokens == {"chat": 2, "code": 2, "math": 0}
+    assert result.source_target_share == {"chat": 0.5, "code": 0.5, "math": 0.0}
+    plain = evaluate(model, [_pack([1.0, 3.0], [1, 1])], forward_step_func=_fake_forward, group=None)
+    assert (plain.loss, plain.source_loss, plain.source_target_tokens) == (2.0, {}, {})
+    with pytest.raises(ValueError, match="has no token_source"):
+        evaluate(model, [_pack([1.0], [1])], forward_step_func=_fake_forward, group=None, source_names=names)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.floats(0.0, 20.0), st.booleans(), st.integers(-1, 2)), min_size=1, max_size=12),
+                min_size=1, max_size=5))
+def test_evaluate_per_source_equals_a_float64_reference(packs):
+    from megatron_pack.training.eval import evaluate
+
+    names = ["a", "b", "c"]
+    batches = [_pack([t[0] for t in p], [int(t[1]) for t in p], [t[2] for t in p], 3) for p in packs]
+    result = evaluate(_Model(), batches, forward_step_func=_fake_forward, group=None, source_names=names)
+    tokens = [t for p in packs for t in p if t[1] and t[2] >= 0]  # padding (-1) counts in the total only
+    total = [t for p in packs for t in p if t[1]]
+    assume(tokens)  # guard: some source holds a target
+    for s, name in enumerate(names):
+        mine = [np.float64(np.float32(t[0])) for t in tokens if t[2] == s]
+        assert result.source_target_tokens[name] == len(mine)
+        if mine:
+            assert result.source_loss[name] == pytest.approx(sum(mine) / len(mine), rel=1e-6, abs=1e-6)
+        else:
+            assert result.source_loss[name] is None
+    assert result.target_tokens == len(total)
+    if len(tokens) == len(total) and total:  # no masked-in padding: the sources weighted by their counts are the total
+        weighted = sum(result.source_loss[n] * result.source_target_tokens[n] for n in names if result.source_loss[n])
+        assert weighted / len(total) == pytest.approx(result.loss, rel=1e-6, abs=1e-6)
 
 
 def test_validation_loader_deals_every_pack_once():

@@ -26,6 +26,21 @@ Example: samples ``[A, B, eos]`` (answer mask ``[0, 1, 1]``) and ``[C, eos]`` (`
 ``input_ids [A, B, eos, C, eos]``, ``loss_mask [1, 1, 0, 1, 0]``, ``seq_start_id [0, 3]``; with
 ``m = 4``: ``input_ids [A, B, eos, eos, eos, C, eos, eos, eos, eos]``, ``loss_mask [1, 1, 0, 0, 0, 1, 0, 0, 0, 0]``,
 ``seq_start_id [0, 5]`` (THD lengths 4 and 4, real lengths 2 and 1).
+
+Split and wrapped plans (``packing.on_overflow=split``, ``packing.algorithm=wrapped`` with
+``wrapped_attention=document``) pack pieces: each piece is stored as a sample of its own, its
+ids ``ids[start:start + n]`` and its own mask (a split piece's repeated overlap targets 0), so
+Bridge trains each piece as our THD batch does. Example, ids ``[bos, a, b, c, d, e, eos]``
+(answer mask ``[0, 0, 1, 1, 1, 1, 1]``) split at 4 positions with overlap 1: piece 0 ``[bos, a,
+b, c, d]`` mask ``[0, 1, 1, 1, 0]``, piece 1 ``[c, d, e, eos]`` mask ``[0, 1, 1, 0]`` (target d
+is trained once, in piece 0). Two cases have no faithful form, so they are refused:
+
+* ``wrapped_attention=cross``: a row is one attention sequence of several documents, but a
+  Bridge sample's labels are its own ids shifted by one, so a document's last position would
+  predict the next document's first token instead of its eos (``validate()`` refuses it).
+* with ``m > 1``, a stored sample whose last input is eos (a piece cut right after an eos inside
+  a document): Bridge would end its real length before that eos. ``export_bridge`` raises
+  ``DataError`` naming the piece.
 """
 
 from __future__ import annotations
@@ -35,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.packing.split import piece_loss_mask
 from megatron_pack.data.store.atomic import read_json
 from megatron_pack.data.store.token_store import TokenStore
 
@@ -48,24 +65,47 @@ def stored_length(num_ids: int, multiple: int) -> int:
     return -(-(num_ids - 1) // multiple) * multiple + 1 if multiple > 1 else num_ids
 
 
-def _pack_rows(store: TokenStore, order, num_ids, offsets, lo: int, hi: int, multiple: int, eos_id: int):
+def _pack_rows(store: TokenStore, plan: dict, lo: int, hi: int, multiple: int, eos_id: int, overlap: int,
+               short: list):
+    """Rows ``lo:hi`` of the export; appends ``(pack, entry, sample, piece)`` of every entry Bridge
+    would read short (its last input is eos with ``multiple > 1``) to ``short``."""
+    offsets = plan["offsets"]
+    first, last = int(offsets[lo]), int(offsets[hi])
+    # this row group's entries as lists (one slice of each memory-mapped array, not one read per entry)
+    order, num_ids = plan["order"][first:last].tolist(), plan["num_ids"][first:last].tolist()
+    starts, pieces = ([0] * (last - first) if plan[k] is None else plan[k][first:last].tolist()
+                      for k in ("starts", "pieces"))
     ids_col, mask_col, start_col = [], [], []
     for b in range(lo, hi):
-        ids, mask, starts, pos = [], [], [], 0
-        for s, n in zip(order[offsets[b]:offsets[b + 1]].tolist(), num_ids[offsets[b]:offsets[b + 1]].tolist()):
-            begin, num_pad = int(store.offsets[s]), stored_length(n, multiple) - n
-            ids.append(store.tokens[begin:begin + n])
+        ids, mask, row_starts, pos = [], [], [], 0
+        for k in range(int(offsets[b]) - first, int(offsets[b + 1]) - first):
+            s, n, piece = order[k], num_ids[k], pieces[k]
+            begin = int(store.offsets[s]) + starts[k]
+            num_pad = stored_length(n, multiple) - n
+            sample_ids = store.tokens[begin:begin + n]
+            if multiple > 1 and sample_ids[n - 2] == eos_id:
+                short.append((b, k + first - int(offsets[b]), s, piece))
+            ids.append(sample_ids)
             # rolled by one: Bridge reads loss_mask[a:b-1] as the mask over labels ids[a+1:b]
-            mask.append(store.answer_mask[begin + 1:begin + n])
+            mask.append(piece_loss_mask(store.answer_mask[begin:begin + n], piece, overlap)[1:])
             mask.append(np.zeros(1 + num_pad, dtype=np.uint8))
             if num_pad:
                 ids.append(np.full(num_pad, eos_id, dtype=np.int64))
-            starts.append(pos)
+            row_starts.append(pos)
             pos += n + num_pad
         ids_col.append(np.concatenate(ids).astype(np.int32))
         mask_col.append(np.concatenate(mask).astype(np.uint8))
-        start_col.append(np.array(starts, dtype=np.int32))
+        start_col.append(np.array(row_starts, dtype=np.int32))
     return ids_col, mask_col, start_col
+
+
+def _short_message(short: list, multiple: int, eos_id: int) -> str:
+    pack, entry, sample, piece = short[0]
+    return (f"packing.export=bridge: {len(short)} packed piece(s) end with eos (id {eos_id}) as their last input "
+            f"(first: pack {pack}, entry {entry}, store sample {sample}, piece {piece}), and Megatron-Bridge with "
+            f"pad_seq_to_mult={multiple} ends a sample's real length at its last input that is not eos, so it "
+            "would read them short; set packing.export=none, or prepare with a pad multiple of 1 "
+            "(parallel.context_parallel_size=1 without sequence parallelism).")
 
 
 def bridge_metadata(meta: dict) -> dict:
@@ -83,26 +123,43 @@ def bridge_metadata(meta: dict) -> dict:
     return out
 
 
+def _read_plan(plan_dir: Path, meta: dict) -> dict:
+    load = lambda name: np.load(plan_dir / f"{name}.npy", mmap_mode="r", allow_pickle=False)  # noqa: E731
+    files = meta.get("files", {})
+    return {"order": load("sample_order"), "num_ids": load("sample_num_ids"),
+            "offsets": np.load(plan_dir / "bin_offsets.npy", allow_pickle=False),
+            "starts": load("sample_start") if "sample_start.npy" in files else None,
+            "pieces": load("sample_piece") if "sample_piece.npy" in files else None}
+
+
 def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
-    """Write the Bridge parquet and metadata beside the plan; return their paths."""
+    """Write the Bridge parquet and metadata beside the plan; return their paths.
+
+    Raises ``DataError`` for a ``wrapped_attention=cross`` plan, and (writing nothing) when a
+    stored sample would be read short (see the module docstring)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     plan_dir = Path(plan_dir)
     meta = read_json(plan_dir / "metadata.json")
-    n, multiple = meta["pack_size"], int(meta.get("pad_seq_to_mult", 1))
+    if meta.get("wrapped_attention") == "cross":
+        raise DataError("packing.export=bridge cannot carry packing.wrapped_attention=cross rows: a row is one "
+                        "sequence of several documents, which Bridge would train to predict the next document's "
+                        "first token; set packing.wrapped_attention=document or packing.export=none.")
+    n, multiple, eos_id = meta["pack_size"], int(meta.get("pad_seq_to_mult", 1)), int(meta["eos_id"])
     parquet_path, meta_path = plan_dir / f"training_{n}.idx.parquet", plan_dir / f"{n}_metadata.jsonl"
-    order = np.load(plan_dir / "sample_order.npy", mmap_mode="r", allow_pickle=False)
-    num_ids = np.load(plan_dir / "sample_num_ids.npy", mmap_mode="r", allow_pickle=False)
-    offsets = np.load(plan_dir / "bin_offsets.npy", allow_pickle=False)
+    plan = _read_plan(plan_dir, meta)
+    num_packs, overlap = len(plan["offsets"]) - 1, int(meta.get("split_overlap", 0))
     schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
                         ("seq_start_id", pa.list_(pa.int32()))])
-    tmp = plan_dir / f".{parquet_path.name}.tmp"
+    tmp, short = plan_dir / f".{parquet_path.name}.tmp", []
     with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-        for lo in range(0, len(offsets) - 1, ROWS_PER_GROUP):
-            cols = _pack_rows(store, order, num_ids, offsets, lo, min(lo + ROWS_PER_GROUP, len(offsets) - 1),
-                              multiple, int(meta["eos_id"]))
+        for lo in range(0, num_packs, ROWS_PER_GROUP):
+            cols = _pack_rows(store, plan, lo, min(lo + ROWS_PER_GROUP, num_packs), multiple, eos_id, overlap, short)
             writer.write_table(pa.table([pa.array(c, type=t.type) for c, t in zip(cols, schema)], schema=schema))
+    if short:
+        tmp.unlink()
+        raise DataError(_short_message(short, multiple, eos_id))
     tmp.replace(parquet_path)
     tmp_meta = plan_dir / f".{meta_path.name}.tmp"
     tmp_meta.write_text(json.dumps([bridge_metadata(meta)]) + "\n", encoding="utf-8")

@@ -253,7 +253,10 @@ def _make_plan(store: TokenStore, settings: PlanSettings, include: np.ndarray, s
         raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
                         "data.answer_only_loss, data.schema, packing.on_overflow and data.validation_fraction.")
     mixture = None
-    if settings.mixture is not None:
+    # the held-out validation share is packed as it is, each sample once: mixing would drop some and
+    # repeat others (a token budget sized for training would repeat them many times), and the
+    # per-source validation losses do not depend on the shares
+    if settings.mixture is not None and split.get("role") != "validation":
         selection, mixture = _mix(store, settings, selection)
     layout = lay_out(selection, settings)
     metadata = plan_metadata(store, settings, selection, layout, num_held_out=int((~include).sum()))
