@@ -87,7 +87,12 @@ def open_validation(cfg, train_dataset=None):
         raise DataError(f"the packing plan {train_dataset.plan_dir} has no held-out validation plan for "
                         f"data.validation_fraction={cfg.data.validation_fraction}; re-run `megatron-pack prepare` "
                         "with the same config.")
-    return PackedSFTDataset(train_dataset.dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
+    dataset = PackedSFTDataset(train_dataset.dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
+    if "mixture" in dataset.metadata:  # written before held-out samples were packed each once
+        raise DataError(f"the validation plan {plan_dir} was written by an older prepare that resampled the held-out "
+                        "samples to the data.sources shares (some never evaluated, others repeated); delete "
+                        f"{train_dataset.plan_dir} and re-run `megatron-pack prepare` with the same config.")
+    return dataset
 
 
 def num_eval_packs(num_packs: int, eval_iters: int, global_batch_size: int) -> int:

@@ -4,6 +4,7 @@ seed, every pack records its samples' sources, and the accounting counts what mi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from megatron_pack.config import Config, DataConfig, ModelConfig, PackingConfig
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.thd import make_collate_fn
+from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.mixing import choose_units, mix_selection
 from megatron_pack.data.packing.plan import Selection
 from megatron_pack.data.prepare import prepare
@@ -135,3 +137,29 @@ def test_bad_sources_are_refused(bad, match):
 
     with pytest.raises(ConfigError, match=match):
         DataConfig(source="files", sources=bad)
+
+
+def test_validation_plan_holds_every_held_out_sample_once_and_an_old_mixed_one_is_refused(tmp_path):
+    """The held-out share of a mixed dataset is packed as it is (each sample once, no resampling to the
+    training shares); a validation plan written by an older prepare (it carries a ``mixture``) is refused
+    with the fix, not evaluated silently."""
+    import dataclasses
+
+    from megatron_pack.data.store.metadata import VALIDATION_DIRNAME
+    from megatron_pack.training.eval import open_validation
+
+    cfg, ds = _mixed(tmp_path)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, validation_fraction=0.2))
+    train = PackedSFTDataset(cfg.data.dataset_dir, prepare(cfg, progress=False))
+    val = open_validation(cfg, train)
+    held = val.metadata["split"]["num_samples_held_out"]
+    ids = np.concatenate([val.sample_ids(i) for i in range(len(val))])
+    assert held > 10 and len(ids) == len(set(ids.tolist())) == held  # every held-out sample, once
+    assert "mixture" not in val.metadata and "mixture" in train.metadata
+    meta_file = Path(val.plan_dir) / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta["mixture"] = train.metadata["mixture"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=f"older prepare.*delete {train.plan_dir}"):
+        open_validation(cfg, train)
+    assert VALIDATION_DIRNAME in str(val.plan_dir)
