@@ -23,6 +23,8 @@ COMMON_KEYS = {
     "prepare": ["data.input", "data.tokenizer", "data.dataset_dir", "data.schema", "packing.packed_sequence_size",
                 "packing.on_overflow", "packing.algorithm", "parallel.context_parallel_size", "packing.export"],
     "inspect": ["data.dataset_dir"],
+    "export": ["export.checkpoint", "export.output", "model.pretrained", "export.dtype", "export.max_shard_size",
+               "export.adapter", "export.merge"],
     "verify": ["data.dataset_dir", "data.plan", "verify.num_packs", "verify.checkpoint", "verify.tolerance",
                "verify.attention"],
     "train": ["data.dataset_dir", "data.plan", "train.train_iters", "train.lr", "train.global_batch_size",
@@ -37,6 +39,8 @@ USAGE_EXTRA = {
                "a folder with several plans needs data.plan=<name> (inspect lists them)."),
     "train": ("Launch with torchrun (launch/single_node.sh N ...). Reads what prepare recorded in data.dataset_dir "
               "(tokenizer, pack size = model.seq_length, pad multiple, vocab size) unless set here."),
+    "export": ("Shorthands: checkpoint=PATH (export.checkpoint), output=DIR (export.output). Runs in one process "
+               "whatever layout wrote the checkpoint."),
 }
 
 

@@ -87,7 +87,9 @@ def read_model_shards(step_dir: Path) -> list[dict]:
     return shards
 
 
-def run_export(argv: list[str], *, out=print) -> int:
+def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = None,
+               print_config: bool = False) -> int:
+    from megatron_pack.cli.args import print_resolved
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError, parse_size
     from megatron_pack.model.hf.export import export_folder
@@ -98,7 +100,9 @@ def run_export(argv: list[str], *, out=print) -> int:
     given_base = _given(argv, "model.pretrained")
     if step_dir is not None and _given(argv, "model.pretrained") is None:
         argv = argv + [f"model.pretrained={_hf_source(step_dir)}"]
-    cfg = load_config(argv)
+    cfg = load_config(argv, config_dirs=config_dirs or [])
+    if print_config:
+        return print_resolved(cfg)
     if cfg.export.output is None:
         raise ConfigError(["export.output (None) is required; add output=DIR (a new folder for the Hugging Face model)."])
     if cfg.model.pretrained is None:
@@ -162,8 +166,13 @@ def main(argv: list[str]) -> int:
     from megatron_pack.config.hf_config import UnsupportedModel
     from megatron_pack.config.schema import ConfigError
 
+    from megatron_pack.cli.args import parse_command_line
+
+    line = parse_command_line("export", list(argv))
+    if isinstance(line, int):
+        return line
     try:
-        return run_export(list(argv))
+        return run_export(line.overrides, config_dirs=line.config_dirs, print_config=line.print_config)
     except (ConfigError, UnsupportedModel, FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
         print(f"megatron-pack export: {exc}", file=sys.stderr)
         return 2
