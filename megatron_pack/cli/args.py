@@ -17,6 +17,7 @@ import inspect
 import sys
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Optional, Union
 
 COMMON_KEYS = {
@@ -131,8 +132,6 @@ def _default(key: str) -> str:
 
 def help_text(command: str, config_dirs: Optional[list[str]] = None) -> str:
     """What ``megatron-pack <command> --help`` prints."""
-    import importlib
-
     from megatron_pack.config.schema import GROUPS, ConfigError
     from megatron_pack.config.search_path import PRESETS_DIR, presets, user_config_dirs
 
@@ -144,7 +143,7 @@ def help_text(command: str, config_dirs: Optional[list[str]] = None) -> str:
     options, docs = presets(roots), field_docs()
     lines = [f"usage: megatron-pack {command} [--config-dir DIR] [--cfg job] [key=value ...]",
              f"       megatron-pack {command} --help | --version", "",
-             _summary(importlib.import_module(f"megatron_pack.cli.{command}")), USAGE_EXTRA.get(command, ""), "",
+             _summary(f"megatron_pack.cli.{command}"), USAGE_EXTRA.get(command, ""), "",
              "options:",
              "  -h, --help          this help",
              "  --version           megatron-pack, megatron-core, torch and python versions",
@@ -163,9 +162,14 @@ def help_text(command: str, config_dirs: Optional[list[str]] = None) -> str:
     return "\n".join(lines)
 
 
-def _summary(module) -> str:
-    """The first paragraph of a subcommand module's docstring (it starts with the command line)."""
-    return " ".join((module.__doc__ or "").strip().split("\n\n", 1)[0].split())
+def _summary(module_name: str) -> str:
+    """The first paragraph of a subcommand module's docstring (it starts with the command line),
+    read from the source without importing the module (``verify`` and ``export`` import torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module_name)
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) if spec and spec.origin else ""
+    return " ".join((doc or "").strip().split("\n\n", 1)[0].split())
 
 
 def print_resolved(cfg, note: Optional[str] = None) -> int:

@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     module_name, _ = SUBCOMMANDS[argv[0]]
+    if any(a in ("-h", "--help", "--version") for a in argv[1:]):  # answered before the module (and torch) loads
+        from megatron_pack.cli.args import parse_command_line
+
+        answered = parse_command_line(argv[0], argv[1:])
+        if isinstance(answered, int):
+            return answered
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

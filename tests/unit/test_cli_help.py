@@ -42,7 +42,7 @@ def test_help_lists_the_users_presets(tmp_path, capsys):
 
 def test_help_and_version_do_not_import_torch():
     code = ("import sys; from megatron_pack.cli.main import main; "
-            "assert all(main([c, '--help']) == 0 for c in ('train', 'prepare', 'inspect', 'export')) and main(['--version']) == 0; "
+            "assert all(main([c, '--help']) == 0 for c in ('train', 'prepare', 'inspect', 'export', 'verify')) and main(['--version']) == 0; "
             "assert 'torch' not in sys.modules, 'help imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
