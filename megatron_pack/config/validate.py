@@ -157,7 +157,8 @@ def _validate_in_batch_packing(cfg: Config) -> list[str]:
 
 
 def _validate_online_packing(cfg: Config) -> list[str]:
-    """packing.mode=online needs a pack size; fixed cu_seqlens and balancing need a plan known in advance."""
+    """packing.mode=online needs a pack size; fixed cu_seqlens need a plan known in advance (workers,
+    token budgets and balancing work online: data/batches/online.py)."""
     p = cfg.packing
     if p.mode != "online":
         return []
@@ -168,14 +169,6 @@ def _validate_online_packing(cfg: Config) -> list[str]:
     if p.pad_cu_seqlens:
         problems.append("packing.pad_cu_seqlens (True) needs max_samples_per_bin from an offline plan, which "
                         "packing.mode=online does not have; set packing.pad_cu_seqlens=false or packing.mode=offline.")
-    if p.balance == "dp":
-        problems.append("packing.balance (dp) needs every DP rank to know each global batch's packs, but with "
-                        "packing.mode=online each rank packs its own shard; set packing.balance=none or "
-                        "packing.mode=offline.")
-    if cfg.data.num_workers > 0:
-        problems.append(f"data.num_workers ({cfg.data.num_workers}) is not used by packing.mode=online (its packs "
-                        "are made and collated in the training process, to keep the buffer state exact); set "
-                        "data.num_workers=0.")
     if p.buffer_tokens is not None and p.offline and p.buffer_tokens < p.packed_sequence_size:
         problems.append(f"packing.buffer_tokens ({p.buffer_tokens}) must hold at least one pack "
                         f"(packing.packed_sequence_size={p.packed_sequence_size}); set "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -188,6 +188,23 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
         tp_rank=pgs.tp.rank(), cp_rank=pgs.cp.rank(), dp_rank=pgs.dp.rank(),
         tp_group=pgs.tp, cp_group=pgs.cp, dp_group=pgs.dp, dp_cp_group=pgs.dp_cp, pg_collection=pgs,
     )
+
+
+def gather_objects(group: dist.ProcessGroup) -> Callable[[Any], list]:
+    """``gather(obj)``: every rank of ``group``'s ``obj`` (picklable), by group rank; every rank of the
+    group must call it, in the same order (an all-gather).
+
+    >>> gather = gather_objects(state.dp_group)   # doctest: +SKIP
+    >>> gather([3, 5])                            # on DP rank 0 of 2; rank 1 passed [4]   # doctest: +SKIP
+    [[3, 5], [4]]
+    """
+
+    def gather(obj: Any) -> list:
+        out: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
 
 
 def destroy_parallel(*, destroy_process_group: bool = False) -> None:

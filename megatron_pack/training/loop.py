@@ -41,7 +41,8 @@ from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.sampler import PackLoader
-from megatron_pack.parallel.groups import ParallelState
+from megatron_pack.data.batches.online import online_resume_problem, single_rank
+from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
@@ -445,10 +446,23 @@ class Trainer:
             self.optimizer.load_rank_state(rank_state.get("optimizer"))
             ckpt.set_rng_state(rank_state["rng"])
         train_state = dict(meta["train_state"])
-        if rank_state is not None and rank_state.get("loader") is not None:
-            train_state["loader"] = rank_state["loader"]
+        loader_state = self._rank_loader_state(path, meta, rank_state)
+        if loader_state is not None:
+            train_state["loader"] = loader_state
         self._load_train_state(train_state, changes)
         return changes
+
+    def _rank_loader_state(self, path: str | Path, meta: dict, rank_state: Optional[dict]) -> Optional[dict]:
+        """This DP rank's own loader state: from its rank file at the same layout; at another TP/CP
+        layout with the same DP size, from the file of the old rank with this DP rank (TP and CP rank
+        0; megatron-core's rank order tp-cp-ep-dp-pp). None: meta.json's (rank 0's, layout-free) is used."""
+        if rank_state is not None:
+            return rank_state.get("loader")
+        if meta.get("data_parallel_size") != self.state.dp_size:
+            return None
+        old_rank = self.state.dp_rank * int(meta["tensor_model_parallel_size"]) * int(meta["context_parallel_size"])
+        old = ckpt.read_rank_state(path, old_rank)
+        return old.get("loader") if old is not None else None
 
     def _load_train_state(self, state: dict, changes: list[str]) -> None:
         self.step = int(state["step"])
@@ -497,6 +511,7 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
     - a full resume at another layout of a checkpoint that cannot reshard: one in the older
       per-tensor-parallel-rank format, or a GPU run (megatron-core's optimizer state is per rank);
       a layout-free checkpoint resumes at any layout on CPU;
+    - online packing at another data-parallel size or ``data.num_workers`` (its shards depend on both);
     - with ``dataset`` (the opened training plan): a full resume with changed lr, schedule,
       optimizer, global batch, seed or data plan, unless ``checkpoint.allow_changed``.
 
@@ -526,6 +541,11 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
                            f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
                            "to another directory to start fresh."])
     _check_resume_peft(cfg, resume, saved)
+    loader_state = saved.get("train_state", {}).get("loader") or {}
+    if kind == "resume" and cfg.packing.mode == "online" and loader_state.get("kind") == "online":
+        problem = online_resume_problem(loader_state, dp_size=dims.dp, num_workers=cfg.data.num_workers)
+        if problem:
+            raise ConfigError([f"cannot resume from {resume}: {problem}"])
     if dataset is not None and kind == "resume":
         num_packs = len(dataset) if hasattr(dataset, "__len__") else None  # online packing: no count up front
         iters = resolve_train_iters(cfg, num_packs, dims.dp)
@@ -547,12 +567,14 @@ def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:
 
 def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
     """This DP rank's loader (``megatron_pack.data.batches.loader.build_loader``) for ``state``'s ranks.
-    Online packing reports each DP rank's shard accounting once (its TP/CP rank 0); the rest, rank 0."""
+    Online packing reports each DP rank's shard accounting once (its TP/CP rank 0); the rest, rank 0.
+    Online steps are decided over ``state.dp_group`` (every CP/TP rank's DP group decides the same)."""
     announce = state.rank == 0
     if cfg.packing.mode == "online":
         announce = state.tp_rank == 0 and state.cp_rank == 0
     loader = loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
-                                     pin_memory=state.device.type == "cuda", announce=announce)
+                                     pin_memory=state.device.type == "cuda", announce=announce,
+                                     gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
     loader.plan_fingerprint = dataset.metadata.get("fingerprint")  # what a resume compares (run_settings)
     return loader
 

@@ -218,3 +218,23 @@ def test_step_loader_resumes_at_the_next_step(prepared):
     other = _step_loader(prepared, "train.global_batch_tokens=1600", "packing.balance=dp")
     with pytest.raises(ValueError, match="global_batch_tokens=1500 but this run has 1600"):
         other.load_state_dict(first.state_dict())
+
+
+def test_step_loader_resumes_at_another_dp_size_with_the_same_packs(prepared):
+    """The resume point is global: a dp=2 checkpoint resumed at dp=1 (and dp=3) trains the same packs per step."""
+    extra = ("train.global_batch_tokens=1500", "packing.balance=dp")
+    two = [_step_loader(prepared, *extra, dp_rank=r, dp_size=2) for r in range(2)]
+    for loader in two:
+        _loader_steps(loader, 3)
+    state = two[0].state_dict()
+    assert state == two[1].state_dict() and state["consumed"] > 0  # the same global point on every rank
+    expected = [[{tuple(b["sample_ids"].tolist()) for b in step} for step in _loader_steps(loader, 4)] for loader in two]
+    for dp_size in (1, 3):
+        ranks = [_step_loader(prepared, *extra, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
+        got = []
+        for loader in ranks:
+            loader.load_state_dict(state)
+            got.append([{tuple(b["sample_ids"].tolist()) for b in step} for step in _loader_steps(loader, 4)])
+        for step in range(4):
+            packs = set().union(*(g[step] for g in got))
+            assert packs == expected[0][step] | expected[1][step] and len(packs) > 3  # steps reach past dp

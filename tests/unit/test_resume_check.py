@@ -171,3 +171,35 @@ def test_check_resume_peft(tmp_path, recorded, overrides, fragments):
         check_resume(cfg, 2)
     for fragment in [f"cannot resume from {written}"] + fragments:
         assert fragment in str(info.value), str(info.value)
+
+
+# (id, the checkpoint's (dp, data.num_workers), this run's, None or fragments of the refusal)
+ONLINE_CASES = [
+    ("same", (2, 2), (2, 2), None),
+    ("no-worker-is-one-worker", (2, 0), (2, 1), None),
+    ("other-dp", (2, 2), (1, 2), ["written at data-parallel size 2", "this run has 1", "resume with 2 data-parallel"]),
+    ("other-workers", (2, 2), (2, 0), ["data.num_workers (0) differs from the checkpoint's (2)",
+                                       "set data.num_workers=2 to resume"]),
+]
+
+
+@pytest.mark.parametrize("saved,run,fragments", [c[1:] for c in ONLINE_CASES], ids=[c[0] for c in ONLINE_CASES])
+def test_online_resume_needs_the_same_dp_size_and_workers(tmp_path, monkeypatch, saved, run, fragments):
+    """Online shards are ``dp_rank * W + w`` of ``dp * W``: refused before any process group, in one line."""
+    from megatron_pack.training.checkpoint import SHARDED_FORMAT
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    written = _write_checkpoint(tmp_path / "run" / "checkpoints", saved[0], 1, 1, fmt=SHARDED_FORMAT)
+    meta = json.loads((written / "meta.json").read_text())
+    loader = {"kind": "online", "version": 2, "dp_size": saved[0], "num_workers": saved[1]}
+    (written / "meta.json").write_text(json.dumps({**meta, "train_state": {"loader": loader}}))
+    cfg = _cfg(tmp_path, 1, 1, "packing.mode=online", f"data.num_workers={run[1]}")
+    if fragments is None:
+        assert check_resume(cfg, run[0]) == written
+        return
+    with pytest.raises(ConfigError) as info:
+        check_resume(cfg, run[0])
+    message = str(info.value)
+    assert f"cannot resume from {written}" in message and message.count("\n") <= 1, message
+    for fragment in fragments:
+        assert fragment in message, message

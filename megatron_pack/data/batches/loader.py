@@ -30,7 +30,8 @@ from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.in_batch import collate_in_batch
 from megatron_pack.data.batches.micro_batches import MicroBatchDataset
-from megatron_pack.data.batches.online import OnlineLoader, OnlineSource
+from megatron_pack.data.batches.online import Gather, OnlineLoader, OnlineSource, single_rank
+from megatron_pack.data.batches.online_feed import PackFeed, PackMaker
 from megatron_pack.data.batches.sampler import PackLoader, PackSampler, build_pack_loader
 from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule, pack_stats
 from megatron_pack.data.batches.thd import make_collate_fn
@@ -86,17 +87,20 @@ def bucket_groups(cfg: Config, dataset: PackedSFTDataset):
 
 
 def build_loader(cfg: Config, dataset: PackedSFTDataset | OnlineSource, *, dp_rank: int, dp_size: int,
-                 pin_memory: bool = False, announce: bool = True) -> PackLoader | StepLoader | OnlineLoader:
+                 pin_memory: bool = False, announce: bool = True, gather: Gather = single_rank
+                 ) -> PackLoader | StepLoader | OnlineLoader:
     """This DP rank's resumable loader of full THD packs for ``dataset`` (from ``open_dataset``):
 
-    - ``packing.mode=online``: ``OnlineLoader`` over this DP rank's shard (``online_loader``);
+    - ``packing.mode=online``: ``OnlineLoader`` over this DP rank's shards (``online_loader``; ``gather``
+      all-gathers over the data-parallel group, for the global token budget and balancing);
     - ``train.global_batch_tokens`` or ``packing.balance=dp``: ``StepLoader`` (``step_loader``);
     - otherwise ``PackSampler`` (seeded by ``train.seed``, dealt over DP ranks) in a ``PackLoader``.
 
     Every CP/TP rank of a DP rank reads the same packs. ``announce`` logs the packs each epoch
     leaves out (one rank should)."""
     if isinstance(dataset, OnlineSource):
-        return online_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, announce=announce)
+        return online_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, announce=announce, gather=gather,
+                             pin_memory=pin_memory)
     if cfg.train.global_batch_tokens is not None or cfg.packing.balance == "dp":
         return step_loader(cfg, dataset, dp_rank=dp_rank, dp_size=dp_size, pin_memory=pin_memory)
     sampler = PackSampler(len(dataset), dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
@@ -136,11 +140,17 @@ def step_loader(cfg: Config, dataset: PackedSFTDataset, *, dp_rank: int, dp_size
                       seed=cfg.train.seed, num_workers=cfg.data.num_workers, pin_memory=pin_memory)
 
 
-def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: int,
-                  announce: bool = True) -> OnlineLoader:
-    """Online packs of shard ``dp_rank`` of ``dp_size``; each rank meets its share of a token budget.
-    ``announce`` logs the shard's per-epoch accounting (one rank per DP rank should)."""
-    budget = cfg.train.global_batch_tokens
-    return OnlineLoader(source.pack_stream(shard=dp_rank, num_shards=dp_size, announce=announce),
-                        collate_from_config(cfg, source.metadata), packs_per_step=cfg.train.global_batch_size // dp_size,
-                        budget_tokens=None if budget is None else -(-budget // dp_size), budget_kind=cfg.train.token_budget)
+def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: int, announce: bool = True,
+                  gather: Gather = single_rank, pin_memory: bool = False) -> OnlineLoader:
+    """Online packs of this DP rank's shards (``data.num_workers`` of them, made in DataLoader workers,
+    or one made in this process); the steps are selected over the DP group (``OnlineLoader``).
+    ``announce`` logs each shard's per-epoch accounting (one rank per DP rank should)."""
+    p, t = cfg.packing, cfg.train
+    collate = collate_from_config(cfg, source.metadata)
+    maker = PackMaker(source.pack_stream, collate, cost_a=p.cost_a, cost_b=p.cost_b,
+                      keep_samples=p.balance == "dp" and source.store is None and dp_size > 1)
+    feed = PackFeed(maker, dp_rank=dp_rank, dp_size=dp_size, num_workers=cfg.data.num_workers, pin_memory=pin_memory)
+    return OnlineLoader(feed, collate, packs_per_step=t.global_batch_size // dp_size,
+                        budget_tokens=t.global_batch_tokens, budget_kind=t.token_budget, balance=p.balance,
+                        gather=gather, samples_of=source.samples_of, announce=announce,
+                        num_workers=cfg.data.num_workers)

@@ -1,31 +1,50 @@
-"""The loader of ``packing.mode=online``: packs made at run time from this DP rank's shard.
+"""The loader of ``packing.mode=online``: packs made at run time from this DP rank's shards.
 
 ``OnlineSource`` opens what the packs come from (``packing.online_source``): the prepared token
 store (``store``, no plan needed), or ``data.input`` / the synthetic set tokenized on the fly
-(``stream``). Each DP rank reads its own disjoint shard (all CP/TP ranks of one DP rank read the
-same one) and packs it with ``megatron_pack.data.packing.online``. ``OnlineLoader.begin_step()``
-takes this rank's packs of the next step: ``global_batch_size / dp`` of them, or, with
-``train.global_batch_tokens``, packs until this rank's share ``global_batch_tokens / dp`` is met
-(the shards are packed independently, so each rank meets its own share).
+(``stream``). Each DP rank packs its own disjoint shards (one per DataLoader worker, see
+``online_feed.py``; all CP/TP ranks of one DP rank make the same packs) with
+``megatron_pack.data.packing.online``.
 
-The loader's state is the pack stream's state (epoch, cursor, buffer ids, counters): a run
-resumed from a checkpoint takes exactly the packs it would have taken.
+``OnlineLoader.begin_step()`` decides the next step's packs over the whole DP group, the same on
+every rank. Each rank queues its ready packs; then
+
+1. selection: ``global_batch_size / dp`` packs from each rank's queue, or, with
+   ``train.global_batch_tokens``, packs taken round-robin over the ranks' queues (rank 0's next,
+   rank 1's next, ...) until the global budget is met, at least one per rank
+   (``select_round_robin``, on token counts every rank shares by one small all-gather; it looks
+   further ahead when the queues run out first). The step overshoots by less than its last pack;
+2. deal: each rank trains the packs selected from its own queue, or, with ``packing.balance=dp``,
+   the selected packs are dealt by ``assign_balanced`` on their cost, as offline; a pack that
+   changes rank travels as its sample ids (store source: every rank reads the store) or as its
+   tokenized samples (stream source), in one all-gather of only the moved packs.
+
+Packs not selected stay queued. The loader's state is, per worker, its pack stream's state after
+the last pack this rank has selected, and which worker comes next: a resumed run takes exactly
+the packs it would have taken (queued and prefetched packs are made again).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
 
 from megatron_pack.config.layout import effective_pad_multiple
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.steps import StepInfo
 from megatron_pack.data.formats.sources import DataError, iter_chunks, parse_chunk, resolve_inputs
-from megatron_pack.data.packing.online import OnlinePacker, OnlinePackStream, RecordStream, StoreStream
+from megatron_pack.data.batches.online_feed import PackFeed, ReadyPack, shard_of
+from megatron_pack.data.packing.balance import assign_balanced, imbalance
+from megatron_pack.data.packing.online import (OnlinePacker, OnlinePackStream, RecordStream, StoreStream,
+                                               announce_epoch, store_sample)
 from megatron_pack.data.store.metadata import PlanSettings, read_metadata
 from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def online_settings(cfg: Config) -> PlanSettings:
@@ -100,6 +119,13 @@ class OnlineSource:
         packer = OnlinePacker(self.settings.pack_size, buffer_size=p.buffer_size, buffer_tokens=p.buffer_tokens)
         return OnlinePackStream(stream, packer, chunk_size=min(1024, p.buffer_size), announce=announce)
 
+    def samples_of(self, moved: list) -> list[dict]:
+        """The samples of a pack another DP rank made, from what it sent (``OnlineLoader``): read
+        from the store by ``(sample id, ids to read)``, or the tokenized samples themselves (stream)."""
+        if self.store is not None:
+            return [store_sample(self.store, int(i), int(n)) for i, n in moved]
+        return list(moved)
+
 
 class OnlinePacks:
     """The first packs of one shard as a small list-like dataset (``megatron-pack verify`` reads it)."""
@@ -117,14 +143,74 @@ class OnlinePacks:
         return self._packs[i]
 
 
-class OnlineLoader:
-    """This DP rank's THD batches of online packs; ``begin_step()`` before each step's micro-batches."""
+Gather = Callable[[Any], list]
+"""``gather(obj)``: every DP rank's ``obj``, by DP rank (an all-gather over the data-parallel group)."""
 
-    def __init__(self, packs: OnlinePackStream, collate_fn: Callable, *, packs_per_step: int,
-                 budget_tokens: Optional[int] = None, budget_kind: str = "target"):
-        self.packs, self.collate_fn = packs, collate_fn
+
+def single_rank(obj: Any) -> list:
+    """The ``Gather`` of a data-parallel group of one rank."""
+    return [obj]
+
+
+def select_round_robin(tokens: Sequence[Sequence[int]], budget: int) -> Optional[list[int]]:
+    """Packs each DP rank takes for a step of ``budget`` tokens, or None when the look-ahead runs out first.
+
+    ``tokens[r]`` holds the token counts of rank ``r``'s next ready packs (the same look-ahead depth
+    on every rank). Packs are taken round-robin, rank 0's next, rank 1's next, ..., round after
+    round, until the taken tokens reach ``budget`` and every rank has at least one. So the step
+    overshoots the budget by less than its last pack (unless the first round alone overshoots).
+    Every rank runs this on the same all-gathered table, so every rank takes the same decision.
+
+    >>> select_round_robin([[5, 4, 9], [1, 3, 9]], 12)   # 5 + 1 + 4 = 10 < 12, + 3 = 13 >= 12
+    [2, 2]
+    >>> select_round_robin([[5, 4, 9], [1, 3, 9]], 10)   # 5 + 1 + 4 = 10: rank 0 takes one more
+    [2, 1]
+    >>> select_round_robin([[5, 4], [1, 3]], 20) is None  # 13 tokens in sight: look further ahead
+    True
+    """
+    counts, total = [0] * len(tokens), 0
+    depth = min(len(t) for t in tokens)
+    for k in range(depth):
+        for r, row in enumerate(tokens):
+            total += int(row[k])
+            counts[r] += 1
+            if total >= budget and (k > 0 or r == len(tokens) - 1):
+                return counts
+    return None
+
+
+class OnlineLoader:
+    """This DP rank's THD batches of online packs; ``begin_step()`` before each step's micro-batches.
+
+    ``gather`` all-gathers over the data-parallel group (every rank calls it in the same order:
+    only when the whole group needs it, never on one rank's data alone); ``samples_of`` turns
+    what another rank sent for a moved pack into its samples (``OnlineSource.samples_of``).
+    """
+
+    def __init__(self, feed: PackFeed, collate_fn: Callable, *, packs_per_step: int,
+                 budget_tokens: Optional[int] = None, budget_kind: str = "target", balance: str = "none",
+                 gather: Gather = single_rank, samples_of: Optional[Callable] = None, announce: bool = False,
+                 num_workers: int = 0):
+        if feed.dp_size > 1 and gather is single_rank and (budget_tokens is not None or balance == "dp"):
+            raise ValueError("OnlineLoader: a token budget or packing.balance=dp over several DP ranks needs the "
+                             "DP group's gather (megatron_pack.training.loop.build_loader passes it)")
+        self.feed, self.collate_fn, self.gather, self.samples_of = feed, collate_fn, gather, samples_of
+        self.dp_rank, self.dp_size, self.num_workers = feed.dp_rank, feed.dp_size, num_workers
         self.packs_per_step, self.budget_tokens, self.budget_kind = packs_per_step, budget_tokens, budget_kind
+        self.balance, self.announce = balance, announce
+        self.states: list[Optional[dict]] = [None] * feed.num_shards
+        """Per logical worker: its pack stream's state after the last pack this rank selected."""
+        self.next_worker = 0
+        """The logical worker whose pack comes next."""
+        self._reset()
+
+    def _reset(self) -> None:
+        if getattr(self, "_items", None) is not None:
+            self._items.close()  # a DataLoader's workers stop with it
+        self._items: Optional[Iterator[ReadyPack]] = None
+        self._pending: deque[ReadyPack] = deque()
         self._queue: list[dict] = []
+        self._depth = 1
 
     def __iter__(self) -> Iterator[dict]:
         return self
@@ -134,47 +220,127 @@ class OnlineLoader:
             raise RuntimeError("OnlineLoader: the loop asked for more packs than begin_step() planned")
         return self._queue.pop(0)
 
-    def _batch(self) -> dict:
-        pack = self.packs.next_pack()
-        return self.collate_fn([self.packs.stream.sample(i, n) for i, n in pack])
-
     def begin_step(self) -> StepInfo:
-        """Read, pack and collate this rank's packs of the next step."""
+        """Select, and with balancing deal, the packs of the next step (module docstring)."""
         if self._queue:
             raise RuntimeError(f"OnlineLoader: {len(self._queue)} packs of the previous step were not consumed")
-        key = "num_target_tokens" if self.budget_kind == "target" else "num_real_tokens"
-        tokens = 0
-        while True:
-            batch = self._batch()
-            self._queue.append(batch)
-            tokens += int(batch[key])
-            if self.budget_tokens is None and len(self._queue) >= self.packs_per_step:
-                break
-            if self.budget_tokens is not None and tokens >= self.budget_tokens:
-                break
-        return StepInfo(num_microbatches=len(self._queue), tokens=tokens)
+        if self._items is None:
+            self._items = self.feed.start(self.states, self.next_worker)
+        counts, table = self._select()
+        mine = [self._pending.popleft() for _ in range(counts[self.dp_rank])]
+        for ready in mine:
+            self._consume(ready)
+        if table is None:  # fixed pack counts, no balancing: no rank needs another's numbers
+            self._queue = [ready.batch for ready in mine]
+            return StepInfo(num_microbatches=len(mine))
+        slots = [(r, k) for k in range(max(counts)) for r in range(self.dp_size) if k < counts[r]]
+        costs = np.array([table[r][k][1] for r, k in slots], dtype=np.float64)
+        owned = [np.array([i for i, (r, _) in enumerate(slots) if r == rank], dtype=np.int64)
+                 for rank in range(self.dp_size)]
+        deal = assign_balanced(costs, self.dp_size) if self.balance == "dp" else owned
+        self._queue = self._deal(mine, slots, deal)
+        return StepInfo(num_microbatches=len(self._queue), tokens=int(sum(table[r][k][0] for r, k in slots)),
+                        imbalance_before=imbalance(costs, owned), imbalance_after=imbalance(costs, deal))
+
+    def _select(self) -> tuple[list[int], Optional[list]]:
+        """(packs each rank takes, the gathered ``(tokens, cost)`` of every rank's next packs or None)."""
+        if self.budget_tokens is None:
+            self._fill(self.packs_per_step)
+            table = self._gather_heads(self.packs_per_step) if self.balance == "dp" else None
+            return [self.packs_per_step] * self.dp_size, table
+        depth = self._depth
+        while True:  # the same tables on every rank, so every rank loops the same number of times
+            self._fill(depth)
+            table = self._gather_heads(depth)
+            counts = select_round_robin([[t for t, _ in row] for row in table], self.budget_tokens)
+            if counts is not None:
+                self._depth = max(counts)
+                return counts, table
+            depth *= 2
+
+    def _fill(self, depth: int) -> None:
+        while len(self._pending) < depth:
+            self._pending.append(next(self._items))
+
+    def _gather_heads(self, depth: int) -> list:
+        heads = [(ready.tokens(self.budget_kind), ready.cost) for ready in itertools.islice(self._pending, depth)]
+        return self.gather(heads)
+
+    def _consume(self, ready: ReadyPack) -> None:
+        """``ready`` is trained in this step: its worker resumes after it; announce epochs it finished."""
+        before = self.states[ready.worker]
+        done = len(before["finished_epochs"]) if before is not None else 0
+        self.states[ready.worker] = ready.state
+        self.next_worker = (ready.worker + 1) % self.feed.num_shards
+        if self.announce:
+            for record in ready.state["finished_epochs"][done:]:
+                announce_epoch(record, shard_of(self.dp_rank, ready.worker, self.num_workers))
+
+    def _deal(self, mine: list[ReadyPack], slots: list[tuple[int, int]], deal: list[np.ndarray]) -> list[dict]:
+        """This rank's batches of the deal, in slot order; moved packs come in one all-gather."""
+        rank_of = np.empty(len(slots), dtype=np.int64)
+        for rank, members in enumerate(deal):
+            rank_of[members] = rank
+        moved = [i for i, (owner, _) in enumerate(slots) if rank_of[i] != owner]
+        received: list = []
+        if moved:  # every rank knows the whole deal, so all of them enter this gather or none does
+            sent = {i: (mine[slots[i][1]].pack if mine[slots[i][1]].samples is None else mine[slots[i][1]].samples)
+                    for i in moved if slots[i][0] == self.dp_rank}
+            received = self.gather(sent)
+        batches = []
+        for i in deal[self.dp_rank].tolist():
+            owner, k = slots[i]
+            batches.append(mine[k].batch if owner == self.dp_rank
+                           else self.collate_fn(self.samples_of(received[owner][i])))
+        return batches
 
     @property
     def epoch(self) -> int:
-        return self.packs.epoch
+        """The earliest epoch any of this rank's shards is in."""
+        return min(0 if s is None else int(s["epoch"]) for s in self.states)
 
     @property
     def accounting(self) -> list[dict]:
-        """Accounting of every finished epoch of this shard (read = packed + dropped)."""
-        return self.packs.finished_epochs
+        """Accounting of every finished epoch of this rank's shards (read = packed + dropped), with its shard."""
+        records = [{**record, "shard": shard_of(self.dp_rank, w, self.num_workers)}
+                   for w, s in enumerate(self.states) if s is not None for record in s["finished_epochs"]]
+        return sorted(records, key=lambda r: (r["epoch"], r["shard"]))
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": "online", "packs": self.packs.state_dict(),
+        return {"version": STATE_VERSION, "kind": "online", "dp_size": self.dp_size, "num_workers": self.num_workers,
+                "states": list(self.states), "next_worker": self.next_worker,
                 "budget_tokens": self.budget_tokens, "packs_per_step": self.packs_per_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("kind") != "online":
             raise ValueError("the checkpoint's loader state is not from packing.mode=online; resume with the "
                              "packing.mode it was written with, or start without checkpoint.load.")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"the checkpoint's online loader state has version {state.get('version')!r}, this "
+                             f"version reads {STATE_VERSION}; start without checkpoint.load.")
+        problem = online_resume_problem(state, dp_size=self.dp_size, num_workers=self.num_workers)
+        if problem:
+            raise ValueError(problem)
         for key in ("budget_tokens", "packs_per_step"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(f"online loader state has {key}={state.get(key)!r} but this run has "
                                  f"{getattr(self, key)!r}; resume with the same train.global_batch_size / "
-                                 "train.global_batch_tokens and data-parallel size.")
-        self._queue = []
-        self.packs.load_state_dict(state["packs"])
+                                 "train.global_batch_tokens.")
+        self._reset()
+        self.states = [None if s is None else dict(s) for s in state["states"]]
+        self.next_worker = int(state["next_worker"])
+
+
+def online_resume_problem(state: Mapping[str, Any], *, dp_size: int, num_workers: int) -> Optional[str]:
+    """Why an online loader state cannot resume at ``dp_size`` ranks with ``num_workers`` workers (None: it can).
+    Its shards are ``dp_rank * W + w`` of ``dp * W`` (``W = max(num_workers, 1)``), so both must match."""
+    if state.get("dp_size") != dp_size:
+        return (f"the checkpoint's online packing state was written at data-parallel size {state.get('dp_size')} "
+                f"and each DP rank's shards depend on it, this run has {dp_size}; resume with "
+                f"{state.get('dp_size')} data-parallel ranks, or start without checkpoint.load.")
+    saved = int(state.get("num_workers", 0))
+    if max(saved, 1) != max(num_workers, 1):
+        return (f"data.num_workers ({num_workers}) differs from the checkpoint's ({saved}): each worker packs its own "
+                f"shard of the online stream; set data.num_workers={saved} to resume, or start without "
+                "checkpoint.load.")
+    return None

@@ -19,7 +19,10 @@ Example, 6 packs of target tokens ``[5, 1, 4, 3, 2, 6]`` in epoch order, budget 
 
 The resume point is ``(epoch, consumed)``: the packs of the epoch's order planned into steps
 that the loop has begun (``begin_step``). A checkpoint taken after a step therefore resumes at
-the next step, with the same packs on the same ranks.
+the next step, with the same packs on the same ranks. The point is global, so a run may resume
+at another DP size: the next steps take the same packs of the same order, dealt to more or fewer
+ranks, except where "at least one pack per rank" decides a step's size (``max(reach, dp)``: a
+step whose budget is met by fewer packs than DP ranks).
 """
 
 from __future__ import annotations
@@ -217,10 +220,11 @@ class StepLoader:
             raise ValueError(f"loader state {dict(state)!r} was not written by a planned-step loader (token budget "
                              "or packing.balance=dp); resume with the same train.global_batch_tokens and "
                              "packing.balance, or start without checkpoint.load.")
-        for key in ("num_packs", "seed", "dp_size", "global_batch_tokens", "balance"):
+        # the resume point is global (a position in the epoch's order), so another dp_size resumes too
+        for key in ("num_packs", "seed", "global_batch_tokens", "balance"):
             if state.get(key) != self.state_dict()[key]:
                 raise ValueError(f"loader state from the checkpoint has {key}={state.get(key)!r} but this run has "
-                                 f"{self.state_dict()[key]!r}; resume with the same dataset, train.seed, data-parallel "
-                                 "size, train.global_batch_tokens and packing.balance, or start without checkpoint.load.")
+                                 f"{self.state_dict()[key]!r}; resume with the same dataset, train.seed, "
+                                 "train.global_batch_tokens and packing.balance, or start without checkpoint.load.")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         self._plans = None

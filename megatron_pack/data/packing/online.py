@@ -149,13 +149,17 @@ class StoreStream:
                      dropped, num_truncated, self.cursor >= len(self._order))
 
     def sample(self, sample_id: int, num_ids: int) -> dict:
-        start = int(self.store.offsets[sample_id])
-        return {"input_ids": self.store.tokens[start:start + num_ids].astype(np.int64),
-                "loss_mask": self.store.answer_mask[start:start + num_ids].astype(np.int64),
-                "sample_id": int(sample_id)}
+        return store_sample(self.store, sample_id, num_ids)
 
     def restore(self, sample_ids: list[int]) -> None:
         """Nothing to do: the store is random access."""
+
+
+def store_sample(store, sample_id: int, num_ids: int) -> dict:
+    """Sample ``sample_id`` of a token store, its first ``num_ids`` ids, as the collate takes it."""
+    start = int(store.offsets[sample_id])
+    return {"input_ids": store.tokens[start:start + num_ids].astype(np.int64),
+            "loss_mask": store.answer_mask[start:start + num_ids].astype(np.int64), "sample_id": int(sample_id)}
 
 
 class RecordStream:
@@ -374,6 +378,13 @@ class EpochAccounting:
                 "num_packs": self.num_packs, "num_pack_tokens": self.num_pack_tokens}
 
 
+def announce_epoch(record: Mapping[str, Any], shard: int) -> None:
+    """Log one finished epoch's accounting (a record of ``OnlinePackStream.finished_epochs``)."""
+    log.info("online packing epoch %d (shard %d): read %d = packed %d + dropped %s; %d packs, %d truncated",
+             record["epoch"], shard, record["num_samples_read"], record["num_samples_packed"],
+             record["num_samples_dropped"], record["num_packs"], record["num_samples_truncated"])
+
+
 class OnlinePackStream:
     """Packs of one shard, epoch after epoch: ``next_pack()`` returns ``[(sample_id, num_ids), ...]``.
 
@@ -442,9 +453,7 @@ class OnlinePackStream:
         record = {"epoch": self.epoch, **a.as_dict()}
         self.finished_epochs.append(record)
         if self.announce:
-            log.info("online packing epoch %d (shard %d): read %d = packed %d + dropped %s; %d packs, %d truncated",
-                     self.epoch, getattr(self.stream, "shard", 0), a.num_read, a.num_packed, a.dropped, a.num_packs,
-                     a.num_truncated)
+            announce_epoch(record, getattr(self.stream, "shard", 0))
         if a.num_packed == 0:
             raise DataError(f"online packing epoch {self.epoch}: no sample of this shard was packed (dropped "
                             f"{a.dropped}); check data.answer_only_loss, packing.on_overflow and the shard size.")
