@@ -1,10 +1,14 @@
 """Planned steps and online packing through the real loop, on 2 gloo ranks (DP=2), CPU, float32.
 
 1. ``packing.balance=dp`` moves packs between the DP ranks but trains the same global batch, so the
-   per-step losses equal the round-robin run's (1e-5; only the gradient summation order differs).
-2. A token-budget run (``train.global_batch_tokens``, balanced) and an online run
-   (``packing.mode=online``) killed after step 2 and resumed from their step-2 checkpoint give
-   the uninterrupted run's losses and packs at steps 3-4, bit for bit.
+   per-step losses equal the round-robin run's (1e-5; only the gradient summation order differs);
+   offline, and online with a global token budget on the stream source (moved packs carry their
+   tokenized samples; the ranks train unequal numbers of micro-batches in some steps).
+2. A token-budget run (``train.global_batch_tokens``, balanced) and an online run (store source,
+   global token budget, balanced, 2 DataLoader workers per rank) killed after step 2 and resumed
+   from their step-2 checkpoint give the uninterrupted run's losses and packs at steps 3-4, bit for bit.
+3. The online step selection over the real gloo DP group, on hand-made packs: the global budget
+   met round-robin within one pack, the balanced deal, packs moved between the ranks.
 """
 
 from __future__ import annotations
@@ -48,16 +52,68 @@ def _packs(trainer) -> np.ndarray:
     return np.array([";".join(",".join(map(str, ids)) for ids in step) for step in trainer.pack_log])
 
 
+class _HandFeed:
+    """Rank ``r``'s ready packs with the given target tokens (cost = tokens), labelled ``"r:j"``."""
+
+    def __init__(self, rank: int, tokens: list[int]):
+        self.dp_rank, self.dp_size, self.num_shards, self.tokens = rank, 2, 1, tokens
+
+    def start(self, states, next_worker):
+        from megatron_pack.data.batches.online_feed import ReadyPack
+
+        for j, t in enumerate(self.tokens):
+            yield ReadyPack(batch={"label": f"{self.dp_rank}:{j}"}, pack=[(100 * self.dp_rank + j, t + 1)],
+                            samples=None, target_tokens=t, real_tokens=t, cost=float(t), worker=0,
+                            state={"finished_epochs": [], "epoch": 0})
+
+
+HAND_TOKENS = [[5, 4, 9, 2, 8], [1, 3, 9, 7, 8]]
+"""Budget 12. Step 1: 5 + 1 + 4 = 10, + 3 = 13 -> packs [2, 2]; costs (5, 1 | 4, 3) owned 9 / 4, balanced
+{5, 1} / {4, 3}: rank 1's first pack moves to rank 0, rank 0's second to rank 1. Step 2: 9 + 9 -> [1, 1], no
+move. Step 3: 2 + 7 = 9, + 8 = 17 -> [2, 1]; owned {2, 8} / {7}, balanced {7, 2} / {8}."""
+HAND_EXPECTED = {"labels": [[["0:0", "1:0"], ["0:2"], ["1:3", "0:3"]], [["0:1", "1:1"], ["1:2"], ["0:4"]]],
+                 "tokens": [13, 18, 17], "imbalance": [[9 / 6.5, 7 / 6.5], [1.0, 1.0], [10 / 8.5, 9 / 8.5]]}
+
+
+def _hand_steps(rank: int) -> dict:
+    import torch.distributed as dist
+
+    from megatron_pack.data.batches.online import OnlineLoader
+    from megatron_pack.parallel.groups import gather_objects
+
+    loader = OnlineLoader(_HandFeed(rank, HAND_TOKENS[rank]), lambda samples: {"label": samples[0]["label"]},
+                          packs_per_step=1, budget_tokens=12, balance="dp", gather=gather_objects(dist.group.WORLD),
+                          samples_of=lambda moved: [{"label": f"{moved[0][0] // 100}:{moved[0][0] % 100}"}])
+    labels, tokens, imbalance = [], [], []
+    for _ in range(3):
+        info = loader.begin_step()
+        labels.append(",".join(next(loader)["label"] for _ in range(info.num_microbatches)))
+        tokens.append(info.tokens)
+        imbalance.append([info.imbalance_before, info.imbalance_after])
+    return {"hand_labels": labels, "hand_tokens": tokens, "hand_imbalance": imbalance}
+
+
+ONLINE = ("packing.mode=online", "packing.buffer_size=64", "train.global_batch_tokens=1200")
+
+
 def _worker(rank: int, world_size: int, dataset_dir: str, tmp: str) -> dict:
-    out = {}
-    for name, extra in (("rr", ()), ("bal", ("packing.balance=dp",))):
+    import multiprocessing
+
+    # DataLoader workers start as under torchrun (a fresh process: fork on Linux), not as the spawned
+    # parent of this test rank (spawn: every worker would import torch again, ~4 s per loader)
+    multiprocessing.set_start_method("fork", force=True)
+    out = _hand_steps(rank)
+    for name, extra in (("rr", ()), ("bal", ("packing.balance=dp",)),
+                        ("onrr", (*ONLINE, "packing.online_source=stream")),
+                        ("onbal", (*ONLINE, "packing.online_source=stream", "packing.balance=dp"))):
         t = _run(dataset_dir, f"{tmp}/{name}", "checkpoint.enabled=false", *extra)
         out[f"{name}_losses"] = [m.lm_loss for m in t.history]
         out[f"{name}_target"] = [m.target_tokens for m in t.history]
         out[f"{name}_packs"] = _packs(t)
         out[f"{name}_imbalance"] = [[m.imbalance_before or 0.0, m.imbalance_after or 0.0] for m in t.history]
+        out[f"{name}_counts"] = [len(step) for step in t.pack_log]
     for name, extra in (("budget", ("train.global_batch_tokens=1200", "packing.balance=dp")),
-                        ("online", ("packing.mode=online", "packing.buffer_size=64"))):
+                        ("online", (*ONLINE, "packing.balance=dp", "data.num_workers=2"))):
         full = _run(dataset_dir, f"{tmp}/{name}_full", *extra)
         _run(dataset_dir, f"{tmp}/{name}_killed", "train.exit_after_iters=2", *extra)
         resumed = _run(dataset_dir, f"{tmp}/{name}_killed", *extra)
@@ -74,16 +130,20 @@ def _worker(rank: int, world_size: int, dataset_dir: str, tmp: str) -> dict:
 def test_balanced_same_losses_and_planned_steps_resume_exactly(prepared_dataset, tmp_path):
     ranks = spawn_world(_worker, 2, tmp_path, prepared_dataset, str(tmp_path), timeout_s=480)
     r0, r1 = ranks
-    # 1. the same global batch, dealt differently: the same losses
-    np.testing.assert_allclose(r0["bal_losses"], r0["rr_losses"], rtol=1e-5)
-    np.testing.assert_array_equal(r0["bal_target"], r0["rr_target"])
-    moved = [set(a.split(";")) != set(b.split(";")) for a, b in zip(r0["bal_packs"], r0["rr_packs"])]
-    assert any(moved), "balancing moved no pack between ranks: the comparison would be vacuous"
-    for step in range(4):  # the union over ranks is the same set of packs
-        assert (set(r0["bal_packs"][step].split(";")) | set(r1["bal_packs"][step].split(";"))
-                == set(r0["rr_packs"][step].split(";")) | set(r1["rr_packs"][step].split(";")))
-    before, after = np.asarray(r0["bal_imbalance"]).T
-    assert np.all(after <= before + 1e-12) and np.all(before >= 1.0)
+    # 1. the same global batch, dealt differently: the same losses (offline, and online with a token budget)
+    for plain, balanced in (("rr", "bal"), ("onrr", "onbal")):
+        np.testing.assert_allclose(r0[f"{balanced}_losses"], r0[f"{plain}_losses"], rtol=1e-5)
+        np.testing.assert_array_equal(r0[f"{balanced}_target"], r0[f"{plain}_target"])
+        moved = [set(a.split(";")) != set(b.split(";")) for a, b in zip(r0[f"{balanced}_packs"], r0[f"{plain}_packs"])]
+        assert any(moved), f"{balanced}: balancing moved no pack between ranks: the comparison would be vacuous"
+        for step in range(4):  # the union over ranks is the same set of packs
+            assert (set(r0[f"{balanced}_packs"][step].split(";")) | set(r1[f"{balanced}_packs"][step].split(";"))
+                    == set(r0[f"{plain}_packs"][step].split(";")) | set(r1[f"{plain}_packs"][step].split(";")))
+        before, after = np.asarray(r0[f"{balanced}_imbalance"]).T
+        assert np.all(after <= before + 1e-12) and np.all(before >= 1.0) and np.any(after < before)
+    # online: the global budget is met (a pack holds < 512 target tokens); ranks train unequal counts in some step
+    assert np.all(r0["onrr_target"] >= 1200) and np.all(r0["onrr_target"] < 1200 + 512), r0["onrr_target"]
+    assert np.any(r0["onrr_counts"] != r1["onrr_counts"]) and np.any(r0["onbal_counts"] != r1["onbal_counts"])
     # 2. kill after step 2, resume from its checkpoint: steps 3-4 as the uninterrupted run
     for name in ("budget", "online"):
         for r in ranks:
@@ -92,3 +152,8 @@ def test_balanced_same_losses_and_planned_steps_resume_exactly(prepared_dataset,
             np.testing.assert_array_equal(r[f"{name}_resumed_packs"], r[f"{name}_full_packs"][2:])
     target = np.asarray(r0["budget_full_target"])
     assert np.all(target >= 1200) and np.ptp(target) < 1200, target
+    # 3. the hand-made case over the real gloo group
+    for r in range(2):
+        np.testing.assert_array_equal(ranks[r]["hand_labels"], [",".join(s) for s in HAND_EXPECTED["labels"][r]])
+        np.testing.assert_array_equal(ranks[r]["hand_tokens"], HAND_EXPECTED["tokens"])
+        np.testing.assert_allclose(ranks[r]["hand_imbalance"], HAND_EXPECTED["imbalance"], rtol=1e-12)
