@@ -6,7 +6,12 @@ with buffers of 64 .. 16384 samples, and by offline BFD (``plan_packing``) over 
 stream, in the same run. Prints packs, efficiency (sample tokens / pack tokens), packs over
 BFD's, and samples per second of the packer (best of ``--repeats``; lengths only, no tokens).
 
+``--loader`` measures the whole online loader instead (``OnlineLoader`` as training reads it:
+the synthetic set tokenized on the fly by the byte tokenizer, packed, collated) with
+``data.num_workers`` 0 and 2, and prints samples and packs per second of each and their ratio.
+
     .venv/bin/python bench/online.py [--samples 200000] [--repeats 2]
+    .venv/bin/python bench/online.py --loader [--loader-samples 20000]
 """
 
 from __future__ import annotations
@@ -42,11 +47,45 @@ def online(num_ids, num_samples: int, buffer_size: int) -> tuple[int, int, float
     return packs, stream.finished_epochs[0]["num_pack_tokens"], time.perf_counter() - start
 
 
+def loader_rate(num_samples: int, workers: int, pack_size: int = 4096) -> tuple[float, float]:
+    """(samples/s, packs/s) of one epoch's worth of packs from the online loader, stream source."""
+    from megatron_pack.config import Config, DataConfig, PackingConfig, TrainConfig
+    from megatron_pack.data.batches.loader import build_loader, open_dataset
+
+    cfg = Config(data=DataConfig(source="synthetic", synthetic_num_samples=num_samples, num_workers=workers),
+                 packing=PackingConfig(packed_sequence_size=pack_size, mode="online", online_source="stream",
+                                       buffer_size=1024),
+                 train=TrainConfig(global_batch_size=8))
+    loader = build_loader(cfg, open_dataset(cfg), dp_rank=0, dp_size=1)
+    start = time.perf_counter()
+    packs = samples = 0
+    while not loader.accounting:  # until every shard finished epoch 0
+        info = loader.begin_step()
+        for _ in range(info.num_microbatches):
+            samples += len(next(loader)["sample_ids"])
+            packs += 1
+    elapsed = time.perf_counter() - start
+    loader._reset()  # stops the DataLoader workers
+    return samples / elapsed, packs / elapsed
+
+
+def main_loader(num_samples: int) -> None:
+    rates = {w: loader_rate(num_samples, w) for w in (0, 2)}
+    for w, (samples, packs) in rates.items():
+        print(f"loader, stream source, data.num_workers={w}: {samples:,.0f} samples/s, {packs:,.1f} packs/s "
+              f"({samples / rates[0][0]:.2f}x workers=0)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--loader", action="store_true", help="measure the online loader with 0 and 2 workers")
+    parser.add_argument("--loader-samples", type=int, default=20_000)
     args = parser.parse_args()
+    if args.loader:
+        main_loader(args.loader_samples)
+        return
     for name, draw in MIXES.items():
         num_ids = block_seeded(draw, seed=0)
         lengths = thd_lengths(num_ids(0, 0, args.samples), 1)

@@ -90,20 +90,22 @@ class OnlineSource:
         """The first ``num_packs`` packs a single-rank run would train on."""
         return OnlinePacks(self, num_packs)
 
-    def records(self, start: int) -> Iterator[tuple[int, dict, str]]:
-        """``(index, record, where)`` of the raw records from ``start`` on (stream source)."""
+    def records(self, start: int, stride: int = 1) -> Iterator[tuple[int, dict, str]]:
+        """``(index, record, where)`` of the raw records ``start, start + stride, ...`` (stream source;
+        each DataLoader worker reads every ``stride``-th: a file is still parsed whole, the synthetic
+        set makes only those)."""
         d = self.cfg.data
         if d.source == "synthetic":
             from megatron_pack.data.formats.synthetic import synthetic_record
 
-            for i in range(start, d.synthetic_num_samples):
+            for i in range(start, d.synthetic_num_samples, stride):
                 yield i, synthetic_record(d.synthetic_seed, i, self.settings.truncate_to), f"<synthetic> row {i}"
             return
         index = 0
         for chunk in iter_chunks(self.files):
             unit = "line" if chunk.kind == "jsonl" else "row"
             for position, record in parse_chunk(chunk):
-                if index >= start:
+                if index >= start and (index - start) % stride == 0:
                     yield index, record, f"{chunk.path}: {unit} {position}"
                 index += 1
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -55,6 +56,17 @@ class ReadyPack:
     def pin_memory(self) -> "ReadyPack":
         """DataLoader(pin_memory=True) pins the batch's tensors (the rest are plain values)."""
         self.batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in self.batch.items()}
+        return self
+
+    def as_numpy(self) -> "ReadyPack":
+        """The batch's tensors as numpy arrays: a worker sends them through its pipe in one pickle (torch
+        would move each small tensor through its own shared-memory file, which costs more than the copy)."""
+        self.batch = {k: v.numpy() if torch.is_tensor(v) else v for k, v in self.batch.items()}
+        return self
+
+    def as_torch(self) -> "ReadyPack":
+        """The inverse of ``as_numpy`` (no copy)."""
+        self.batch = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in self.batch.items()}
         return self
 
     def tokens(self, kind: str) -> int:
@@ -99,9 +111,10 @@ class ShardPacks(IterableDataset):
     def __iter__(self) -> Iterator[ReadyPack]:
         info = get_worker_info()
         logical = ((0 if info is None else info.id) + self.next_worker) % self.num_workers
-        return self.maker.packs(shard=shard_of(self.dp_rank, logical, self.num_workers),
-                                num_shards=self.dp_size * self.num_workers, worker=logical,
-                                state=self.states[logical])
+        packs = self.maker.packs(shard=shard_of(self.dp_rank, logical, self.num_workers),
+                                 num_shards=self.dp_size * self.num_workers, worker=logical,
+                                 state=self.states[logical])
+        return packs if info is None else (ready.as_numpy() for ready in packs)
 
 
 def _as_is(item: ReadyPack) -> ReadyPack:
@@ -141,7 +154,7 @@ class PackFeed:
             if item.worker != expect:  # the rotation rests on the DataLoader's strict round-robin
                 raise RuntimeError(f"online packs arrived from worker {item.worker}, expected worker {expect}")
             expect = (expect + 1) % self.num_shards
-            yield item
+            yield item.as_torch() if self.num_workers else item
 
 
 def shard_of(dp_rank: int, worker: int, num_workers: int) -> int:

@@ -165,8 +165,9 @@ def store_sample(store, sample_id: int, num_ids: int) -> dict:
 class RecordStream:
     """One shard of raw records tokenized on the fly; record ``i`` belongs to shard ``i % num_shards``.
 
-    ``records(start)`` yields ``(record_index, record, where)`` from ``start`` on (a fresh pass
-    per epoch, the same order every epoch). Tokenized samples are held only while their id is
+    ``records(start, stride)`` yields ``(record_index, record, where)`` of records ``start,
+    start + stride, ...`` (a fresh pass per epoch, the same order every epoch; a source may yield
+    the others too, they are skipped). Tokenized samples are held only while their id is
     in the buffer; ``restore`` re-reads (without tokenizing the others) the buffered records of
     a resumed state.
     """
@@ -181,7 +182,7 @@ class RecordStream:
 
     def start_epoch(self, epoch: int, cursor: int = 0) -> None:
         self.epoch, self.cursor = epoch, cursor
-        self._it = self.records(cursor * self.num_shards + self.shard)
+        self._it = self.records(cursor * self.num_shards + self.shard, self.num_shards)
 
     def _next_mine(self):
         for index, record, where in self._it:
@@ -224,7 +225,7 @@ class RecordStream:
 
     def restore(self, sample_ids: list[int]) -> None:
         wanted = set(int(i) for i in sample_ids)
-        for index, record, where in self.records(0):
+        for index, record, where in self.records(self.shard, self.num_shards):
             if not wanted:
                 break
             if index in wanted:
