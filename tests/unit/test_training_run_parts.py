@@ -244,3 +244,28 @@ def test_sharded_optimizer_at_dp1_is_the_plain_optimizer():
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert sharded.num_state_elements == plain.num_state_elements == 2 * sum(p.numel() for p in models[0].parameters())
+
+
+# (id, the checkpoint's (tp, cp, dp), this run's (dp, dp_rank), rank file expected or None: meta.json's state)
+RANK_LOADER_CASES = [
+    ("tp2-to-tp1-same-dp", (2, 1, 2), (2, 1), 2),    # old ranks: tp + 2 * dp -> dp rank 1 at tp 0 is rank 2
+    ("cp2tp2-to-cp1-same-dp", (2, 2, 2), (2, 1), 4),
+    ("dp-rank-0", (2, 2, 2), (2, 0), 0),
+    ("other-dp", (1, 1, 2), (1, 0), None),
+]
+
+
+@pytest.mark.parametrize("saved,run,rank_file", [c[1:] for c in RANK_LOADER_CASES],
+                         ids=[c[0] for c in RANK_LOADER_CASES])
+def test_another_tp_cp_layout_resumes_each_dp_ranks_own_loader_state(tmp_path, saved, run, rank_file):
+    """Online loaders differ per DP rank: at another TP/CP layout with the same DP size a rank reads the
+    loader state of the old rank with its DP rank (TP and CP rank 0), not rank 0's copy in meta.json."""
+    from megatron_pack.training.loop import Trainer
+
+    tp, cp, dp = saved
+    for rank in range(tp * cp * dp):
+        torch.save({"loader": {"written_by": rank}}, tmp_path / f"rank_{rank:05d}.pt")
+    meta = {"tensor_model_parallel_size": tp, "context_parallel_size": cp, "data_parallel_size": dp}
+    trainer = SimpleNamespace(state=SimpleNamespace(dp_size=run[0], dp_rank=run[1]))
+    got = Trainer._rank_loader_state(trainer, tmp_path, meta, None)
+    assert got == (None if rank_file is None else {"written_by": rank_file})
