@@ -543,7 +543,9 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
     _check_resume_peft(cfg, resume, saved)
     loader_state = saved.get("train_state", {}).get("loader") or {}
     if kind == "resume" and cfg.packing.mode == "online" and loader_state.get("kind") == "online":
-        problem = online_resume_problem(loader_state, dp_size=dims.dp, num_workers=cfg.data.num_workers)
+        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        problem = online_resume_problem(loader_state, dp_size=dims.dp, num_workers=cfg.data.num_workers,
+                                        fresh=f"set {key} to another directory to start fresh")
         if problem:
             raise ConfigError([f"cannot resume from {resume}: {problem}"])
     if dataset is not None and kind == "resume":
@@ -648,8 +650,8 @@ def start_or_resume(cfg: Config, trainer: Trainer) -> None:
     changes = trainer.load(resume)
     for change in changes:
         log.warning("resumed with a changed setting (checkpoint.allow_changed=true): %s", change)
-    log.info("resumed from %s at step %d (%d packs consumed)", resume, trainer.step,
-             trainer.step * cfg.train.global_batch_size)
+    # samples, not step * global_batch_size packs: token budgets and online steps vary their pack count
+    log.info("resumed from %s at step %d (%d samples consumed)", resume, trainer.step, trainer.consumed_samples)
 
 
 def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,

@@ -179,7 +179,8 @@ ONLINE_CASES = [
     ("no-worker-is-one-worker", (2, 0), (2, 1), None),
     ("other-dp", (2, 2), (1, 2), ["written at data-parallel size 2", "this run has 1", "resume with 2 data-parallel"]),
     ("other-workers", (2, 2), (2, 0), ["data.num_workers (0) differs from the checkpoint's (2)",
-                                       "set data.num_workers=2 to resume"]),
+                                       "set data.num_workers=2 to resume", "set checkpoint.save (or train.output_dir) "
+                                       "to another directory to start fresh"]),
 ]
 
 

@@ -333,16 +333,17 @@ class OnlineLoader:
         self.next_worker = int(state["next_worker"])
 
 
-def online_resume_problem(state: Mapping[str, Any], *, dp_size: int, num_workers: int) -> Optional[str]:
-    """Why an online loader state cannot resume at ``dp_size`` ranks with ``num_workers`` workers (None: it can).
-    Its shards are ``dp_rank * W + w`` of ``dp * W`` (``W = max(num_workers, 1)``), so both must match."""
+def online_resume_problem(state: Mapping[str, Any], *, dp_size: int, num_workers: int,
+                          fresh: str = "start without checkpoint.load") -> Optional[str]:
+    """Why an online loader state cannot resume at ``dp_size`` ranks with ``num_workers`` workers (None: it can);
+    ``fresh`` says how to start over instead. Its shards are ``dp_rank * W + w`` of ``dp * W``
+    (``W = max(num_workers, 1)``), so both must match."""
     if state.get("dp_size") != dp_size:
         return (f"the checkpoint's online packing state was written at data-parallel size {state.get('dp_size')} "
                 f"and each DP rank's shards depend on it, this run has {dp_size}; resume with "
-                f"{state.get('dp_size')} data-parallel ranks, or start without checkpoint.load.")
+                f"{state.get('dp_size')} data-parallel ranks, or {fresh}.")
     saved = int(state.get("num_workers", 0))
     if max(saved, 1) != max(num_workers, 1):
         return (f"data.num_workers ({num_workers}) differs from the checkpoint's ({saved}): each worker packs its own "
-                f"shard of the online stream; set data.num_workers={saved} to resume, or start without "
-                "checkpoint.load.")
+                f"shard of the online stream; set data.num_workers={saved} to resume, or {fresh}.")
     return None
