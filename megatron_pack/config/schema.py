@@ -339,6 +339,9 @@ class PackingConfig(_Group):
     """With mode=online: most samples the packing buffer holds."""
     buffer_tokens: Optional[int] = None
     """With mode=online: most padded tokens the buffer holds; None means buffer_size * packed_sequence_size."""
+    max_samples_per_pack: Optional[int] = None
+    """With mode=online: most samples one pack holds (None: no cap). With pad_cu_seqlens the cu_seqlens
+    length is this + 2; without a cap it is the bound packed_sequence_size // pad multiple + 2."""
     balance: str = "none"
     """'none' (deal packs round-robin over DP ranks) or 'dp' (assign each step's packs by cost)."""
     cost_a: float = DEFAULT_COST_A
@@ -360,7 +363,7 @@ class PackingConfig(_Group):
         problems += _choice(g, self, "mode", PACKING_MODES)
         problems += _choice(g, self, "online_source", ONLINE_SOURCES)
         problems += _choice(g, self, "balance", BALANCE_MODES)
-        problems += _positive(g, self, ("buffer_size", "buffer_tokens"))
+        problems += _positive(g, self, ("buffer_size", "buffer_tokens", "max_samples_per_pack"))
         for name in ("cost_a", "cost_b"):
             if not getattr(self, name) >= 0:
                 problems.append(f"packing.{name} ({getattr(self, name)}) must be >= 0; set packing.{name}=1.0.")

@@ -157,18 +157,20 @@ def _validate_in_batch_packing(cfg: Config) -> list[str]:
 
 
 def _validate_online_packing(cfg: Config) -> list[str]:
-    """packing.mode=online needs a pack size; fixed cu_seqlens need a plan known in advance (workers,
-    token budgets and balancing work online: data/batches/online.py)."""
+    """packing.mode=online needs a pack size and a buffer that holds a pack; its cap on samples per pack
+    is online only (workers, token budgets, balancing and fixed cu_seqlens work online:
+    data/batches/online.py)."""
     p = cfg.packing
     if p.mode != "online":
+        if p.max_samples_per_pack is not None:
+            return [f"packing.max_samples_per_pack ({p.max_samples_per_pack}) caps packs made at run time, but "
+                    "packing.mode=offline packs by the prepared plan (which records its own max_samples_per_bin); "
+                    "unset packing.max_samples_per_pack, or set packing.mode=online."]
         return []
     problems = []
     if not p.offline:
         problems.append("packing.mode (online) needs a pack size, but packing.packed_sequence_size is 0; "
                         "set packing.packed_sequence_size=<tokens per pack, > 0>.")
-    if p.pad_cu_seqlens:
-        problems.append("packing.pad_cu_seqlens (True) needs max_samples_per_bin from an offline plan, which "
-                        "packing.mode=online does not have; set packing.pad_cu_seqlens=false or packing.mode=offline.")
     if p.buffer_tokens is not None and p.offline and p.buffer_tokens < p.packed_sequence_size:
         problems.append(f"packing.buffer_tokens ({p.buffer_tokens}) must hold at least one pack "
                         f"(packing.packed_sequence_size={p.packed_sequence_size}); set "

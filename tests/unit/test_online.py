@@ -61,6 +61,53 @@ def test_best_fit_decreasing_by_hand(lengths, capacity, expected):
     assert loads.tolist() == [sum(lengths[i] for i in b) for b in expected]
 
 
+# (id, lengths, capacity, max items, bins): packing.max_samples_per_pack closes a bin once it holds that many
+CAPPED_CASES = [
+    ("docstring", [5, 4, 3, 2, 2], 8, 2, [[0, 2], [1, 3], [4]]),
+    ("cap_1_is_one_per_bin", [1, 1, 1], 8, 1, [[0], [1], [2]]),
+    ("cap_not_reached", [6, 5, 2, 3], 8, 3, [[0, 2], [1, 3]]),
+    ("small_items_split_by_cap", [1] * 7, 8, 3, [[0, 1, 2], [3, 4, 5], [6]]),
+]
+
+
+@pytest.mark.parametrize("lengths,capacity,cap,expected", [c[1:] for c in CAPPED_CASES], ids=[c[0] for c in CAPPED_CASES])
+def test_best_fit_decreasing_with_a_sample_cap_by_hand(lengths, capacity, cap, expected):
+    bins, _ = best_fit_decreasing(np.asarray(lengths), capacity, cap)
+    assert [b.tolist() for b in bins] == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 16), min_size=1, max_size=3000), cap=st.integers(1, 9))
+def test_capped_bins_hold_every_item_once_within_both_limits(lengths, cap):
+    """Also above SMALL_BUFFER items, where the uncapped path hands over to the vectorised planner."""
+    bins, loads = best_fit_decreasing(np.asarray(lengths), 16, cap)
+    members = np.concatenate(bins)
+    assert sorted(members.tolist()) == list(range(len(lengths)))
+    assert max(len(b) for b in bins) <= cap and int(loads.max()) <= 16
+    assert loads.tolist() == [sum(lengths[i] for i in b.tolist()) for b in bins]
+
+
+@pytest.mark.parametrize("cap", [None, 3], ids=["bound", "cap3"])
+def test_online_pad_cu_seqlens_gives_every_batch_one_cu_seqlens_shape(prepared, cap):
+    """CUDA graphs online: cu_seqlens has max_samples_per_pack + 2 entries in every batch (without a cap,
+    the bound pack_size // pad multiple: 256 // 8 = 32 here)."""
+    cfg = _with(prepared, pad_cu_seqlens=True, max_samples_per_pack=cap, pad_seq_to_mult=8)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad_to_max_length=True))
+    expected = (cap or 256 // 8) + 2
+    loader = _loader(cfg)
+    counts = []
+    for _ in range(6):
+        info = loader.begin_step()
+        for _ in range(info.num_microbatches):
+            batch = next(loader)
+            assert batch["cu_seqlens"].numel() == batch["cu_seqlens_padded"].numel() == expected
+            assert batch["tokens"].numel() == 256
+            counts.append(int((batch["sample_ids"] >= 0).sum()))
+    assert max(counts) <= (cap or 32) and max(counts) > 1  # guard: packs really hold several samples
+    if cap:
+        assert max(counts) == cap  # the cap binds on these short samples
+
+
 def test_module_docstring_example_emits_fullest_first_then_flushes():
     # padded lengths [5, 4, 3, 2 | 6, 1] are num_ids [6, 5, 4, 3 | 7, 2] (THD length = num_ids - 1)
     stream = OnlinePackStream(array_stream([6, 5, 4, 3, 7, 2], 8), OnlinePacker(8, buffer_size=4), chunk_size=4)

@@ -55,6 +55,20 @@ def online_settings(cfg: Config) -> PlanSettings:
                         seed=cfg.train.seed, on_overflow=cfg.packing.on_overflow, max_length=max_length)
 
 
+def max_samples_per_pack(cfg: Config) -> int:
+    """Most samples an online pack can hold: ``packing.max_samples_per_pack``, else the bound every
+    pack obeys anyway (a kept sample has at least one THD token, padded to the pad multiple).
+    ``packing.pad_cu_seqlens`` gives cu_seqlens this + 2 entries (one shape for CUDA graphs).
+
+    >>> from megatron_pack.config.schema import PackingConfig
+    >>> max_samples_per_pack(Config(packing=PackingConfig(packed_sequence_size=64, pad_seq_to_mult=8, mode="online")))
+    8
+    """
+    if cfg.packing.max_samples_per_pack is not None:
+        return int(cfg.packing.max_samples_per_pack)
+    return cfg.packing.packed_sequence_size // effective_pad_multiple(cfg)
+
+
 class OnlineSource:
     """Where online packs come from, and the metadata the collate and ``validate`` read."""
 
@@ -83,7 +97,7 @@ class OnlineSource:
             if cfg.data.source == "files":
                 self.files = resolve_inputs(cfg.data.input)
         self.metadata = {"pack_size": self.settings.pack_size, "pad_seq_to_mult": self.settings.pad_multiple,
-                         "dataset_max_seqlen": self.settings.truncate_to, "max_samples_per_bin": None,
+                         "dataset_max_seqlen": self.settings.truncate_to, "max_samples_per_bin": max_samples_per_pack(cfg),
                          "tokenizer": tokenizer, "mode": "online", **ids}
 
     def first_packs(self, num_packs: int) -> OnlinePacks:
@@ -118,7 +132,8 @@ class OnlineSource:
 
             stream = RecordStream(self.records, self.tokenizer, _schema(self.cfg), self.settings, shard=shard,
                                   num_shards=num_shards, answer_only_loss=self.cfg.data.answer_only_loss)
-        packer = OnlinePacker(self.settings.pack_size, buffer_size=p.buffer_size, buffer_tokens=p.buffer_tokens)
+        packer = OnlinePacker(self.settings.pack_size, buffer_size=p.buffer_size, buffer_tokens=p.buffer_tokens,
+                              max_samples=p.max_samples_per_pack)
         return OnlinePackStream(stream, packer, chunk_size=min(1024, p.buffer_size), announce=announce)
 
     def samples_of(self, moved: list) -> list[dict]:

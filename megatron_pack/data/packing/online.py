@@ -240,15 +240,20 @@ SMALL_BUFFER = 2048
 """Up to this many samples the per-sample best fit below is faster than the histogram planner."""
 
 
-def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[list[np.ndarray], np.ndarray]:
+def best_fit_decreasing(lengths: np.ndarray, capacity: int,
+                        max_items: Optional[int] = None) -> tuple[list[np.ndarray], np.ndarray]:
     """BFD bins of ``lengths`` as (index arrays, loads); the same rule as ``plan_packing(..., "bfd")``:
     longest first, each into the open bin with the least room that still fits it (ties: the older bin).
+    With ``max_items`` a bin that holds that many items is closed (``packing.max_samples_per_pack``).
 
     >>> bins, loads = best_fit_decreasing(np.array([5, 4, 3, 2, 2]), 8)
     >>> [b.tolist() for b in bins], loads.tolist()
     ([[0, 2], [1, 3, 4]], [8, 8])
+    >>> bins, loads = best_fit_decreasing(np.array([5, 4, 3, 2, 2]), 8, max_items=2)
+    >>> [b.tolist() for b in bins], loads.tolist()
+    ([[0, 2], [1, 3], [4]], [8, 6, 2])
     """
-    if len(lengths) > SMALL_BUFFER:
+    if len(lengths) > SMALL_BUFFER and max_items is None:
         plan = plan_packing(lengths, capacity, "bfd", seed=0)
         bins = plan.bins()
         first = np.array([b.min() for b in bins])
@@ -261,11 +266,13 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[list[np.nda
         at = bisect.bisect_left(room, (need, -1))
         if at == len(room):
             members.append([i])
-            bisect.insort(room, (capacity - need, len(members) - 1))
+            if max_items is None or max_items > 1:
+                bisect.insort(room, (capacity - need, len(members) - 1))
         else:
             left, b = room.pop(at)
             members[b].append(i)
-            bisect.insort(room, (left - need, b))
+            if max_items is None or len(members[b]) < max_items:
+                bisect.insort(room, (left - need, b))
     bins = [np.asarray(m, dtype=np.int64) for m in members]
     return bins, np.array([int(lengths[b].sum()) for b in bins], dtype=np.int64)
 
@@ -315,9 +322,13 @@ class LengthStream:
 
 
 class OnlinePacker:
-    """A buffer bounded by ``buffer_size`` samples and ``buffer_tokens`` padded tokens; packs by best fit."""
+    """A buffer bounded by ``buffer_size`` samples and ``buffer_tokens`` padded tokens; packs by best fit
+    (at most ``max_samples`` samples a pack when given)."""
 
-    def __init__(self, capacity: int, *, buffer_size: int, buffer_tokens: Optional[int] = None):
+    def __init__(self, capacity: int, *, buffer_size: int, buffer_tokens: Optional[int] = None,
+                 max_samples: Optional[int] = None):
+        self.max_samples = max_samples
+        """Most samples in one pack (``packing.max_samples_per_pack``); None: no cap."""
         if buffer_size < 1:
             raise ValueError(f"packing.buffer_size ({buffer_size}) must be >= 1.")
         self.capacity, self.buffer_size = capacity, buffer_size
@@ -344,7 +355,7 @@ class OnlinePacker:
         """Packs as ``(sample ids, ids to read)``: the fullest down to half the buffer, or all when ``final``."""
         if not len(self):
             return []
-        bins, loads = best_fit_decreasing(self.lengths, self.capacity)
+        bins, loads = best_fit_decreasing(self.lengths, self.capacity, self.max_samples)
         # fullest first; among equal loads the bin holding the oldest sample first (FIFO-like)
         rank = sorted(range(len(bins)), key=lambda b: (-int(loads[b]), int(bins[b].min())))
         take, left, tokens = [], len(self), self.num_tokens
