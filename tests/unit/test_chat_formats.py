@@ -308,7 +308,10 @@ def test_threaded_tokenize_equals_serial(batch_dirs, tmp_path):
     from megatron_pack.data.store import token_store as ts
 
     path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in _conversations(90, seed=3)))
+    records = _conversations(90, seed=3)
+    for i in range(0, 90, 9):  # prompt/completion and TRL records go one at a time, on the same threads
+        records.insert(i, {"prompt": f"what is {i} plus {i}", "completion": f"{2 * i}"} if i % 2 else TRL)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
     ts.init_worker(batch_dirs["chatml_marked"], AUTO, True)
     assert ts.encode_threads(ts._WORKER["tokenizer"]) >= 1
     chunks = list(iter_chunks([Path(path)], 7))
