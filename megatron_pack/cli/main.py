@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help", "--version") for a in argv[1:]):  # answered before the module (and torch) loads
         from megatron_pack.cli.args import parse_command_line
 
-        answered = parse_command_line(argv[0], argv[1:])
+        own_flags = {"train": ("--check",)}.get(argv[0], ())  # options the subcommand strips itself
+        answered = parse_command_line(argv[0], [a for a in argv[1:] if a not in own_flags])
         if isinstance(answered, int):
             return answered
     try:

@@ -168,6 +168,10 @@ def _validate_online_packing(cfg: Config) -> list[str]:
                     "unset packing.max_samples_per_pack, or set packing.mode=online."]
         return []
     problems = []
+    if p.on_overflow == "split":
+        problems.append("packing.on_overflow (split) cuts over-long samples into pieces in the offline plan, which "
+                        "packing.mode=online does not make (it would truncate them instead); set "
+                        "packing.on_overflow=truncate (or drop), or packing.mode=offline.")
     if not p.offline:
         problems.append("packing.mode (online) needs a pack size, but packing.packed_sequence_size is 0; "
                         "set packing.packed_sequence_size=<tokens per pack, > 0>.")

@@ -41,7 +41,7 @@ from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.sampler import PackLoader
-from megatron_pack.data.batches.online import online_resume_problem, single_rank
+from megatron_pack.data.batches.online import online_packing_record, online_resume_problem, single_rank
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
@@ -545,6 +545,7 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
     if kind == "resume" and cfg.packing.mode == "online" and loader_state.get("kind") == "online":
         key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
         problem = online_resume_problem(loader_state, dp_size=dims.dp, num_workers=cfg.data.num_workers,
+                                        packing=online_packing_record(cfg),
                                         fresh=f"set {key} to another directory to start fresh")
         if problem:
             raise ConfigError([f"cannot resume from {resume}: {problem}"])

@@ -32,6 +32,12 @@ def test_help_lists_groups_presets_keys_and_the_docs(command, flag, capsys):
     assert len(shown) == len(COMMON_KEYS[command]) and shown  # every common key, with its default and meaning
 
 
+def test_train_check_with_help_prints_the_help(capsys):
+    """``--check`` is train's own flag: ``train --check --help`` is help, not an unknown option."""
+    assert main(["train", "--check", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: megatron-pack train")
+
+
 def test_help_lists_the_users_presets(tmp_path, capsys):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "my_run.yaml").write_text("# @package _global_\n")

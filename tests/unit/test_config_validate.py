@@ -122,6 +122,8 @@ CASES = [
     ("online_packing", dict(packing__mode="online", packing__pad_cu_seqlens=True, data__pad_to_max_length=True), {}, ()),
     ("online_packing", dict(packing__mode="online", packing__pad_cu_seqlens=True, data__pad_to_max_length=True,
                             packing__max_samples_per_pack=16), {}, ()),
+    ("online_packing", dict(packing__mode="online", packing__on_overflow="split"), {},
+     ("packing.on_overflow (split) cuts over-long samples", "set packing.on_overflow=truncate")),
     ("online_packing", dict(packing__max_samples_per_pack=16), {},
      ("packing.max_samples_per_pack (16) caps packs made at run time", "set packing.mode=online")),
     ("online_packing", dict(packing__mode="online", packing__buffer_tokens=100), {},

@@ -425,3 +425,43 @@ def test_memory_stays_bounded_on_a_10m_sample_stream():
     assert read == packed == 10_000_000 and packs > 1000
     # a held stream would need >= 80 MB for the ids alone; the buffer (65536 samples) needs ~2 MB
     assert grown_mib < 48, f"peak RSS grew by {grown_mib} MiB while streaming 10M samples"
+
+
+def test_resume_with_other_online_packing_rules_is_refused_in_one_line(prepared):
+    """The restored buffer and ready packs were made under the saved rules (buffer, cap, overflow, ...)."""
+    from megatron_pack.data.batches.online import online_packing_record, online_resume_problem
+
+    loader = _loader(prepared)
+    _steps(loader, 2)
+    state = loader.state_dict()
+    assert state["packing"] == online_packing_record(prepared)  # guard: the record is saved
+    other = _with(prepared, buffer_size=64)
+    with pytest.raises(ValueError, match=r"^packing.buffer_size \(64\) differs from the checkpoint's online packing "
+                                         r"\(32\).*set it back to 32 to resume"):
+        _loader(other).load_state_dict(state)
+    assert online_resume_problem(state, dp_size=1, num_workers=0, packing=online_packing_record(prepared)) is None
+    capped = online_packing_record(_with(prepared, max_samples_per_pack=4))
+    assert "packing.max_samples_per_pack (4)" in online_resume_problem(state, dp_size=1, num_workers=0, packing=capped)
+    seeded = online_packing_record(dataclasses.replace(prepared, train=dataclasses.replace(prepared.train, seed=4)))
+    assert online_resume_problem(state, dp_size=1, num_workers=0, packing=seeded).startswith("train.seed (4)")
+
+
+def test_more_shards_than_store_samples_is_refused_on_every_rank_alike(prepared):
+    with pytest.raises(DataError, match=r"into 200 shards .* holds only 150 samples.*set data.num_workers=1 or fewer"):
+        _loader(_with(prepared, workers=2), dp_rank=0, dp_size=100)
+
+
+def test_a_workers_data_error_reaches_the_loop_as_its_one_line():
+    from megatron_pack.data.batches.online_feed import PackFeed
+
+    def items():
+        raise DataError("Caught DataError in DataLoader worker process 1.\nOriginal Traceback (most recent call last):\n"
+                        '  File "online.py", line 470, in _finish_epoch\n    raise DataError(...)\n'
+                        "megatron_pack.data.formats.sources.DataError: online packing epoch 0: no sample of this shard "
+                        "was packed.\n")
+        yield  # pragma: no cover
+
+    feed = PackFeed(None, dp_rank=0, dp_size=1, num_workers=2)
+    with pytest.raises(DataError) as info:
+        next(feed._in_turn(items(), 0))
+    assert str(info.value) == "online packing epoch 0: no sample of this shard was packed."

@@ -30,7 +30,7 @@ from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.in_batch import collate_in_batch
 from megatron_pack.data.batches.micro_batches import MicroBatchDataset
-from megatron_pack.data.batches.online import Gather, OnlineLoader, OnlineSource, single_rank
+from megatron_pack.data.batches.online import Gather, OnlineLoader, OnlineSource, online_packing_record, single_rank
 from megatron_pack.data.batches.online_feed import PackFeed, PackMaker
 from megatron_pack.data.batches.sampler import PackLoader, PackSampler, build_pack_loader
 from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule, pack_stats
@@ -146,6 +146,12 @@ def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: i
     or one made in this process); the steps are selected over the DP group (``OnlineLoader``).
     ``announce`` logs each shard's per-epoch accounting (one rank per DP rank should)."""
     p, t = cfg.packing, cfg.train
+    num_shards = dp_size * max(cfg.data.num_workers, 1)
+    if source.store is not None and len(source.store) < num_shards:  # the same answer on every rank
+        raise DataError(f"packing.mode=online splits the token store into {num_shards} shards (data-parallel size "
+                        f"{dp_size} x max(data.num_workers={cfg.data.num_workers}, 1)) but it holds only "
+                        f"{len(source.store)} samples, so a shard would be empty; set data.num_workers="
+                        f"{max(len(source.store) // dp_size, 0)} or fewer, or prepare more data.")
     collate = collate_from_config(cfg, source.metadata)
     maker = PackMaker(source.pack_stream, collate, cost_a=p.cost_a, cost_b=p.cost_b,
                       keep_samples=p.balance == "dp" and source.store is None and dp_size > 1)
@@ -153,4 +159,4 @@ def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: i
     return OnlineLoader(feed, collate, packs_per_step=t.global_batch_size // dp_size,
                         budget_tokens=t.global_batch_tokens, budget_kind=t.token_budget, balance=p.balance,
                         gather=gather, samples_of=source.samples_of, announce=announce,
-                        num_workers=cfg.data.num_workers)
+                        num_workers=cfg.data.num_workers, packing=online_packing_record(cfg))

@@ -55,6 +55,22 @@ def online_settings(cfg: Config) -> PlanSettings:
                         seed=cfg.train.seed, on_overflow=cfg.packing.on_overflow, max_length=max_length)
 
 
+def online_packing_record(cfg: Config) -> dict:
+    """What decides the packs of an online run beyond the DP size and workers: the per-sample rules,
+    the buffer and the cap. Saved with the loader state; a resume with other values is refused
+    (its restored buffer and ready packs were made under the saved ones)."""
+    s, p = online_settings(cfg), cfg.packing
+    return {"pack_size": s.pack_size, "pad_multiple": s.pad_multiple, "seed": s.seed, "on_overflow": s.on_overflow,
+            "max_length": s.max_length, "online_source": p.online_source, "buffer_size": p.buffer_size,
+            "buffer_tokens": p.buffer_tokens, "max_samples_per_pack": p.max_samples_per_pack}
+
+
+_RECORD_KEYS = {"pack_size": "packing.packed_sequence_size", "seed": "train.seed",
+                "max_length": "packing.max_single_sequence_length",
+                "pad_multiple": "the pad multiple (packing.pad_seq_to_mult and the CP / TP rule)"}
+"""The config key behind each ``online_packing_record`` entry that is not ``packing.<entry>``."""
+
+
 def max_samples_per_pack(cfg: Config) -> int:
     """Most samples an online pack can hold: ``packing.max_samples_per_pack``, else the bound every
     pack obeys anyway (a kept sample has at least one THD token, padded to the pad multiple).
@@ -207,7 +223,7 @@ class OnlineLoader:
     def __init__(self, feed: PackFeed, collate_fn: Callable, *, packs_per_step: int,
                  budget_tokens: Optional[int] = None, budget_kind: str = "target", balance: str = "none",
                  gather: Gather = single_rank, samples_of: Optional[Callable] = None, announce: bool = False,
-                 num_workers: int = 0):
+                 num_workers: int = 0, packing: Optional[dict] = None):
         if feed.dp_size > 1 and gather is single_rank and (budget_tokens is not None or balance == "dp"):
             raise ValueError("OnlineLoader: a token budget or packing.balance=dp over several DP ranks needs the "
                              "DP group's gather (megatron_pack.training.loop.build_loader passes it)")
@@ -215,6 +231,8 @@ class OnlineLoader:
         self.dp_rank, self.dp_size, self.num_workers = feed.dp_rank, feed.dp_size, num_workers
         self.packs_per_step, self.budget_tokens, self.budget_kind = packs_per_step, budget_tokens, budget_kind
         self.balance, self.announce = balance, announce
+        self.packing = dict(packing or {})
+        """``online_packing_record(cfg)``: checked against a checkpoint's on resume."""
         self.states: list[Optional[dict]] = [None] * feed.num_shards
         """Per logical worker: its pack stream's state after the last pack this rank selected."""
         self.next_worker = 0
@@ -325,7 +343,7 @@ class OnlineLoader:
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "kind": "online", "dp_size": self.dp_size, "num_workers": self.num_workers,
-                "states": list(self.states), "next_worker": self.next_worker,
+                "states": list(self.states), "next_worker": self.next_worker, "packing": dict(self.packing),
                 "budget_tokens": self.budget_tokens, "packs_per_step": self.packs_per_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -335,7 +353,8 @@ class OnlineLoader:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"the checkpoint's online loader state has version {state.get('version')!r}, this "
                              f"version reads {STATE_VERSION}; start without checkpoint.load.")
-        problem = online_resume_problem(state, dp_size=self.dp_size, num_workers=self.num_workers)
+        problem = online_resume_problem(state, dp_size=self.dp_size, num_workers=self.num_workers,
+                                        packing=self.packing or None)
         if problem:
             raise ValueError(problem)
         for key in ("budget_tokens", "packs_per_step"):
@@ -349,10 +368,19 @@ class OnlineLoader:
 
 
 def online_resume_problem(state: Mapping[str, Any], *, dp_size: int, num_workers: int,
+                          packing: Optional[Mapping[str, Any]] = None,
                           fresh: str = "start without checkpoint.load") -> Optional[str]:
-    """Why an online loader state cannot resume at ``dp_size`` ranks with ``num_workers`` workers (None: it can);
-    ``fresh`` says how to start over instead. Its shards are ``dp_rank * W + w`` of ``dp * W``
-    (``W = max(num_workers, 1)``), so both must match."""
+    """Why an online loader state cannot resume at ``dp_size`` ranks with ``num_workers`` workers and the
+    ``packing`` record (``online_packing_record``; None: not checked) (None: it can); ``fresh`` says how
+    to start over instead. Its shards are ``dp_rank * W + w`` of ``dp * W`` (``W = max(num_workers, 1)``),
+    so both must match, and its buffer holds samples chosen under the saved packing rules."""
+    saved_packing = state.get("packing") or {}
+    for key in sorted(packing or {}):
+        if key in saved_packing and saved_packing[key] != packing[key]:
+            name = _RECORD_KEYS.get(key, f"packing.{key}")
+            return (f"{name} ({packing[key]}) differs from the checkpoint's online packing ({saved_packing[key]}): its "
+                    f"buffer and ready packs were made under the saved rules; set it back to {saved_packing[key]} to "
+                    f"resume, or {fresh}.")
     if state.get("dp_size") != dp_size:
         return (f"the checkpoint's online packing state was written at data-parallel size {state.get('dp_size')} "
                 f"and each DP rank's shards depend on it, this run has {dp_size}; resume with "

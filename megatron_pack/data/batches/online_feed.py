@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.balance import pack_cost
 
 
@@ -143,18 +144,37 @@ class PackFeed:
             items: Iterator[ReadyPack] = iter(dataset)
         else:
             # its own generator: making the iterator draws nothing from the global torch RNG (dropout masks)
+            # no pin_memory here: a worker's batch crosses the pipe as numpy, which torch's pin thread
+            # skips; it is pinned below, once it is torch again
             items = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
-                                    pin_memory=self.pin_memory and torch.cuda.is_available(), prefetch_factor=2,
-                                    generator=torch.Generator().manual_seed(0)))
+                                    prefetch_factor=2, generator=torch.Generator().manual_seed(0)))
         return self._in_turn(items, next_worker)
 
     def _in_turn(self, items: Iterator[ReadyPack], next_worker: int) -> Iterator[ReadyPack]:
         expect = next_worker
-        for item in items:
-            if item.worker != expect:  # the rotation rests on the DataLoader's strict round-robin
-                raise RuntimeError(f"online packs arrived from worker {item.worker}, expected worker {expect}")
-            expect = (expect + 1) % self.num_shards
-            yield item.as_torch() if self.num_workers else item
+        pin = self.pin_memory and torch.cuda.is_available()
+        try:
+            for item in items:
+                if item.worker != expect:  # the rotation rests on the DataLoader's strict round-robin
+                    raise RuntimeError(f"online packs arrived from worker {item.worker}, expected worker {expect}")
+                expect = (expect + 1) % self.num_shards
+                item = item.as_torch() if self.num_workers else item
+                yield item.pin_memory() if pin else item
+        except DataError as exc:  # a worker's DataError comes back wrapped with its traceback: one line again
+            raise DataError(worker_error_line(str(exc))) from None
+
+
+def worker_error_line(message: str) -> str:
+    """The original one-line message of a ``DataError`` that torch re-raised from a DataLoader worker
+    (``"Caught DataError in DataLoader worker process 1.\\nOriginal Traceback ... DataError: <line>"``).
+
+    >>> worker_error_line("Caught DataError in DataLoader worker process 1.\\nTraceback:\\n  x\\nDataError: no sample.\\n")
+    'no sample.'
+    """
+    marker = "DataError: "
+    if message.startswith("Caught DataError") and marker in message:
+        return message.rsplit(marker, 1)[1].strip()
+    return message
 
 
 def shard_of(dp_rank: int, worker: int, num_workers: int) -> int:

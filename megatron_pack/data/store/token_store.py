@@ -166,8 +166,16 @@ def encode_threads(tok) -> int:
     tokenizer). See docs/benchmarks.md.
     """
     if getattr(getattr(tok, "tok", None), "is_fast", False):
-        return os.cpu_count() or 1
+        return usable_cpus()
     return 1
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity: a SLURM or cgroup allotment), not the node's count."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
 
 
 def _threaded(chunks: Iterable[Chunk], threads: int) -> Iterator[ChunkResult]:
@@ -180,6 +188,9 @@ def _threaded(chunks: Iterable[Chunk], threads: int) -> Iterator[ChunkResult]:
 
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = _WORKER["tokenizer"]
+    if hasattr(tok, "encode"):  # transformers drops a tokenizer.json's truncation / padding at its first call,
+        tok.encode("warm up")   # mutating the Rust backend: do that before any thread encodes with it
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="tokenize") as pool:
             pending: deque = deque()
@@ -283,4 +294,4 @@ def default_num_workers(requested: int, tokenizer=None) -> int:
         return requested
     if getattr(getattr(tokenizer, "tok", None), "is_fast", False):
         return 1
-    return os.cpu_count() or 1
+    return usable_cpus()
