@@ -465,3 +465,24 @@ def test_a_workers_data_error_reaches_the_loop_as_its_one_line():
     with pytest.raises(DataError) as info:
         next(feed._in_turn(items(), 0))
     assert str(info.value) == "online packing epoch 0: no sample of this shard was packed."
+
+
+def test_stream_workers_parse_only_their_own_lines_of_a_file(tmp_path):
+    """Record ``i`` (blank lines are not records) belongs to worker ``i % stride``; a worker never parses
+    another's JSON, so a malformed line is reported by the worker that owns it, naming file and line."""
+    from megatron_pack.data.batches.online import OnlineSource
+
+    lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(7)]
+    lines.insert(3, "")          # blank: line 4 is not a record
+    lines.insert(6, "{broken")   # line 7 is record 5
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = Config(data=DataConfig(source="files", input=str(path), tokenizer="byte"),
+                 packing=PackingConfig(packed_sequence_size=64, mode="online", online_source="stream"))
+    source = OnlineSource(cfg)
+    even = list(source.records(0, 2))
+    assert [(i, r["prompt"], where.rsplit(": ", 1)[1]) for i, r, where in even] == [
+        (0, "q0", "line 1"), (2, "q2", "line 3"), (4, "q4", "line 6"), (6, "q5", "line 8")]
+    with pytest.raises(DataError, match=r"in.jsonl: line 7: malformed JSON"):
+        list(source.records(1, 2))
+    assert [i for i, _, _ in source.records(3, 4)] == [3, 7]  # resume-style start: every 4th from record 3

@@ -36,7 +36,7 @@ import numpy as np
 from megatron_pack.config.layout import effective_pad_multiple
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.steps import StepInfo
-from megatron_pack.data.formats.sources import DataError, iter_chunks, parse_chunk, resolve_inputs
+from megatron_pack.data.formats.sources import DataError, iter_chunks, parse_chunk, parse_line, resolve_inputs
 from megatron_pack.data.batches.online_feed import PackFeed, ReadyPack, shard_of
 from megatron_pack.data.packing.balance import assign_balanced, imbalance
 from megatron_pack.data.packing.online import (OnlinePacker, OnlinePackStream, RecordStream, StoreStream,
@@ -122,8 +122,8 @@ class OnlineSource:
 
     def records(self, start: int, stride: int = 1) -> Iterator[tuple[int, dict, str]]:
         """``(index, record, where)`` of the raw records ``start, start + stride, ...`` (stream source;
-        each DataLoader worker reads every ``stride``-th: a file is still parsed whole, the synthetic
-        set makes only those)."""
+        each DataLoader worker reads every ``stride``-th: of a JSONL file it splits every line but
+        parses only its own, the synthetic set makes only those). Blank lines are not records."""
         d = self.cfg.data
         if d.source == "synthetic":
             from megatron_pack.data.formats.synthetic import synthetic_record
@@ -133,10 +133,18 @@ class OnlineSource:
             return
         index = 0
         for chunk in iter_chunks(self.files):
-            unit = "line" if chunk.kind == "jsonl" else "row"
+            if chunk.kind == "jsonl":
+                for offset, raw in enumerate(chunk.items):
+                    if not raw.strip():
+                        continue
+                    if index >= start and (index - start) % stride == 0:  # JSON of other shards is never parsed
+                        line = chunk.first + offset
+                        yield index, parse_line(raw, chunk.path, line), f"{chunk.path}: line {line}"
+                    index += 1
+                continue
             for position, record in parse_chunk(chunk):
                 if index >= start and (index - start) % stride == 0:
-                    yield index, record, f"{chunk.path}: {unit} {position}"
+                    yield index, record, f"{chunk.path}: row {position}"
                 index += 1
 
     def pack_stream(self, *, shard: int, num_shards: int, announce: bool = False) -> OnlinePackStream:

@@ -107,10 +107,11 @@ def parse_chunk(chunk: Chunk) -> Iterator[tuple[int, dict]]:
         line_no = chunk.first + offset
         if not raw.strip():
             continue
-        yield line_no, _parse_line(raw, chunk.path, line_no)
+        yield line_no, parse_line(raw, chunk.path, line_no)
 
 
-def _parse_line(raw: bytes, path: str, line_no: int) -> dict:
+def parse_line(raw: bytes, path: str, line_no: int) -> dict:
+    """One JSONL line as a record, or a one-line ``DataError`` naming ``path`` and ``line_no``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
