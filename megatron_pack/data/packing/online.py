@@ -315,7 +315,7 @@ class LengthStream:
                      dropped, num_truncated, stop >= self._size)
 
     def sample(self, sample_id: int, num_ids: int) -> dict:
-        raise NotImplementedError("LengthStream holds lengths only; use StoreStream or RecordStream to train.")
+        raise TypeError("LengthStream holds lengths only, not tokens; use StoreStream or RecordStream to train.")
 
     def restore(self, sample_ids: list[int]) -> None:
         """Nothing to do: lengths are recomputed on demand."""
