@@ -43,8 +43,31 @@ def _expected_tokenizer(cfg):
     return build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
 
 
-class PackedSFTDataset:
+class BinnedSamples:
+    """Items that are bins of store samples: item ``i`` holds ``sample_order[bin_offsets[i]:bin_offsets[i+1]]``
+    (packs of a plan, or the micro-batches of in-batch packing). ``item_name`` names an item in errors."""
+
+    item_name = "item"
+
+    def __len__(self) -> int:
+        return len(self.bin_offsets) - 1
+
+    def sample_ids(self, i: int) -> np.ndarray:
+        """Store sample indices in item ``i``."""
+        return np.asarray(self.sample_order[self.bin_offsets[i]:self.bin_offsets[i + 1]])
+
+    def _bin(self, i: int) -> tuple[int, int, int]:
+        """``(i, lo, hi)``: ``i`` made non-negative, and its slice of the sample arrays (IndexError out of range)."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"{self.item_name} {i} out of range for {len(self)} {self.item_name}s")
+        i = i % len(self)
+        return i, int(self.bin_offsets[i]), int(self.bin_offsets[i + 1])
+
+
+class PackedSFTDataset(BinnedSamples):
     """Packs of samples from a prepared dataset directory (token store + plan)."""
+
+    item_name = "pack"
 
     def __init__(self, dataset_dir, plan_dir=None, *, expected_tokenizer=None):
         self.dataset_dir = Path(dataset_dir)
@@ -129,18 +152,8 @@ class PackedSFTDataset:
                             f"{describe_settings(settings)}); delete it and {fix}.")
         return dataset
 
-    def __len__(self) -> int:
-        return len(self.bin_offsets) - 1
-
-    def sample_ids(self, i: int) -> np.ndarray:
-        """Store sample indices in pack ``i``."""
-        return np.asarray(self.sample_order[self.bin_offsets[i]:self.bin_offsets[i + 1]])
-
     def __getitem__(self, i: int) -> list[dict]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"pack {i} out of range for {len(self)} packs")
-        i = i % len(self)
-        lo, hi = int(self.bin_offsets[i]), int(self.bin_offsets[i + 1])
+        i, lo, hi = self._bin(i)
         starts = self.sample_start[lo:hi].tolist() if self.sample_start is not None else [0] * (hi - lo)
         pieces = self.sample_piece[lo:hi].tolist() if self.sample_piece is not None else [0] * (hi - lo)
         bucket = self.pack_bucket(i)

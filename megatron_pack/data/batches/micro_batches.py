@@ -20,14 +20,17 @@ from __future__ import annotations
 from pathlib import Path
 import numpy as np
 
+from megatron_pack.data.batches.dataset import BinnedSamples
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.plan import select_samples
 from megatron_pack.data.store.metadata import PlanSettings, check_tokenizer, read_metadata
 from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
 
 
-class MicroBatchDataset:
+class MicroBatchDataset(BinnedSamples):
     """Micro-batches of samples from a token store (see the module docstring)."""
+
+    item_name = "micro-batch"
 
     plan_dir = None
     """No packing plan: micro-batches are packed at collate time."""
@@ -65,17 +68,8 @@ class MicroBatchDataset:
                    pad_multiple=effective_pad_multiple(cfg), on_overflow=cfg.packing.on_overflow,
                    seed=cfg.packing.seed, expected_tokenizer=cfg.data.tokenizer if check_tokenizer else None)
 
-    def __len__(self) -> int:
-        return len(self.bin_offsets) - 1
-
-    def sample_ids(self, i: int) -> np.ndarray:
-        return np.asarray(self.sample_order[self.bin_offsets[i]:self.bin_offsets[i + 1]])
-
     def __getitem__(self, i: int) -> list[dict]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"micro-batch {i} out of range for {len(self)} micro-batches")
-        i = i % len(self)
-        lo, hi = int(self.bin_offsets[i]), int(self.bin_offsets[i + 1])
+        _, lo, hi = self._bin(i)
         samples = []
         for sample_id, num_ids in zip(self.sample_order[lo:hi].tolist(), self.sample_num_ids[lo:hi].tolist()):
             start = int(self.store.offsets[sample_id])
