@@ -486,3 +486,8 @@ def test_stream_workers_parse_only_their_own_lines_of_a_file(tmp_path):
     with pytest.raises(DataError, match=r"in.jsonl: line 7: malformed JSON"):
         list(source.records(1, 2))
     assert [i for i, _, _ in source.records(3, 4)] == [3, 7]  # resume-style start: every 4th from record 3
+
+
+def test_fewer_store_samples_than_dp_ranks_names_the_dp_size_not_workers(prepared):
+    with pytest.raises(DataError, match=r"into 200 shards .* holds only 150 samples.*run on at most 150 data-parallel"):
+        _loader(prepared, dp_rank=0, dp_size=200)

@@ -150,8 +150,10 @@ def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: i
     if source.store is not None and len(source.store) < num_shards:  # the same answer on every rank
         raise DataError(f"packing.mode=online splits the token store into {num_shards} shards (data-parallel size "
                         f"{dp_size} x max(data.num_workers={cfg.data.num_workers}, 1)) but it holds only "
-                        f"{len(source.store)} samples, so a shard would be empty; set data.num_workers="
-                        f"{max(len(source.store) // dp_size, 0)} or fewer, or prepare more data.")
+                        f"{len(source.store)} samples, so a shard would be empty; "
+                        + (f"set data.num_workers={len(source.store) // dp_size} or fewer, or prepare more data."
+                           if len(source.store) >= dp_size else
+                           f"run on at most {len(source.store)} data-parallel ranks, or prepare more data."))
     collate = collate_from_config(cfg, source.metadata)
     maker = PackMaker(source.pack_stream, collate, cost_a=p.cost_a, cost_b=p.cost_b,
                       keep_samples=p.balance == "dp" and source.store is None and dp_size > 1)
