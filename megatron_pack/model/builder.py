@@ -280,9 +280,10 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         use_in_sequence_rope(model)
     model.attention_backend = backend
     if cfg.model.fp8 != "none":  # padding rows stay 0 at every FP8 GEMM input (model/fp8.py)
-        zero_padding_rows(model, cp_size=cfg.parallel.context_parallel_size, cp_rank=pg.cp_rank,
-                          tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
-                          sequence_parallel=cfg.parallel.sequence_parallel)
+        model.fp8_padding_hooks = zero_padding_rows(
+            model, cp_size=cfg.parallel.context_parallel_size, cp_rank=pg.cp_rank,
+            tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
+            sequence_parallel=cfg.parallel.sequence_parallel)
     _apply_rope_scaling(model, cfg)
     _mask_padded_vocab(model, cfg, pg.tp_rank)
     if cfg.model.pretrained:

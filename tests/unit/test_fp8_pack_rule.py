@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_pack.config import ConfigError, load_config, validate
+from megatron_pack.config import ConfigError, load_config
 from megatron_pack.config.choices import FP8_RECIPES, FP8_TOKEN_ALIGNMENT
 from megatron_pack.config.layout import effective_pack_multiple, fp8_token_multiple, pack_multiple, pad_multiple
 from megatron_pack.data.batches.in_batch import collate_in_batch
