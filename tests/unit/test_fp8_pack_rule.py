@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_pack.config import ConfigError, load_config
 from megatron_pack.config.choices import FP8_RECIPES, FP8_TOKEN_ALIGNMENT
@@ -235,3 +237,30 @@ def test_train_check_refuses_fp8_on_cpu_in_one_line(bf16_plan):
     assert out.returncode == 2, out.stdout + out.stderr
     assert "model.fp8 (delayed) needs CUDA and Transformer Engine (FP8 GEMMs), but train.device=cpu" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=st.sampled_from(GRID), lengths=st.lists(st.integers(2, 300), min_size=1, max_size=40),
+       packs=st.integers(1, 4), pad_to_max=st.booleans())
+def test_planned_packs_never_overflow_after_the_tail(layout, lengths, packs, pad_to_max):
+    """The packer packs padded lengths into pack_size (a multiple of the pack multiple); adding the tail never
+    overflows, and every pack's T is a multiple of the pack multiple."""
+    from megatron_pack.data.packing import plan_packing
+    from megatron_pack.data.packing.algorithms import thd_lengths
+
+    cp, tp, sp, recipe = layout
+    pad, whole = pad_multiple(cp, tp, sp), pack_multiple(cp, tp, sp, recipe)
+    pack_size = whole * packs * max(1, 512 // whole)
+    num_ids = np.asarray(lengths) + 1
+    keep = thd_lengths(num_ids, pad) <= pack_size
+    num_ids = num_ids[keep]
+    if not num_ids.size:
+        return
+    plan = plan_packing(thd_lengths(num_ids, pad), pack_size)
+    for members in plan.bins():
+        samples = [{"input_ids": [3] * int(num_ids[i]), "loss_mask": [1] * int(num_ids[i])} for i in members]
+        batch = collate_thd(samples, pack_size=pack_size, pad_multiple=pad, pack_multiple=whole,
+                            pad_to_max_length=pad_to_max)
+        num_tokens = batch["tokens"].shape[1]
+        assert num_tokens <= pack_size and num_tokens % whole == 0
+        assert batch["num_real_tokens"] == int(num_ids[members].sum() - len(members))
