@@ -30,7 +30,7 @@ Two things, both only on the Transformer Engine backend (GPU):
 
   The masks are computed on the device from ``packed_seq_params`` inside each forward (no host
   sync), so a captured CUDA graph recomputes them on replay. Real rows are untouched (``where``
-  keeps them), so real outputs are bit-identical with and without the hooks.
+  keeps them), so real rows compute exactly what they would without the hooks.
 """
 
 from __future__ import annotations
