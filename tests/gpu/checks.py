@@ -151,7 +151,7 @@ def check_te_thd_attention() -> dict:
 def _te_model_cfg(extra: list[str]):
     from megatron_pack.config import load_config
 
-    return load_config(["model.attention_backend=te", "model.params_dtype=bfloat16", "model.hidden_size=128",
+    return load_config(["model.attention_backend=te", "model.params_dtype=bfloat16", "train.bf16=true", "model.hidden_size=128",
                         "model.ffn_hidden_size=256", "model.num_attention_heads=4", "model.num_query_groups=2",
                         "packing.packed_sequence_size=256", "model.seq_length=256"] + extra)
 
