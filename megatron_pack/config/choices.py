@@ -34,3 +34,15 @@ DEFAULT_COST_B = 0.0013
 """``packing.cost_b``: cost per squared sub-sequence token, relative to cost_a: b/a = 0.001304 (1/767) fitted by
 ``bench/balance.py --fit`` (tiny model, CPU; docs/benchmarks.md), which is the flop count's 1/(12 * hidden_size)
 for hidden 64. Refit for your model and hardware (about 1/(12 * hidden_size) by flops)."""
+
+FP8_RECIPES = ("none", "delayed", "current", "mxfp8", "blockwise")
+"""``model.fp8``: no FP8, or a Transformer Engine FP8 recipe for the linear layers' GEMMs: delayed scaling
+(``DelayedScaling``, amax history), current per-tensor scaling (``Float8CurrentScaling``; megatron-core calls it
+'tensorwise'), MXFP8 (``MXFP8BlockScaling``, 32-element blocks, Blackwell) or blockwise FP8
+(``Float8BlockScaling``, 1x128 / 128x128 blocks, Hopper)."""
+
+FP8_TOKEN_ALIGNMENT = {"none": 1, "delayed": 16, "current": 16, "mxfp8": 32, "blockwise": 128}
+"""Tokens the rows of every FP8 GEMM input must come in multiples of, per ``model.fp8`` recipe
+(docs/thd.md "FP8 recipes" cites the Transformer Engine sources): 16 for per-tensor scaling (cuBLASLt's
+FP8 leading-dimension rule; the token dimension is the inner one of the weight-gradient GEMM), 32 for
+MXFP8 (its scaling block) and 128 for blockwise FP8 (its scaling block and quantized all-gather)."""

@@ -1,7 +1,7 @@
 """The pad and world-size rules of a parallel layout: plain integers in, integers or messages out.
 
-This module is the bottom of the package (no torch, no numpy, no other megatron_pack module), so
-config validation, the packer, the collate and the process-group setup all read one rule::
+This module is the bottom of the package (no torch, no numpy; of megatron_pack only the value lists of
+``config.choices``), so config validation, the packer, the collate and the process-group setup all read one rule::
 
     >>> pad_multiple(cp=2, tp=4, sequence_parallel=True)    # lcm(2*cp=4, cp*tp=8)
     8
@@ -9,6 +9,16 @@ config validation, the packer, the collate and the process-group setup all read 
     (16, 16, 0)
 
 ``world_size_problem(6, tp=2, cp=2, pp=1)`` names the fix ("launch 4 or 8 ranks ...").
+
+A low-precision recipe (``model.fp8``) adds a rule on the whole pack, not on each sub-sequence:
+the pack's token count ``T`` is padded (by a tail sub-sequence of zero real length) to a multiple of
+``pack_multiple``, so every FP8 GEMM sees a multiple of the recipe's alignment on every rank::
+
+    >>> fp8_token_multiple(cp=2, tp=2, sequence_parallel=True, fp8="delayed")   # 2 * 2 * 16
+    64
+    >>> pack_multiple(cp=2, tp=1, sequence_parallel=False, fp8="mxfp8")          # lcm(4, 2 * 32)
+    64
+
 
 ``megatron_pack.parallel.cp.pad_multiple`` and ``megatron_pack.parallel.dims`` re-export these
 names (the public paths of DESIGN.md stay valid).
@@ -18,6 +28,8 @@ from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Optional
+
+from megatron_pack.config.choices import FP8_TOKEN_ALIGNMENT
 
 if TYPE_CHECKING:
     from megatron_pack.config.schema import Config
@@ -61,6 +73,53 @@ def effective_pad_multiple(cfg: "Config") -> int:
         return cfg.packing.pad_seq_to_mult
     par = cfg.parallel
     return pad_multiple(par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel)
+
+
+def fp8_token_multiple(cp: int, tp: int, sequence_parallel: bool, fp8: str) -> int:
+    """The multiple of a pack's token count ``T`` that recipe ``fp8`` needs (1 for ``none``).
+
+    CP slicing hands each CP rank ``T / cp`` rows whatever the sub-sequences are (every sub-sequence
+    gives each rank ``L_i / cp`` rows), and with sequence parallelism each TP rank holds
+    ``T / (cp * tp)`` rows between its GEMMs (Transformer Engine quantizes that shard before the
+    all-gather). So ``T`` must be a multiple of ``cp * (tp if sequence_parallel) * alignment``.
+    Examples: ``(1, 1, False, "delayed") -> 16``, ``(8, 2, False, "mxfp8") -> 256``,
+    ``(2, 2, True, "blockwise") -> 512``, ``(4, 2, True, "none") -> 1``.
+    """
+    if fp8 not in FP8_TOKEN_ALIGNMENT:
+        raise ValueError(f"model.fp8 ({fp8!r}) must be one of {list(FP8_TOKEN_ALIGNMENT)}; set model.fp8=none.")
+    align = FP8_TOKEN_ALIGNMENT[fp8]
+    if align == 1:
+        return 1
+    return cp * (tp if sequence_parallel and tp > 1 else 1) * align
+
+
+def pack_multiple(cp: int, tp: int, sequence_parallel: bool, fp8: str = "none",
+                  pad_seq_to_mult: Optional[int] = None) -> int:
+    """The multiple a pack's token count is padded to: ``lcm(pad multiple, fp8_token_multiple)``.
+
+    The pad multiple is ``pad_seq_to_mult`` when given, else ``pad_multiple(cp, tp, sp)``; taking
+    the lcm keeps the tail a sub-sequence padded like the others (its CP chunks are whole). Without
+    FP8 it is the pad multiple itself, which every pack already is (a sum of padded sub-sequences).
+    Examples: ``(1, 1, False, "delayed") -> 16``, ``(2, 1, False, "delayed", 48) -> 96``,
+    ``(4, 1, False, "none") -> 8``.
+    """
+    pad = pad_seq_to_mult if pad_seq_to_mult is not None else pad_multiple(cp, tp, sequence_parallel)
+    return math.lcm(pad, fp8_token_multiple(cp, tp, sequence_parallel, fp8))
+
+
+def effective_pack_multiple(cfg: "Config") -> int:
+    """``pack_multiple`` for the configured degrees, ``model.fp8`` and pad multiple (no world size needed)."""
+    par = cfg.parallel
+    return pack_multiple(par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel,
+                         cfg.model.fp8, effective_pad_multiple(cfg))
+
+
+def fp8_rule_text(cp: int, tp: int, sequence_parallel: bool, fp8: str) -> str:
+    """The FP8 pack rule with its numbers, for messages: ``cp*tp*16 = 2*2*16 = 64 (model.fp8=delayed)``."""
+    align = FP8_TOKEN_ALIGNMENT[fp8]
+    if sequence_parallel and tp > 1:
+        return f"cp*tp*{align} = {cp}*{tp}*{align} = {cp * tp * align} (model.fp8={fp8}, sequence_parallel)"
+    return f"cp*{align} = {cp}*{align} = {cp * align} (model.fp8={fp8})"
 
 
 def pad_rule_text(cp: int, tp: int, sequence_parallel: bool) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_pack.config.choices import (ATTENTION_MODES, BALANCE_MODES, CP_COMM_TYPES, DEFAULT_COST_A, DEFAULT_COST_B,
-                                          ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, TOKEN_BUDGET_KINDS)
+                                          FP8_RECIPES, ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, TOKEN_BUDGET_KINDS)
 
 
 class ConfigError(ValueError):
@@ -108,6 +108,10 @@ class ModelConfig(_Group):
     """'float32' or 'bfloat16' parameters."""
     cuda_graph_impl: str = "none"
     """'none', 'local' (megatron-core CUDA graphs) or 'transformer_engine'."""
+    fp8: str = "none"
+    """FP8 recipe of the linear layers (Transformer Engine, GPU): 'none', 'delayed', 'current' (megatron-core's
+    'tensorwise'), 'mxfp8' or 'blockwise'. Each pack's tokens are then padded to a multiple of
+    cp * (tp with sequence_parallel) * 16 / 16 / 32 / 128 (docs/thd.md); padding stays zero and out of the scales."""
     cuda_graph_scope: list[str] = field(default_factory=list)
     """Parts captured by CUDA graphs: empty means the whole layer; or any of 'attn', 'mlp'."""
     pretrained: Optional[str] = None
@@ -157,6 +161,7 @@ class ModelConfig(_Group):
         problems += _choice(g, self, "attention_backend", ("auto", "torch", "te"))
         problems += _choice(g, self, "params_dtype", ("float32", "bfloat16"))
         problems += _choice(g, self, "cuda_graph_impl", ("none", "local", "transformer_engine"))
+        problems += _choice(g, self, "fp8", FP8_RECIPES)
         problems += _recompute_problems(self)
         for scope in self.cuda_graph_scope:
             if scope not in ("attn", "mlp"):

@@ -15,10 +15,12 @@ docs/configuration.md lists every rule with its message.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
-from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple, round_up,
+from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_multiple, fp8_rule_text,
+                                         fp8_token_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
 __all__ = ["collect_problems", "effective_pad_multiple", "launch_problems", "prepare_problems",
@@ -258,13 +260,18 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
     problems = []
     size = cfg.packing.packed_sequence_size
     pad = _pad_multiple_fix(cfg) or effective_pad_multiple(cfg)  # the value the pad message says to set
-    if size % pad:
+    fp8_multiple = fp8_token_multiple(*_layout(cfg), cfg.model.fp8)
+    multiple = math.lcm(pad, fp8_multiple)
+    if size % multiple:
         source = ("packing.pad_seq_to_mult" if cfg.packing.pad_seq_to_mult is not None
                   else f"derived: {pad_rule_text(*_layout(cfg))}")
-        both = (f" and model.seq_length={_ceil_to(size, pad)} (they are equal with offline packing)"
+        both = (f" and model.seq_length={_ceil_to(size, multiple)} (they are equal with offline packing)"
                 if cfg.model.seq_length == size else "")
-        problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
-                        f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}{both}.")
+        if fp8_multiple == 1:
+            problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
+                            f"({source}); set packing.packed_sequence_size={_ceil_to(size, pad)}{both}.")
+        else:
+            problems.append(_fp8_pack_size_problem(cfg, size, pad, source, multiple, both))
     longest = cfg.packing.max_single_sequence_length
     if longest is not None and longest > size:
         problems.append(f"packing.max_single_sequence_length ({longest}) must be <= packing.packed_sequence_size "
@@ -272,6 +279,66 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
     if cfg.model.seq_length != size:
         problems.append(f"model.seq_length ({cfg.model.seq_length}) must equal packing.packed_sequence_size ({size}) "
                         f"with offline packing; set model.seq_length={size}.")
+    return problems
+
+
+def _fp8_pack_size_problem(cfg: Config, size: int, pad: int, source: str, multiple: int, both: str) -> str:
+    """The pack size breaks the FP8 rule: every rank's rows of a pack come in multiples of the alignment."""
+    cp, tp, sp = _layout(cfg)
+    required = required_pad_multiple(cp, tp, sp)
+    other = ""
+    if cfg.packing.pad_seq_to_mult is not None and size % math.lcm(required, fp8_token_multiple(cp, tp, sp, cfg.model.fp8)) == 0:
+        other = " (or unset packing.pad_seq_to_mult)"
+    rule = fp8_rule_text(cp, tp, sp, cfg.model.fp8)
+    if multiple != fp8_token_multiple(cp, tp, sp, cfg.model.fp8):
+        rule = f"lcm(pad multiple {pad} ({source}), {rule})"
+    return (f"packing.packed_sequence_size ({size}) must be divisible by the pack multiple {multiple} = {rule}, so "
+            f"every rank's rows of a padded pack come in whole FP8 blocks; set packing.packed_sequence_size="
+            f"{_ceil_to(size, multiple)}{both}{other}.")
+
+
+FP8_WEIGHT_RULE = (16, 8)
+"""Transformer Engine's FP8 GEMM shape rule (``assert_dim_for_fp8_exec``): a weight [out, in] needs in % 16 == 0
+and out % 8 == 0, per TP rank."""
+
+
+def _fp8_gemm_shapes(cfg: Config) -> list[tuple[str, int, int]]:
+    """(name, out, in) of each linear's weight on one TP rank (megatron-core's fused qkv and fc1)."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    fc1 = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    return [("linear_qkv", (m.num_attention_heads + 2 * groups) * kv // tp, m.hidden_size),
+            ("linear_proj", m.hidden_size, m.num_attention_heads * kv // tp),
+            ("linear_fc1", fc1 // tp, m.hidden_size), ("linear_fc2", m.hidden_size, m.ffn_hidden_size // tp)]
+
+
+def _validate_fp8(cfg: Config) -> list[str]:
+    """model.fp8 runs Transformer Engine's FP8 GEMMs with padding kept at exactly zero (docs/thd.md)."""
+    m, fp8 = cfg.model, cfg.model.fp8
+    if fp8 == "none":
+        return []
+    problems = []
+    if m.attention_backend == "torch" or cfg.verify.attention != "thd":
+        why = ("model.attention_backend=torch" if m.attention_backend == "torch"
+               else f"verify.attention={cfg.verify.attention} (torch attention only)")
+        problems.append(f"model.fp8 ({fp8}) runs Transformer Engine's FP8 linear layers, but {why} builds the local "
+                        "torch layers, which have no FP8 GEMMs; set model.attention_backend=auto (or te) and "
+                        "verify.attention=thd, or model.fp8=none.")
+    if m.normalization != "RMSNorm":
+        problems.append(f"model.fp8 ({fp8}) with model.normalization={m.normalization}: a zeroed padding row leaves "
+                        "LayerNorm as its bias, which would enter the FP8 scales (RMSNorm keeps it 0); set "
+                        "model.normalization=RMSNorm or model.fp8=none.")
+    tp = cfg.parallel.tensor_model_parallel_size
+    if m.ffn_hidden_size % tp or m.num_attention_heads % tp:
+        return problems  # _validate_tensor_parallel names the fix first
+    need_in, need_out = FP8_WEIGHT_RULE
+    for name, out, inp in _fp8_gemm_shapes(cfg):
+        if inp % need_in or out % need_out:
+            problems.append(f"model.fp8 ({fp8}): {name}'s weight is [{out}, {inp}] per TP rank (tp={tp}), but Transformer "
+                            f"Engine's FP8 GEMMs need its input size a multiple of {need_in} and its output size a "
+                            f"multiple of {need_out}; choose model sizes (hidden_size, ffn_hidden_size, heads, "
+                            "kv_channels) or a parallel.tensor_model_parallel_size that give them, or model.fp8=none.")
     return problems
 
 
@@ -351,6 +418,9 @@ def _validate_device(cfg: Config) -> list[str]:
                         "set model.cuda_graph_impl=none.")
     if cfg.parallel.backend == "nccl":
         problems.append("parallel.backend (nccl) needs CUDA, but train.device=cpu; set parallel.backend=gloo (or auto).")
+    if cfg.model.fp8 != "none":
+        problems.append(f"model.fp8 ({cfg.model.fp8}) needs CUDA and Transformer Engine (FP8 GEMMs), but train.device=cpu; "
+                        "set model.fp8=none (prepare accepts model.fp8 on CPU: it only shapes the packs).")
     return problems
 
 
@@ -369,6 +439,7 @@ def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[
         problems.append(f"packing.packed_sequence_size ({cfg.packing.packed_sequence_size}) does not match "
                         f"pack_size={pack_size} in {where}; set packing.packed_sequence_size={pack_size} or {redo}.")
     problems += _dataset_pad_problems(cfg, meta.get("pad_seq_to_mult"), where, redo)
+    problems += _dataset_pack_problems(cfg, meta, where, redo)
     vocab = meta.get("vocab_size")
     if vocab is not None and vocab > cfg.model.vocab_size:
         problems.append(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
@@ -392,6 +463,22 @@ def _dataset_pad_problems(cfg: Config, planned: Optional[int], where: str, redo:
                 f"planned with ({where}), so padded packs could overflow; set packing.pad_seq_to_mult={planned} "
                 f"(or leave it unset) or {redo}."]
     return []
+
+
+def _dataset_pack_problems(cfg: Config, meta: dict[str, Any], where: str, redo: str) -> list[str]:
+    """The plan's packs are padded to the pack multiple the run needs (model.fp8: a whole number of FP8 blocks
+    per rank); a plan made without the recipe (or for a smaller CP) is refused with the prepare that fits."""
+    planned = meta.get("pack_multiple", meta.get("pad_seq_to_mult"))
+    if planned is None or not cfg.packing.offline or cfg.model.fp8 == "none":
+        return []
+    needed = effective_pack_multiple(cfg)
+    if int(planned) % needed == 0:
+        return []
+    cp, tp, sp = _layout(cfg)
+    return [f"model.fp8 ({cfg.model.fp8}): the dataset was planned with packs padded to a multiple of {planned} tokens "
+            f"(pack_multiple in {where}), but this run needs {needed} = lcm(pad multiple, FP8 rows "
+            f"{fp8_rule_text(cp, tp, sp, cfg.model.fp8)}); {redo} and model.fp8={cfg.model.fp8} (its packs pad to "
+            f"{needed})."]
 
 
 def _validate_verify_reference(cfg: Config) -> list[str]:
@@ -494,6 +581,7 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_vocab_size,
     _validate_attention_backend,
     _validate_evaluation,
+    _validate_fp8,
 )
 
 

@@ -9,6 +9,9 @@ Two layer specs, chosen by ``model.attention_backend``:
             position whatever ``max_seqlen`` says (``model/rope.py``); runs on CPU and GPU.
 * ``auto``  ``te`` when ``transformer_engine`` imports and CUDA is present, else ``torch``.
 
+``model.fp8`` (a recipe other than 'none') sets megatron-core's FP8 settings on the ``te`` backend
+and keeps padded rows at zero (``model/fp8.py``); on the torch backend (CPU) it is refused, never ignored.
+
 The whole ``TransformerConfig`` comes from one function, ``transformer_config_from(cfg)``.
 
 Example::
@@ -30,6 +33,7 @@ from megatron_pack.config.choices import CP_COMM_TYPES
 from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.config.validate import vocab_problems
 from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
+from megatron_pack.model.fp8 import fp8_config_kwargs, te_recipe_problem, zero_padding_rows
 from megatron_pack.model.norms import SequenceParallelNorm
 from megatron_pack.parallel.groups import ParallelState
 
@@ -119,7 +123,7 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         bias_activation_fusion=False, gradient_accumulation_fusion=apex_wgrad_fusion_available(),
         persist_layer_norm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
-        **recompute_kwargs(cfg),
+        **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
     )
 
 
@@ -192,6 +196,24 @@ def _deterministic_te_env(cfg: Config, backend: str) -> None:
                          f"but the environment sets it to {current!r}; unset it or set train.deterministic=false.")
 
 
+def _check_fp8(cfg: Config, backend: str) -> None:
+    """model.fp8 needs Transformer Engine on a GPU that runs the recipe: refused otherwise, never ignored."""
+    recipe = cfg.model.fp8
+    if recipe == "none":
+        return
+    if backend != "te":
+        why = te_import_error() or ("CUDA is not available" if not torch.cuda.is_available()
+                                    else "model.attention_backend/verify.attention chose the torch layers")
+        raise ConfigError([f"model.fp8 ({recipe}) needs Transformer Engine's FP8 linear layers on a GPU, but this run "
+                           f"builds the torch layers ({why}); set model.fp8=none, or run on a GPU host with "
+                           "megatron_pack[gpu] installed (prepare alone accepts model.fp8 anywhere)."])
+    problem = te_recipe_problem(recipe)
+    if problem:
+        raise ConfigError([f"model.fp8 ({recipe}) cannot run here: {problem}; choose another model.fp8 "
+                           "(delayed or current need compute capability >= 8.9, blockwise 9.0 with CUDA >= 12.9, "
+                           "mxfp8 10.0) or model.fp8=none."])
+
+
 def _check_cuda_graphs(cfg: Config, backend: str) -> None:
     if backend == "torch" and cfg.model.cuda_graph_impl != "none":
         raise ValueError(f"model.cuda_graph_impl ({cfg.model.cuda_graph_impl!r}) needs the Transformer Engine backend "
@@ -232,6 +254,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     _check_divisibility(cfg)
     backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode)
     _check_cuda_graphs(cfg, backend)
+    _check_fp8(cfg, backend)
     _deterministic_te_env(cfg, backend)
     config = transformer_config_from(cfg, backend=backend)
     if cfg.model.pretrained:  # every weight is read from the folder; skip the random init
@@ -256,6 +279,11 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
         use_in_sequence_rope(model)
     model.attention_backend = backend
+    if cfg.model.fp8 != "none":  # padding rows stay 0 at every FP8 GEMM input (model/fp8.py)
+        model.fp8_padding_hooks = zero_padding_rows(
+            model, cp_size=cfg.parallel.context_parallel_size, cp_rank=pg.cp_rank,
+            tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
+            sequence_parallel=cfg.parallel.sequence_parallel)
     _apply_rope_scaling(model, cfg)
     _mask_padded_vocab(model, cfg, pg.tp_rank)
     if cfg.model.pretrained:

@@ -148,3 +148,33 @@ def slice_thd_batch(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dic
                                  "every per-token key of a THD batch must be [1, T].")
             out[key] = value.index_select(-1, index)
     return out
+
+
+def thd_real_token_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded, num_local: int, cp_size: int,
+                        cp_rank: int) -> torch.Tensor:
+    """Bool [num_local]: which of CP rank ``cp_rank``'s local rows hold a real token (False on padding).
+
+    Device tensor ops only (``searchsorted``, no ``.item()``, no host copy), so it runs inside a
+    captured CUDA graph on the cu_seqlens the attention kernel reads. Local rows are the rank's
+    chunks in ``thd_partition_indices`` order: sub-sequence ``i`` (padded length ``L_i``, chunk
+    ``c_i = L_i / (2*CP)``) owns local rows ``[cu_padded[i]/CP, cu_padded[i+1]/CP)``, the first
+    ``c_i`` at in-sequence offset ``r*c_i`` and the next at ``(2*CP-1-r)*c_i``; a row is real when
+    its offset is below the sub-sequence's real length. ``cu_seqlens_padded`` None means no padding.
+
+    Example, ``cu_seqlens=[0, 3, 5]``, ``cu_seqlens_padded=[0, 4, 8]``: CP=1 ->
+    ``[T, T, T, F, T, T, F, F]``; CP=2 rank 0 (global rows [0, 3, 4, 7]) -> ``[T, F, T, F]``,
+    rank 1 (rows [1, 2, 5, 6]) -> ``[T, T, T, F]``.
+    """
+    cu = cu_seqlens.to(torch.int64).reshape(-1)
+    if cu_seqlens_padded is None:
+        return torch.ones(num_local, dtype=torch.bool, device=cu.device)
+    cu_pad = cu_seqlens_padded.to(device=cu.device, dtype=torch.int64).reshape(-1)
+    row = torch.arange(num_local, device=cu.device)
+    local_start = cu_pad // cp_size
+    # the sub-sequence holding each local row; zero-length ones (a fixed cu_seqlens tail) hold none
+    seq = torch.searchsorted(local_start[1:].contiguous(), row, right=True).clamp(max=cu.numel() - 2)
+    offset = row - local_start[seq]
+    if cp_size > 1:
+        chunk = (cu_pad[seq + 1] - cu_pad[seq]) // (2 * cp_size)
+        offset = torch.where(offset < chunk, offset + cp_rank * chunk, offset - chunk + (2 * cp_size - 1 - cp_rank) * chunk)
+    return offset < (cu[seq + 1] - cu[seq])

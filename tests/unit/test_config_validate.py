@@ -197,6 +197,27 @@ CASES = [
      ("model.cuda_graph_impl (local) needs the Transformer Engine backend", "set model.attention_backend=te")),
     ("attention_backend", dict(model__attention_backend="te", verify__attention="pack_causal"), {},
      ("verify.attention (pack_causal)", "set model.attention_backend=torch")),
+    # issue 27: model.fp8 (the pack-size and dataset rules are table-driven in tests/unit/test_fp8_pack_rule.py)
+    ("fp8", dict(model__fp8="delayed"), {}, ()),
+    ("fp8", dict(model__fp8="current", model__attention_backend="torch"), {},
+     ("model.fp8 (current) runs Transformer Engine's FP8 linear layers", "model.attention_backend=torch",
+      "set model.attention_backend=auto (or te)")),
+    ("fp8", dict(model__fp8="delayed", model__normalization="LayerNorm"), {},
+     ("model.fp8 (delayed) with model.normalization=LayerNorm", "set model.normalization=RMSNorm")),
+    ("fp8", dict(model__fp8="mxfp8", parallel__tensor_model_parallel_size=2), {},
+     ("linear_fc2's weight is [64, 88] per TP rank (tp=2)", "a multiple of 16")),
+    ("packed_sizes", dict(model__fp8="delayed", parallel__context_parallel_size=2), {}, ()),
+    ("packed_sizes", dict(model__fp8="mxfp8", parallel__context_parallel_size=2, packing__packed_sequence_size=504,
+                          model__seq_length=504), {},
+     ("packing.packed_sequence_size (504) must be divisible by the pack multiple 64 = cp*32 = 2*32 = 64 "
+      "(model.fp8=mxfp8)", "set packing.packed_sequence_size=512 and model.seq_length=512")),
+    ("device", dict(train__device="cpu", model__fp8="blockwise"), {},
+     ("model.fp8 (blockwise) needs CUDA and Transformer Engine", "set model.fp8=none")),
+    ("dataset_meta", dict(model__fp8="delayed", parallel__context_parallel_size=2),
+     dict(meta=dict(META_OK, pack_multiple=32)), ()),
+    ("dataset_meta", dict(model__fp8="delayed", parallel__context_parallel_size=2), dict(meta=META_OK),
+     ("model.fp8 (delayed): the dataset was planned with packs padded to a multiple of 4 tokens",
+      "this run needs 32", "re-run `megatron-pack prepare` with this config and model.fp8=delayed")),
 ]
 
 

@@ -201,6 +201,7 @@ VALUE_LISTS = [
     ("packing.algorithm", "PACKING_ALGORITHMS"),
     ("verify.attention", "ATTENTION_MODES"),
     ("parallel.cp_comm_type", "CP_COMM_TYPES"),
+    ("model.fp8", "FP8_RECIPES"),
 ]
 
 

@@ -59,8 +59,14 @@ def _row_lengths(tokens: torch.Tensor, lengths: Any, attention_mask: Optional[to
 
 def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
                          position_ids: Optional[torch.Tensor], *, pad_token_id: int, pad_to_multiple_of: int = 1,
-                         lengths: Any = None, attention_mask: Optional[torch.Tensor] = None) -> dict:
+                         lengths: Any = None, attention_mask: Optional[torch.Tensor] = None,
+                         pack_to_multiple_of: int = 1) -> dict:
     """Pack right-padded [B, S] rows into one THD row [1, T] (see the module docstring).
+
+    ``pack_to_multiple_of`` (1 for none, else a multiple of ``pad_to_multiple_of``; an FP8 recipe's
+    ``megatron_pack.config.layout.pack_multiple``) rounds T up with a tail sub-sequence of zero real
+    length: rows of 3 and 5 with ``pad_to_multiple_of=4, pack_to_multiple_of=16`` give
+    cu_seqlens [0, 3, 8, 8], cu_seqlens_padded [0, 4, 12, 16].
 
     ``position_ids`` may be None (positions 0..L-1 per row). Empty rows (length 0) are skipped
     with a warning; a batch of only empty rows is an error. Returns tokens/labels/position_ids
@@ -73,6 +79,9 @@ def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: 
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of ({pad_to_multiple_of}) must be >= 1; use "
                          "megatron_pack.parallel.cp.pad_multiple(cp, tp, sequence_parallel).")
+    if pack_to_multiple_of < 1 or (pack_to_multiple_of > 1 and pack_to_multiple_of % pad_to_multiple_of):
+        raise ValueError(f"pack_to_multiple_of ({pack_to_multiple_of}) must be a multiple of pad_to_multiple_of "
+                         f"({pad_to_multiple_of}); use megatron_pack.config.layout.pack_multiple.")
     for name, value in (("labels", labels), ("loss_mask", loss_mask), ("position_ids", position_ids)):
         if value is not None and tuple(value.shape) != tuple(tokens.shape):
             raise ValueError(f"{name} has shape {tuple(value.shape)} but tokens has {tuple(tokens.shape)}.")
@@ -86,16 +95,21 @@ def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: 
     rows = torch.nonzero(row_lengths > 0).reshape(-1)
     real = row_lengths[rows]
     padded = round_up(real, pad_to_multiple_of)
+    tail = int(round_up(int(padded.sum()), pack_to_multiple_of)) - int(padded.sum())
+    source_rows = rows
+    if tail:  # one more sub-sequence of zero real length (reads no row)
+        real, padded = torch.cat([real, real.new_zeros(1)]), torch.cat([padded, padded.new_full((1,), tail)])
+        source_rows = torch.cat([rows, rows.new_zeros(1)])
     zero = torch.zeros(1, dtype=torch.int64)
     cu_real, cu_padded = torch.cat([zero, real.cumsum(0)]), torch.cat([zero, padded.cumsum(0)])
     num_tokens = int(cu_padded[-1])
 
     # position j of kept row k sits at cu_padded[k] + j; j < real[k] reads tokens[rows[k], j]
     device = tokens.device
-    seq_of = torch.repeat_interleave(torch.arange(rows.numel()), padded)
+    seq_of = torch.repeat_interleave(torch.arange(source_rows.numel()), padded)
     offset = torch.arange(num_tokens) - cu_padded[:-1][seq_of]
     is_real = (offset < real[seq_of]).to(device)
-    src = (rows[seq_of] * tokens.shape[1] + offset).to(device)[is_real]
+    src = (source_rows[seq_of] * tokens.shape[1] + offset).to(device)[is_real]
 
     def gather(value: torch.Tensor, fill, dtype: torch.dtype) -> torch.Tensor:
         out = torch.full((num_tokens,), fill, dtype=dtype, device=device)
@@ -122,7 +136,7 @@ def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: 
     }
 
 
-def collate_in_batch(samples, *, pad_multiple: int = 1, pad_id: int = 0) -> dict:
+def collate_in_batch(samples, *, pad_multiple: int = 1, pad_id: int = 0, pack_multiple: int = 1) -> dict:
     """One micro-batch of samples -> one THD row, packed at collate time (``packing.in_batch=true``).
 
     ``samples`` are the token store's dicts ``{"input_ids", "loss_mask", "sample_id"}`` (ids end with
@@ -131,7 +145,8 @@ def collate_in_batch(samples, *, pad_multiple: int = 1, pad_id: int = 0) -> dict
     from pad ids), which ``pack_batch_sequences`` packs with every sub-sequence padded to
     ``pad_multiple`` (the CP/TP rule). ``sample_ids`` are the store ids. Example, samples of 4 and
     6 ids, ``pad_multiple=4``: rows of 3 and 5 tokens -> cu_seqlens [0, 3, 8], cu_seqlens_padded
-    [0, 4, 12], T = 12.
+    [0, 4, 12], T = 12. ``pack_multiple`` pads T with a tail (``pack_batch_sequences``'s
+    ``pack_to_multiple_of``): 16 gives cu_seqlens_padded [0, 4, 12, 16].
     """
     rows = [(torch.as_tensor(s["input_ids"], dtype=torch.int64), torch.as_tensor(s["loss_mask"])) for s in samples]
     lengths = torch.tensor([ids.numel() - 1 for ids, _ in rows], dtype=torch.int64)
@@ -145,7 +160,8 @@ def collate_in_batch(samples, *, pad_multiple: int = 1, pad_id: int = 0) -> dict
         n = ids.numel() - 1
         tokens[i, :n], labels[i, :n], loss_mask[i, :n] = ids[:-1], ids[1:], mask[1:].to(torch.float32)
     batch = pack_batch_sequences(tokens, labels, loss_mask, None, pad_token_id=pad_id,
-                                 pad_to_multiple_of=pad_multiple, lengths=lengths)
+                                 pad_to_multiple_of=pad_multiple, lengths=lengths,
+                                 pack_to_multiple_of=pack_multiple)
     store_ids = torch.tensor([int(s.get("sample_id", -1)) for s in samples], dtype=torch.int64)
     batch["sample_ids"] = store_ids[batch["sample_ids"]]
     batch["labels"] = torch.where(batch["labels"] == IGNORE_INDEX, pad_id, batch["labels"])  # as collate_thd

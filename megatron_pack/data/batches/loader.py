@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from megatron_pack.config.layout import effective_pad_multiple
+from megatron_pack.config.layout import effective_pack_multiple, effective_pad_multiple
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.in_batch import collate_in_batch
@@ -59,14 +59,15 @@ def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True
 
 def collate_from_config(cfg: Config, metadata: Mapping[str, Any]) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
     """The collate of ``cfg``: pack size, pad multiple and pad id from the dataset's plan ``metadata``,
-    the fixed-shape switches (``data.pad_to_max_length``, ``packing.pad_cu_seqlens``) from the config.
+    the fixed-shape switches (``data.pad_to_max_length``, ``packing.pad_cu_seqlens``) and the pack
+    multiple (``model.fp8`` with the layout: ``config.layout.pack_multiple``) from the config.
     With ``packing.in_batch``: ``collate_in_batch`` (one micro-batch of samples -> one THD row) at the
-    config's pad multiple (packing.pad_seq_to_mult or the CP/TP rule)."""
+    config's pad multiple (packing.pad_seq_to_mult or the CP/TP rule) and pack multiple."""
     if cfg.packing.in_batch:
         return functools.partial(collate_in_batch, pad_multiple=effective_pad_multiple(cfg),
-                                 pad_id=int(metadata.get("pad_id", 0)))
+                                 pad_id=int(metadata.get("pad_id", 0)), pack_multiple=effective_pack_multiple(cfg))
     return make_collate_fn(metadata, pad_to_max_length=cfg.data.pad_to_max_length,
-                           pad_cu_seqlens=cfg.packing.pad_cu_seqlens)
+                           pad_cu_seqlens=cfg.packing.pad_cu_seqlens, pack_multiple=effective_pack_multiple(cfg))
 
 
 def num_packs_left_out(num_packs: int, dp_size: int) -> int:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from megatron_pack.config.layout import effective_pad_multiple
+from megatron_pack.config.layout import effective_pack_multiple, effective_pad_multiple
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.steps import StepInfo
 from megatron_pack.data.formats.sources import DataError, iter_chunks, parse_chunk, parse_line, resolve_inputs
@@ -113,6 +113,7 @@ class OnlineSource:
             if cfg.data.source == "files":
                 self.files = resolve_inputs(cfg.data.input)
         self.metadata = {"pack_size": self.settings.pack_size, "pad_seq_to_mult": self.settings.pad_multiple,
+                         "pack_multiple": effective_pack_multiple(cfg),
                          "dataset_max_seqlen": self.settings.truncate_to, "max_samples_per_bin": max_samples_per_pack(cfg),
                          "tokenizer": tokenizer, "mode": "online", **ids}
 

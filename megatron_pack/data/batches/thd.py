@@ -15,7 +15,10 @@ from token values. The 6-token example, samples ``[A, B, EOS]`` and ``[C, D, EOS
 
 With ``pad_to_max_length`` the batch has exactly ``pack_size`` tokens: the tail after the last
 sample is one more sub-sequence of zero real length (``cu_seqlens`` repeats its last value,
-``cu_seqlens_padded`` ends at ``pack_size``). With ``num_cu_seqlens`` (CUDA graphs:
+``cu_seqlens_padded`` ends at ``pack_size``). Without it, ``pack_multiple`` (an FP8 recipe's rule,
+``megatron_pack.config.layout.pack_multiple``) rounds the total up the same way: the 6-token example
+with ``pad_multiple=4, pack_multiple=16`` gets a tail of 8, ``cu_seqlens [0, 2, 4, 4]``,
+``cu_seqlens_padded [0, 4, 8, 16]``, T = 16. With ``num_cu_seqlens`` (CUDA graphs:
 ``max_samples_per_bin + 2``) both cu_seqlens arrays have exactly that length, filled by
 repeating their last value, and ``max_seqlen`` is a dataset-wide constant.
 """
@@ -23,6 +26,7 @@ repeating their last value, and ``max_seqlen`` is a dataset-wide constant.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -55,9 +59,18 @@ def _read_samples(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarray
     return ids, masks, sample_ids
 
 
+def _total(used: int, pack_size: int, pad_to_max_length: bool, pack_multiple: int) -> int:
+    """Tokens of the pack: ``pack_size`` with pad_to_max_length, else ``used`` rounded up to ``pack_multiple``."""
+    if pack_multiple < 1 or (pack_multiple > 1 and pack_size % pack_multiple):
+        raise ValueError(
+            f"pack_size ({pack_size}) is not a multiple of the pack multiple ({pack_multiple}), so a padded pack could "
+            f"leave some rank a partial FP8 block; set packing.packed_sequence_size to a multiple of {pack_multiple}.")
+    return pack_size if pad_to_max_length else round_up(used, pack_multiple)
+
+
 def _layout(real: np.ndarray, pad_multiple: int, pack_size: int, pad_to_max_length: bool,
-             sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Real and padded lengths of every sub-sequence, the tail (pad_to_max_length) included."""
+             sample_ids: np.ndarray, pack_multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Real and padded lengths of every sub-sequence, the tail (pad_to_max_length or pack_multiple) included."""
     padded = round_up(real, pad_multiple)
     used = int(padded.sum())
     if used > pack_size:
@@ -65,8 +78,9 @@ def _layout(real: np.ndarray, pad_multiple: int, pack_size: int, pad_to_max_leng
             f"pack with sample_ids {sample_ids.tolist()} needs {used} tokens after padding each sample to a multiple of "
             f"{pad_multiple}, more than pack_size={pack_size}; the plan was made for a smaller pad multiple: re-run "
             f"`megatron-pack prepare` with packing.pad_seq_to_mult={pad_multiple} (or a multiple of it).")
-    if pad_to_max_length and used < pack_size:
-        tail = pack_size - used
+    total = _total(used, pack_size, pad_to_max_length, pack_multiple)
+    if used < total:
+        tail = total - used
         if tail % pad_multiple:
             raise ValueError(
                 f"pack_size ({pack_size}) is not a multiple of the pad multiple ({pad_multiple}), so the padding tail "
@@ -95,7 +109,7 @@ def _cumsum0(lengths: np.ndarray) -> np.ndarray:
 
 def collate_thd(samples: Sequence[Mapping[str, Any]], *, pack_size: int, pad_multiple: int = 1,
                 pad_to_max_length: bool = False, num_cu_seqlens: Optional[int] = None, pad_id: int = 0,
-                max_seqlen: Optional[int] = None) -> dict:
+                max_seqlen: Optional[int] = None, pack_multiple: int = 1) -> dict:
     """One pack -> one THD batch (see the module docstring for the layout and a worked example).
 
     ``samples`` are dicts ``{"input_ids", "loss_mask"[, "sample_id"]}``. Returns the keys of
@@ -108,12 +122,19 @@ def collate_thd(samples: Sequence[Mapping[str, Any]], *, pack_size: int, pad_mul
     ``max_seqlen``: None means the longest padded sub-sequence of this pack (tail included);
     with ``num_cu_seqlens`` a None means ``pack_size`` (a dataset-wide constant). A value given
     must be >= every padded length.
+
+    ``pack_multiple`` (1 for none, else a multiple of ``pad_multiple``): without ``pad_to_max_length``
+    the pack's token count is rounded up to it by a tail sub-sequence of zero real length, so each
+    of the CP (x TP with sequence parallelism) ranks holds whole FP8 blocks (docs/thd.md).
     """
     if pad_multiple < 1 or pack_size < 1:
         raise ValueError(f"collate_thd: pack_size ({pack_size}) and pad_multiple ({pad_multiple}) must be >= 1.")
+    if pack_multiple < 1 or (pack_multiple > 1 and pack_multiple % pad_multiple):
+        raise ValueError(f"collate_thd: pack_multiple ({pack_multiple}) must be a multiple of pad_multiple "
+                         f"({pad_multiple}); use megatron_pack.config.layout.pack_multiple.")
     ids, masks, sample_ids = _read_samples(samples)
     num_ids = np.fromiter((x.size for x in ids), dtype=np.int64, count=len(ids))
-    real, padded = _layout(num_ids - 1, pad_multiple, pack_size, pad_to_max_length, sample_ids)
+    real, padded = _layout(num_ids - 1, pad_multiple, pack_size, pad_to_max_length, sample_ids, pack_multiple)
     cu_real, cu_padded = _cumsum0(real), _cumsum0(padded)
     num_tokens = int(cu_padded[-1])
 
@@ -153,13 +174,13 @@ def collate_thd(samples: Sequence[Mapping[str, Any]], *, pack_size: int, pad_mul
 
 def collate_cross(samples: Sequence[Mapping[str, Any]], *, pack_size: int, pad_multiple: int = 1,
                   pad_to_max_length: bool = False, num_cu_seqlens: Optional[int] = None, pad_id: int = 0,
-                  max_seqlen: Optional[int] = None) -> dict:
+                  max_seqlen: Optional[int] = None, pack_multiple: int = 1) -> dict:
     """One ``wrapped_attention=cross`` row -> a THD batch with a single sequence (plus the padding tail
     with ``pad_to_max_length``).
 
     The row's pieces are collated as usual (the plan laid them without alignment padding), then
-    merged: ``cu_seqlens = [0, R]`` (R real tokens), padded as a whole to the pad multiple,
-    position ids ``0 .. T-1`` across the row. Labels and the loss mask are unchanged, so labels
+    merged: ``cu_seqlens = [0, R]`` (R real tokens), padded as a whole to the pad multiple (and the
+    pack to ``pack_multiple`` by a tail, as in ``collate_thd``), position ids ``0 .. T-1`` across the row. Labels and the loss mask are unchanged, so labels
     never cross a document (its last position predicts its own eos); only attention crosses.
     Example, pieces ``[A, B, EOS]`` and ``[C, D, EOS]``: tokens ``[A, B, C, D]``, labels
     ``[B, EOS, D, EOS]``, position_ids ``[0, 1, 2, 3]``, cu_seqlens ``[0, 4]`` (a document-mode
@@ -168,7 +189,7 @@ def collate_cross(samples: Sequence[Mapping[str, Any]], *, pack_size: int, pad_m
     pieces = collate_thd(samples, pack_size=pack_size, pad_multiple=1, pad_id=pad_id)
     real = int(pieces["cu_seqlens"][-1])
     padded = round_up(real, pad_multiple)
-    total = pack_size if pad_to_max_length else padded
+    total = _total(padded, pack_size, pad_to_max_length, pack_multiple)
     out = {}
     for key in ("tokens", "labels", "loss_mask"):
         fill = 0 if key == "loss_mask" else pad_id
@@ -191,22 +212,25 @@ def collate_cross(samples: Sequence[Mapping[str, Any]], *, pack_size: int, pad_m
     return out
 
 def _metadata_max_seqlen(metadata: Mapping[str, Any], pack_size: int, pad_multiple: int,
-                         pad_to_max_length: bool) -> int:
-    """A dataset-wide bound on every padded sub-sequence (fixed shapes for CUDA graphs)."""
+                         pad_to_max_length: bool, pack_multiple: int = 1) -> int:
+    """A dataset-wide bound on every padded sub-sequence (fixed shapes for CUDA graphs); a
+    ``pack_multiple`` tail is shorter than ``pack_multiple``."""
     longest = metadata.get("dataset_max_seqlen")
     if pad_to_max_length or longest is None:
         return pack_size  # the padding tail can be as long as the pack
-    return min(pack_size, round_up(int(longest), pad_multiple))
+    return min(pack_size, max(round_up(int(longest), pad_multiple), pack_multiple))
 
 
 def make_collate_fn(metadata: Mapping[str, Any], *, pad_multiple: Optional[int] = None,
                     pad_to_max_length: bool = False, pad_cu_seqlens: bool = False,
-                    pad_id: Optional[int] = None) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
+                    pad_id: Optional[int] = None, pack_multiple: Optional[int] = None
+                    ) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
     """The data loader's collate: one pack (a list of samples) -> one THD batch.
 
     ``metadata`` is the packed dataset's plan metadata (``pack_size``, ``max_samples_per_bin``,
-    ``dataset_max_seqlen``, ``pad_seq_to_mult``, ``pad_id``). ``pad_multiple`` and ``pad_id``
-    default to the metadata's. With ``pad_cu_seqlens`` the cu_seqlens arrays get
+    ``dataset_max_seqlen``, ``pad_seq_to_mult``, ``pack_multiple``, ``pad_id``). ``pad_multiple``,
+    ``pack_multiple`` and ``pad_id`` default to the metadata's (a plan without ``pack_multiple``
+    pads packs only to the pad multiple). With ``pad_cu_seqlens`` the cu_seqlens arrays get
     ``max_samples_per_bin + 2`` entries and ``max_seqlen`` is fixed: ``pack_size`` with
     ``pad_to_max_length`` (the tail can be that long), else ``dataset_max_seqlen`` rounded up to
     the pad multiple. Returns a picklable ``functools.partial`` of ``collate_thd`` (of
@@ -216,19 +240,20 @@ def make_collate_fn(metadata: Mapping[str, Any], *, pad_multiple: Optional[int] 
     pack_size = int(metadata["pack_size"])
     multiple = int(pad_multiple if pad_multiple is not None else metadata.get("pad_seq_to_mult", 1))
     pad = int(pad_id if pad_id is not None else metadata.get("pad_id", 0))
+    whole = math.lcm(multiple, int(pack_multiple if pack_multiple is not None else metadata.get("pack_multiple", 1)))
     num_cu_seqlens = max_seqlen = None
     if pad_cu_seqlens:
         if metadata.get("max_samples_per_bin") is None:
             raise ValueError("packing.pad_cu_seqlens=true needs max_samples_per_bin in the packed dataset's metadata; "
                              "re-run `megatron-pack prepare` to write it.")
         num_cu_seqlens = int(metadata["max_samples_per_bin"]) + 2
-        max_seqlen = _metadata_max_seqlen(metadata, pack_size, multiple, pad_to_max_length)
+        max_seqlen = _metadata_max_seqlen(metadata, pack_size, multiple, pad_to_max_length, whole)
     collate: Callable = collate_thd
     if metadata.get("wrapped_attention") == "cross":  # packing.algorithm=wrapped: one sequence per row
         collate = collate_cross
     inner = functools.partial(collate, pack_size=pack_size, pad_multiple=multiple,
                               pad_to_max_length=pad_to_max_length, num_cu_seqlens=num_cu_seqlens,
-                              pad_id=pad, max_seqlen=max_seqlen)
+                              pad_id=pad, max_seqlen=max_seqlen, pack_multiple=whole)
     if "buckets" not in metadata and "source_names" not in metadata:
         return inner
     return functools.partial(with_groups, inner, num_sources=len(metadata.get("source_names", [])),

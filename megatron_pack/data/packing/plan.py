@@ -18,6 +18,8 @@ re-tokenizes.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,7 +205,8 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
         "min_packed_seqlen": int(loads.min()) if plan.num_bins else 0,
         "packing_factor": round(len(thd) / plan.num_bins, 2) if plan.num_bins else 0.0,
         "packing_efficiency": round(100 * plan.efficiency, 2),
-        "pad_seq_to_mult": settings.pad_multiple, "algorithm": settings.algorithm, "seed": settings.seed,
+        "pad_seq_to_mult": settings.pad_multiple, "pack_multiple": math.lcm(settings.pad_multiple, settings.pack_multiple),
+        "algorithm": settings.algorithm, "seed": settings.seed,
         "on_overflow": settings.on_overflow, "max_single_sequence_length": settings.max_length,
         "split_overlap": settings.split_overlap,
         "num_bins": plan.num_bins, "lower_bound_bins": lower_bound_bins(plan.lengths, settings.pack_size),

@@ -20,7 +20,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_pack.config.layout import effective_pad_multiple
+from megatron_pack.config.layout import effective_pack_multiple, effective_pad_multiple
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.atomic import read_json, sha256_file
 
@@ -50,10 +50,15 @@ class PlanSettings:
     validation_fraction: float = 0.0
     """Share of the store's samples held out (by validation_seed, before packing) into a validation plan."""
     validation_seed: int = 0
+    pack_multiple: int = 1
+    """Multiple each pack's token count is padded to by a tail (model.fp8 with the layout:
+    ``config.layout.pack_multiple``); 1 or pad_multiple: no tail rule beyond the pad multiple."""
 
     def fingerprint(self, store_fingerprint: str) -> str:
         # settings at their defaults are left out, so plans made before they existed keep their names
         settings = {k: v for k, v in asdict(self).items() if k not in _NEWER_DEFAULTS or v != _NEWER_DEFAULTS[k]}
+        if self.pack_multiple in (1, self.pad_multiple):  # no FP8 rule: the name plans had before it
+            del settings["pack_multiple"]
         if not self.validation_fraction:  # plans without a held-out share keep their fingerprint
             del settings["validation_fraction"], settings["validation_seed"]
         blob = json.dumps({"store": store_fingerprint, **settings, "format_version": PLAN_FORMAT_VERSION},
@@ -88,7 +93,7 @@ def plan_settings(cfg) -> PlanSettings:
                         wrapped_attention=cfg.packing.wrapped_attention if cfg.packing.algorithm == "wrapped"
                         else "document", mixture=_mixture(cfg.data.sources),
                         validation_fraction=float(cfg.data.validation_fraction),
-                        validation_seed=cfg.data.validation_seed)
+                        validation_seed=cfg.data.validation_seed, pack_multiple=effective_pack_multiple(cfg))
 
 
 def _mixture(sources):
@@ -109,6 +114,8 @@ def describe_settings(settings: PlanSettings) -> str:
     extras = {k: getattr(settings, k) for k, v in _NEWER_DEFAULTS.items() if getattr(settings, k) != v}
     held_out = (f", validation fraction {settings.validation_fraction:g} (seed {settings.validation_seed})"
                 if settings.validation_fraction else "")
+    if settings.pack_multiple not in (1, settings.pad_multiple):
+        held_out += f", packs padded to a multiple of {settings.pack_multiple}"
     return text + "".join(f", {k.replace('_', ' ')} {v}" for k, v in extras.items()) + held_out
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from megatron_pack.config.layout import pad_multiple, round_up
+from megatron_pack.config.layout import pack_multiple, pad_multiple, round_up
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.atomic import read_json
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, PlanSettings, describe_settings,
@@ -68,6 +68,8 @@ def _rerun(cfg, dataset_dir: Path, required: int) -> str:
     layout = f" parallel.context_parallel_size={par.context_parallel_size}" if par.context_parallel_size > 1 else ""
     if par.sequence_parallel and par.tensor_model_parallel_size > 1:
         layout += f" parallel.tensor_model_parallel_size={par.tensor_model_parallel_size} parallel.sequence_parallel=true"
+    if cfg.model.fp8 != "none":
+        layout += f" model.fp8={cfg.model.fp8}"
     return (f"`megatron-pack prepare data.dataset_dir={dataset_dir} packing.packed_sequence_size="
             f"{cfg.packing.packed_sequence_size}{layout}` (pads to {required}) with your data settings")
 
@@ -95,6 +97,7 @@ def _recorded_settings(meta: dict, from_cfg: PlanSettings) -> PlanSettings:
     buckets = (meta.get("buckets") or {}).get("spec")
     split = meta.get("split") or {}
     return replace(from_cfg, pack_size=meta["pack_size"], pad_multiple=meta["pad_seq_to_mult"],
+                   pack_multiple=int(meta.get("pack_multiple", meta["pad_seq_to_mult"])),
                    algorithm=meta["algorithm"], seed=meta["seed"], on_overflow=meta["on_overflow"],
                    max_length=meta["max_single_sequence_length"], split_overlap=meta.get("split_overlap", 0),
                    buckets=buckets if buckets is None or buckets == "auto" else tuple(int(b) for b in buckets),
@@ -140,6 +143,7 @@ def _choose(cfg, dataset_dir: Path, given: set[str], store_fingerprint: str) -> 
                         f"{' or '.join(map(str, pads))} tokens, but this parallel layout (cp={par.context_parallel_size}, "
                         f"tp={par.tensor_model_parallel_size}) needs a multiple of {required}; run "
                         f"{_rerun(cfg, dataset_dir, required)}.")
+    fits = _fitting_pack_multiple(cfg, dataset_dir, fits, metas)
     if len(fits) == 1:
         return fits[0]
     exact = [p for p in fits if p.name == plan_settings(cfg).dirname(store_fingerprint)]
@@ -148,6 +152,25 @@ def _choose(cfg, dataset_dir: Path, given: set[str], store_fingerprint: str) -> 
     raise DataError(f"{dataset_dir} holds {len(fits)} plans that fit this config: "
                     f"{', '.join(p.name for p in fits)}; pick one with data.plan=<name> "
                     f"(e.g. data.plan={fits[0].name}); `megatron-pack inspect {dataset_dir}` compares them.")
+
+
+def _fitting_pack_multiple(cfg, dataset_dir: Path, plans: list[Path], metas: dict[Path, dict]) -> list[Path]:
+    """The plans whose packs are padded to a multiple of what ``model.fp8`` needs with this layout
+    (``config.layout.pack_multiple``); a plan without the record pads only to its pad multiple."""
+    if cfg.model.fp8 == "none":
+        return plans
+    par = cfg.parallel
+    made = {p: int(metas[p].get("pack_multiple", metas[p].get("pad_seq_to_mult", 1))) for p in plans}
+    needed = {p: pack_multiple(par.context_parallel_size, par.tensor_model_parallel_size, par.sequence_parallel,
+                               cfg.model.fp8, int(metas[p].get("pad_seq_to_mult", 1))) for p in plans}
+    fits = [p for p in plans if made[p] % needed[p] == 0]
+    if not fits:
+        need = max(needed.values())
+        raise DataError(f"the plans in {dataset_dir} ({', '.join(p.name for p in plans)}) pad packs to a multiple of "
+                        f"{' or '.join(map(str, sorted(set(made.values()))))} tokens, but model.fp8={cfg.model.fp8} with "
+                        f"cp={par.context_parallel_size} needs {need} (every rank's rows in whole FP8 blocks); run "
+                        f"{_rerun(cfg, dataset_dir, need)}.")
+    return fits
 
 
 def recorded_overrides(cfg, plan_meta: dict[str, Any], store_meta: dict[str, Any], given: set[str]) -> Recorded:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Download, here (PyPI reachable), the wheels tests/gpu/run.sh installs on a GPU machine that has only
+# torch (and the usual numpy / PyYAML / packaging) and no network, into .whl/ (gitignored; the device
+# tool carries it: carry [".whl"]).
+#
+#   bash tests/gpu/download_wheels.sh                 # megatron-core and Hydra for CPython 3.12, x86-64
+#   PY_VERSION=3.11 bash tests/gpu/download_wheels.sh # another target Python
+#   WITH_TE=1 bash tests/gpu/download_wheels.sh       # also Transformer Engine's Python package and core library
+#
+# What it fetches (about 3 MB): megatron-core 0.16.1 (binary, cp312), hydra-core 1.3.2, omegaconf 2.3.0
+# (pure Python) and antlr4-python3-runtime 4.9.3, which PyPI has only as a source archive, so it is built
+# into a pure-Python wheel here.
+#
+# Transformer Engine cannot travel this way: transformer_engine_cu13 (the core library) is a 276 MB
+# wheel, over the device tool's 64 MiB per call, and transformer_engine_torch (its PyTorch extension)
+# is published only as a source archive that compiles against the target's torch and CUDA. With
+# WITH_TE=1 the first two are downloaded (for a machine you copy them to yourself); build the third
+# on the GPU machine with its torch and nvcc:
+#   python3 -m pip wheel --no-deps --no-build-isolation -w .whl transformer-engine-torch==2.20.2
+# Without Transformer Engine, run.sh skips the checks that need it and says so.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+PYV=${PY_VERSION:-3.12}
+TAG=cp${PYV/./}
+mkdir -p .whl
+platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp --abi "$TAG" \
+  --abi abi3 --abi none "${platforms[@]}" -d .whl megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0
+"$PY" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+if [[ "${WITH_TE:-0}" == 1 ]]; then
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
+    "${platforms[@]}" -d .whl transformer-engine==2.20.2 transformer-engine-cu13==2.20.2
+fi
+ls -l .whl
+echo "carry .whl with the device tool (carry: [\".whl\"]) and run: bash tests/gpu/run.sh"
