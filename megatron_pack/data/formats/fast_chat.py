@@ -1,14 +1,16 @@
-"""Chat records tokenized in batches: render the template once per chunk, encode with the fast
-tokenizer in one Rust call, read the assistant mask from token offsets.
+"""Chat records in batches: render each conversation without Jinja where the template allows it,
+encode a chunk in one Rust call, read the assistant mask from token offsets.
 
 The per-record path calls ``apply_chat_template(messages, return_assistant_tokens_mask=True)``
 for every record. That call renders the template (Jinja, with ``{% generation %}`` spans
 recorded as character offsets), encodes the text, builds a ``BatchEncoding`` and walks the
-tokens in Python. Here the same three steps run once per chunk of records:
+tokens in Python. Here the same steps run once per chunk of records:
 
-1. ``render_jinja_template`` (transformers' own renderer, with the same arguments
-   ``apply_chat_template`` passes) renders every conversation and returns each one's
-   assistant character spans;
+1. ``ChatRenderer.render`` gives each conversation's text and assistant character spans:
+   pasted into the shape's skeleton when the template is a fixed pattern
+   (``chat_skeleton.analyse``; the skeleton is rendered once per sequence of roles), else
+   rendered by ``render_jinja_template``, transformers' own renderer, with the arguments
+   ``apply_chat_template`` passes;
 2. the fast tokenizer's backend encodes every rendered text in one ``encode_batch`` call
    (``add_special_tokens=False``, no truncation or padding, as ``apply_chat_template`` does);
 3. ``assistant_mask`` marks the tokens that overlap a span, vectorised, with exactly the rule of
@@ -16,14 +18,20 @@ tokens in Python. Here the same three steps run once per chunk of records:
 
 Example: rendered ``"<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\nyo<|im_end|>\\n"``
 with the span of ``"yo<|im_end|>"`` marks the tokens ``yo`` and ``<|im_end|>`` only.
+
+Templates without generation markers get their mask from growing prefixes (``encode_by_prefixes``),
+the rule of ``HFTokenizer._prefix_mask`` computed from one encoding of the whole text.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 from itertools import chain
 
 import numpy as np
+
+from megatron_pack.data.formats.chat_skeleton import Unsupported, analyse, build_skeleton
 
 
 def assistant_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -67,25 +75,186 @@ def _backend(tok):
     return plain
 
 
+_MARKER = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' own test for generation markers
+_MAX_SHAPES = 4096
+"""Skeletons kept per tokenizer; a set with more distinct role sequences renders the rest anew."""
+
+
+def has_generation_markers(template: str | None) -> bool:
+    """Whether a chat template marks assistant turns (``{% generation %}``, transformers' own test)."""
+    return bool(template) and bool(_MARKER.search(template))
+
+
+class ChatRenderer:
+    """``render(messages, add_generation_prompt)`` -> ``(text, assistant spans)``, as
+    ``render_jinja_template`` gives them for the tokenizer's template and special tokens; by
+    skeleton (one Jinja render per role sequence) when ``analyse`` proves the template a fixed
+    pattern. A shape whose skeleton cannot be built (the template raises for those roles, or
+    cuts a sentinel) is rendered by Jinja, which raises or renders as it always does."""
+
+    def __init__(self, tok):
+        self.template = tok.get_chat_template()
+        self.kwargs = dict(tok.special_tokens_map)
+        self.marked = has_generation_markers(self.template)
+        self.shape = analyse(self.template)
+        self._skeletons: dict = {}
+
+    def jinja(self, messages: list[dict], add_generation_prompt: bool = False):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, spans = render_jinja_template(
+            conversations=[messages], tools=None, documents=None, chat_template=self.template,
+            return_assistant_tokens_mask=self.marked, continue_final_message=False,
+            add_generation_prompt=add_generation_prompt, **self.kwargs)
+        return rendered[0], (list(spans[0]) if spans else [])
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False):
+        if self.shape.fixed:
+            key = (tuple(m["role"] for m in messages), add_generation_prompt)
+            skeleton = self._skeletons.get(key, False)
+            if skeleton is False:
+                try:
+                    skeleton = build_skeleton(self.jinja, key[0], add_generation_prompt)
+                except Exception:  # Unsupported, or the template raising for these roles: Jinja decides
+                    skeleton = None
+                if len(self._skeletons) < _MAX_SHAPES:
+                    self._skeletons[key] = skeleton
+            if skeleton is not None:
+                return skeleton.fill([m["content"] for m in messages])
+        return self.jinja(messages, add_generation_prompt)
+
+
+_RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def renderer_for(tok) -> ChatRenderer:
+    """The tokenizer's ``ChatRenderer``, made once (and again if its chat template changed)."""
+    renderer = _RENDERERS.get(tok)
+    if renderer is None or renderer.template != tok.get_chat_template():
+        renderer = _RENDERERS[tok] = ChatRenderer(tok)
+    return renderer
+
+
 def supports_batched_chat(tok) -> bool:
-    """True for a fast tokenizer whose chat template marks assistant turns with ``{% generation %}``."""
-    return (getattr(tok, "is_fast", False) and hasattr(tok, "backend_tokenizer")
-            and "{% generation %}" in (tok.chat_template or ""))
+    """True for a fast tokenizer with a chat template (marked or not)."""
+    return getattr(tok, "is_fast", False) and hasattr(tok, "backend_tokenizer") and bool(tok.chat_template)
+
+
+def _arrays(enc) -> tuple[np.ndarray, np.ndarray]:
+    n = len(enc)
+    offsets = np.fromiter(chain.from_iterable(enc.offsets), np.int64, 2 * n).reshape(n, 2)  # 2x faster than via tuples
+    return np.fromiter(enc.ids, np.int32, n), offsets
 
 
 def encode_chats(tok, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(ids int32, assistant mask uint8)`` of every conversation, as ``apply_chat_template(...,
-    return_assistant_tokens_mask=True)`` gives them one at a time."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    rendered, spans = render_jinja_template(
-        conversations=conversations, tools=None, documents=None, chat_template=tok.get_chat_template(),
-        return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
-        **tok.special_tokens_map)
-    encodings = _backend(tok).encode_batch(rendered, add_special_tokens=False)
+    return_assistant_tokens_mask=True)`` gives them one at a time (a template with markers)."""
+    renderer = renderer_for(tok)
+    rendered = [renderer.render(messages) for messages in conversations]
+    encodings = _backend(tok).encode_batch([text for text, _ in rendered], add_special_tokens=False)
     out = []
-    for enc, span in zip(encodings, spans):
-        n = len(enc)
-        offsets = np.fromiter(chain.from_iterable(enc.offsets), np.int64, 2 * n)  # 2x faster than via tuples
-        out.append((np.fromiter(enc.ids, np.int32, n), assistant_mask(offsets, list(span))))
+    for enc, (_, spans) in zip(encodings, rendered):
+        ids, offsets = _arrays(enc)
+        out.append((ids, assistant_mask(offsets, spans)))
     return out
+
+
+def split_token_ids(tok) -> frozenset[int]:
+    """Added tokens the tokenizer cuts the text at before anything else looks at it: not normalised,
+    no stripping of neighbouring spaces, not single-word. Every piece of text between two of them is
+    normalised, pre-tokenized and encoded on its own (Hugging Face tokenizers' added vocabulary),
+    and only knows whether it starts the text; so the tokens of a prefix that ends at, or starts
+    an added token at, such a token are the whole text's tokens up to there."""
+    return frozenset(i for i, t in tok.backend_tokenizer.get_added_tokens_decoder().items()
+                     if not (t.normalized or t.lstrip or t.rstrip or t.single_word))
+
+
+def encode_by_prefixes(tok, conversations: list[list[dict]]) -> list:
+    """``(ids, assistant mask)`` by ``HFTokenizer._prefix_mask``'s rule, or None for a conversation
+    whose rule this path cannot prove here (the caller runs the per-record rule, which renders or
+    refuses it as always).
+
+    The rule: assistant turn ``i`` is tokens ``[len(enc(P)), len(enc(E)))`` where ``P`` renders the
+    turns before ``i`` with the generation prompt and ``E`` the turns up to ``i``, both required to
+    be token prefixes of the whole conversation's tokens. Here ``P`` and ``E`` must be text prefixes
+    of the whole text ``T`` (else None); ``enc(T[:p])`` is ``T``'s tokens before ``p`` when an added
+    token of ``split_token_ids`` starts or ends at ``p``, and otherwise ``T``'s tokens before the last
+    such token ahead of ``p`` followed by the encoding of the window from that token to ``p`` (one
+    more ``encode_batch`` for all windows; a chat turn usually opens with such a token, so a window
+    is about one turn).
+    """
+    renderer, backend, split_ids = renderer_for(tok), _backend(tok), split_token_ids(tok)
+    texts, cuts = [], []  # cuts: per conversation, (p_start, p_end) per assistant turn, or None
+    for messages in conversations:
+        text = renderer.render(messages)[0]
+        turns = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prefix = renderer.render(messages[:i], add_generation_prompt=True)[0] if i else ""
+            end = renderer.render(messages[:i + 1])[0]
+            if not (text.startswith(end) and end.startswith(prefix)):
+                turns = None
+                break
+            turns.append((len(prefix), len(end)))
+        texts.append(text)
+        cuts.append(turns)
+    encodings = backend.encode_batch(texts, add_special_tokens=False)
+    plans, windows = [], []
+    for text, turns, enc in zip(texts, cuts, encodings):
+        ids, offsets = _arrays(enc)
+        plan = None if turns is None else _prefix_plan(text, turns, ids, offsets, split_ids, windows)
+        plans.append((ids, plan))
+    window_ids = [list(e.ids) for e in backend.encode_batch(windows, add_special_tokens=False)] \
+        if windows else []
+    out = []
+    for ids, plan in plans:
+        out.append(None if plan is None else _prefix_mask_from_plan(ids, plan, window_ids))
+    return out
+
+
+def _prefix_plan(text, turns, ids, offsets, split_ids, windows):
+    """Per turn, how to get ``enc(T[:p])`` for its two cut points: ``("head", k)`` (``ids[:k]``) or
+    ``("window", k, w)`` (``ids[:k]`` + window ``w``'s tokens, appended to ``windows``)."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    is_split = np.fromiter((int(i) in split_ids for i in ids), bool, len(ids))
+    split_at = np.flatnonzero(is_split)
+
+    def head(p: int):
+        if p == 0:
+            return ("head", 0)
+        if p == len(text):
+            return ("head", len(ids))
+        j = int(np.searchsorted(starts, p, side="left"))
+        if (j < len(ids) and starts[j] == p and is_split[j]) or (j > 0 and ends[j - 1] == p and is_split[j - 1]):
+            return ("head", j)
+        before = split_at[ends[split_at] <= p]
+        k = int(before[-1]) if before.size else 0
+        windows.append(text[int(starts[k]) if before.size else 0:p])
+        return ("window", k, len(windows) - 1)
+
+    return [(head(a), head(b)) for a, b in turns]
+
+
+def _prefix_mask_from_plan(ids, plan, window_ids):
+    """The mask, or None where a prefix is not a token prefix (the per-record rule then refuses it)."""
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    ids_list = None
+    for start_how, end_how in plan:
+        bounds = []
+        for how in (start_how, end_how):
+            if how[0] == "head":
+                bounds.append(how[1])
+                continue
+            if ids_list is None:
+                ids_list = ids.tolist()
+            k, w = how[1], how[2]
+            prefix = ids_list[:k] + window_ids[w]
+            if ids_list[:len(prefix)] != prefix:
+                return None
+            bounds.append(len(prefix))
+        start, end = bounds
+        if start > end:
+            return None
+        mask[start:end] = 1
+    return ids, mask

@@ -204,12 +204,13 @@ class HFTokenizer:
     def encode_samples(self, records: list[dict], schema: SampleSchema, *, answer_only_loss: bool = True) -> list:
         """``encode_sample`` for a chunk of records: one ``(ids, mask)`` or one ``RecordError`` per record.
 
-        Chat records go through ``fast_chat.encode_chats`` in one batch when the template has
-        generation markers (the same ids and masks as one record at a time, tested); the others,
-        and any batch the template or the tokenizer refuses, go record by record, so an error
-        still names its record.
+        Chat records of a fast tokenizer go through ``fast_chat`` in one batch (``encode_chats`` for a
+        template with generation markers, ``encode_by_prefixes`` without): the same ids and masks as
+        one record at a time, tested. The others, a record the batch cannot prove, and any batch
+        the template or the tokenizer refuses, go record by record, so an error still names its record.
         """
-        from megatron_pack.data.formats.fast_chat import encode_chats, supports_batched_chat
+        from megatron_pack.data.formats.fast_chat import (encode_by_prefixes, encode_chats, has_generation_markers,
+                                                          supports_batched_chat)
 
         results: list = [None] * len(records)
         batch, conversations = [], []
@@ -225,20 +226,24 @@ class HFTokenizer:
                 results[i] = self.encode_sample(record, schema, answer_only_loss=answer_only_loss)
             except (RecordError, UnicodeEncodeError) as exc:
                 results[i] = exc
+        encode = encode_chats if has_generation_markers(self.tok.chat_template) else encode_by_prefixes
         try:
-            encoded = encode_chats(self.tok, conversations) if conversations else []
+            encoded = encode(self.tok, conversations) if conversations else []
         except Exception:  # a template error or bad text in one record: find it record by record
-            encoded = None
-        for n, i in enumerate(batch):
-            if encoded is None:
-                try:
-                    results[i] = self.encode_sample(records[i], schema, answer_only_loss=answer_only_loss)
-                except (RecordError, UnicodeEncodeError) as exc:
-                    results[i] = exc
+            encoded = [None] * len(batch)
+        for i, got in zip(batch, encoded):
+            if got is None:
+                results[i] = self._encode_or_error(records[i], schema, answer_only_loss)
                 continue
-            ids, mask = self._end_with_eos_arrays(*encoded[n])
+            ids, mask = self._end_with_eos_arrays(*got)
             results[i] = (ids, mask if answer_only_loss else np.ones_like(mask))
         return results
+
+    def _encode_or_error(self, record: dict, schema: SampleSchema, answer_only_loss: bool):
+        try:
+            return self.encode_sample(record, schema, answer_only_loss=answer_only_loss)
+        except (RecordError, UnicodeEncodeError) as exc:
+            return exc
 
     def _end_with_eos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         """The sample contract (ids end with eos) without a second end-of-turn token.
@@ -279,7 +284,9 @@ class HFTokenizer:
     def chat_ids_and_mask(self, messages: list[dict], *, use_generation_markers: bool | None = None):
         """Template ids and the assistant mask (lists); markers when the template has them."""
         if use_generation_markers is None:
-            use_generation_markers = "{% generation %}" in (self.tok.chat_template or "")
+            from megatron_pack.data.formats.fast_chat import has_generation_markers
+
+            use_generation_markers = has_generation_markers(self.tok.chat_template)
         if use_generation_markers:
             out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                return_assistant_tokens_mask=True)
