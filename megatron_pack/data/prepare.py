@@ -177,16 +177,21 @@ def validation_config(cfg):
 
 
 def _prepare_here(cfg, *, progress: bool) -> Path:
-    settings = plan_settings(cfg)
-    store = ensure_store(cfg, progress=progress)
-    plan_dir = ensure_plan(store, settings)
-    if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
-        valid_cfg = validation_config(cfg)
-        ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg))
-    from megatron_pack.data.packing.report import write_report
+    from megatron_pack.data.packing.report import ReportPainter, write_report
 
-    if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
-        write_report(store, plan_dir)  # both: a run killed between the two files must not leave one forever
+    painter = ReportPainter.start()  # imports matplotlib on another core meanwhile
+    try:
+        settings = plan_settings(cfg)
+        store = ensure_store(cfg, progress=progress)
+        plan_dir = ensure_plan(store, settings)
+        if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
+            valid_cfg = validation_config(cfg)
+            ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg))
+        if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
+            write_report(store, plan_dir, painter)  # both: a run killed between the two files must not leave one
+    finally:
+        if painter is not None:
+            painter.close()
     if cfg.packing.export == "bridge":
         from megatron_pack.data.packing.bridge import export_bridge
 

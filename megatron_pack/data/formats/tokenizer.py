@@ -15,6 +15,7 @@ Byte tokenizer layout (ids 0-255 are the UTF-8 bytes)::
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 from dataclasses import dataclass
@@ -111,15 +112,23 @@ def _identity(name: str, vocab, tok) -> dict:
             "special_ids": {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}}
 
 
+_DIRECT_CLASSES = {"PreTrainedTokenizerFast": "PreTrainedTokenizerFast", "TokenizersBackend": "PreTrainedTokenizerFast",
+                   "LlamaTokenizer": "LlamaTokenizer", "LlamaTokenizerFast": "LlamaTokenizer",
+                   "Qwen2Tokenizer": "Qwen2Tokenizer", "Qwen2TokenizerFast": "Qwen2Tokenizer"}
+"""``tokenizer_class`` of a tokenizer-only folder -> the transformers class ``AutoTokenizer`` loads it with."""
+
+
 def load_hf_tokenizer(path: str):
     """``AutoTokenizer.from_pretrained(path)``, without importing torch where the result is known.
 
-    A tokenizer-only folder (no ``config.json``, no ``auto_map``) whose ``tokenizer_config.json``
-    names the generic fast class (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as Llama 3
-    and tokenizers saved from a ``tokenizers.Tokenizer`` do) is what ``AutoTokenizer`` loads as
-    ``TokenizersBackend``; loading that class directly skips ``AutoTokenizer``'s config machinery,
-    which imports torch (2 of the ~5 s ``prepare`` spends before its first record; tested equal).
-    Every other folder goes through ``AutoTokenizer``.
+    A tokenizer-only folder (``tokenizer.json`` and ``tokenizer_config.json``, no ``config.json``,
+    no ``auto_map``) whose ``tokenizer_class`` is the generic fast class, ``LlamaTokenizer`` or
+    ``Qwen2Tokenizer`` (Llama 2, Mistral, Qwen 2 and 3 and most folders saved by transformers) is
+    what ``AutoTokenizer`` loads with that class; loading it directly skips ``AutoTokenizer``'s
+    config machinery, which imports torch (1.5-2 s of the time ``prepare`` spends before its first
+    record; tested equal). ``AutoTokenizer`` itself loads a ``LlamaTokenizer`` folder whose
+    ``tokenizer.json`` is byte-level as ``TokenizersBackend``, and a folder whose path matches a
+    model id it special-cases the same way: those, and every other folder, go through it.
     """
     folder = Path(path)
     config_file = folder / "tokenizer_config.json"
@@ -128,13 +137,38 @@ def load_hf_tokenizer(path: str):
             config = json.loads(config_file.read_text())
         except ValueError:
             config = {}
-        if config.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend") and "auto_map" not in config:
-            from transformers import PreTrainedTokenizerFast
+        name = _DIRECT_CLASSES.get(config.get("tokenizer_class"))
+        if name is not None and "auto_map" not in config:
+            import transformers
 
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+            cls = getattr(transformers, name)
+            patterns = _auto_backend_model_ids()
+            special = patterns is None or any(fnmatch.fnmatch(str(path).lower(), p) for p in patterns)
+            byte_level_llama = name == "LlamaTokenizer" and transformers.TokenizersBackend._tokenizer_json_has_byte_level(
+                str(path), local_files_only=True)
+            if not special and not byte_level_llama:
+                return cls.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _auto_backend_model_ids() -> list[str] | None:
+    """``AutoTokenizer``'s ``MODEL_IDS_TO_TOKENIZERS_BACKEND`` read from its source (importing that
+    module imports torch); None when it cannot be read (then ``AutoTokenizer`` decides)."""
+    import ast
+    import importlib.util
+
+    try:
+        source = Path(importlib.util.find_spec("transformers.models.auto.tokenization_auto").origin).read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(getattr(t, "id", None) == "MODEL_IDS_TO_TOKENIZERS_BACKEND" for t in targets):
+                    return list(ast.literal_eval(node.value))
+    except (AttributeError, OSError, SyntaxError, ValueError):
+        pass
+    return None
 
 
 class HFTokenizer:
