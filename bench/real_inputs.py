@@ -109,8 +109,9 @@ def _paragraphs() -> list[str]:
     return sorted(found)
 
 
-def make_records(path: Path, num_records: int, seed: int = 0) -> None:
-    """``num_records`` chat records, every kind mixed in; the same file for every tool."""
+def make_records(path: Path, num_records: int, seed: int = 0) -> Path:
+    """``num_records`` chat records, every kind mixed in, at ``path``; and beside it (returned) the
+    same conversations with content parts joined, for transformers and TRL."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -121,12 +122,13 @@ def make_records(path: Path, num_records: int, seed: int = 0) -> None:
         picked = [paragraphs[i] for i in rng.integers(0, len(paragraphs), int(rng.integers(1, max_paragraphs + 1)))]
         return "\n\n".join(picked)
 
-    with open(path, "w") as f:
+    plain_path = path.with_name(path.stem + "_plain.jsonl")
+    with open(path, "w") as f, open(plain_path, "w") as plain:
         for i in range(num_records):
             messages = [{"role": "system", "content": systems[i % len(systems)]}] if i % 3 == 0 else []
             for turn in range(int(rng.integers(1, 4))):
                 messages.append({"role": "user", "content": "" if i % 97 == 5 and turn else text()})
-                answer = "" if i % 53 == 7 else text(2)
+                answer = "" if i % 53 == 7 else text(3)
                 messages.append({"role": "assistant", "content": answer})
                 if i % 10 == 3 and turn == 0:  # a tool call and its result, then the assistant again
                     messages += [{"role": "tool", "content": json.dumps({"result": text()[:200]})},
@@ -136,6 +138,8 @@ def make_records(path: Path, num_records: int, seed: int = 0) -> None:
                     c = m["content"]
                     m["content"] = [{"type": "text", "text": c[:len(c) // 2]}, {"type": "text", "text": c[len(c) // 2:]}]
             f.write(json.dumps({"messages": messages}) + "\n")
+            plain.write(json.dumps({"messages": plain_messages({"messages": messages})}) + "\n")
+    return plain_path
 
 
 def plain_messages(record: dict) -> list[dict]:

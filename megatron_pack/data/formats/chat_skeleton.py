@@ -275,8 +275,9 @@ class Skeleton:
     parts: tuple
     spans: tuple
 
-    def fill(self, contents: list[str]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text with ``contents`` in the slots, and the generation spans in it."""
+    def layout(self, contents: list[str]) -> tuple[str, list[int]]:
+        """The rendered text with ``contents`` in the slots, and where each part starts in it (one
+        more entry: the end)."""
         pieces, starts, pos = [], [], 0
         for part in self.parts:
             piece = part if isinstance(part, str) else contents[part[0]].strip() if part[1] else contents[part[0]]
@@ -284,7 +285,33 @@ class Skeleton:
             pieces.append(piece)
             pos += len(piece)
         starts.append(pos)
-        return "".join(pieces), [(starts[a], starts[b]) for a, b in self.spans]
+        return "".join(pieces), starts
+
+    def fill(self, contents: list[str]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text with ``contents`` in the slots, and the generation spans in it."""
+        text, starts = self.layout(contents)
+        return text, [(starts[a], starts[b]) for a, b in self.spans]
+
+    def prefix_cut(self, prefix: "Skeleton") -> tuple[int, int] | None:
+        """``(k, extra)`` such that ``prefix`` renders, for any contents, exactly the first
+        ``starts[k] + extra`` characters of this skeleton's text; None when that does not hold
+        for every content (the caller then compares texts).
+
+        >>> Skeleton(("<s>[INST]", (0, False), "[/INST]", (1, False)), ()).prefix_cut(
+        ...     Skeleton(("<s>[INST]", (0, False), "[/IN"), ()))
+        (2, 4)
+        """
+        n = len(prefix.parts)
+        if n == 0:
+            return (0, 0)
+        if n > len(self.parts) or self.parts[:n - 1] != prefix.parts[:n - 1]:
+            return None
+        mine, theirs = self.parts[n - 1], prefix.parts[n - 1]
+        if mine == theirs:
+            return (n, 0)
+        if isinstance(mine, str) and isinstance(theirs, str) and mine.startswith(theirs):
+            return (n - 1, len(theirs))
+        return None
 
 
 def build_skeleton(render, roles: tuple[str, ...], add_generation_prompt: bool) -> Skeleton:

@@ -98,6 +98,7 @@ class ChatRenderer:
         self.marked = has_generation_markers(self.template)
         self.shape = analyse(self.template)
         self._skeletons: dict = {}
+        self._turn_plans: dict = {}
 
     def jinja(self, messages: list[dict], add_generation_prompt: bool = False):
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -108,20 +109,68 @@ class ChatRenderer:
             add_generation_prompt=add_generation_prompt, **self.kwargs)
         return rendered[0], (list(spans[0]) if spans else [])
 
+    def skeleton(self, roles: tuple[str, ...], add_generation_prompt: bool = False):
+        """The shape's ``Skeleton``, or None (not a fixed pattern, or this shape cannot be cut)."""
+        if not self.shape.fixed:
+            return None
+        key = (roles, add_generation_prompt)
+        skeleton = self._skeletons.get(key, False)
+        if skeleton is False:
+            try:
+                skeleton = build_skeleton(self.jinja, roles, add_generation_prompt)
+            except Exception:  # Unsupported, or the template raising for these roles: Jinja decides
+                skeleton = None
+            if len(self._skeletons) < _MAX_SHAPES:
+                self._skeletons[key] = skeleton
+        return skeleton
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False):
-        if self.shape.fixed:
-            key = (tuple(m["role"] for m in messages), add_generation_prompt)
-            skeleton = self._skeletons.get(key, False)
-            if skeleton is False:
-                try:
-                    skeleton = build_skeleton(self.jinja, key[0], add_generation_prompt)
-                except Exception:  # Unsupported, or the template raising for these roles: Jinja decides
-                    skeleton = None
-                if len(self._skeletons) < _MAX_SHAPES:
-                    self._skeletons[key] = skeleton
-            if skeleton is not None:
-                return skeleton.fill([m["content"] for m in messages])
+        skeleton = self.skeleton(tuple(m["role"] for m in messages), add_generation_prompt)
+        if skeleton is not None:
+            return skeleton.fill([m["content"] for m in messages])
         return self.jinja(messages, add_generation_prompt)
+
+    def render_turns(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]] | None]:
+        """The text, and per assistant turn ``i`` the lengths of ``render(messages[:i], True)`` and
+        ``render(messages[:i + 1])``, both text prefixes of it (None where one is not)."""
+        roles = tuple(m["role"] for m in messages)
+        plan = self._turn_plans.get(roles, False)
+        if plan is False:
+            plan = self._turn_plan(roles)
+            if len(self._turn_plans) < _MAX_SHAPES:
+                self._turn_plans[roles] = plan
+        if plan is not None:
+            text, starts = plan[0].layout([m["content"] for m in messages])
+            return text, [(starts[a] + x, starts[b] + y) for (a, x), (b, y) in plan[1]]
+        text, turns = self.render(messages)[0], []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prefix = self.render(messages[:i], add_generation_prompt=True)[0] if i else ""
+                end = self.render(messages[:i + 1])[0]
+                if not (text.startswith(end) and end.startswith(prefix)):
+                    return text, None
+                turns.append((len(prefix), len(end)))
+        return text, turns
+
+    def _turn_plan(self, roles: tuple[str, ...]):
+        """``(skeleton, [((k, extra) of the prefix, (k, extra) of the end) per assistant turn])``, or None."""
+        whole = self.skeleton(roles)
+        if whole is None:
+            return None
+        cuts = []
+        for i, role in enumerate(roles):
+            if role != "assistant":
+                continue
+            prefix = self.skeleton(roles[:i], True) if i else None
+            end = self.skeleton(roles[:i + 1])
+            if (i and prefix is None) or end is None:
+                return None
+            a = whole.prefix_cut(prefix) if i else (0, 0)
+            b = whole.prefix_cut(end)
+            if a is None or b is None:
+                return None
+            cuts.append((a, b))
+        return whole, cuts
 
 
 _RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -169,6 +218,35 @@ def split_token_ids(tok) -> frozenset[int]:
                      if not (t.normalized or t.lstrip or t.rstrip or t.single_word))
 
 
+def space_cuts(tok) -> bool:
+    """True when a space after a non-space is a token boundary the whole text and its prefix
+    agree on: a SentencePiece-style BPE (no normaliser; ``Metaspace`` turning spaces into ``▁``
+    without splitting, so a segment is one word; BPE without dropout or affixes) whose vocabulary
+    has no token with ``▁`` after another character (SentencePiece's ``split_by_whitespace``, as
+    Llama 2 and Mistral v0.1). A BPE merge makes a vocabulary token, so none joins ``x`` and a
+    following ``▁``: the word's merges on either side of that point never meet, and the prefix
+    ending there is encoded into exactly the tokens the whole text has before it."""
+    cached = _SPACE_CUTS.get(tok)
+    if cached is None:
+        from tokenizers import models, pre_tokenizers
+
+        backend = _backend(tok)
+        pre, model = backend.pre_tokenizer, backend.model
+        cached = (backend.normalizer is None and isinstance(pre, pre_tokenizers.Metaspace) and not pre.split
+                  and pre.replacement == "\u2581" and isinstance(model, models.BPE) and model.dropout is None
+                  and not model.continuing_subword_prefix and not model.end_of_word_suffix
+                  and not any("\u2581" in t[1:] and _space_after_other(t) for t in backend.get_vocab(False)))
+        _SPACE_CUTS[tok] = cached
+    return cached
+
+
+def _space_after_other(token: str) -> bool:
+    return any(c == "\u2581" and token[i - 1] != "\u2581" for i, c in enumerate(token) if i)
+
+
+_SPACE_CUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def encode_by_prefixes(tok, conversations: list[list[dict]]) -> list:
     """``(ids, assistant mask)`` by ``HFTokenizer._prefix_mask``'s rule, or None for a conversation
     whose rule this path cannot prove here (the caller runs the per-record rule, which renders or
@@ -181,29 +259,22 @@ def encode_by_prefixes(tok, conversations: list[list[dict]]) -> list:
     token of ``split_token_ids`` starts or ends at ``p``, and otherwise ``T``'s tokens before the last
     such token ahead of ``p`` followed by the encoding of the window from that token to ``p`` (one
     more ``encode_batch`` for all windows; a chat turn usually opens with such a token, so a window
-    is about one turn).
+    is about one turn). For a SentencePiece-style tokenizer, a space after a non-space is such a
+    point too (``space_cuts``).
     """
-    renderer, backend, split_ids = renderer_for(tok), _backend(tok), split_token_ids(tok)
+    renderer, backend = renderer_for(tok), _backend(tok)
+    split_ids = np.array(sorted(split_token_ids(tok)), dtype=np.int32)
+    spaces = space_cuts(tok)
     texts, cuts = [], []  # cuts: per conversation, (p_start, p_end) per assistant turn, or None
     for messages in conversations:
-        text = renderer.render(messages)[0]
-        turns = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prefix = renderer.render(messages[:i], add_generation_prompt=True)[0] if i else ""
-            end = renderer.render(messages[:i + 1])[0]
-            if not (text.startswith(end) and end.startswith(prefix)):
-                turns = None
-                break
-            turns.append((len(prefix), len(end)))
+        text, turns = renderer.render_turns(messages)
         texts.append(text)
         cuts.append(turns)
     encodings = backend.encode_batch(texts, add_special_tokens=False)
     plans, windows = [], []
     for text, turns, enc in zip(texts, cuts, encodings):
         ids, offsets = _arrays(enc)
-        plan = None if turns is None else _prefix_plan(text, turns, ids, offsets, split_ids, windows)
+        plan = None if turns is None else _prefix_plan(text, turns, ids, offsets, split_ids, spaces, windows)
         plans.append((ids, plan))
     window_ids = [list(e.ids) for e in backend.encode_batch(windows, add_special_tokens=False)] \
         if windows else []
@@ -213,11 +284,11 @@ def encode_by_prefixes(tok, conversations: list[list[dict]]) -> list:
     return out
 
 
-def _prefix_plan(text, turns, ids, offsets, split_ids, windows):
+def _prefix_plan(text, turns, ids, offsets, split_ids, spaces, windows):
     """Per turn, how to get ``enc(T[:p])`` for its two cut points: ``("head", k)`` (``ids[:k]``) or
     ``("window", k, w)`` (``ids[:k]`` + window ``w``'s tokens, appended to ``windows``)."""
     starts, ends = offsets[:, 0], offsets[:, 1]
-    is_split = np.fromiter((int(i) in split_ids for i in ids), bool, len(ids))
+    is_split = np.isin(ids, split_ids)
     split_at = np.flatnonzero(is_split)
 
     def head(p: int):
@@ -227,6 +298,8 @@ def _prefix_plan(text, turns, ids, offsets, split_ids, windows):
             return ("head", len(ids))
         j = int(np.searchsorted(starts, p, side="left"))
         if (j < len(ids) and starts[j] == p and is_split[j]) or (j > 0 and ends[j - 1] == p and is_split[j - 1]):
+            return ("head", j)
+        if spaces and text[p] == " " and text[p - 1] != " " and (j == 0 or ends[j - 1] <= p):
             return ("head", j)
         before = split_at[ends[split_at] <= p]
         k = int(before[-1]) if before.size else 0
