@@ -176,10 +176,12 @@ def validation_config(cfg):
     return dataclasses.replace(cfg, data=data)
 
 
-def _prepare_here(cfg, *, progress: bool) -> Path:
+def _prepare_here(cfg, *, progress: bool, report_in_background: bool = False) -> Path:
+    import sys
+
     from megatron_pack.data.packing.report import ReportPainter, write_report
 
-    painter = ReportPainter.start()  # imports matplotlib on another core meanwhile
+    painter = ReportPainter.start() if report_in_background and "matplotlib" not in sys.modules else None
     try:
         settings = plan_settings(cfg)
         store = ensure_store(cfg, progress=progress)
@@ -200,8 +202,12 @@ def _prepare_here(cfg, *, progress: bool) -> Path:
 
 
 def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
-            verify_timeout_s: float = 300.0, progress: bool = True) -> Path:
+            verify_timeout_s: float = 300.0, progress: bool = True, report_in_background: bool = False) -> Path:
     """Tokenize and plan per ``cfg``; return the plan directory. Idempotent.
+
+    ``report_in_background`` (the ``prepare`` command sets it) imports matplotlib for
+    ``report.png`` in a forked process while this one tokenizes (``ReportPainter``): worth it in a
+    fresh process, not in one that prepares many datasets (a test session), which imports it once.
 
     With ``world_size > 1`` rank 0 prepares while the others wait at ``barrier`` (it is called
     once on every rank, by rank 0 after it finished or failed), then verify the files, retrying
@@ -213,7 +219,7 @@ def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callab
     if rank == 0:
         marker.unlink(missing_ok=True)
         try:
-            return _prepare_here(cfg, progress=progress)
+            return _prepare_here(cfg, progress=progress, report_in_background=report_in_background)
         except Exception as exc:
             if world_size > 1:  # tell the waiting ranks at once instead of letting them time out
                 marker.parent.mkdir(parents=True, exist_ok=True)

@@ -323,27 +323,3 @@ def test_worker_processes_tokenize_equals_serial(batch_dirs, hf_dirs, tmp_path, 
         assert a.ids.tolist() == b.ids.tolist() and a.mask.tolist() == b.mask.tolist()
         assert a.positions.tolist() == b.positions.tolist()
     assert sum(int(r.mask.sum()) for r in serial) > 100
-
-
-def test_tokenizer_loads_without_torch_and_equals_auto_tokenizer(batch_dirs):
-    """A tokenizer-only folder of the generic fast class loads without importing torch (the fixed
-    cost of prepare), and is what AutoTokenizer gives: same class, pipeline, specials, template."""
-    import subprocess
-    import sys
-
-    from transformers import AutoTokenizer
-
-    from megatron_pack.data.formats.tokenizer import load_hf_tokenizer
-
-    folder = batch_dirs["llama_like"]
-    config = json.loads((__import__("pathlib").Path(folder) / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] in ("PreTrainedTokenizerFast", "TokenizersBackend")  # guard: the short path
-    ours, auto = load_hf_tokenizer(folder), AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    assert type(ours) is type(auto)
-    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
-    assert ours.special_tokens_map == auto.special_tokens_map and ours.chat_template == auto.chat_template
-    assert len(ours) == len(auto) and ours.eos_token_id == auto.eos_token_id
-    code = ("import sys; from megatron_pack.data.formats.tokenizer import build_tokenizer; "
-            f"build_tokenizer({folder!r}); print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
