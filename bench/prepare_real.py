@@ -218,6 +218,7 @@ def run_real(args) -> None:
                         shutil.rmtree(trl_dir, ignore_errors=True)
                     _print_round(name, style, row, rows.get((name, "trl"), {}))
         _print_table(size, rows)
+        (work / f"results_{size}.json").write_text(json.dumps({f"{k[0]}/{k[1]}": v for k, v in rows.items()}, indent=1))
     print(f"done ({_loads()})")
 
 
