@@ -189,23 +189,38 @@ def supports_batched_chat(tok) -> bool:
     return getattr(tok, "is_fast", False) and hasattr(tok, "backend_tokenizer") and bool(tok.chat_template)
 
 
-def _arrays(enc) -> tuple[np.ndarray, np.ndarray]:
-    n = len(enc)
-    offsets = np.fromiter(chain.from_iterable(enc.offsets), np.int64, 2 * n).reshape(n, 2)  # 2x faster than via tuples
-    return np.fromiter(enc.ids, np.int32, n), offsets
+def _chunk_arrays(encodings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every encoding's ids (int32) and offsets (int64 [n, 2]) in two flat arrays, and the token
+    bounds of each (``bounds[i]:bounds[i + 1]``): one conversion per chunk, not per record."""
+    lengths = np.fromiter((len(e) for e in encodings), np.int64, len(encodings))
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(bounds[-1])
+    ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int32, total)
+    offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)), np.int64,
+                          2 * total).reshape(total, 2)
+    return ids, offsets, bounds
 
 
 def encode_chats(tok, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(ids int32, assistant mask uint8)`` of every conversation, as ``apply_chat_template(...,
-    return_assistant_tokens_mask=True)`` gives them one at a time (a template with markers)."""
+    return_assistant_tokens_mask=True)`` gives them one at a time (a template with markers).
+
+    The mask of the whole chunk is one ``assistant_mask`` call: record ``r``'s offsets and spans
+    are shifted by ``base[r]`` (the lengths of the texts before it, plus one each), so every token
+    of ``r`` starts after every span of the records before it and ends before every span after
+    it; the rule's span index then passes the earlier spans and never reaches a later one,
+    which is the rule on ``r`` alone.
+    """
     renderer = renderer_for(tok)
     rendered = [renderer.render(messages) for messages in conversations]
     encodings = _backend(tok).encode_batch([text for text, _ in rendered], add_special_tokens=False)
-    out = []
-    for enc, (_, spans) in zip(encodings, rendered):
-        ids, offsets = _arrays(enc)
-        out.append((ids, assistant_mask(offsets, spans)))
-    return out
+    ids, offsets, bounds = _chunk_arrays(encodings)
+    sizes = np.fromiter((len(text) + 1 for text, _ in rendered), np.int64, len(rendered))
+    base = np.cumsum(sizes) - sizes
+    offsets = offsets + np.repeat(base, np.diff(bounds))[:, None]
+    spans = [(a + int(b), e + int(b)) for (_, record_spans), b in zip(rendered, base) for a, e in record_spans]
+    mask = assistant_mask(offsets, spans)
+    return [(ids[bounds[i]:bounds[i + 1]], mask[bounds[i]:bounds[i + 1]]) for i in range(len(rendered))]
 
 
 def split_token_ids(tok) -> frozenset[int]:
@@ -270,10 +285,10 @@ def encode_by_prefixes(tok, conversations: list[list[dict]]) -> list:
         text, turns = renderer.render_turns(messages)
         texts.append(text)
         cuts.append(turns)
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
+    all_ids, all_offsets, bounds = _chunk_arrays(backend.encode_batch(texts, add_special_tokens=False))
     plans, windows = [], []
-    for text, turns, enc in zip(texts, cuts, encodings):
-        ids, offsets = _arrays(enc)
+    for i, (text, turns) in enumerate(zip(texts, cuts)):
+        ids, offsets = all_ids[bounds[i]:bounds[i + 1]], all_offsets[bounds[i]:bounds[i + 1]]
         plan = None if turns is None else _prefix_plan(text, turns, ids, offsets, split_ids, spaces, windows)
         plans.append((ids, plan))
     window_ids = [list(e.ids) for e in backend.encode_batch(windows, add_special_tokens=False)] \
