@@ -157,10 +157,11 @@ def _auto_backend_model_ids() -> list[str] | None:
     """``AutoTokenizer``'s ``MODEL_IDS_TO_TOKENIZERS_BACKEND`` read from its source (importing that
     module imports torch); None when it cannot be read (then ``AutoTokenizer`` decides)."""
     import ast
-    import importlib.util
 
-    try:
-        source = Path(importlib.util.find_spec("transformers.models.auto.tokenization_auto").origin).read_text()
+    import transformers
+
+    try:  # the file itself: finding its module spec would import transformers.models.auto (1 s or more)
+        source = (Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py").read_text()
         for node in ast.parse(source).body:
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
