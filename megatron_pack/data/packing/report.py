@@ -111,7 +111,7 @@ class ReportPainter:
     figure is then drawn in-process. ``close()`` always ends the process."""
 
     def __init__(self, process, conn):
-        self.process, self.conn = process, conn
+        self.process, self.conn, self.used = process, conn, False
 
     @classmethod
     def start(cls) -> "ReportPainter | None":
@@ -127,6 +127,7 @@ class ReportPainter:
         return cls(process, parent)
 
     def paint(self, numbers: dict, path: Path) -> None:
+        self.used = True
         try:
             self.conn.send((numbers, str(path)))
             error = self.conn.recv()
@@ -137,14 +138,20 @@ class ReportPainter:
             raise RuntimeError(f"drawing {path} failed: {error}")
 
     def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except (OSError, ValueError):
-            pass
+        """End the process: at once when it drew nothing (a re-run that found its report need not
+        wait for matplotlib's import), else after it finished."""
+        if not self.used:
+            self.process.terminate()
+        else:
+            try:
+                self.conn.send(None)
+            except (OSError, ValueError):
+                pass
         self.conn.close()
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.terminate()
+            self.process.join(timeout=5)
 
 
 def _paint_loop(conn) -> None:
