@@ -41,8 +41,6 @@ _SAFE_TESTS = {CONTENT: {"string", "defined", "undefined", "none"}, TEXT: {"stri
                MESSAGE: {"defined", "undefined", "mapping", "none"}, MESSAGES: {"defined", "undefined", "sequence",
                                                                                  "iterable", "none"}}
 _PLAIN_CALLS = {"raise_exception", "namespace", "range", "dict", "strftime_now", "lipsum", "cycler", "joiner"}
-_MESSAGE_KEYS_PLAIN = {"role"}
-"""Message keys other than content: role is the shape; any other key is absent from every normalised message."""
 
 
 class Unsupported(Exception):
