@@ -36,7 +36,9 @@ setup(
         "hf": ["transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
         # apex has no PyPI release: build it from source (docs/model.md) after installing this extra.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
-        "bench": ["trl>=0.19", "datasets>=2.19", "psutil>=5.9"],
+        # bench/ only, never CI: TRL and datasets are the peers of bench/prepare.py --real, mistral-common
+        # ships the real tokenizers it reads, sentencepiece converts Mistral's tokenizer.model
+        "bench": ["trl>=0.19", "datasets>=2.19", "psutil>=5.9", "mistral-common>=1.5", "sentencepiece>=0.1.99"],
     },
     entry_points={"console_scripts": ["megatron-pack=megatron_pack.cli.main:main"]},
 )

@@ -19,6 +19,13 @@ rendered texts' Rust encode alone on one thread, which both paths run, and the c
 any speed-up (loop seconds / (encode seconds / cores)).
 
     .venv/bin/python bench/prepare.py --chat [--chat-records 20000] [--repeats 3]
+
+``--real`` runs ``bench/prepare_real.py``: real tokenizers (Mistral's SentencePiece and Tekken,
+from the installed ``mistral-common``) against transformers' loop and TRL's preparation
+(``pip install -e ".[bench]"`` first; see that file and docs/benchmarks.md).
+
+    .venv/bin/python bench/prepare.py --real [--sizes 20000,200000] [--repeats 2] [--repeats-large 1]
+    .venv/bin/python bench/prepare.py --real --paired --workdir DIR [--records 1000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -212,6 +219,16 @@ def _child_peak_rss(cmd: list[str]) -> float:
 
 
 def main() -> None:
+    if "--real" in sys.argv:  # real tokenizers against transformers' loop and TRL: bench/prepare_real.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        rest = [a for a in sys.argv[1:] if a not in ("--real", "--paired")]
+        if "--paired" in sys.argv:  # the work per token, robust to a loaded machine: bench/real_paired.py
+            from real_paired import main as paired_main
+
+            return paired_main(rest)
+        from prepare_real import main as real_main
+
+        return real_main(rest)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-samples", type=int, default=1_000_000)
     parser.add_argument("--pack-size", type=int, default=4096)

@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
         if line.print_config:
             return print_resolved(cfg)
         barrier = _barrier() if world_size > 1 else None
-        plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0)
+        plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0,
+                           report_in_background=True)
     except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:
         print(f"megatron-pack prepare: {exc}", file=sys.stderr)
         return 2

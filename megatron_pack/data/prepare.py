@@ -176,17 +176,24 @@ def validation_config(cfg):
     return dataclasses.replace(cfg, data=data)
 
 
-def _prepare_here(cfg, *, progress: bool) -> Path:
-    settings = plan_settings(cfg)
-    store = ensure_store(cfg, progress=progress)
-    plan_dir = ensure_plan(store, settings)
-    if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
-        valid_cfg = validation_config(cfg)
-        ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg))
-    from megatron_pack.data.packing.report import write_report
+def _prepare_here(cfg, *, progress: bool, report_in_background: bool = False) -> Path:
+    import sys
 
-    if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
-        write_report(store, plan_dir)  # both: a run killed between the two files must not leave one forever
+    from megatron_pack.data.packing.report import ReportPainter, write_report
+
+    painter = ReportPainter.start() if report_in_background and "matplotlib" not in sys.modules else None
+    try:
+        settings = plan_settings(cfg)
+        store = ensure_store(cfg, progress=progress)
+        plan_dir = ensure_plan(store, settings)
+        if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
+            valid_cfg = validation_config(cfg)
+            ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg))
+        if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
+            write_report(store, plan_dir, painter)  # both: a run killed between the two files must not leave one
+    finally:
+        if painter is not None:
+            painter.close()
     if cfg.packing.export == "bridge":
         from megatron_pack.data.packing.bridge import export_bridge
 
@@ -195,8 +202,12 @@ def _prepare_here(cfg, *, progress: bool) -> Path:
 
 
 def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
-            verify_timeout_s: float = 300.0, progress: bool = True) -> Path:
+            verify_timeout_s: float = 300.0, progress: bool = True, report_in_background: bool = False) -> Path:
     """Tokenize and plan per ``cfg``; return the plan directory. Idempotent.
+
+    ``report_in_background`` (the ``prepare`` command sets it) imports matplotlib for
+    ``report.png`` in a forked process while this one tokenizes (``ReportPainter``): worth it in a
+    fresh process, not in one that prepares many datasets (a test session), which imports it once.
 
     With ``world_size > 1`` rank 0 prepares while the others wait at ``barrier`` (it is called
     once on every rank, by rank 0 after it finished or failed), then verify the files, retrying
@@ -208,7 +219,7 @@ def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callab
     if rank == 0:
         marker.unlink(missing_ok=True)
         try:
-            return _prepare_here(cfg, progress=progress)
+            return _prepare_here(cfg, progress=progress, report_in_background=report_in_background)
         except Exception as exc:
             if world_size > 1:  # tell the waiting ranks at once instead of letting them time out
                 marker.parent.mkdir(parents=True, exist_ok=True)

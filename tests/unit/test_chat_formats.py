@@ -299,9 +299,10 @@ def test_assistant_mask_rule_by_hand():
     assert assistant_mask(offsets, []).tolist() == [0] * 6
 
 
-def test_threaded_tokenize_equals_serial(batch_dirs, tmp_path):
-    """The default path for a fast tokenizer tokenizes chunks on threads; the arrays must be the
-    serial path's, in input order (chunks of 7 records, so many chunks are in flight)."""
+@pytest.mark.parametrize("style", ["chatml_marked", "chatml_unmarked"])
+def test_worker_processes_tokenize_equals_serial(batch_dirs, hf_dirs, tmp_path, style):
+    """The default path tokenizes chunks in forked worker processes; the arrays must be the serial
+    path's, in input order (chunks of 7 records, so many chunks are in flight)."""
     from pathlib import Path
 
     from megatron_pack.data.formats.sources import iter_chunks
@@ -309,40 +310,16 @@ def test_threaded_tokenize_equals_serial(batch_dirs, tmp_path):
 
     path = tmp_path / "chat.jsonl"
     records = _conversations(90, seed=3)
-    for i in range(0, 90, 9):  # prompt/completion and TRL records go one at a time, on the same threads
+    for i in range(0, 90, 9):  # prompt/completion and TRL records go one at a time, in the same workers
         records.insert(i, {"prompt": f"what is {i} plus {i}", "completion": f"{2 * i}"} if i % 2 else TRL)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    ts.init_worker(batch_dirs["chatml_marked"], AUTO, True)
-    assert ts.encode_threads(ts._WORKER["tokenizer"]) >= 1
+    folder = batch_dirs["chatml_marked"] if style == "chatml_marked" else hf_dirs["chatml"]
     chunks = list(iter_chunks([Path(path)], 7))
-    assert len(chunks) > 10  # guard: more chunks than threads in flight
-    serial = [ts.tokenize_chunk(c) for c in chunks]
-    threaded = list(ts._threaded(chunks, 3))
-    for a, b in zip(serial, threaded, strict=True):
+    assert len(chunks) > 10  # guard: more chunks than workers in flight
+    kwargs = dict(tokenizer=folder, schema=AUTO, answer_only_loss=True)
+    serial = list(ts.tokenize_stream(chunks, num_workers=1, **kwargs))
+    pooled = list(ts.tokenize_stream(chunks, num_workers=2, **kwargs))
+    for a, b in zip(serial, pooled, strict=True):
         assert a.ids.tolist() == b.ids.tolist() and a.mask.tolist() == b.mask.tolist()
         assert a.positions.tolist() == b.positions.tolist()
     assert sum(int(r.mask.sum()) for r in serial) > 100
-
-
-def test_tokenizer_loads_without_torch_and_equals_auto_tokenizer(batch_dirs):
-    """A tokenizer-only folder of the generic fast class loads without importing torch (the fixed
-    cost of prepare), and is what AutoTokenizer gives: same class, pipeline, specials, template."""
-    import subprocess
-    import sys
-
-    from transformers import AutoTokenizer
-
-    from megatron_pack.data.formats.tokenizer import load_hf_tokenizer
-
-    folder = batch_dirs["llama_like"]
-    config = json.loads((__import__("pathlib").Path(folder) / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] in ("PreTrainedTokenizerFast", "TokenizersBackend")  # guard: the short path
-    ours, auto = load_hf_tokenizer(folder), AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    assert type(ours) is type(auto)
-    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
-    assert ours.special_tokens_map == auto.special_tokens_map and ours.chat_template == auto.chat_template
-    assert len(ours) == len(auto) and ours.eos_token_id == auto.eos_token_id
-    code = ("import sys; from megatron_pack.data.formats.tokenizer import build_tokenizer; "
-            f"build_tokenizer({folder!r}); print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"

@@ -70,3 +70,29 @@ def test_report_shows_the_bulk_the_tail_and_truncation(skewed_plan):
     low, high = fill_ax.get_xlim()
     assert low == n["pack_fill_histogram"]["range"][0] > 0.0 and high == 1.0
     assert (skewed_plan / "report.png").stat().st_size > 10_000
+
+
+def test_report_painter_draws_in_its_own_process(skewed_plan, tmp_path):
+    """The prepare command's painter (matplotlib imported in a forked process) writes the same
+    figure as drawing here, names a failure, and ends at once when it has nothing to draw."""
+    import time
+
+    from megatron_pack.data.packing.report import ReportPainter, _plot
+
+    numbers = json.loads((skewed_plan / "report.json").read_text())
+    painter = ReportPainter.start()
+    assert painter is not None  # guard: Linux forks, the process path is under test
+    try:
+        painter.paint(numbers, tmp_path / "painted.png")
+        with pytest.raises(RuntimeError, match="bad.png"):
+            painter.paint({"nonsense": 1}, tmp_path / "bad.png")
+    finally:
+        painter.close()
+    assert not painter.process.is_alive()
+    _plot(numbers, tmp_path / "here.png")
+    assert (tmp_path / "painted.png").stat().st_size > 10_000
+    assert abs((tmp_path / "painted.png").stat().st_size - (tmp_path / "here.png").stat().st_size) < 2_000
+    idle = ReportPainter.start()
+    start = time.perf_counter()
+    idle.close()
+    assert not idle.process.is_alive() and time.perf_counter() - start < 3

@@ -15,6 +15,7 @@ Byte tokenizer layout (ids 0-255 are the UTF-8 bytes)::
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 from dataclasses import dataclass
@@ -111,15 +112,23 @@ def _identity(name: str, vocab, tok) -> dict:
             "special_ids": {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}}
 
 
+_DIRECT_CLASSES = {"PreTrainedTokenizerFast": "PreTrainedTokenizerFast", "TokenizersBackend": "PreTrainedTokenizerFast",
+                   "LlamaTokenizer": "LlamaTokenizer", "LlamaTokenizerFast": "LlamaTokenizer",
+                   "Qwen2Tokenizer": "Qwen2Tokenizer", "Qwen2TokenizerFast": "Qwen2Tokenizer"}
+"""``tokenizer_class`` of a tokenizer-only folder -> the transformers class ``AutoTokenizer`` loads it with."""
+
+
 def load_hf_tokenizer(path: str):
     """``AutoTokenizer.from_pretrained(path)``, without importing torch where the result is known.
 
-    A tokenizer-only folder (no ``config.json``, no ``auto_map``) whose ``tokenizer_config.json``
-    names the generic fast class (``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as Llama 3
-    and tokenizers saved from a ``tokenizers.Tokenizer`` do) is what ``AutoTokenizer`` loads as
-    ``TokenizersBackend``; loading that class directly skips ``AutoTokenizer``'s config machinery,
-    which imports torch (2 of the ~5 s ``prepare`` spends before its first record; tested equal).
-    Every other folder goes through ``AutoTokenizer``.
+    A tokenizer-only folder (``tokenizer.json`` and ``tokenizer_config.json``, no ``config.json``,
+    no ``auto_map``) whose ``tokenizer_class`` is the generic fast class, ``LlamaTokenizer`` or
+    ``Qwen2Tokenizer`` (Llama 2, Mistral, Qwen 2 and 3 and most folders saved by transformers) is
+    what ``AutoTokenizer`` loads with that class; loading it directly skips ``AutoTokenizer``'s
+    config machinery, which imports torch (1.5-2 s of the time ``prepare`` spends before its first
+    record; tested equal). ``AutoTokenizer`` itself loads a ``LlamaTokenizer`` folder whose
+    ``tokenizer.json`` is byte-level as ``TokenizersBackend``, and a folder whose path matches a
+    model id it special-cases the same way: those, and every other folder, go through it.
     """
     folder = Path(path)
     config_file = folder / "tokenizer_config.json"
@@ -128,13 +137,39 @@ def load_hf_tokenizer(path: str):
             config = json.loads(config_file.read_text())
         except ValueError:
             config = {}
-        if config.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend") and "auto_map" not in config:
-            from transformers import PreTrainedTokenizerFast
+        name = _DIRECT_CLASSES.get(config.get("tokenizer_class"))
+        if name is not None and "auto_map" not in config:
+            import transformers
 
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+            cls = getattr(transformers, name)
+            patterns = _auto_backend_model_ids()
+            special = patterns is None or any(fnmatch.fnmatch(str(path).lower(), p) for p in patterns)
+            byte_level_llama = name == "LlamaTokenizer" and transformers.TokenizersBackend._tokenizer_json_has_byte_level(
+                str(path), local_files_only=True)
+            if not special and not byte_level_llama:
+                return cls.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _auto_backend_model_ids() -> list[str] | None:
+    """``AutoTokenizer``'s ``MODEL_IDS_TO_TOKENIZERS_BACKEND`` read from its source (importing that
+    module imports torch); None when it cannot be read (then ``AutoTokenizer`` decides)."""
+    import ast
+
+    import transformers
+
+    try:  # the file itself: finding its module spec would import transformers.models.auto (1 s or more)
+        source = (Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py").read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(getattr(t, "id", None) == "MODEL_IDS_TO_TOKENIZERS_BACKEND" for t in targets):
+                    return list(ast.literal_eval(node.value))
+    except (AttributeError, OSError, SyntaxError, ValueError):
+        pass
+    return None
 
 
 class HFTokenizer:
@@ -204,12 +239,13 @@ class HFTokenizer:
     def encode_samples(self, records: list[dict], schema: SampleSchema, *, answer_only_loss: bool = True) -> list:
         """``encode_sample`` for a chunk of records: one ``(ids, mask)`` or one ``RecordError`` per record.
 
-        Chat records go through ``fast_chat.encode_chats`` in one batch when the template has
-        generation markers (the same ids and masks as one record at a time, tested); the others,
-        and any batch the template or the tokenizer refuses, go record by record, so an error
-        still names its record.
+        Chat records of a fast tokenizer go through ``fast_chat`` in one batch (``encode_chats`` for a
+        template with generation markers, ``encode_by_prefixes`` without): the same ids and masks as
+        one record at a time, tested. The others, a record the batch cannot prove, and any batch
+        the template or the tokenizer refuses, go record by record, so an error still names its record.
         """
-        from megatron_pack.data.formats.fast_chat import encode_chats, supports_batched_chat
+        from megatron_pack.data.formats.fast_chat import (encode_by_prefixes, encode_chats, has_generation_markers,
+                                                          supports_batched_chat)
 
         results: list = [None] * len(records)
         batch, conversations = [], []
@@ -225,20 +261,24 @@ class HFTokenizer:
                 results[i] = self.encode_sample(record, schema, answer_only_loss=answer_only_loss)
             except (RecordError, UnicodeEncodeError) as exc:
                 results[i] = exc
+        encode = encode_chats if has_generation_markers(self.tok.chat_template) else encode_by_prefixes
         try:
-            encoded = encode_chats(self.tok, conversations) if conversations else []
+            encoded = encode(self.tok, conversations) if conversations else []
         except Exception:  # a template error or bad text in one record: find it record by record
-            encoded = None
-        for n, i in enumerate(batch):
-            if encoded is None:
-                try:
-                    results[i] = self.encode_sample(records[i], schema, answer_only_loss=answer_only_loss)
-                except (RecordError, UnicodeEncodeError) as exc:
-                    results[i] = exc
+            encoded = [None] * len(batch)
+        for i, got in zip(batch, encoded):
+            if got is None:
+                results[i] = self._encode_or_error(records[i], schema, answer_only_loss)
                 continue
-            ids, mask = self._end_with_eos_arrays(*encoded[n])
+            ids, mask = self._end_with_eos_arrays(*got)
             results[i] = (ids, mask if answer_only_loss else np.ones_like(mask))
         return results
+
+    def _encode_or_error(self, record: dict, schema: SampleSchema, answer_only_loss: bool):
+        try:
+            return self.encode_sample(record, schema, answer_only_loss=answer_only_loss)
+        except (RecordError, UnicodeEncodeError) as exc:
+            return exc
 
     def _end_with_eos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         """The sample contract (ids end with eos) without a second end-of-turn token.
@@ -279,7 +319,9 @@ class HFTokenizer:
     def chat_ids_and_mask(self, messages: list[dict], *, use_generation_markers: bool | None = None):
         """Template ids and the assistant mask (lists); markers when the template has them."""
         if use_generation_markers is None:
-            use_generation_markers = "{% generation %}" in (self.tok.chat_template or "")
+            from megatron_pack.data.formats.fast_chat import has_generation_markers
+
+            use_generation_markers = has_generation_markers(self.tok.chat_template)
         if use_generation_markers:
             out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                return_assistant_tokens_mask=True)

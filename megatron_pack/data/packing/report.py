@@ -91,13 +91,87 @@ def report_numbers(store: TokenStore, plan_dir: Path) -> dict:
     }
 
 
-def write_report(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
-    """Write ``report.json`` and ``report.png`` into ``plan_dir``; return their paths."""
+def write_report(store: TokenStore, plan_dir: Path, painter: "ReportPainter | None" = None) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``report.png`` into ``plan_dir``; return their paths. ``painter``
+    (started earlier) draws the figure in its own process, matplotlib already imported."""
     numbers = report_numbers(store, plan_dir)
     json_path, png_path = Path(plan_dir) / "report.json", Path(plan_dir) / "report.png"
     write_json(json_path, numbers)
-    _plot(numbers, png_path)
+    if painter is not None:
+        painter.paint(numbers, png_path)
+    else:
+        _plot(numbers, png_path)
     return json_path, png_path
+
+
+class ReportPainter:
+    """A forked process that imports matplotlib while ``prepare`` loads the tokenizer and tokenizes
+    (about 1 s of a 100-record prepare's fixed cost, moved to another core), then draws
+    ``report.png`` when asked. ``start()`` returns None where processes cannot be forked; the
+    figure is then drawn in-process. ``close()`` always ends the process."""
+
+    def __init__(self, process, conn):
+        self.process, self.conn, self.used = process, conn, False
+
+    @classmethod
+    def start(cls) -> "ReportPainter | None":
+        import multiprocessing as mp
+
+        if "fork" not in mp.get_all_start_methods():
+            return None
+        parent, child = mp.get_context("fork").Pipe()
+        process = mp.get_context("fork").Process(target=_paint_loop, args=(child,), daemon=True,
+                                                 name="report-painter")
+        process.start()
+        child.close()
+        return cls(process, parent)
+
+    def paint(self, numbers: dict, path: Path) -> None:
+        self.used = True
+        try:
+            self.conn.send((numbers, str(path)))
+            error = self.conn.recv()
+        except (EOFError, OSError):  # the painter died: draw here, the report must exist
+            error = None
+            _plot(numbers, path)
+        if error:
+            raise RuntimeError(f"drawing {path} failed: {error}")
+
+    def close(self) -> None:
+        """End the process: at once when it drew nothing (a re-run that found its report need not
+        wait for matplotlib's import), else after it finished."""
+        if not self.used:
+            self.process.terminate()
+        else:
+            try:
+                self.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        self.conn.close()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+
+
+def _paint_loop(conn) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401 (the import is the point: done before the numbers arrive)
+
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            _plot(job[0], Path(job[1]))
+            conn.send("")
+        except Exception as exc:  # reported in the parent, with the path
+            conn.send(f"{type(exc).__name__}: {exc}")
 
 
 def report_figure(n: dict):

@@ -10,7 +10,7 @@ Files (one directory; ``N`` samples, ``T`` tokens)::
     source_line.npy   int64  [N]  1-based JSONL line, or 0-based Parquet / synthetic row
     metadata.json             see docs/data.md
 
-Tokenization streams chunks through a process pool with a bounded number of chunks in flight,
+Tokenization streams chunks through a (forked) process pool with a bounded number of chunks in flight,
 so memory stays flat whatever the input size; arrays are appended to ``.npy`` files whose
 header is written last.
 """
@@ -134,40 +134,39 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
 
 def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSchema, answer_only_loss: bool,
                     num_workers: int, chat_template: str | None = None) -> Iterator[ChunkResult]:
-    """Results in input order, from ``num_workers`` processes (inline when it is 1)."""
+    """Results in input order, from ``num_workers`` processes (inline when it is 1).
+
+    Workers are forked where the platform can (Linux): each starts in milliseconds with the
+    tokenizer the parent already built (``build_tokenizer``'s cache), instead of importing
+    transformers and loading the tokenizer again (seconds, per worker, with ``spawn``). A chunk
+    (``FILE_CHUNK`` records, ~10^5 tokens) is ~0.1-0.3 s of work against ~1 ms of pickling each
+    way, so the parent, which only reads lines and appends arrays, keeps 64 workers busy; at
+    most ``2 * num_workers`` chunks are in flight, so memory is flat in the input size.
+    """
+    init_worker(tokenizer, schema, answer_only_loss, chat_template)  # build_tokenizer's cache: built once
     if num_workers <= 1:
-        init_worker(tokenizer, schema, answer_only_loss, chat_template)  # build_tokenizer's cache: built once
-        threads = encode_threads(_WORKER["tokenizer"])
-        if threads <= 1:
-            yield from map(tokenize_chunk, chunks)
-            return
-        yield from _threaded(chunks, threads)
+        yield from map(tokenize_chunk, chunks)
         return
     import multiprocessing as mp
 
-    with mp.get_context("spawn").Pool(num_workers, initializer=init_worker,
-                                      initargs=(tokenizer, schema, answer_only_loss, chat_template)) as pool:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
-            if len(pending) >= 4 * num_workers:  # bounded memory: never read far ahead
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one encoding thread per worker: the workers use the cores
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    try:
+        with mp.get_context(method).Pool(num_workers, initializer=init_worker,
+                                         initargs=(tokenizer, schema, answer_only_loss, chat_template)) as pool:
+            pending: deque = deque()
+            for chunk in chunks:
+                pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
+                if len(pending) >= 2 * num_workers:  # bounded memory: never read far ahead
+                    yield pending.popleft().get()
+            while pending:
                 yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-def encode_threads(tok) -> int:
-    """Threads that tokenize chunks in one process: every core for a Hugging Face fast tokenizer, else 1.
-
-    A fast tokenizer's Rust ``encode_batch`` releases the GIL, so while one thread encodes a chunk
-    another renders the next chunk's chat template (Python). Threads beat both alternatives on
-    this machine's 2 cores: the tokenizer's own Rayon parallelism in one ``encode_batch`` (1.1x
-    over one core), and processes (each pays seconds to import transformers and load the
-    tokenizer). See docs/benchmarks.md.
-    """
-    if getattr(getattr(tok, "tok", None), "is_fast", False):
-        return usable_cpus()
-    return 1
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def usable_cpus() -> int:
@@ -176,35 +175,6 @@ def usable_cpus() -> int:
         return max(len(os.sched_getaffinity(0)), 1)
     except AttributeError:  # no sched_getaffinity (macOS)
         return os.cpu_count() or 1
-
-
-def _threaded(chunks: Iterable[Chunk], threads: int) -> Iterator[ChunkResult]:
-    """``tokenize_chunk`` over ``chunks`` on ``threads`` threads, results in input order, few chunks in flight.
-
-    The tokenizer's Rayon pool is switched off meanwhile (``TOKENIZERS_PARALLELISM=false``, read at
-    every call): our threads already use every core, and Rayon on top only adds contention.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = _WORKER["tokenizer"]
-    if hasattr(tok, "encode"):  # transformers drops a tokenizer.json's truncation / padding at its first call,
-        tok.encode("warm up")   # mutating the Rust backend: do that before any thread encodes with it
-    try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="tokenize") as pool:
-            pending: deque = deque()
-            for chunk in chunks:
-                pending.append(pool.submit(tokenize_chunk, chunk))
-                if len(pending) >= 2 * threads:  # bounded memory: never read far ahead
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-    finally:
-        if previous is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, total: int | None = None,
@@ -287,11 +257,8 @@ class TokenStore:
 
 
 def default_num_workers(requested: int, tokenizer=None) -> int:
-    """Tokenize processes: ``requested`` when > 0; else (auto) 1 for a Hugging Face fast tokenizer,
-    which tokenizes on one thread per core in that process (``encode_threads``; more processes
-    only add start-up cost), and all cores otherwise (the byte tokenizer is pure Python)."""
+    """Tokenize processes: ``requested`` when > 0, else (auto) one per usable CPU (the affinity,
+    so a SLURM or cgroup allotment), whatever the tokenizer."""
     if requested > 0:
         return requested
-    if getattr(getattr(tokenizer, "tok", None), "is_fast", False):
-        return 1
     return usable_cpus()
