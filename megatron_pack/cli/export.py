@@ -90,6 +90,7 @@ def read_model_shards(step_dir: Path) -> list[dict]:
 def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = None,
                print_config: bool = False) -> int:
     from megatron_pack.cli.args import print_resolved
+    from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError, parse_size
     from megatron_pack.model.hf.export import export_folder
@@ -114,6 +115,8 @@ def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = No
                               "overwritten).")
     if cfg.export.adapter or cfg.export.merge or (step_dir is not None and _checkpoint_peft(step_dir)):
         return _export_lora(cfg, step_dir, given_base, out)
+    if step_dir is None:  # a round trip reads the folder's weights
+        check_weights_folder(cfg.model.pretrained)
     shards = read_model_shards(step_dir) if step_dir is not None else None
     files, dtype = export_folder(output=cfg.export.output, source=cfg.model.pretrained, model_cfg=cfg.model,
                                  shards=shards, dtype=cfg.export.dtype,
@@ -133,6 +136,7 @@ def _checkpoint_peft(step_dir: Path) -> dict | None:
 
 def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int:
     """export.adapter / export.merge of a peft=lora checkpoint (model/peft/export.py)."""
+    from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.config.schema import ConfigError, parse_size
     from megatron_pack.model.peft.export import base_folder, export_adapter, export_merged
 
@@ -154,6 +158,7 @@ def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int
             f"{peft.get('base_model')!r}), {output!r})")
         return 0
     base = base_folder(peft, given_base)
+    check_weights_folder(base, where=f"the base model of {step_dir} ({base})")
     files, dtype = export_merged(output=output, shards=read_model_shards(step_dir), peft=peft,
                                  source=cfg.model.pretrained, base=base, model_cfg=cfg.model, dtype=cfg.export.dtype,
                                  max_shard_bytes=parse_size(cfg.export.max_shard_size))

@@ -51,6 +51,7 @@ def _barrier():
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.preflight import check_prepare
     from megatron_pack.config import load_config
     from megatron_pack.data.prepare import prepare
     from megatron_pack.data.formats.sources import DataError
@@ -69,6 +70,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(prepare_problems(cfg))
         if line.print_config:
             return print_resolved(cfg)
+        check_prepare(cfg)  # the tokenizer and model folders, one line each, before anything is read
         barrier = _barrier() if world_size > 1 else None
         plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0)
     except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:

@@ -53,6 +53,7 @@ def _refusal(exc: Exception) -> int:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.preflight import check_train
     from megatron_pack.cli.run_config import load_run_config
 
     check_only = CHECK_FLAG in argv
@@ -72,6 +73,7 @@ def main(argv: list[str]) -> int:
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         cfg, dataset = run.cfg, run.dataset
+        check_train(cfg, values=check_only)  # the model folder's files, before any process group
         validation = open_validation(cfg, dataset)
         resume = check_resume(cfg, world_size, dataset)
     except (ConfigError, DataError) as exc:
@@ -92,6 +94,9 @@ def main(argv: list[str]) -> int:
     try:
         run_training(cfg, state, build_loader(cfg, state, dataset),
                      validation=build_validation_loader(cfg, state, validation))
+    except FloatingPointError as exc:  # non-finite weights or loss: every rank stopped at the same point
+        print(f"megatron-pack train: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         destroy_parallel(destroy_process_group=True)
     if rank == 0:

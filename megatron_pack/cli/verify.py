@@ -386,6 +386,7 @@ def run_verify_transformers(cfg, *, out=print) -> int:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.cli.run_config import load_run_config
     from megatron_pack.config.schema import ConfigError
     from megatron_pack.data.formats.sources import DataError
@@ -400,6 +401,7 @@ def main(argv: list[str]) -> int:
                               world_size=int(os.environ["WORLD_SIZE"]) if launched else None)
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
+        check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists
         for note in run.notes:
             print(note)
         return run_verify(run.cfg, dataset=run.dataset)

@@ -113,6 +113,9 @@ class ModelConfig(_Group):
     pretrained: Optional[str] = None
     """A local Hugging Face model folder: architecture keys come from its config.json and the weights
     from its safetensors (docs/models.md); None trains from a random init."""
+    check_pretrained_values: bool = True
+    """train --check (the launch scripts) reads every weight of model.pretrained and refuses NaN / Inf
+    before launch; false checks the safetensors headers only (each rank still checks its shard on load)."""
     norm_epsilon: float = 1e-5
     """Epsilon of every RMSNorm / LayerNorm (config.json rms_norm_eps)."""
     add_qkv_bias: bool = False

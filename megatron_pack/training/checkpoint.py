@@ -6,12 +6,15 @@ Layout under ``checkpoint.save``::
     step_00000003/           one complete checkpoint
         .metadata, *.distcp  DCP shards: "model/tp<r>/<param>" and "optim/tp<r>/<param>.<state>"
         rank_00000.pt        per-rank state: RNG, sampler, schedule (torch.save of plain containers)
-        meta.json            step, world size and parallel layout, written last
+        meta.json            step, world size and parallel layout
+        manifest.json        every file above with its size and sha256, written last (checkpoint_files.py)
     latest                   the name of the newest complete checkpoint ("step_00000003")
 
 Saving is atomic: every rank writes into ``tmp.step_00000003/``; after a barrier rank 0 writes
-``meta.json``, renames the folder to ``step_00000003/`` and only then replaces ``latest`` (by
-``os.replace`` of a temporary file). A crash at any point leaves ``latest`` naming the previous
+``meta.json``, every rank hashes the files it wrote, rank 0 gathers the digests and writes
+``manifest.json``, renames the folder to ``step_00000003/`` and only then replaces ``latest`` (by
+``os.replace`` of a temporary file). Resume, ``export`` and ``verify`` check the manifest before they
+read a checkpoint; a resume passes over a damaged one to the newest intact one and says so. A crash at any point leaves ``latest`` naming the previous
 complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Replicas across DP and
 CP hold identical keys, so DCP writes each tensor once; TP shards carry their TP rank in the key,
 so a checkpoint is resumed with the same tensor-parallel size (checked, with a clear error).
@@ -33,14 +36,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-LATEST = "latest"
-META = "meta.json"
+from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, candidates,  # noqa: F401
+                                                     checkpoint_problems, choose_checkpoint, digest, find_latest,
+                                                     owner, read_meta, step_dirname, write_manifest)
 
 
-def step_dirname(step: int) -> str:
-    return f"step_{step:08d}"
+def _dcp():
+    """torch distributed checkpointing, imported when a checkpoint is written or read (about 1 s of
+    imports a run does not need before its first step)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def rng_state() -> dict:
@@ -111,6 +118,7 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(group)
+    dcp = _dcp()
     if sharded_state is not None:
         from megatron_pack.training.resharding import save_sharded
 
@@ -123,6 +131,9 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     _barrier(group)
     if _rank() == 0:
         _write_json(tmp / META, {"step": step, **meta})
+    files = _gather_digests(tmp, group)  # every rank hashes the files it wrote; rank 0 the rest
+    if _rank() == 0:
+        write_manifest(tmp, files)  # last: a folder without it is incomplete
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -130,6 +141,40 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         _prune(root, keep_last)
     _barrier(group)
     return final
+
+
+def _gather_digests(folder: Path, group: Optional[dist.ProcessGroup]) -> dict[str, dict]:
+    """The manifest's file table: each rank hashes its own files (``checkpoint_files.owner``), rank 0
+    gathers them, hashes whatever nobody claimed, and gets the whole table (others get {})."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    holds = _part_ends(folder)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith(f".{MANIFEST}"))
+    mine = {n: digest(folder / n, holds.get(n)) for n in names if owner(n, world) == rank}
+    if world > 1:
+        gathered: list = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0,
+                           group=group)
+        if rank != 0:
+            return {}
+        mine = {k: v for part in gathered for k, v in part.items()}
+    for name in sorted(p.name for p in folder.iterdir() if p.is_file()):
+        if name not in mine and not name.startswith(f".{MANIFEST}"):
+            mine[name] = digest(folder / name, holds.get(name))
+    return mine
+
+
+def _part_ends(folder: Path) -> dict[str, dict[str, int]]:
+    """``{file: {"model": end, "optimizer": end}}``: where each part's last byte ends in each DCP file
+    (from DCP's ``.metadata``), so a truncated file can say which part the cut reached."""
+    if not (folder / ".metadata").is_file():
+        return {}
+    ends: dict[str, dict[str, int]] = {}
+    for index, info in checkpoint_reader(folder).read_metadata().storage_data.items():
+        part = "optimizer" if index.fqn.startswith(("optimizer", "optim/")) else "model"
+        file_ends = ends.setdefault(info.relative_path, {})
+        file_ends[part] = max(file_ends.get(part, 0), int(info.offset) + int(info.length))
+    return ends
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -151,22 +196,6 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def find_latest(root: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``root`` (by ``latest``), or None when there is none."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.exists():
-        candidate = root / pointer.read_text(encoding="utf-8").strip()
-        if (candidate / META).exists():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / META).exists()) if root.is_dir() else []
-    return complete[-1] if complete else None
-
-
-def read_meta(path: str | Path) -> dict:
-    return json.loads((Path(path) / META).read_text(encoding="utf-8"))
-
-
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
                          ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
@@ -186,24 +215,31 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
                                      "metadata file; the checkpoint is corrupt or tampered with: do not load it.")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` uses the allowlist unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _DCPMetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+_SAFE_READER: list = []
 
 
-def checkpoint_reader(path: str | Path) -> dcp.FileSystemReader:
+def _safe_reader_class() -> type:
+    """``FileSystemReader`` whose ``read_metadata`` uses the allowlist unpickler (built on first use)."""
+    if not _SAFE_READER:
+        class _SafeReader(_dcp().FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                    metadata = _DCPMetadataUnpickler(f).load()
+                if getattr(metadata, "storage_meta", None) is None:
+                    from torch.distributed.checkpoint.metadata import StorageMeta
+
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                return metadata
+
+        _SAFE_READER.append(_SafeReader)
+    return _SAFE_READER[0]
+
+
+def checkpoint_reader(path: str | Path):
     """A DCP reader for ``path`` that reads ``.metadata`` through the allowlist; use it for every
     ``dcp.load(..., storage_reader=...)`` and ``read_metadata()`` (never a plain ``FileSystemReader``)."""
-    return _SafeReader(str(path))
+    return _safe_reader_class()(str(path))
 
 
 def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
@@ -222,7 +258,7 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
     state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
     reader = checkpoint_reader(path)
     reader.read_metadata()  # refuse a tampered .metadata here, before DCP wraps the error
-    dcp.load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
+    _dcp().load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
     rank_file = path / f"rank_{_rank():05d}.pt"
     return torch.load(rank_file, weights_only=True)
 
@@ -271,7 +307,7 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
     stored = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
              if not key.startswith("optimizer.") and hasattr(md, "size")}
-    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
+    _dcp().load(state, storage_reader=checkpoint_reader(path), no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         if key.startswith("decoder.layers."):

@@ -355,12 +355,19 @@ class Trainer:
 
         if math.isfinite(total.loss_sum):
             return
+        from megatron_pack.training.finite import check_weights
+
+        where = f"step {step}, rank {self.state.rank}"
+        check_weights(self.model, where=where, device=self.state.device,
+                      source=f"the model after step {step - 1}" if step > 1 else "the loaded model",
+                      fix="the optimizer step before diverged: resume from the last checkpoint with a lower train.lr "
+                          "(or a train.clip_grad)")
         for report, batch in zip(reports, batches):
             try:
                 check_finite(report["lm loss"][0], batch)
             except FloatingPointError as exc:
-                raise FloatingPointError(f"step {step}, rank {self.state.rank}: {exc}") from None
-        raise FloatingPointError(f"step {step}, rank {self.state.rank}: the global lm loss is not finite; the "
+                raise FloatingPointError(f"{where}: data (the weights are finite): {exc}") from None
+        raise FloatingPointError(f"{where}: data (the weights are finite): the global lm loss is not finite; the "
                                  "pack that produced it is named in the error of another rank.")
 
     # ----- checkpoints -----------------------------------------------------------------------
@@ -639,20 +646,22 @@ def _resume_kind(cfg: Config) -> tuple[Optional[Path], str]:
     return resume, "weights" if cfg.checkpoint.load_weights_only and not own else "resume"
 
 
-def start_or_resume(cfg: Config, trainer: Trainer) -> None:
-    """Resume from the newest checkpoint (any layout), or start from checkpoint.load's weights."""
+def start_or_resume(cfg: Config, trainer: Trainer) -> Optional[Path]:
+    """Resume from the newest checkpoint (any layout), or start from checkpoint.load's weights;
+    returns the checkpoint read (None: a fresh start)."""
     resume, kind = _resume_kind(cfg)
     if kind == "fresh":
-        return
+        return None
     if kind == "weights":
         trainer.load_weights(resume)
         log.info("started a new run from the weights of %s (fresh optimizer, schedule and data order)", resume)
-        return
+        return resume
     changes = trainer.load(resume)
     for change in changes:
         log.warning("resumed with a changed setting (checkpoint.allow_changed=true): %s", change)
     # samples, not step * global_batch_size packs: token budgets and online steps vary their pack count
     log.info("resumed from %s at step %d (%d samples consumed)", resume, trainer.step, trainer.consumed_samples)
+    return resume
 
 
 def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
@@ -670,7 +679,14 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
         from megatron_pack.model.hf.export import save_hf_source
 
         save_hf_source(cfg.model.pretrained, save_dir)
-    start_or_resume(cfg, trainer)
+    loaded = start_or_resume(cfg, trainer)
+    if loaded is not None or cfg.model.pretrained:  # weights read from files: every rank checks its shard
+        from megatron_pack.training.finite import check_weights
+
+        check_weights(trainer.model, where=f"rank {state.rank}", device=state.device,
+                      source=f"checkpoint {loaded}" if loaded else f"model.pretrained ({cfg.model.pretrained})",
+                      fix="re-download the folder" if loaded is None else "resume from an older checkpoint "
+                          "(checkpoint.load=...) or start from model.pretrained")
     if state.rank == 0:
         write_run_record(cfg, state, trainer.train_iters)
     writer = MetricsWriter(cfg.train.output_dir, enabled=state.rank == 0, log_interval=cfg.logging.log_interval,
