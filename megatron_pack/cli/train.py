@@ -53,6 +53,7 @@ def _refusal(exc: Exception) -> int:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.launch import worker_started
     from megatron_pack.cli.preflight import check_train
     from megatron_pack.cli.run_config import load_run_config
 
@@ -60,9 +61,11 @@ def main(argv: list[str]) -> int:
     line = parse_command_line("train", [a for a in argv if a != CHECK_FLAG])
     if isinstance(line, int):  # --help / --version answer without importing torch
         return line
+    if not check_only:
+        worker_started()  # under torchrun: die with the agent; stop signals recorded from here on
     from megatron_pack.config import config_to_yaml
-    from megatron_pack.training.eval import build_validation_loader, open_validation
-    from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
+    from megatron_pack.data.batches.opening import open_validation
+    from megatron_pack.training.resume import check_resume  # the check imports no torch (a fast --check)
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     # --cfg job outside torchrun prints the config without the world-size rules (no world yet)
@@ -75,13 +78,25 @@ def main(argv: list[str]) -> int:
         cfg, dataset = run.cfg, run.dataset
         check_train(cfg, values=check_only)  # the model folder's files, before any process group
         validation = open_validation(cfg, dataset)
-        resume = check_resume(cfg, world_size, dataset)
+        passed_over: list[str] = []
+        resume = check_resume(cfg, world_size, dataset, notes=passed_over)
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     if check_only:
         print(f"megatron-pack train: config ok for {world_size} rank(s)"
               + (f"; resumes from {resume}" if resume else ""), flush=True)
+        for line in passed_over:  # damaged newer checkpoints: said once, before launch
+            print(f"megatron-pack train: {line}", file=sys.stderr, flush=True)
         return 0
+    from megatron_pack.model.cpu_compat import eager_jit_fuser_without_cuda
+
+    eager_jit_fuser_without_cuda()  # before megatron-core's first import: no torch.compile machinery on CPU
+    from megatron_pack.training.eval import build_validation_loader
+    from megatron_pack.training.loop import build_loader, run_summary, run_training
+
+    from megatron_pack.training.signals import configure
+
+    configure(cfg.checkpoint.save_on_signal, list(cfg.checkpoint.signals))
     _setup_logging(cfg.logging.level, rank)
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -92,16 +107,27 @@ def main(argv: list[str]) -> int:
         print("".join(f"{note}\n" for note in run.notes) + "resolved config:\n" + config_to_yaml(cfg), flush=True)
         print("parallel layout: " + state.describe(), flush=True)
     try:
-        run_training(cfg, state, build_loader(cfg, state, dataset),
-                     validation=build_validation_loader(cfg, state, validation))
+        trainer = run_training(cfg, state, build_loader(cfg, state, dataset),
+                               validation=build_validation_loader(cfg, state, validation))
     except FloatingPointError as exc:  # non-finite weights or loss: every rank stopped at the same point
         print(f"megatron-pack train: {exc}", file=sys.stderr, flush=True)
         return 1
+    except (ConfigError, DataError) as exc:  # found once the ranks read a file (e.g. a checkpoint's checksum)
+        return _refusal(exc)
     finally:
         destroy_parallel(destroy_process_group=True)
     if rank == 0:
         print(run_summary(cfg, dataset), flush=True)
+        if trainer.stopped_by:
+            print(stop_line(trainer), flush=True)
     return 0
+
+
+def stop_line(trainer) -> str:
+    """``megatron-pack train: stopped by SIGTERM after step 7 of 50: saved checkpoint ...; ...``."""
+    saved = (f"saved checkpoint {trainer.stop_checkpoint}; run the same command to resume from it"
+             if trainer.stop_checkpoint else "checkpoint.enabled=false, so nothing was saved")
+    return f"megatron-pack train: stopped by {trainer.stopped_by} after step {trainer.step} of {trainer.train_iters}: {saved}."
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_pack.config.choices import (ATTENTION_MODES, BALANCE_MODES, CP_COMM_TYPES, DEFAULT_COST_A, DEFAULT_COST_B,
-                                          ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, TOKEN_BUDGET_KINDS)
+                                          ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, STOP_SIGNALS,
+                                          TOKEN_BUDGET_KINDS)
 
 
 class ConfigError(ValueError):
@@ -588,9 +589,17 @@ class CheckpointConfig(_Group):
     """Start a new run from checkpoint.load's model weights: fresh optimizer, schedule, data order and step 0."""
     allow_changed: bool = False
     """Resume even though lr, schedule, global batch or data plan differ from the checkpoint's (listed at start)."""
+    save_on_signal: bool = True
+    """On one of checkpoint.signals every rank finishes its step, saves a checkpoint and exits 0 (docs/launch.md)."""
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """The signals that stop a run with a checkpoint (SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP)."""
 
     def field_problems(self) -> list[str]:
         problems = _positive(self.GROUP, self, ("save_interval", "keep_last"), allow_zero=("save_interval",))
+        unknown = [s for s in self.signals if s not in STOP_SIGNALS]
+        if unknown:
+            problems.append(f"checkpoint.signals ({list(self.signals)}) names {unknown}; choose from "
+                            f"{list(STOP_SIGNALS)}, e.g. checkpoint.signals=[SIGTERM,SIGUSR1].")
         if self.load_weights_only and self.load is None:
             problems.append("checkpoint.load_weights_only (True) needs checkpoint.load (None): the checkpoint whose "
                             "weights start the run; set checkpoint.load=/path/to/checkpoints.")

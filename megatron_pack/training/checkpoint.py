@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, candidates,  # noqa: F401
+from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, candidates,  # noqa: F401
                                                      checkpoint_problems, choose_checkpoint, digest, find_latest,
                                                      owner, read_meta, step_dirname, write_manifest)
 
@@ -264,8 +264,6 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
 
 
 
-SHARDED_FORMAT = "megatron_pack.sharded/1"
-"""``meta.json`` ``format`` of checkpoints written by global identity (the trainer's since issue 13)."""
 
 
 def load_sharded_checkpoint(path: str | Path, sharded_state: dict) -> dict[str, torch.Tensor]:
@@ -317,3 +315,21 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             out[key] = tensor
     return out
+
+
+def collective_verify(group: Optional[dist.ProcessGroup] = None):
+    """A ``verify(folder) -> problems`` for ``checkpoint_files.choose_checkpoint`` that checks every
+    file's size on every rank and each file's sha256 on one rank (``files[rank::world]``), then
+    gathers the lines, so every rank reaches the same verdict; collective: every rank must call it."""
+
+    def verify(folder: Path) -> list[str]:
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        mine = checkpoint_problems(folder, checksums=True, share=(rank, world))
+        if world == 1:
+            return mine
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine, group=group)
+        return list(dict.fromkeys(line for lines in gathered for line in lines))
+
+    return verify

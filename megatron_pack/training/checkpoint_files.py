@@ -34,6 +34,8 @@ LATEST = "latest"
 META = "meta.json"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron_pack.checkpoint_manifest/1"
+SHARDED_FORMAT = "megatron_pack.sharded/1"
+"""``meta.json`` ``format`` of checkpoints written by global identity (the trainer's since issue 13)."""
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.pt)$")
 """Files a rank writes itself: DCP's ``__<rank>_<n>.distcp`` and our ``rank_<rank>.pt``."""
 
