@@ -39,17 +39,11 @@ def _given(argv: list[str], key: str) -> str | None:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A ``step_*`` folder, or the newest complete one under a ``checkpoint.save`` root."""
-    from megatron_pack.training.checkpoint import META, find_latest
+    """A ``step_*`` folder, or the newest one under a ``checkpoint.save`` root, verified against its
+    manifest (every file's size and sha256, model and optimizer parts alike)."""
+    from megatron_pack.training.checkpoint_files import verified_checkpoint
 
-    p = Path(path)
-    if (p / META).is_file():
-        return p
-    latest = find_latest(p)
-    if latest is None:
-        raise FileNotFoundError(f"export.checkpoint ({path}) holds no complete checkpoint (no meta.json, no 'latest'); "
-                                "point it at a step_* folder or at checkpoint.save of a training run.")
-    return latest
+    return verified_checkpoint(path, "export.checkpoint")
 
 
 def _hf_source(step_dir: Path) -> Path:

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.cli.preflight import check_prepare
     from megatron_pack.config import load_config
-    from megatron_pack.data.prepare import prepare
+    from megatron_pack.data.prepare_record import record, unchanged_plan
     from megatron_pack.data.formats.sources import DataError
     from megatron_pack.data.store.atomic import read_json
 
@@ -71,8 +71,14 @@ def main(argv: list[str]) -> int:
         if line.print_config:
             return print_resolved(cfg)
         check_prepare(cfg)  # the tokenizer and model folders, one line each, before anything is read
-        barrier = _barrier() if world_size > 1 else None
-        plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0)
+        plan_dir = unchanged_plan(cfg) if world_size == 1 else None  # proved unchanged: no tokenizer is built
+        if plan_dir is None:
+            from megatron_pack.data.prepare import prepare
+
+            barrier = _barrier() if world_size > 1 else None
+            plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0)
+            if world_size == 1:
+                record(cfg, plan_dir)
     except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:
         print(f"megatron-pack prepare: {exc}", file=sys.stderr)
         return 2

@@ -102,16 +102,11 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
     """
     import torch.distributed.checkpoint as dcp
 
-    from megatron_pack.training.checkpoint import (SHARDED_FORMAT, checkpoint_reader, find_latest, read_full_model,
-                                                   read_meta)
+    from megatron_pack.training.checkpoint import SHARDED_FORMAT, checkpoint_reader, read_full_model, read_meta
 
-    path = Path(checkpoint)
-    if not (path / "meta.json").is_file():
-        latest = find_latest(path)
-        if latest is None:
-            raise FileNotFoundError(f"verify.checkpoint ({checkpoint}) holds no complete checkpoint (no meta.json, "
-                                    "no 'latest'); point it at checkpoint.save of a training run or a step_* folder.")
-        path = latest
+    from megatron_pack.training.checkpoint_files import verified_checkpoint
+
+    path = verified_checkpoint(checkpoint, "verify.checkpoint")  # every file against its manifest
     meta = read_meta(path)
     if meta.get("format") == SHARDED_FORMAT:  # layout-free (the trainer's): the TP=1 tensors
         full = read_full_model(path)

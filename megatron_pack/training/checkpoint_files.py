@@ -166,3 +166,30 @@ def choose_checkpoint(root: str | Path, verify: Callable[[Path], list[str]] = si
 def find_latest(root: str | Path) -> Optional[Path]:
     """The newest complete checkpoint under ``root`` (manifest present, every file its size), or None."""
     return choose_checkpoint(root)[0]
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint whose manifest its files do not match; the message (one line) names the file."""
+
+
+def verified_checkpoint(path: str | Path, key: str) -> Path:
+    """The checkpoint ``path`` names (a ``step_*`` folder, or the newest under a ``checkpoint.save``
+    root), every file's size and sha256 checked: what ``export`` and ``verify`` read. Raises
+    ``DamagedCheckpoint`` naming the file (and an intact older one when there is one), or
+    ``FileNotFoundError`` when there is no checkpoint at all."""
+    p = Path(path)
+    if (p / META).is_file():
+        folder, others = p, [c for c in candidates(p.parent) if c != p]
+    else:
+        found = candidates(p)
+        if not found:
+            raise FileNotFoundError(f"{key} ({path}) holds no complete checkpoint (no meta.json, no 'latest'); point "
+                                    "it at a step_* folder or at checkpoint.save of a training run.")
+        folder, others = found[0], found[1:]
+    problems = checkpoint_problems(folder)
+    if not problems:
+        return folder
+    intact = next((f for f in others if not checkpoint_problems(f)), None)
+    instead = f"; {intact.name} beside it is intact: {key}={intact}" if intact else ""
+    problem = problems[0].removeprefix(f"checkpoint {folder}: ") if folder == p else problems[0]
+    raise DamagedCheckpoint(f"{key} ({path}): {problem}, so it is refused{instead}.")

@@ -10,7 +10,7 @@ __all__ = ["LoRAAdapter", "adapter_state", "apply_lora", "count_parameters", "pe
 
 def __getattr__(name: str):
     if name in ("LoRAAdapter", "adapter_state", "apply_lora", "count_parameters"):
-        from megatron_pack.model.peft import lora
+        import importlib
 
-        return getattr(lora, name)
+        return getattr(importlib.import_module(f"{__name__}.lora"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
