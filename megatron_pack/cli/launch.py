@@ -123,13 +123,15 @@ class Guard:
         return code if code >= 0 else 128 - code
 
 
-def torch_build_has_gpu() -> bool:
-    """torch was built with CUDA or ROCm, read from ``torch/version.py`` without importing torch."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return False
-    text = (Path(spec.origin).parent / "version.py").read_text(encoding="utf-8")
-    return any(re.search(rf"^{key}\b[^=\n]*=\s*'[^']+'", text, re.M) for key in ("cuda", "hip"))
+def torch_build_has_gpu(version_py: Optional[str] = None) -> bool:
+    """torch was built with CUDA or ROCm: ``cuda`` or ``hip`` set in ``torch/version.py`` (its text, or
+    the installed torch's, read without importing torch). Example: ``cuda: Optional[str] = '12.4'``."""
+    if version_py is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.origin is None:
+            return False
+        version_py = (Path(spec.origin).parent / "version.py").read_text(encoding="utf-8")
+    return any(re.search(rf"^{key}\b[^=\n]*=\s*'[^']+'", version_py, re.M) for key in ("cuda", "hip"))
 
 
 def gpu_visible() -> bool:
