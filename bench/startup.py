@@ -13,10 +13,11 @@ the ``import torch`` of the same round is the number to compare), each from a fr
   tokenizer_config.json names ``LlamaTokenizer`` (as Mistral 7B v0.1 / Llama 2 folders do); target
   under 2 s. Also the first, full prepare of it (its fixed cost, for reference).
 
-``--repo DIR`` runs another checkout's launch scripts and package (e.g. the commit before these
-changes, exported with ``git archive``) with this interpreter, for before / after numbers.
+``--compare DIR`` also runs another checkout's launch scripts and package with this interpreter
+(e.g. the commit before these changes, ``git archive <commit> | tar -x -C DIR``), each case of
+each round once per checkout, interleaved, for before / after numbers under the same load.
 
-    .venv/bin/python bench/startup.py [--repeats 3] [--repo DIR] [--workdir DIR]
+    .venv/bin/python bench/startup.py [--repeats 3] [--compare DIR] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def _tokenizer(folder: Path, tokenizer_class: str) -> None:
 
 
 def setup(work: Path, repo: Path, env: dict) -> None:
-    """The quickstart dataset, the tiny Llama folder and its dataset, the LlamaTokenizer JSONL dataset."""
-    sys.path.insert(0, str(repo))
+    """The quickstart dataset, the tiny Llama folder and its dataset (prepared by ``repo``), the
+    LlamaTokenizer folder and its JSONL."""
     from megatron_pack.model.hf.synthetic import write_random_folder
 
     cli = [sys.executable, "-m", "megatron_pack.cli.main"]
@@ -93,42 +94,53 @@ def setup(work: Path, repo: Path, env: dict) -> None:
             f.write(json.dumps({"prompt": f"what is {i} plus two", "completion": f"the answer is {i + 2}"}) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--repo", default=str(HERE), help="the checkout whose launch scripts and package run")
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
-    repo = Path(args.repo).resolve()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="startup_"))
-    work.mkdir(parents=True, exist_ok=True)
-    env = _env(repo)
-    setup(work, repo, env)
+def _cases(repo: Path) -> dict[str, tuple[list[str], str | None]]:
     launch = ["bash", str(repo / "launch" / "single_node.sh"), "2"]
     short = ["train.train_iters=1", "checkpoint.enabled=false", "logging.tensorboard=false"]
-    prep = [sys.executable, "-m", "megatron_pack.cli.main", "prepare", "input=sft.jsonl", "tokenizer=llama_tokenizer",
-            "packing.packed_sequence_size=256"]
-    cases = {
+    return {
         "import torch": ([sys.executable, "-c", "import torch"], None),
         "train --check": (["env", "WORLD_SIZE=2", sys.executable, "-m", "megatron_pack.train", "--check",
                            "experiment=quickstart"], "config ok"),
         "quickstart to step 1": ([*launch, "experiment=quickstart", *short], "step 1/"),
         "pretrained_tiny to step 1": ([*launch, "experiment=pretrained_tiny", *short], "step 1/"),
     }
-    times: dict[str, list[float]] = {name: [] for name in [*cases, "prepare (first)", "prepare (no-op)"]}
+
+
+def _round(repo: Path, work: Path, times: dict[str, list[float]], r: int) -> None:
+    env = _env(repo)
+    for name, (cmd, fragment) in _cases(repo).items():
+        extra = [f"train.output_dir=runs/{r}"] if "step 1" in name else []
+        times[name].append(_seconds_to(cmd + extra, fragment, cwd=work, env=env))
+    prep = [sys.executable, "-m", "megatron_pack.cli.main", "prepare", "input=sft.jsonl", "tokenizer=llama_tokenizer",
+            "packing.packed_sequence_size=256", f"output=data/llama_{r}"]
+    times["prepare (first)"].append(_seconds_to(prep, None, cwd=work, env=env))
+    times["prepare (no-op)"].append(_seconds_to(prep, None, cwd=work, env=env))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare", default=None, help="another checkout, run interleaved with this one")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    repos = [HERE] + ([Path(args.compare).resolve()] if args.compare else [])
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="startup_"))
+    works = {repo: root / f"repo{i}" for i, repo in enumerate(repos)}
+    for repo, work in works.items():
+        work.mkdir(parents=True, exist_ok=True)
+        setup(work, repo, _env(repo))
+    names = [*_cases(HERE), "prepare (first)", "prepare (no-op)"]
+    times = {repo: {name: [] for name in names} for repo in repos}
     for r in range(args.repeats):
-        for name, (cmd, fragment) in cases.items():
-            extra = [f"train.output_dir=runs/{r}_{len(times[name])}"] if "step 1" in name else []
-            times[name].append(_seconds_to(cmd + extra, fragment, cwd=work, env=env))
-        out = f"output=data/llama_{r}"
-        times["prepare (first)"].append(_seconds_to([*prep, out], None, cwd=work, env=env))
-        times["prepare (no-op)"].append(_seconds_to([*prep, out], None, cwd=work, env=env))
-    base = statistics.median(times["import torch"])
-    print(f"start-up, {args.repeats} rounds interleaved, median seconds (repo {repo}):")
-    for name, values in times.items():
-        med = statistics.median(values)
-        print(f"  {name:<28} {med:6.2f} s  x{med / base:5.2f} of import torch   "
-              f"[{', '.join(f'{v:.2f}' for v in values)}]")
+        for repo in repos:
+            _round(repo, works[repo], times[repo], r)
+    for repo in repos:
+        base = statistics.median(times[repo]["import torch"])
+        print(f"start-up of {repo}, {args.repeats} rounds interleaved, median seconds:")
+        for name, values in times[repo].items():
+            med = statistics.median(values)
+            print(f"  {name:<28} {med:6.2f} s  x{med / base:5.2f} of import torch   "
+                  f"[{', '.join(f'{v:.2f}' for v in values)}]")
 
 
 if __name__ == "__main__":

@@ -37,16 +37,18 @@ REFUSAL_WAIT_S = 60.0
 """How long a local rank other than 0 waits before exiting on a refused run (see ``_refusal``)."""
 
 
-def _refusal(exc: Exception) -> int:
+def _refusal(exc: Exception, *, wait: bool = True) -> int:
     """Print a refused run once: on the first local rank of each node (every worker of a node sees
     the same config, dataset and checkpoint), never once per rank; exit status 2.
 
-    The other local ranks wait before exiting: torchrun stops a node's workers as soon as one
-    exits, and must not stop local rank 0 before it has printed. Local rank 0's exit ends the
-    wait (torchrun then stops them), so it costs nothing unless local rank 0 has hung."""
+    Before the process groups (``wait``) the other local ranks wait before exiting: torchrun stops
+    a node's workers as soon as one exits, and must not stop local rank 0 before it has printed.
+    Local rank 0's exit ends the wait (torchrun then stops them), so it costs nothing unless local
+    rank 0 has hung. A refusal the ranks reach together in the run (a collective verdict, e.g. on a
+    checkpoint's checksums) needs no wait: every rank returns at once."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"megatron-pack train: {exc}", file=sys.stderr, flush=True)
-    else:
+    elif wait:
         time.sleep(REFUSAL_WAIT_S)
     return 2
 
@@ -112,8 +114,8 @@ def main(argv: list[str]) -> int:
     except FloatingPointError as exc:  # non-finite weights or loss: every rank stopped at the same point
         print(f"megatron-pack train: {exc}", file=sys.stderr, flush=True)
         return 1
-    except (ConfigError, DataError) as exc:  # found once the ranks read a file (e.g. a checkpoint's checksum)
-        return _refusal(exc)
+    except ConfigError as exc:  # reached by every rank together (a verdict on a checkpoint's checksums)
+        return _refusal(exc, wait=False)
     finally:
         destroy_parallel(destroy_process_group=True)
     if rank == 0:

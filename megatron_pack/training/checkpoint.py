@@ -13,9 +13,10 @@ Layout under ``checkpoint.save``::
 Saving is atomic: every rank writes into ``tmp.step_00000003/``; after a barrier rank 0 writes
 ``meta.json``, every rank hashes the files it wrote, rank 0 gathers the digests and writes
 ``manifest.json``, renames the folder to ``step_00000003/`` and only then replaces ``latest`` (by
-``os.replace`` of a temporary file). Resume, ``export`` and ``verify`` check the manifest before they
-read a checkpoint; a resume passes over a damaged one to the newest intact one and says so. A crash at any point leaves ``latest`` naming the previous
-complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Replicas across DP and
+``os.replace`` of a temporary file). A crash at any point leaves ``latest`` naming the previous
+complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Resume, ``export`` and
+``verify`` check the manifest before they read a checkpoint; a resume passes over a damaged one to
+the newest intact one and says so (``collective_verify``). Replicas across DP and
 CP hold identical keys, so DCP writes each tensor once; TP shards carry their TP rank in the key,
 so a checkpoint is resumed with the same tensor-parallel size (checked, with a clear error).
 
@@ -36,18 +37,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, candidates,  # noqa: F401
                                                      checkpoint_problems, choose_checkpoint, digest, find_latest,
                                                      owner, read_meta, step_dirname, write_manifest)
-
-
-def _dcp():
-    """torch distributed checkpointing, imported when a checkpoint is written or read (about 1 s of
-    imports a run does not need before its first step)."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp
 
 
 def rng_state() -> dict:
@@ -118,7 +112,6 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(group)
-    dcp = _dcp()
     if sharded_state is not None:
         from megatron_pack.training.resharding import save_sharded
 
@@ -215,31 +208,24 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
                                      "metadata file; the checkpoint is corrupt or tampered with: do not load it.")
 
 
-_SAFE_READER: list = []
+class _SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses the allowlist unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _DCPMetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-def _safe_reader_class() -> type:
-    """``FileSystemReader`` whose ``read_metadata`` uses the allowlist unpickler (built on first use)."""
-    if not _SAFE_READER:
-        class _SafeReader(_dcp().FileSystemReader):
-            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-                with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                    metadata = _DCPMetadataUnpickler(f).load()
-                if getattr(metadata, "storage_meta", None) is None:
-                    from torch.distributed.checkpoint.metadata import StorageMeta
-
-                    metadata.storage_meta = StorageMeta()
-                metadata.storage_meta.load_id = self.load_id
-                return metadata
-
-        _SAFE_READER.append(_SafeReader)
-    return _SAFE_READER[0]
-
-
-def checkpoint_reader(path: str | Path):
+def checkpoint_reader(path: str | Path) -> dcp.FileSystemReader:
     """A DCP reader for ``path`` that reads ``.metadata`` through the allowlist; use it for every
     ``dcp.load(..., storage_reader=...)`` and ``read_metadata()`` (never a plain ``FileSystemReader``)."""
-    return _safe_reader_class()(str(path))
+    return _SafeReader(str(path))
 
 
 def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
@@ -258,7 +244,7 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
     state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
     reader = checkpoint_reader(path)
     reader.read_metadata()  # refuse a tampered .metadata here, before DCP wraps the error
-    _dcp().load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
+    dcp.load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
     rank_file = path / f"rank_{_rank():05d}.pt"
     return torch.load(rank_file, weights_only=True)
 
@@ -305,7 +291,7 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
     stored = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
              if not key.startswith("optimizer.") and hasattr(md, "size")}
-    _dcp().load(state, storage_reader=checkpoint_reader(path), no_dist=True)
+    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         if key.startswith("decoder.layers."):

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protoco
 import torch
 import torch.distributed as dist
 
-from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.config.schema import Config
 from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)

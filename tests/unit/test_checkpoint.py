@@ -75,7 +75,7 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash while writing shards")
 
-    monkeypatch.setattr("torch.distributed.checkpoint.save", crash)
+    monkeypatch.setattr(ckpt.dcp, "save", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _save(tmp_path, 4, seed=2)
     assert (tmp_path / "tmp.step_00000004").exists()

@@ -29,7 +29,6 @@ from megatron_pack.config.layout import effective_pad_multiple
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.in_batch import collate_in_batch
-from megatron_pack.data.batches.micro_batches import MicroBatchDataset
 from megatron_pack.data.batches.online import Gather, OnlineLoader, OnlineSource, online_packing_record, single_rank
 from megatron_pack.data.batches.online_feed import PackFeed, PackMaker
 from megatron_pack.data.batches.sampler import PackLoader, PackSampler, build_pack_loader
