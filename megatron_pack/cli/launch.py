@@ -38,6 +38,8 @@ AGENT_SIGNALS = (signal.SIGINT, signal.SIGHUP)
 """Signals the guard passes to torchrun, which stops its workers its own way."""
 IGNORED_ENV = "MEGATRON_PACK_IGNORED_SIGNALS"
 """Names of the signals torchrun ignores for the guard; a worker inherits that and undoes it."""
+GUARD_ENV = "MEGATRON_PACK_GUARD_PID"
+"""The guard's pid: a worker's parent (torchrun) must be the guard's child, else the worker is an orphan."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -56,11 +58,22 @@ def worker_started() -> None:
     (it was re-parented) exits at once."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    if set_parent_death_signal(signal.SIGKILL) and os.getppid() == 1:
-        os._exit(1)  # torchrun died before this worker asked to die with it
+    if set_parent_death_signal(signal.SIGKILL):  # from here on; a torchrun already gone is checked below
+        guard = os.environ.get(GUARD_ENV)
+        parent = os.getppid()
+        if parent == 1 or (guard is not None and _parent_of(parent) != int(guard)):
+            os._exit(1)  # torchrun died before this worker asked to die with it: re-parented
     from megatron_pack.training.signals import take_back_ignored
 
     take_back_ignored(os.environ.get(IGNORED_ENV, ""))
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    """The parent pid of ``pid`` from /proc (None when it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _children(pid: int) -> list[int]:
@@ -109,7 +122,7 @@ class Guard:
         self.guard_pid = os.getpid()
         for sig in WORKER_SIGNALS + AGENT_SIGNALS:
             signal.signal(sig, self._forward)
-        env = {**os.environ, IGNORED_ENV: ",".join(s.name for s in WORKER_SIGNALS)}
+        env = {**os.environ, IGNORED_ENV: ",".join(s.name for s in WORKER_SIGNALS), GUARD_ENV: str(self.guard_pid)}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--signals-to-handle",
                ",".join(s.name for s in AGENT_SIGNALS), *self.args]
         # its own process group: a terminal's Ctrl-C reaches the guard, which passes it on once

@@ -95,7 +95,6 @@ def main(argv: list[str]) -> int:
     eager_jit_fuser_without_cuda()  # before megatron-core's first import: no torch.compile machinery on CPU
     from megatron_pack.training.eval import build_validation_loader
     from megatron_pack.training.loop import build_loader, run_summary, run_training
-
     from megatron_pack.training.signals import configure
 
     configure(cfg.checkpoint.save_on_signal, list(cfg.checkpoint.signals))
@@ -129,7 +128,8 @@ def stop_line(trainer) -> str:
     """``megatron-pack train: stopped by SIGTERM after step 7 of 50: saved checkpoint ...; ...``."""
     saved = (f"saved checkpoint {trainer.stop_checkpoint}; run the same command to resume from it"
              if trainer.stop_checkpoint else "checkpoint.enabled=false, so nothing was saved")
-    return f"megatron-pack train: stopped by {trainer.stopped_by} after step {trainer.step} of {trainer.train_iters}: {saved}."
+    return (f"megatron-pack train: stopped by {trainer.stopped_by} after step {trainer.step} of "
+            f"{trainer.train_iters}: {saved}.")
 
 
 if __name__ == "__main__":

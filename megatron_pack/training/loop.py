@@ -46,10 +46,10 @@ from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
-from megatron_pack.training.signals import StopRequest
 from megatron_pack.training.resume import (DATA_SETTINGS, _check_resume_peft, changed_settings,  # noqa: F401
                                            check_resume, check_resume_settings, checkpoint_dirs, layout_meta,
                                            resolve_train_iters, resume_choice, run_settings, save_dir)
+from megatron_pack.training.signals import StopRequest
 
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")

@@ -5,13 +5,14 @@
 over its ranks (``checkpoint.collective_verify``). The choice, for ``checkpoint.save`` S and
 ``checkpoint.load`` L:
 
-| settings                                   | starts from                                                 |
-|--------------------------------------------|-------------------------------------------------------------|
-| neither holds a checkpoint                 | a fresh run                                                 |
-| S holds one                                | its newest intact checkpoint, in full (passing over damaged ones, each named in a line) |
-| L set                                      | L's newest intact checkpoint, in full (the same)            |
-| L + ``load_weights_only``                  | L's newest checkpoint's weights (a damaged newest is refused, not passed over) |
-| L + ``load_weights_only``, S holds one     | S's newest intact checkpoint, in full (the new run was interrupted) |
+| settings                               | starts from                                                   |
+|----------------------------------------|---------------------------------------------------------------|
+| neither holds a checkpoint             | a fresh run                                                   |
+| S holds one                            | S's newest intact checkpoint, in full (a damaged newer one is |
+|                                        | passed over, named in a line)                                 |
+| L set                                  | L's newest intact checkpoint, in full (the same)              |
+| L + ``load_weights_only``              | the weights of L's newest checkpoint (damaged: refused)       |
+| L + ``load_weights_only``, S holds one | S's newest intact checkpoint, in full (the run was restarted) |
 
 Checkpoints are there but none is intact: refused (``ConfigError``), never a silent fresh start.
 """

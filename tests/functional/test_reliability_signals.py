@@ -8,8 +8,9 @@ test compares with, ``single_node_losses``):
    exit 0 and the line saying so;
 2. the same command resumes at step 2; SIGUSR1 to the launcher (it forwards to its workers): a
    checkpoint at step 2, exit 0;
-3. the same command again, ``kill -9`` of the launcher as soon as its workers train: no process of
-   its tree survives a few seconds (torchrun dies with the launcher, the workers with torchrun);
+3. the same command again, ``kill -9`` of the launcher as soon as its two workers exist: no process
+   of its tree survives a few seconds (torchrun dies with the launcher, the workers with torchrun, or,
+   when torchrun died before a worker asked to die with it, the worker exits as it starts);
 4. a newer checkpoint ``step_00000003`` appears with one byte flipped (same sizes: the check before
    launch sees nothing); the same command's ranks verify the checksums, pass over it with a line
    saying so, resume from step 2 and finish step 3.
@@ -108,6 +109,16 @@ class Launch:
         self.proc.wait(timeout=30)
 
 
+def _workers_started(launch: Launch) -> list[int]:
+    """The launcher's process tree as soon as its two workers exist (before they import torch)."""
+    while time.monotonic() < launch.deadline:
+        tree = _tree(launch.proc.pid)
+        if len([p for p in tree if _rank_of(p) is not None]) == 2:
+            return tree
+        time.sleep(0.05)
+    raise AssertionError(f"no two workers within {LAUNCH_TIMEOUT_S} s")
+
+
 def _stopped(launch: Launch, workdir: Path, sig: str, step: int) -> None:
     log = launch.finish()
     assert launch.proc.returncode == 0, log[-4000:]
@@ -144,9 +155,7 @@ def signalled(launch_workdir, single_node_losses):
 
         third = Launch(launch_workdir)
         launches.append(third)
-        third.wait_for("resumed from")
-        tree = _tree(third.proc.pid)
-        assert len([p for p in tree if _rank_of(p) is not None]) == 2, tree  # the two workers are there
+        tree = _workers_started(third)  # killed as early as possible: a worker may not have set its death signal
         os.kill(third.proc.pid, signal.SIGKILL)
         third.proc.wait(timeout=30)
         deadline = time.monotonic() + 5
