@@ -11,9 +11,9 @@ ends, with its exit status. It owns the process tree:
 - **signals**: SIGTERM, SIGUSR1 and SIGUSR2 go to the workers themselves, which finish the step,
   save and exit 0 (``checkpoint.save_on_signal``, ``training.signals``); torchrun ignores them, so it
   sees its workers end well and exits 0 too. SIGINT and SIGHUP go to torchrun, which stops the
-  workers as it always does. The same stop signal twice kills torchrun at once (and so every
-  worker): nothing more is saved. Under SLURM, ``--signal=USR1@120`` and the time limit's SIGTERM
-  reach every process of the step; the guard forwards again, which changes nothing.
+  workers as it always does. A second signal kills torchrun at once (and so every worker): nothing
+  more is saved. Under SLURM, ``--signal=USR1@120`` and the time limit's SIGTERM reach every
+  process of the step; the guard forwards again, which changes nothing.
 
 ``python -m megatron_pack.cli.launch backend`` prints ``nccl`` or ``gloo`` without importing torch
 (``common.sh``): nccl when torch was built with CUDA or ROCm and a GPU device node is visible.
