@@ -139,7 +139,7 @@ def _damaged_newer_copy(root: Path) -> None:
 @pytest.fixture(scope="module")
 def signalled(launch_workdir, single_node_losses):
     """The four launches of the module docstring; returns (workdir, survivors of the kill -9, reference losses)."""
-    launches = []
+    launches, survivors = [], []
     try:
         first = Launch(launch_workdir)
         launches.append(first)
@@ -171,10 +171,13 @@ def signalled(launch_workdir, single_node_losses):
         assert (f"passed over: checkpoint {RUN}/checkpoints/step_00000003: __0_0.distcp (model and optimizer "
                 "tensors) does not match the sha256 its manifest records") in log, log[-4000:]
         assert f"resumed from {RUN}/checkpoints/step_00000002 at step 2" in log, log[-4000:]
-    finally:
+    finally:  # only processes this test started: a launch still running, a survivor of the kill -9
         for launch in launches:
-            if launch.proc.poll() is None or _tree(launch.proc.pid):
+            if launch.proc.poll() is None:
                 launch.kill_tree()
+        for pid in survivors:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
     return launch_workdir, survivors, single_node_losses
 
 
