@@ -4,14 +4,19 @@
 #   PY       the Python to run (PYTHON, else $REPO/.venv/bin/python, else python3)
 #   BACKEND  an array holding parallel.backend=nccl when torch sees a GPU, else parallel.backend=gloo
 #            (with OMP_NUM_THREADS defaulting to 1); empty when the overrides "$@" already name one.
+#            Decided without importing torch (megatron_pack.cli.launch backend: a CUDA or ROCm build
+#            of torch and a visible GPU device node), so it costs no torch start-up.
 # and defines check_config WORLD_SIZE [key=value ...]: `megatron_pack.train --check` as a run of
 # WORLD_SIZE ranks, so a refused config prints once and the script exits 2 before torchrun starts.
+# The scripts then exec `python -m megatron_pack.cli.launch torchrun ...`, which runs torchrun as its
+# child: stop signals (SIGTERM, SIGUSR1, SIGUSR2) go to the workers, which save and exit 0, and no
+# worker outlives the script, even after kill -9 (docs/launch.md, "Signals and preemption").
 REPO=${MEGATRON_PACK_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$([ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || command -v python3)}
 BACKEND=()
 if [[ " $* " != *" parallel.backend="* ]]; then
-  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  if [ "$("$PY" -m megatron_pack.cli.launch backend)" = nccl ]; then
     BACKEND=(parallel.backend=nccl)
   else
     BACKEND=(parallel.backend=gloo)

@@ -22,6 +22,6 @@ if [[ "$MASTER" != *:* ]]; then
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
 check_config "$((NNODES * NPROC))" "${BACKEND[@]}" "$@"
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+exec "$PY" -m megatron_pack.cli.launch torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --master-addr "${MASTER%:*}" --master-port "${MASTER##*:}" \
   --nproc-per-node "$NPROC" -m megatron_pack.train "${BACKEND[@]}" "$@"

@@ -9,5 +9,5 @@ NPROC=${1:?usage: launch/single_node.sh NPROC_PER_NODE [key=value ...]}
 shift
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" "$@"
 check_config "$NPROC" "${BACKEND[@]}" "$@"
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+exec "$PY" -m megatron_pack.cli.launch torchrun --standalone --nproc-per-node "$NPROC" \
   -m megatron_pack.train "${BACKEND[@]}" "$@"

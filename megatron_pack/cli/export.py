@@ -39,17 +39,11 @@ def _given(argv: list[str], key: str) -> str | None:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A ``step_*`` folder, or the newest complete one under a ``checkpoint.save`` root."""
-    from megatron_pack.training.checkpoint import META, find_latest
+    """A ``step_*`` folder, or the newest one under a ``checkpoint.save`` root, verified against its
+    manifest (every file's size and sha256, model and optimizer parts alike)."""
+    from megatron_pack.training.checkpoint_files import verified_checkpoint
 
-    p = Path(path)
-    if (p / META).is_file():
-        return p
-    latest = find_latest(p)
-    if latest is None:
-        raise FileNotFoundError(f"export.checkpoint ({path}) holds no complete checkpoint (no meta.json, no 'latest'); "
-                                "point it at a step_* folder or at checkpoint.save of a training run.")
-    return latest
+    return verified_checkpoint(path, "export.checkpoint")
 
 
 def _hf_source(step_dir: Path) -> Path:
@@ -90,6 +84,7 @@ def read_model_shards(step_dir: Path) -> list[dict]:
 def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = None,
                print_config: bool = False) -> int:
     from megatron_pack.cli.args import print_resolved
+    from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError, parse_size
     from megatron_pack.model.hf.export import export_folder
@@ -114,6 +109,8 @@ def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = No
                               "overwritten).")
     if cfg.export.adapter or cfg.export.merge or (step_dir is not None and _checkpoint_peft(step_dir)):
         return _export_lora(cfg, step_dir, given_base, out)
+    if step_dir is None:  # a round trip reads the folder's weights
+        check_weights_folder(cfg.model.pretrained)
     shards = read_model_shards(step_dir) if step_dir is not None else None
     files, dtype = export_folder(output=cfg.export.output, source=cfg.model.pretrained, model_cfg=cfg.model,
                                  shards=shards, dtype=cfg.export.dtype,
@@ -133,6 +130,7 @@ def _checkpoint_peft(step_dir: Path) -> dict | None:
 
 def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int:
     """export.adapter / export.merge of a peft=lora checkpoint (model/peft/export.py)."""
+    from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.config.schema import ConfigError, parse_size
     from megatron_pack.model.peft.export import base_folder, export_adapter, export_merged
 
@@ -154,6 +152,7 @@ def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int
             f"{peft.get('base_model')!r}), {output!r})")
         return 0
     base = base_folder(peft, given_base)
+    check_weights_folder(base, where=f"the base model of {step_dir} ({base})")
     files, dtype = export_merged(output=output, shards=read_model_shards(step_dir), peft=peft,
                                  source=cfg.model.pretrained, base=base, model_cfg=cfg.model, dtype=cfg.export.dtype,
                                  max_shard_bytes=parse_size(cfg.export.max_shard_size))

@@ -51,8 +51,9 @@ def _barrier():
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.preflight import check_prepare
     from megatron_pack.config import load_config
-    from megatron_pack.data.prepare import prepare
+    from megatron_pack.data.prepare_record import record, unchanged_plan
     from megatron_pack.data.formats.sources import DataError
     from megatron_pack.data.store.atomic import read_json
 
@@ -69,9 +70,16 @@ def main(argv: list[str]) -> int:
             raise ConfigError(prepare_problems(cfg))
         if line.print_config:
             return print_resolved(cfg)
-        barrier = _barrier() if world_size > 1 else None
-        plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0,
-                           report_in_background=True)
+        check_prepare(cfg)  # the tokenizer and model folders, one line each, before anything is read
+        plan_dir = unchanged_plan(cfg) if world_size == 1 else None  # proved unchanged: no tokenizer is built
+        if plan_dir is None:
+            from megatron_pack.data.prepare import prepare
+
+            barrier = _barrier() if world_size > 1 else None
+            plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0,
+                               report_in_background=True)
+            if world_size == 1:
+                record(cfg, plan_dir)
     except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:
         print(f"megatron-pack prepare: {exc}", file=sys.stderr)
         return 2

@@ -71,7 +71,7 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     notes = [f"from {plan_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes)
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
 
     dataset = open_dataset(cfg, plan_dir=plan_dir, check_tokenizer=recorded.check_tokenizer)
     return RunConfig(cfg, dataset, notes)
@@ -89,6 +89,6 @@ def _in_batch_run(overrides, cfg0, store_meta, given, config_dirs, world_size, o
     notes = [f"from {cfg.data.dataset_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes)
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
 
     return RunConfig(cfg, open_dataset(cfg, check_tokenizer=recorded.check_tokenizer), notes)

@@ -37,31 +37,37 @@ REFUSAL_WAIT_S = 60.0
 """How long a local rank other than 0 waits before exiting on a refused run (see ``_refusal``)."""
 
 
-def _refusal(exc: Exception) -> int:
+def _refusal(exc: Exception, *, wait: bool = True) -> int:
     """Print a refused run once: on the first local rank of each node (every worker of a node sees
     the same config, dataset and checkpoint), never once per rank; exit status 2.
 
-    The other local ranks wait before exiting: torchrun stops a node's workers as soon as one
-    exits, and must not stop local rank 0 before it has printed. Local rank 0's exit ends the
-    wait (torchrun then stops them), so it costs nothing unless local rank 0 has hung."""
+    Before the process groups (``wait``) the other local ranks wait before exiting: torchrun stops
+    a node's workers as soon as one exits, and must not stop local rank 0 before it has printed.
+    Local rank 0's exit ends the wait (torchrun then stops them), so it costs nothing unless local
+    rank 0 has hung. A refusal the ranks reach together in the run (a collective verdict, e.g. on a
+    checkpoint's checksums) needs no wait: every rank returns at once."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"megatron-pack train: {exc}", file=sys.stderr, flush=True)
-    else:
+    elif wait:
         time.sleep(REFUSAL_WAIT_S)
     return 2
 
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.launch import worker_started
+    from megatron_pack.cli.preflight import check_train
     from megatron_pack.cli.run_config import load_run_config
 
     check_only = CHECK_FLAG in argv
     line = parse_command_line("train", [a for a in argv if a != CHECK_FLAG])
     if isinstance(line, int):  # --help / --version answer without importing torch
         return line
+    if not check_only:
+        worker_started()  # under torchrun: die with the agent; stop signals recorded from here on
     from megatron_pack.config import config_to_yaml
-    from megatron_pack.training.eval import build_validation_loader, open_validation
-    from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
+    from megatron_pack.data.batches.opening import open_validation
+    from megatron_pack.training.resume import check_resume  # the check imports no torch (a fast --check)
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     # --cfg job outside torchrun prints the config without the world-size rules (no world yet)
@@ -72,14 +78,26 @@ def main(argv: list[str]) -> int:
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         cfg, dataset = run.cfg, run.dataset
+        check_train(cfg, values=check_only)  # the model folder's files, before any process group
         validation = open_validation(cfg, dataset)
-        resume = check_resume(cfg, world_size, dataset)
+        passed_over: list[str] = []
+        resume = check_resume(cfg, world_size, dataset, notes=passed_over)
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     if check_only:
         print(f"megatron-pack train: config ok for {world_size} rank(s)"
               + (f"; resumes from {resume}" if resume else ""), flush=True)
+        for line in passed_over:  # damaged newer checkpoints: said once, before launch
+            print(f"megatron-pack train: {line}", file=sys.stderr, flush=True)
         return 0
+    from megatron_pack.model.cpu_compat import eager_jit_fuser_without_cuda
+
+    eager_jit_fuser_without_cuda()  # before megatron-core's first import: no torch.compile machinery on CPU
+    from megatron_pack.training.eval import build_validation_loader
+    from megatron_pack.training.loop import build_loader, run_summary, run_training
+    from megatron_pack.training.signals import configure
+
+    configure(cfg.checkpoint.save_on_signal, list(cfg.checkpoint.signals))
     _setup_logging(cfg.logging.level, rank)
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -90,13 +108,28 @@ def main(argv: list[str]) -> int:
         print("".join(f"{note}\n" for note in run.notes) + "resolved config:\n" + config_to_yaml(cfg), flush=True)
         print("parallel layout: " + state.describe(), flush=True)
     try:
-        run_training(cfg, state, build_loader(cfg, state, dataset),
-                     validation=build_validation_loader(cfg, state, validation))
+        trainer = run_training(cfg, state, build_loader(cfg, state, dataset),
+                               validation=build_validation_loader(cfg, state, validation))
+    except FloatingPointError as exc:  # non-finite weights or loss: every rank stopped at the same point
+        print(f"megatron-pack train: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except ConfigError as exc:  # reached by every rank together (a verdict on a checkpoint's checksums)
+        return _refusal(exc, wait=False)
     finally:
         destroy_parallel(destroy_process_group=True)
     if rank == 0:
         print(run_summary(cfg, dataset), flush=True)
+        if trainer.stopped_by:
+            print(stop_line(trainer), flush=True)
     return 0
+
+
+def stop_line(trainer) -> str:
+    """``megatron-pack train: stopped by SIGTERM after step 7 of 50: saved checkpoint ...; ...``."""
+    saved = (f"saved checkpoint {trainer.stop_checkpoint}; run the same command to resume from it"
+             if trainer.stop_checkpoint else "checkpoint.enabled=false, so nothing was saved")
+    return (f"megatron-pack train: stopped by {trainer.stopped_by} after step {trainer.step} of "
+            f"{trainer.train_iters}: {saved}.")
 
 
 if __name__ == "__main__":

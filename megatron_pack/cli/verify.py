@@ -102,16 +102,11 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
     """
     import torch.distributed.checkpoint as dcp
 
-    from megatron_pack.training.checkpoint import (SHARDED_FORMAT, checkpoint_reader, find_latest, read_full_model,
-                                                   read_meta)
+    from megatron_pack.training.checkpoint import SHARDED_FORMAT, checkpoint_reader, read_full_model, read_meta
 
-    path = Path(checkpoint)
-    if not (path / "meta.json").is_file():
-        latest = find_latest(path)
-        if latest is None:
-            raise FileNotFoundError(f"verify.checkpoint ({checkpoint}) holds no complete checkpoint (no meta.json, "
-                                    "no 'latest'); point it at checkpoint.save of a training run or a step_* folder.")
-        path = latest
+    from megatron_pack.training.checkpoint_files import verified_checkpoint
+
+    path = verified_checkpoint(checkpoint, "verify.checkpoint")  # every file against its manifest
     meta = read_meta(path)
     if meta.get("format") == SHARDED_FORMAT:  # layout-free (the trainer's): the TP=1 tensors
         full = read_full_model(path)
@@ -386,6 +381,7 @@ def run_verify_transformers(cfg, *, out=print) -> int:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
+    from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.cli.run_config import load_run_config
     from megatron_pack.config.schema import ConfigError
     from megatron_pack.data.formats.sources import DataError
@@ -400,6 +396,7 @@ def main(argv: list[str]) -> int:
                               world_size=int(os.environ["WORLD_SIZE"]) if launched else None)
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
+        check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists
         for note in run.notes:
             print(note)
         return run_verify(run.cfg, dataset=run.dataset)

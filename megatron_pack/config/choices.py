@@ -24,6 +24,9 @@ ONLINE_SOURCES = ("store", "stream")
 BALANCE_MODES = ("none", "dp")
 """``packing.balance``: deal packs round-robin, or assign them to DP ranks by cost."""
 
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+"""``checkpoint.signals``: signals that stop a run after its step with a checkpoint (SIGKILL / SIGSTOP cannot be caught)."""
+
 TOKEN_BUDGET_KINDS = ("target", "real")
 """``train.token_budget``: what ``train.global_batch_tokens`` counts: loss-carrying tokens or all real tokens."""
 

@@ -17,6 +17,7 @@ what hub checkpoints carry) and ``rope_parameters`` (transformers 5.x ``save_pre
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,26 @@ def _supported_text() -> str:
     return "supported: " + "; ".join(f"{k} = {v}" for k, v in SUPPORTED_FAMILIES.items())
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""``org/name``: what a Hugging Face Hub id looks like (a relative path of two parts does too)."""
+
+
+def hub_id_problem(value: str, key: str) -> str | None:
+    """The one line for a ``key`` that names no local path but looks like a Hugging Face Hub id
+    (``mistralai/Mistral-7B-v0.1``; nothing here downloads), else None."""
+    if Path(value).exists() or not _HUB_ID.match(value) or value.startswith((".", "/", "~")):
+        return None
+    return (f"{key} ({value}) is not a local folder (nothing at {Path(value).absolute()}); if it is a Hugging Face "
+            "Hub id: there is no network access to model hubs here; download it and pass the local folder "
+            f"({key}=/path/to/folder).")
+
+
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """``config.json`` of a local Hugging Face model folder (a ``FileNotFoundError`` naming the key)."""
     path = Path(folder) / "config.json"
+    missing = hub_id_problem(str(folder), "model.pretrained")
+    if missing:
+        raise FileNotFoundError(missing)
     if not path.is_file():
         raise FileNotFoundError(f"model.pretrained ({folder}) has no config.json; point model.pretrained at a local "
                                 "Hugging Face model folder (config.json, *.safetensors, tokenizer files).")

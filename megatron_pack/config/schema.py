@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_pack.config.choices import (ATTENTION_MODES, BALANCE_MODES, CP_COMM_TYPES, DEFAULT_COST_A, DEFAULT_COST_B,
-                                          FP8_RECIPES, ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, TOKEN_BUDGET_KINDS)
+                                          FP8_RECIPES, ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, STOP_SIGNALS,
+                                          TOKEN_BUDGET_KINDS)
 
 
 class ConfigError(ValueError):
@@ -117,6 +118,9 @@ class ModelConfig(_Group):
     pretrained: Optional[str] = None
     """A local Hugging Face model folder: architecture keys come from its config.json and the weights
     from its safetensors (docs/models.md); None trains from a random init."""
+    check_pretrained_values: bool = True
+    """train --check (the launch scripts) reads every weight of model.pretrained and refuses NaN / Inf
+    before launch; false checks the safetensors headers only (each rank still checks its shard on load)."""
     norm_epsilon: float = 1e-5
     """Epsilon of every RMSNorm / LayerNorm (config.json rms_norm_eps)."""
     add_qkv_bias: bool = False
@@ -590,9 +594,17 @@ class CheckpointConfig(_Group):
     """Start a new run from checkpoint.load's model weights: fresh optimizer, schedule, data order and step 0."""
     allow_changed: bool = False
     """Resume even though lr, schedule, global batch or data plan differ from the checkpoint's (listed at start)."""
+    save_on_signal: bool = True
+    """On one of checkpoint.signals every rank finishes its step, saves a checkpoint and exits 0 (docs/launch.md)."""
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """The signals that stop a run with a checkpoint (SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP)."""
 
     def field_problems(self) -> list[str]:
         problems = _positive(self.GROUP, self, ("save_interval", "keep_last"), allow_zero=("save_interval",))
+        unknown = [s for s in self.signals if s not in STOP_SIGNALS]
+        if unknown:
+            problems.append(f"checkpoint.signals ({list(self.signals)}) names {unknown}; choose from "
+                            f"{list(STOP_SIGNALS)}, e.g. checkpoint.signals=[SIGTERM,SIGUSR1].")
         if self.load_weights_only and self.load is None:
             problems.append("checkpoint.load_weights_only (True) needs checkpoint.load (None): the checkpoint whose "
                             "weights start the run; set checkpoint.load=/path/to/checkpoints.")

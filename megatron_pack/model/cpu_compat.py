@@ -15,6 +15,13 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
    CPU generator (which it saves too) and the tracker's streams are the whole RNG state, so the
    CUDA part is an empty placeholder here.
 
+4. At import, megatron-core decorates its fused kernels (``fusions/``) with ``jit_fuser``, which is
+   ``torch.compile``: that imports TorchDynamo and Inductor, about half of megatron-core's import
+   time (1-4 s here, before step 1 of every worker). The CPU path never calls those kernels (the
+   fusions are on only with CUDA, ``builder.py``), so ``eager_jit_fuser_without_cuda()``, called
+   before megatron-core is first imported, makes ``jit_fuser`` the no-op decorator megatron-core
+   itself has (``megatron.core.jit.noop_decorator``).
+
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
 
@@ -28,6 +35,8 @@ never goes through here. Both are idempotent.
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 
 import torch
 
@@ -98,6 +107,30 @@ def enable_cpu_compat_without_cuda() -> bool:
     if torch.cuda.is_available():
         return False
     enable_cpu_compat()
+    return True
+
+
+def eager_jit_fuser_without_cuda() -> bool:
+    """Before megatron-core's first import on a host without CUDA: ``megatron.core.jit`` with
+    ``jit_fuser`` = the no-op decorator (item 4 of the module docstring); the same four names as
+    megatron-core's module, ``enable_jit_fuser()`` still switching to ``torch.compile``. True when done."""
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        return False
+    jit = types.ModuleType("megatron.core.jit", "megatron-core's jit_fuser, eager on a host without CUDA "
+                                                "(megatron_pack.model.cpu_compat).")
+
+    def noop_decorator(func):
+        return func
+
+    def enable_jit_fuser() -> None:
+        jit.jit_fuser = torch.compile
+
+    def disable_jit_fuser() -> None:
+        jit.jit_fuser = noop_decorator
+
+    jit.__dict__.update(torch=torch, jit_fuser=noop_decorator, noop_decorator=noop_decorator,
+                        enable_jit_fuser=enable_jit_fuser, disable_jit_fuser=disable_jit_fuser)
+    sys.modules["megatron.core.jit"] = jit
     return True
 
 

@@ -6,13 +6,17 @@ Layout under ``checkpoint.save``::
     step_00000003/           one complete checkpoint
         .metadata, *.distcp  DCP shards: "model/tp<r>/<param>" and "optim/tp<r>/<param>.<state>"
         rank_00000.pt        per-rank state: RNG, sampler, schedule (torch.save of plain containers)
-        meta.json            step, world size and parallel layout, written last
+        meta.json            step, world size and parallel layout
+        manifest.json        every file above with its size and sha256, written last (checkpoint_files.py)
     latest                   the name of the newest complete checkpoint ("step_00000003")
 
 Saving is atomic: every rank writes into ``tmp.step_00000003/``; after a barrier rank 0 writes
-``meta.json``, renames the folder to ``step_00000003/`` and only then replaces ``latest`` (by
+``meta.json``, every rank hashes the files it wrote, rank 0 gathers the digests and writes
+``manifest.json``, renames the folder to ``step_00000003/`` and only then replaces ``latest`` (by
 ``os.replace`` of a temporary file). A crash at any point leaves ``latest`` naming the previous
-complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Replicas across DP and
+complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Resume, ``export`` and
+``verify`` check the manifest before they read a checkpoint; a resume passes over a damaged one to
+the newest intact one and says so (``collective_verify``). Replicas across DP and
 CP hold identical keys, so DCP writes each tensor once; TP shards carry their TP rank in the key,
 so a checkpoint is resumed with the same tensor-parallel size (checked, with a clear error).
 
@@ -35,12 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-LATEST = "latest"
-META = "meta.json"
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:08d}"
+from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, candidates,  # noqa: F401
+                                                     checkpoint_problems, choose_checkpoint, digest, find_latest,
+                                                     owner, read_meta, step_dirname, write_manifest)
 
 
 def rng_state() -> dict:
@@ -123,6 +124,9 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     _barrier(group)
     if _rank() == 0:
         _write_json(tmp / META, {"step": step, **meta})
+    files = _gather_digests(tmp, group)  # every rank hashes the files it wrote; rank 0 the rest
+    if _rank() == 0:
+        write_manifest(tmp, files)  # last: a folder without it is incomplete
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -130,6 +134,40 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         _prune(root, keep_last)
     _barrier(group)
     return final
+
+
+def _gather_digests(folder: Path, group: Optional[dist.ProcessGroup]) -> dict[str, dict]:
+    """The manifest's file table: each rank hashes its own files (``checkpoint_files.owner``), rank 0
+    gathers them, hashes whatever nobody claimed, and gets the whole table (others get {})."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    holds = _part_ends(folder)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith(f".{MANIFEST}"))
+    mine = {n: digest(folder / n, holds.get(n)) for n in names if owner(n, world) == rank}
+    if world > 1:
+        gathered: list = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0,
+                           group=group)
+        if rank != 0:
+            return {}
+        mine = {k: v for part in gathered for k, v in part.items()}
+    for name in sorted(p.name for p in folder.iterdir() if p.is_file()):
+        if name not in mine and not name.startswith(f".{MANIFEST}"):
+            mine[name] = digest(folder / name, holds.get(name))
+    return mine
+
+
+def _part_ends(folder: Path) -> dict[str, dict[str, int]]:
+    """``{file: {"model": end, "optimizer": end}}``: where each part's last byte ends in each DCP file
+    (from DCP's ``.metadata``), so a truncated file can say which part the cut reached."""
+    if not (folder / ".metadata").is_file():
+        return {}
+    ends: dict[str, dict[str, int]] = {}
+    for index, info in checkpoint_reader(folder).read_metadata().storage_data.items():
+        part = "optimizer" if index.fqn.startswith(("optimizer", "optim/")) else "model"
+        file_ends = ends.setdefault(info.relative_path, {})
+        file_ends[part] = max(file_ends.get(part, 0), int(info.offset) + int(info.length))
+    return ends
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -149,22 +187,6 @@ def _prune(root: Path, keep_last: int) -> None:
     done = sorted(p for p in root.glob("step_*") if (p / META).exists())
     for old in done[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def find_latest(root: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``root`` (by ``latest``), or None when there is none."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.exists():
-        candidate = root / pointer.read_text(encoding="utf-8").strip()
-        if (candidate / META).exists():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / META).exists()) if root.is_dir() else []
-    return complete[-1] if complete else None
-
-
-def read_meta(path: str | Path) -> dict:
-    return json.loads((Path(path) / META).read_text(encoding="utf-8"))
 
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -228,8 +250,6 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
 
 
 
-SHARDED_FORMAT = "megatron_pack.sharded/1"
-"""``meta.json`` ``format`` of checkpoints written by global identity (the trainer's since issue 13)."""
 
 
 def load_sharded_checkpoint(path: str | Path, sharded_state: dict) -> dict[str, torch.Tensor]:
@@ -281,3 +301,21 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             out[key] = tensor
     return out
+
+
+def collective_verify(group: Optional[dist.ProcessGroup] = None):
+    """A ``verify(folder) -> problems`` for ``checkpoint_files.choose_checkpoint`` that checks every
+    file's size on every rank and each file's sha256 on one rank (``files[rank::world]``), then
+    gathers the lines, so every rank reaches the same verdict; collective: every rank must call it."""
+
+    def verify(folder: Path) -> list[str]:
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        mine = checkpoint_problems(folder, checksums=True, share=(rank, world))
+        if world == 1:
+            return mine
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine, group=group)
+        return list(dict.fromkeys(line for lines in gathered for line in lines))
+
+    return verify

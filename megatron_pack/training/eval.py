@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_pack.data.batches.opening import open_validation  # noqa: F401  (its path before opening.py)
 
 log = logging.getLogger("megatron_pack.train")
 
@@ -61,38 +62,6 @@ class EvalResult:
         """Each source's share of the validation target tokens."""
         return {name: (n / self.target_tokens if self.target_tokens else 0.0)
                 for name, n in self.source_target_tokens.items()}
-
-
-def open_validation(cfg, train_dataset=None):
-    """The validation ``PackedSFTDataset`` of ``cfg`` or None when it has none.
-
-    ``data.validation``: the plan prepared in ``<data.dataset_dir>/validation`` with the training
-    plan's settings; ``data.validation_fraction``: the ``validation`` sub-plan of the training
-    plan (``train_dataset``'s, opened from ``cfg`` when not given). Raises ``DataError`` naming
-    the prepare command when it is missing.
-    """
-    from megatron_pack.data.batches.dataset import PackedSFTDataset
-    from megatron_pack.data.formats.sources import DataError
-    from megatron_pack.data.store.metadata import VALIDATION_DIRNAME
-
-    if cfg.data.validation is not None:
-        from megatron_pack.data.prepare import validation_config
-
-        return PackedSFTDataset.from_config(validation_config(cfg))
-    if not cfg.data.validation_fraction:
-        return None
-    train_dataset = train_dataset or PackedSFTDataset.from_config(cfg)
-    plan_dir = Path(train_dataset.plan_dir) / VALIDATION_DIRNAME
-    if not (plan_dir / "metadata.json").is_file():
-        raise DataError(f"the packing plan {train_dataset.plan_dir} has no held-out validation plan for "
-                        f"data.validation_fraction={cfg.data.validation_fraction}; re-run `megatron-pack prepare` "
-                        "with the same config.")
-    dataset = PackedSFTDataset(train_dataset.dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
-    if "mixture" in dataset.metadata:  # written before held-out samples were packed each once
-        raise DataError(f"the validation plan {plan_dir} was written by an older prepare that resampled the held-out "
-                        "samples to the data.sources shares (some never evaluated, others repeated); delete "
-                        f"{train_dataset.plan_dir} and re-run `megatron-pack prepare` with the same config.")
-    return dataset
 
 
 def num_eval_packs(num_packs: int, eval_iters: int, global_batch_size: int) -> int:

@@ -36,16 +36,20 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protoco
 import torch
 import torch.distributed as dist
 
-from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.config.schema import Config
 from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.sampler import PackLoader
-from megatron_pack.data.batches.online import online_packing_record, online_resume_problem, single_rank
+from megatron_pack.data.batches.online import single_rank
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
+from megatron_pack.training.resume import (DATA_SETTINGS, _check_resume_peft, changed_settings,  # noqa: F401
+                                           check_resume, check_resume_settings, checkpoint_dirs, layout_meta,
+                                           resolve_train_iters, resume_choice, run_settings, save_dir)
+from megatron_pack.training.signals import StopRequest
 
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
@@ -159,56 +163,6 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
         pg_collection=state.pg_collection)
 
 
-def resolve_train_iters(cfg: Config, num_packs: Optional[int], dp_size: int) -> int:
-    """Optimizer steps of the run: ``train.train_iters``, or ``train.num_epochs`` passes over the
-    packs a DP size of ``dp_size`` trains per epoch (``num_packs - num_packs % dp_size``: the
-    sampler's drop_last) in global batches. Example: 103 packs, dp 2, global batch 8, 2 epochs ->
-    2 * 102 // 8 = 25 steps."""
-    t = cfg.train
-    if t.train_iters is not None:
-        return t.train_iters
-    if num_packs is None:
-        raise ValueError("train.num_epochs needs the pack loader (build_loader) to count packs per epoch; "
-                         "set train.train_iters instead with another loader.")
-    per_epoch = num_packs - num_packs % dp_size
-    iters = t.num_epochs * per_epoch // t.global_batch_size
-    if iters < 1:
-        raise ConfigError([f"train.num_epochs ({t.num_epochs}) over {per_epoch} packs per epoch is less than one "
-                           f"global batch (train.global_batch_size={t.global_batch_size}); raise train.num_epochs, "
-                           "lower train.global_batch_size, or prepare more data."])
-    return iters
-
-
-def run_settings(cfg: Config, train_iters: int, plan_fingerprint: Optional[str]) -> dict[str, Any]:
-    """What a resume must not change silently: learning rate and schedule, optimizer, global batch, data."""
-    t = cfg.train
-    return {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.lr_warmup_iters": t.lr_warmup_iters,
-            "train.lr_decay_style": t.lr_decay_style, "train iterations (resolved)": train_iters,
-            "train.weight_decay": t.weight_decay, "train.adam_beta1": t.adam_beta1, "train.adam_beta2": t.adam_beta2,
-            "train.adam_eps": t.adam_eps, "train.clip_grad": t.clip_grad,
-            "train.global_batch_size": t.global_batch_size, "train.seed": t.seed, "data plan": plan_fingerprint}
-
-
-DATA_SETTINGS = ("train.seed", "data plan")
-"""Settings that define the pack order: when they change, the data position starts over."""
-
-
-def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``["train.lr: 0.003 -> 0.001", ...]`` for every setting recorded in ``saved`` that differs."""
-    return [f"{key}: {saved[key]!r} -> {value!r}" for key, value in now.items() if key in saved and saved[key] != value]
-
-
-def check_resume_settings(cfg: Config, path: Path, now: dict[str, Any]) -> list[str]:
-    """Refuse (``ConfigError``) resuming ``path`` with changed settings unless ``checkpoint.allow_changed``;
-    returns the changes (printed by the caller when allowed)."""
-    changes = changed_settings(ckpt.read_meta(path).get("settings", {}), now)
-    if changes and not cfg.checkpoint.allow_changed:
-        raise ConfigError([f"resuming {path} with changed settings ({'; '.join(changes)}); set "
-                           "checkpoint.allow_changed=true to go on with the new values, restore the old ones, or set "
-                           "checkpoint.load_weights_only=true to start a new run from its weights."])
-    return changes
-
-
 @dataclass
 class Trainer:
     """Everything one run holds; built by :func:`build_trainer`, advanced by :meth:`train_step`."""
@@ -245,6 +199,10 @@ class Trainer:
     """Training time of the processes before this one (from the checkpoint)."""
     val_history: list[list[float]] = field(default_factory=list)
     """``[step, validation loss]`` of every evaluation since step 0."""
+    stopped_by: Optional[str] = None
+    """The signal that stopped the run after a step (``training.signals``), or None."""
+    stop_checkpoint: Optional[Path] = None
+    """The checkpoint saved at that stop (None: checkpoint.enabled=false)."""
     _start: float = field(default_factory=time.perf_counter)
     _first_step: int = 0
 
@@ -355,12 +313,19 @@ class Trainer:
 
         if math.isfinite(total.loss_sum):
             return
+        from megatron_pack.training.finite import check_weights
+
+        where = f"step {step}, rank {self.state.rank}"
+        check_weights(self.model, where=where, device=self.state.device,
+                      source=f"the model after step {step - 1}" if step > 1 else "the loaded model",
+                      fix="the optimizer step before diverged: resume from the last checkpoint with a lower train.lr "
+                          "(or a train.clip_grad)")
         for report, batch in zip(reports, batches):
             try:
                 check_finite(report["lm loss"][0], batch)
             except FloatingPointError as exc:
-                raise FloatingPointError(f"step {step}, rank {self.state.rank}: {exc}") from None
-        raise FloatingPointError(f"step {step}, rank {self.state.rank}: the global lm loss is not finite; the "
+                raise FloatingPointError(f"{where}: data (the weights are finite): {exc}") from None
+        raise FloatingPointError(f"{where}: data (the weights are finite): the global lm loss is not finite; the "
                                  "pack that produced it is named in the error of another rank.")
 
     # ----- checkpoints -----------------------------------------------------------------------
@@ -478,96 +443,6 @@ class Trainer:
         self.data_iterator = None
 
 
-def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
-    """(where to save, what to resume from or None).
-
-    With ``checkpoint.load_weights_only`` the second is the checkpoint whose weights start the
-    run, unless the run's own ``checkpoint.save`` already holds a checkpoint (the new run was
-    interrupted): then that one is resumed in full."""
-    save = Path(cfg.checkpoint.save or Path(cfg.train.output_dir) / "checkpoints")
-    if cfg.checkpoint.load_weights_only and ckpt.find_latest(save) is not None:
-        return save, ckpt.find_latest(save)
-    if cfg.checkpoint.load is not None:
-        found = ckpt.find_latest(cfg.checkpoint.load)
-        if found is None:
-            raise FileNotFoundError(f"checkpoint.load ({cfg.checkpoint.load}) holds no complete checkpoint "
-                                    "(no 'latest' or step_*/meta.json); fix the path or unset checkpoint.load.")
-        return save, found
-    return save, ckpt.find_latest(save)
-
-
-def layout_meta(world_size: int, tp: int, cp: int, dp: int) -> dict:
-    """The parallel layout a checkpoint records in ``meta.json`` and a resume must match."""
-    return {"world_size": world_size, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
-            "data_parallel_size": dp}
-
-
-def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
-    """The checkpoint this run starts from (None: a fresh start), checked before any process
-    group exists; what the run cannot do raises ``ConfigError`` (printed once by the entry,
-    exit 2) instead of failing on every rank inside ``Trainer.load``:
-
-    - ``checkpoint.load`` holds no checkpoint;
-    - a full resume at another layout of a checkpoint that cannot reshard: one in the older
-      per-tensor-parallel-rank format, or a GPU run (megatron-core's optimizer state is per rank);
-      a layout-free checkpoint resumes at any layout on CPU;
-    - online packing at another data-parallel size or ``data.num_workers`` (its shards depend on both);
-    - with ``dataset`` (the opened training plan): a full resume with changed lr, schedule,
-      optimizer, global batch, seed or data plan, unless ``checkpoint.allow_changed``.
-
-    A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
-    from megatron_pack.parallel.dims import ParallelDims
-
-    try:
-        resume, kind = _resume_kind(cfg)
-    except FileNotFoundError as exc:
-        raise ConfigError([str(exc)]) from None
-    if resume is None:
-        return None
-    saved = ckpt.read_meta(resume)
-    dims = ParallelDims.from_config(cfg, world_size)
-    mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here"
-                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp).items() if saved.get(k) != v]
-    layout_free = saved.get("format") == ckpt.SHARDED_FORMAT
-    on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    if mismatch and (not layout_free or (on_gpu and kind == "resume")):
-        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
-        why = ("it was written in the older per-tensor-parallel-rank format, which does not reshard" if not layout_free
-               else "megatron-core's GPU optimizer state resumes only at the layout that wrote it (the weights reshard;"
-                    " checkpoint.load_weights_only=true starts a new run from them)")
-        raise ConfigError([f"cannot resume from {resume}: it was written with another parallel layout "
-                           f"({'; '.join(mismatch)}) and {why}. Resume it on {saved.get('world_size')} ranks with "
-                           f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
-                           f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
-                           "to another directory to start fresh."])
-    _check_resume_peft(cfg, resume, saved)
-    loader_state = saved.get("train_state", {}).get("loader") or {}
-    if kind == "resume" and cfg.packing.mode == "online" and loader_state.get("kind") == "online":
-        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
-        problem = online_resume_problem(loader_state, dp_size=dims.dp, num_workers=cfg.data.num_workers,
-                                        packing=online_packing_record(cfg),
-                                        fresh=f"set {key} to another directory to start fresh")
-        if problem:
-            raise ConfigError([f"cannot resume from {resume}: {problem}"])
-    if dataset is not None and kind == "resume":
-        num_packs = len(dataset) if hasattr(dataset, "__len__") else None  # online packing: no count up front
-        iters = resolve_train_iters(cfg, num_packs, dims.dp)
-        check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
-    return resume
-
-
-def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:
-    """A LoRA checkpoint resumes only as the same LoRA run (adapters only, on the recorded base)."""
-    from megatron_pack.model.peft import peft_meta
-
-    want, have = peft_meta(cfg), saved.get("peft")
-    if want != have:
-        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
-        raise ConfigError([f"cannot resume from {resume}: it was written with peft {have!r}, this run has peft "
-                           f"{want!r}; resume with the same peft.* and model.pretrained, or set {key} to another "
-                           "directory to start fresh."])
-
-
 def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
     """This DP rank's loader (``megatron_pack.data.batches.loader.build_loader``) for ``state``'s ranks.
     Online packing reports each DP rank's shard accounting once (its TP/CP rank 0); the rest, rank 0.
@@ -630,29 +505,26 @@ def _should_evaluate(cfg: Config, trainer: Trainer) -> bool:
                                                or (interval > 0 and trainer.step % interval == 0))
 
 
-def _resume_kind(cfg: Config) -> tuple[Optional[Path], str]:
-    """(checkpoint, 'resume' | 'weights') this run starts from, or (None, 'fresh')."""
-    save, resume = checkpoint_dirs(cfg)
-    if resume is None:
-        return None, "fresh"
-    own = resume.parent.resolve() == save.resolve()
-    return resume, "weights" if cfg.checkpoint.load_weights_only and not own else "resume"
-
-
-def start_or_resume(cfg: Config, trainer: Trainer) -> None:
-    """Resume from the newest checkpoint (any layout), or start from checkpoint.load's weights."""
-    resume, kind = _resume_kind(cfg)
+def start_or_resume(cfg: Config, trainer: Trainer) -> Optional[Path]:
+    """Resume from the newest intact checkpoint (any layout; its files' checksums verified over the
+    ranks, a damaged newer one passed over with a warning), or start from checkpoint.load's weights;
+    returns the checkpoint read (None: a fresh start)."""
+    choice = resume_choice(cfg, verify=ckpt.collective_verify())
+    for line in choice.skipped:
+        log.warning("%s", line)
+    resume, kind = choice.path, choice.kind
     if kind == "fresh":
-        return
+        return None
     if kind == "weights":
         trainer.load_weights(resume)
         log.info("started a new run from the weights of %s (fresh optimizer, schedule and data order)", resume)
-        return
+        return resume
     changes = trainer.load(resume)
     for change in changes:
         log.warning("resumed with a changed setting (checkpoint.allow_changed=true): %s", change)
     # samples, not step * global_batch_size packs: token budgets and online steps vary their pack count
     log.info("resumed from %s at step %d (%d samples consumed)", resume, trainer.step, trainer.consumed_samples)
+    return resume
 
 
 def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
@@ -665,17 +537,25 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
     from megatron_pack.training.record import write_run_record
 
     trainer = build_trainer(cfg, state, loader, forward_step_func=forward_step_func, validation=validation)
-    save_dir, _ = checkpoint_dirs(cfg)
+    save_root = save_dir(cfg)
     if cfg.model.pretrained and cfg.checkpoint.enabled and state.rank == 0:  # lets `export` read a checkpoint alone
         from megatron_pack.model.hf.export import save_hf_source
 
-        save_hf_source(cfg.model.pretrained, save_dir)
-    start_or_resume(cfg, trainer)
+        save_hf_source(cfg.model.pretrained, save_root)
+    loaded = start_or_resume(cfg, trainer)
+    if loaded is not None or cfg.model.pretrained:  # weights read from files: every rank checks its shard
+        from megatron_pack.training.finite import check_weights
+
+        check_weights(trainer.model, where=f"rank {state.rank}", device=state.device,
+                      source=f"checkpoint {loaded}" if loaded else f"model.pretrained ({cfg.model.pretrained})",
+                      fix="re-download the folder" if loaded is None else "resume from an older checkpoint "
+                          "(checkpoint.load=...) or start from model.pretrained")
     if state.rank == 0:
         write_run_record(cfg, state, trainer.train_iters)
     writer = MetricsWriter(cfg.train.output_dir, enabled=state.rank == 0, log_interval=cfg.logging.log_interval,
                            tensorboard=cfg.logging.tensorboard, train_iters=trainer.train_iters)
     num_run = 0
+    stop = StopRequest(cfg.checkpoint.save_on_signal, state.device)
     try:
         while trainer.step < trainer.train_iters:
             metrics = trainer.train_step()
@@ -685,10 +565,17 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
             if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0:
                 sample_log.info("step %d rank %d dp_rank %d packs %s", trainer.step, state.rank, state.dp_rank,
                                 trainer.pack_log[-1])
+            path = None
             if _should_save(cfg, trainer.step, trainer.train_iters):
-                path = trainer.save(save_dir)
+                path = trainer.save(save_root)
                 if state.rank == 0:
                     log.info("saved checkpoint %s", path)
+            trainer.stopped_by = stop.agreed()  # every rank, every step: the same answer everywhere
+            if trainer.stopped_by:
+                if path is None and cfg.checkpoint.enabled:
+                    path = trainer.save(save_root)
+                trainer.stop_checkpoint = path
+                break
             num_run += 1
             if cfg.train.exit_after_iters is not None and num_run >= cfg.train.exit_after_iters:
                 log.info("train.exit_after_iters=%d reached at step %d; stopping", num_run, trainer.step)
@@ -721,7 +608,7 @@ def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
     lines += [f"metrics: {out / 'metrics.jsonl'}",
               f"TensorBoard: tensorboard --logdir {out / 'tensorboard'}"]
     if cfg.checkpoint.enabled:
-        lines.append(f"checkpoints: {checkpoint_dirs(cfg)[0]}")
+        lines.append(f"checkpoints: {save_dir(cfg)}")
     return "\n".join(lines)
 
 

@@ -111,6 +111,7 @@ def test_verify_loads_checkpoint(dataset_args, tmp_path, capsys, tp):
 
     from megatron_pack.cli.verify import load_model_weights
     from megatron_pack.training.checkpoint import save_checkpoint
+    from megatron_pack.training.checkpoint_files import digest, write_manifest
 
     trained = _trained_like_model(seed=99)
     named = dict(trained.named_parameters())
@@ -124,6 +125,7 @@ def test_verify_loads_checkpoint(dataset_args, tmp_path, capsys, tp):
         (root / "step_00000007").mkdir(parents=True)
         dcp.save(state, checkpoint_id=str(root / "step_00000007"), no_dist=True)
         (root / "step_00000007" / "meta.json").write_text(json.dumps({"step": 7, "tensor_model_parallel_size": tp}))
+        write_manifest(root / "step_00000007", {f.name: digest(f) for f in (root / "step_00000007").iterdir()})
         (root / "latest").write_text("step_00000007")
 
     fresh = _trained_like_model(seed=1)

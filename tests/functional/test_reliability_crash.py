@@ -214,8 +214,9 @@ CHECKPOINT_DRIVER = textwrap.dedent("""
 
     real_rmtree = shutil.rmtree
     patches = {"dcp-writing": (os, "fsync", die), "rank-file": (torch, "save", die),
-               "meta": (ckpt, "_write_json", die), "rename": (os, "replace", die_on_call(2, os.replace)),
-               "latest-pointer": (os, "replace", die_on_call(3, os.replace)), "prune": (ckpt, "_prune", die),
+               "meta": (ckpt, "_write_json", die), "manifest": (os, "replace", die_on_call(2, os.replace)),
+               "rename": (os, "replace", die_on_call(3, os.replace)),
+               "latest-pointer": (os, "replace", die_on_call(4, os.replace)), "prune": (ckpt, "_prune", die),
                "resave-same-step": (shutil, "rmtree", rmtree_then_die)}
     status = {}
     for point in points:
@@ -234,8 +235,8 @@ CHECKPOINT_DRIVER = textwrap.dedent("""
 """)
 
 # point -> step a reader must load afterwards (step 1 complete before; step 2 being written)
-CHECKPOINT_POINTS = {"dcp-writing": 1, "rank-file": 1, "meta": 1, "rename": 1, "latest-pointer": 1, "prune": 2,
-                     "resave-same-step": 1}
+CHECKPOINT_POINTS = {"dcp-writing": 1, "rank-file": 1, "meta": 1, "manifest": 1, "rename": 1, "latest-pointer": 1,
+                     "prune": 2, "resave-same-step": 1}
 
 
 def _state(step: int):

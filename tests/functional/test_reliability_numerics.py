@@ -1,13 +1,16 @@
 """Numerics on real gloo ranks (CPU, float32): NaN is reported precisely, masked ranks train normally.
 
-One spawned world of 2 ranks runs both parts:
+One spawned world of 2 ranks runs the three parts:
 
 1. DP=2, 4 steps. A NaN put into the per-token losses of one micro-batch at *masked* positions
    (prompt, padding) on rank 0 at step 2 changes nothing: ``loss_func`` never lets a masked
    position through. A NaN at one *target* position on rank 1 at step 3 stops both ranks at
    step 3, before the optimizer step: rank 1's error names the step, the rank and the sample ids
    of the pack; rank 0's says another rank holds the culprit. Parameters stay finite.
-2. CP=2, 3 steps on packs whose targets all sit in CP rank 0's chunks, so CP rank 1 never holds
+2. DP=2, a NaN in rank 1's copy of one weight: the check after loading and the next step's
+   non-finite loss both report **weights**, naming the tensor on rank 1 (never the samples), and
+   stop rank 0 at the same point.
+3. CP=2, 3 steps on packs whose targets all sit in CP rank 0's chunks, so CP rank 1 never holds
    a target token: losses and parameters equal a DP=2 run of the same packs (1e-5; Adam's eps
    is 1e-3 there so near-zero gradients do not amplify rounding), and the loss falls. (One
    step's gradients are also checked in
@@ -106,6 +109,39 @@ def _nan_case(rank: int, tmp: str) -> dict:
             "nan.params_finite": params_finite, "nan.pack_ids": nan_pack_ids}
 
 
+WEIGHT = "decoder.layers.1.mlp.linear_fc2.weight"
+"""The parameter poisoned on rank 1 (the weights case)."""
+
+
+def _weights_case(rank: int, tmp: str) -> dict:
+    """A NaN in rank 1's copy of one weight: the check after loading and the non-finite loss of the
+    next step both name it on rank 1, and stop rank 0 too (it says another rank's shard)."""
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.finite import NonFiniteWeights, check_weights
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = _config(f"{tmp}/weights", cp=1, global_batch=4)
+    state = initialize_parallel(cfg)
+    trainer = build_trainer(cfg, state, ListLoader(_packs(4, seed=20 + rank, masked_cp_rank=False)))
+    finite = check_weights(trainer.model, where=f"rank {rank}", device=state.device, source="the guard",
+                           fix="-")  # the clean model passes (None) on both ranks
+    if rank == 1:
+        with torch.no_grad():
+            dict(trainer.model.module.named_parameters())[WEIGHT].view(-1)[3] = float("nan")
+    errors = []
+    try:
+        check_weights(trainer.model, where=f"rank {rank}", device=state.device,
+                      source="model.pretrained (DIR)", fix="re-download the folder")
+    except NonFiniteWeights as exc:
+        errors.append(str(exc))
+    try:
+        trainer.train_step()
+    except FloatingPointError as exc:
+        errors.append(str(exc))
+    destroy_parallel()
+    return {"weights.errors": np.array(errors), "weights.clean": np.array(finite is None), "weights.step": trainer.step}
+
+
 def _train(tmp: str, *, cp: int, packs: list[dict], global_batch: int) -> dict:
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.loop import run_training
@@ -124,6 +160,7 @@ def _train(tmp: str, *, cp: int, packs: list[dict], global_batch: int) -> dict:
 
 def _world(rank: int, world_size: int, tmp: str) -> dict:
     out = _nan_case(rank, tmp)
+    out.update(_weights_case(rank, tmp))
     packs = _packs(1, seed=3, masked_cp_rank=True) * CP_STEPS  # the same pack each step: the loss must fall
     out.update({f"cp2.{k}": v for k, v in _train(f"{tmp}/cp2", cp=2, packs=packs, global_batch=1).items()})
     # DP=2 with the same pack on both ranks: the gradient of that one pack, the world-1 result
@@ -143,13 +180,29 @@ def test_nan_in_one_micro_batch_is_reported_with_step_rank_and_sample_ids(ranks)
     ids = r1["nan.pack_ids"].tolist()
     assert ids == [11008, 11009]  # rank 1's first pack of step 3 (seed 11: ids from 11000, 2 per pack)
     message = str(r1["nan.error"])
-    assert message.startswith(f"step {NAN_TARGET_AT[0]}, rank 1: non-finite loss sum (nan)"), message
+    assert message.startswith(f"step {NAN_TARGET_AT[0]}, rank 1: data (the weights are finite): non-finite loss "
+                              "sum (nan)"), message
     assert f"sample_ids {ids}" in message and "replay those samples" in message
     other = str(r0["nan.error"])
-    assert other.startswith(f"step {NAN_TARGET_AT[0]}, rank 0:") and "named in the error of another rank" in other
+    assert other.startswith(f"step {NAN_TARGET_AT[0]}, rank 0: data (the weights are finite):") \
+        and "named in the error of another rank" in other
     for r in ranks:  # the masked NaN at step 2 changed nothing; no optimizer step ran at step 3
         assert len(r["nan.losses"]) == NAN_TARGET_AT[0] - 1 and np.all(np.isfinite(r["nan.losses"]))
         assert int(r["nan.step"]) == NAN_TARGET_AT[0] - 1 and bool(r["nan.params_finite"])
+
+
+@pytest.mark.slow
+def test_nan_in_the_weights_is_reported_as_weights_naming_the_tensor(ranks):
+    r0, r1 = ranks
+    assert bool(r0["weights.clean"]) and bool(r1["weights.clean"])  # guard: the clean model passed on both
+    on_load, at_step = (str(m) for m in r1["weights.errors"])
+    assert on_load == (f"rank 1: weights: {WEIGHT} of model.pretrained (DIR) holds 1 NaN and 0 Inf values; the "
+                       "weights are not finite (not the data): re-download the folder."), on_load
+    assert at_step.startswith(f"step 1, rank 1: weights: {WEIGHT} of the loaded model holds 1 NaN"), at_step
+    assert "data" not in at_step.split(":")[1] and "sample_ids" not in at_step
+    for message in (str(m) for m in r0["weights.errors"]):  # rank 0 stops too, naming where to look
+        assert "rank 0: weights: the shard of another rank" in message and "named in that rank's line" in message
+    assert len(r0["weights.errors"]) == 2 and int(r0["weights.step"]) == int(r1["weights.step"]) == 0
 
 
 @pytest.mark.slow

@@ -5,9 +5,11 @@ shows for a CPU cluster.
 - one node with 2 processes (``--cpus-per-task=2``) and two nodes with 1 process each
   (``--cpus-per-task=1``), both CP=2 on the shortened quickstart for 3 steps: exit 0 and per-step
   losses equal to ``launch/single_node.sh 2`` (conftest.py), with rank 0 on node 0;
-- a refused config: the job exits 2 with one message in the job log, before srun.
+- a refused config: the job exits 2 with one message in the job log, before srun;
+- ``sbatch --signal=USR1@120`` (docs/launch.md, "Signals and preemption") and ``scancel --signal=USR1``
+  as soon as it trains: every rank finishes its step, saves a checkpoint there, the job exits 0.
 
-The three jobs are submitted at once (``sbatch --wait`` polls at growing intervals, so waiting
+The jobs are submitted at once (``sbatch --wait`` polls at growing intervals, so waiting
 for them one after another would triple that wait). The Debian packages are installed when
 missing; when that fails the test fails with the reason. Every daemon is stopped by its process
 id when the module ends, pass or fail.
@@ -34,7 +36,10 @@ JOBS = [  # the two-node job first, so it need not wait for a node the others fi
     ("2-nodes-x-1", CPU_2_NODES_X_1, ["train.output_dir=slurm_2x1", "checkpoint.enabled=false"]),
     ("1-node-x-2", CPU_1_NODE_X_2, ["train.output_dir=slurm_1x2", "checkpoint.enabled=false"]),
     ("refused", CPU_1_NODE_X_2, ["train.output_dir=slurm_refused", "train.lrr=0.1"]),
+    ("signalled", ["--signal=USR1@120", *CPU_1_NODE_X_2], ["train.output_dir=slurm_signalled"]),
 ]
+SIGNALLED = "signalled"
+"""The job that gets ``scancel --signal=USR1`` as soon as it trains: it saves and exits 0 (docs/launch.md)."""
 
 
 def _free_port() -> int:
@@ -61,8 +66,10 @@ def jobs(tmp_path_factory, launch_workdir, single_node_losses) -> dict:
                                                stderr=subprocess.STDOUT, text=True)
         results = {}
         try:
+            first_line = {SIGNALLED: running[SIGNALLED].stdout.readline()}  # "Submitted batch job N"
+            _signal_when_training(first_line[SIGNALLED], launch_workdir, cluster.env)
             for job_id, proc in running.items():
-                out = proc.communicate(timeout=240)[0]
+                out = first_line.get(job_id, "") + proc.communicate(timeout=240)[0]
                 number = re.search(r"Submitted batch job (\d+)", out)
                 assert number, f"sbatch ({job_id}): {out}\n{cluster.logs()[-3000:]}"
                 log = launch_workdir / f"slurm-megatron_pack-{number.group(1)}.out"  # the documented place
@@ -74,6 +81,20 @@ def jobs(tmp_path_factory, launch_workdir, single_node_losses) -> dict:
                     proc.kill()
                     proc.wait()
         yield results
+
+
+def _signal_when_training(submitted: str, workdir, env: dict, timeout_s: float = 200) -> None:
+    """``scancel --signal=USR1 <job>`` once its log shows the ranks started (before step 1 ends)."""
+    import time
+
+    number = re.search(r"Submitted batch job (\d+)", submitted)
+    assert number, submitted
+    log = workdir / f"slurm-megatron_pack-{number.group(1)}.out"
+    deadline = time.monotonic() + timeout_s
+    while not (log.is_file() and "parallel layout:" in log.read_text()):
+        assert time.monotonic() < deadline, f"job {number.group(1)} did not start training"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", number.group(1)], env=env, check=True, timeout=30)
 
 
 @pytest.mark.parametrize("job_id,announce", [("1-node-x-2", "1 node(s) x 2 process(es)"),
@@ -92,6 +113,22 @@ def test_sbatch_trains_like_single_node(job_id, announce, jobs, launch_workdir, 
 @pytest.mark.parametrize("sbatch_args", [CPU_1_NODE_X_2, CPU_2_NODES_X_1], ids=["1-node-x-2", "2-nodes-x-1"])
 def test_docs_show_the_tested_commands(sbatch_args):
     command = " ".join(["sbatch --wait", *sbatch_args, "launch/slurm.sbatch experiment=quickstart"])
+    assert command in (REPO / "docs" / "launch.md").read_text()
+
+
+def test_usr1_saves_and_ends_the_job_with_exit_0(jobs, launch_workdir):
+    """``sbatch --signal=USR1@120`` as docs/launch.md shows it; ``scancel --signal=USR1`` plays the warning."""
+    status, log, _ = jobs[SIGNALLED]
+    assert status == 0, log[-4000:]
+    stopped = re.search(r"0: megatron-pack train: stopped by SIGUSR1 after step (\d) of 3: saved checkpoint "
+                        r"slurm_signalled/checkpoints/step_0000000(\d);", log)
+    assert stopped and stopped.group(1) == stopped.group(2), log[-4000:]
+    assert (launch_workdir / "slurm_signalled" / "checkpoints" / "latest").read_text() == f"step_0000000{stopped.group(1)}"
+    assert "Traceback" not in log and "CANCELLED" not in log, log[-4000:]
+
+
+def test_docs_show_the_signal_command():
+    command = " ".join(["sbatch --signal=USR1@120 --wait", *CPU_1_NODE_X_2, "launch/slurm.sbatch experiment=quickstart"])
     assert command in (REPO / "docs" / "launch.md").read_text()
 
 

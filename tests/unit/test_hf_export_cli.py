@@ -79,6 +79,7 @@ MISTAKES = [  # (id, argv (formatted with the folder and tmp), fragments of the 
 @pytest.mark.parametrize("argv,fragments", [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
 def test_mistakes_are_one_line(qwen2, tmp_path, capsys, argv, fragments):
     from megatron_pack.cli.export import main
+    from megatron_pack.training.checkpoint_files import digest, write_manifest
 
     (tmp_path / "ck" / "step_00000001").mkdir(parents=True)
     (tmp_path / "ck" / "step_00000001" / "meta.json").write_text('{"step": 1}')
@@ -92,6 +93,8 @@ def test_mistakes_are_one_line(qwen2, tmp_path, capsys, argv, fragments):
     (tmp_path / "lora" / "hf_source" / "config.json").write_text((qwen2 / "config.json").read_text())
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "config.json").write_text("{}")
+    for step_dir in (tmp_path / "ck" / "step_00000001", lora):  # complete: a manifest of their files
+        write_manifest(step_dir, {"meta.json": digest(step_dir / "meta.json")})
     assert main([a.format(src=qwen2, tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("megatron-pack export:") and "Traceback" not in err

@@ -1,6 +1,6 @@
 """The launch scripts' own logic, with stand-ins for Python, ``scontrol`` and ``srun``.
 
-A fake interpreter answers the GPU probe ("no GPU"), records the ``--check`` call (with the
+A fake interpreter answers the GPU probe (``gloo``: no GPU), records the ``--check`` call (with the
 world size it was given) and prints the torchrun command it would run; fake ``scontrol`` /
 ``srun`` play a SLURM allocation. Each case is hand-computed: which processes per node, which
 rendezvous host and port, which node rank, which world size the config is checked for, and
@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-if [ "$1" = -c ]; then exit 1; fi                       # torch.cuda.is_available(): no
+if [ "$3" = backend ]; then echo gloo; exit 0; fi        # megatron_pack.cli.launch backend: no GPU
 if [ "$3" = --check ]; then echo "CHECK world=$WORLD_SIZE cwd=$PWD" >&2; exit "${FAKE_CHECK_RC:-0}"; fi
 echo "RUN cwd=$PWD $*"
 """
@@ -81,7 +81,7 @@ def test_sbatch_derives_processes_and_rendezvous(fakes, job_env, nproc, host, po
     srun = next(line for line in proc.stdout.splitlines() if line.startswith("SRUN"))
     assert "--ntasks-per-node=1" in srun and "--kill-on-bad-exit=1" in srun
     run = next(line for line in proc.stdout.splitlines() if line.startswith("RUN"))
-    assert run.startswith(f"RUN cwd={work} -m torch.distributed.run --node-rank 1 --nnodes 2 "
+    assert run.startswith(f"RUN cwd={work} -m megatron_pack.cli.launch torchrun --node-rank 1 --nnodes 2 "
                           f"--nproc-per-node {nproc} --master-addr {host} --master-port {port} "
                           "-m megatron_pack.train parallel.backend=gloo experiment=quickstart"), run
     assert f"2 node(s) x {nproc} process(es), master {host}:{port}" in proc.stdout
@@ -111,7 +111,7 @@ def test_scripts_stay_in_callers_folder_and_check_first(fakes, script, args, wor
     assert proc.returncode == 0, proc.stderr
     work = fakes["work"]
     assert proc.stderr.count("CHECK") == 1 and f"CHECK world={world} cwd={work}" in proc.stderr
-    assert proc.stdout.strip() == (f"RUN cwd={work} -m torch.distributed.run {torchrun} -m megatron_pack.train "
+    assert proc.stdout.strip() == (f"RUN cwd={work} -m megatron_pack.cli.launch torchrun {torchrun} -m megatron_pack.train "
                                    "parallel.backend=gloo experiment=quickstart")
 
 

@@ -3,7 +3,7 @@
 trainer's format) resumes at any layout on CPU; an older per-TP-rank one, or a GPU run's
 optimizer state, only at the layout that wrote it.
 
-Checkpoints here are only their ``meta.json`` (all the check reads); a real one written by a
+Checkpoints here are only their ``meta.json`` and manifest (all the check reads); a real one written by a
 CP=2 run and refused at CP=1 is in tests/functional/test_launch.py.
 """
 
@@ -18,16 +18,19 @@ from hypothesis import strategies as st
 
 from megatron_pack.config import load_config
 from megatron_pack.config.schema import ConfigError
+from megatron_pack.training.checkpoint_files import digest, write_manifest
 from megatron_pack.training.loop import check_resume
 
 
-def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3, fmt: str | None = None) -> Path:
-    """Without ``fmt``: the older per-TP-rank format (does not reshard)."""
+def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3, fmt: str | None = None,
+                      **recorded) -> Path:
+    """Without ``fmt``: the older per-TP-rank format (does not reshard); ``recorded``: more meta.json keys."""
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True, exist_ok=True)
     meta = {"step": step, "world_size": world, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
-            "data_parallel_size": world // (tp * cp), **({"format": fmt} if fmt else {})}
+            "data_parallel_size": world // (tp * cp), **({"format": fmt} if fmt else {}), **recorded}
     (path / "meta.json").write_text(json.dumps(meta))
+    write_manifest(path, {"meta.json": digest(path / "meta.json")})  # complete: its manifest is written last
     (root / "latest").write_text(path.name)
     return path
 
@@ -160,9 +163,7 @@ PEFT_CASES = [
 
 @pytest.mark.parametrize("recorded,overrides,fragments", [c[1:] for c in PEFT_CASES], ids=[c[0] for c in PEFT_CASES])
 def test_check_resume_peft(tmp_path, recorded, overrides, fragments):
-    written = _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2)
-    meta = json.loads((written / "meta.json").read_text())
-    (written / "meta.json").write_text(json.dumps({**meta, "peft": recorded}))
+    written = _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2, peft=recorded)
     cfg = _cfg(tmp_path, 1, 2, *overrides)
     if fragments is None:
         assert check_resume(cfg, 2) == written
@@ -190,10 +191,9 @@ def test_online_resume_needs_the_same_dp_size_and_workers(tmp_path, monkeypatch,
     from megatron_pack.training.checkpoint import SHARDED_FORMAT
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    written = _write_checkpoint(tmp_path / "run" / "checkpoints", saved[0], 1, 1, fmt=SHARDED_FORMAT)
-    meta = json.loads((written / "meta.json").read_text())
     loader = {"kind": "online", "version": 2, "dp_size": saved[0], "num_workers": saved[1]}
-    (written / "meta.json").write_text(json.dumps({**meta, "train_state": {"loader": loader}}))
+    written = _write_checkpoint(tmp_path / "run" / "checkpoints", saved[0], 1, 1, fmt=SHARDED_FORMAT,
+                                train_state={"loader": loader})
     cfg = _cfg(tmp_path, 1, 1, "packing.mode=online", f"data.num_workers={run[1]}")
     if fragments is None:
         assert check_resume(cfg, run[0]) == written

@@ -259,7 +259,7 @@ def test_config_paths_are_never_executed(tmp_path, template, capsys):
         code = prepare_main(argv)
         err = capsys.readouterr().err
         assert code == 2, err
-        assert ("matches no .jsonl" in err or "is neither 'byte' nor a local directory" in err
+        assert ("matches no .jsonl" in err or "data.tokenizer (" in err
                 or "config problem" in err), err
     assert not marker.exists()
     assert not (tmp_path / "ds").exists()
@@ -271,11 +271,16 @@ def test_verify_refuses_a_poisoned_checkpoint(tmp_path):
 
     from megatron_pack.cli.verify import load_model_weights
     from megatron_pack.training.checkpoint import save_checkpoint
+    from megatron_pack.training.checkpoint_files import DamagedCheckpoint, digest, write_manifest
 
     path = save_checkpoint(tmp_path / "ckpt", 1, model_state={"w": torch.zeros(2)}, optim_state={},
                            rank_state={"step": 1}, meta={"tensor_model_parallel_size": 1})
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(DamagedCheckpoint, match=r"\.metadata has [0-9,]+ bytes, its manifest records"):  # the manifest first
+        load_model_weights(torch.nn.Linear(2, 2), path)
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    write_manifest(path, {**files, ".metadata": digest(path / ".metadata")})  # the manifest forged too
     with pytest.raises(pickle.UnpicklingError, match="not allowed"):
         load_model_weights(torch.nn.Linear(2, 2), path)
     assert not marker.exists()

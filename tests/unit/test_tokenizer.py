@@ -58,7 +58,7 @@ def test_byte_roundtrip_and_identity():
 
 
 def test_build_tokenizer_rejects_unknown_name(tmp_path):
-    with pytest.raises(ValueError, match="neither 'byte' nor a local directory"):
+    with pytest.raises(ValueError, match=r"data.tokenizer \(.*nope\) does not exist .*, or set data.tokenizer=byte"):
         build_tokenizer(str(tmp_path / "nope"))
 
 

@@ -29,7 +29,6 @@ from megatron_pack.config.layout import effective_pack_multiple, effective_pad_m
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.in_batch import collate_in_batch
-from megatron_pack.data.batches.micro_batches import MicroBatchDataset
 from megatron_pack.data.batches.online import Gather, OnlineLoader, OnlineSource, online_packing_record, single_rank
 from megatron_pack.data.batches.online_feed import PackFeed, PackMaker
 from megatron_pack.data.batches.sampler import PackLoader, PackSampler, build_pack_loader
@@ -37,24 +36,9 @@ from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule, 
 from megatron_pack.data.batches.thd import make_collate_fn
 from megatron_pack.data.formats.sources import DataError
 
+from megatron_pack.data.batches.opening import open_dataset, open_validation  # noqa: F401  (their path before opening.py)
+
 log = logging.getLogger("megatron_pack.train")
-
-
-def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True
-                 ) -> PackedSFTDataset | MicroBatchDataset | OnlineSource:
-    """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command);
-    with ``packing.mode=online`` the ``OnlineSource`` its packs are made from; with
-    ``packing.in_batch`` the token store as micro-batches of ``train.micro_batch_size`` samples.
-
-    ``plan_dir`` is the plan ``megatron_pack.data.store.recorded.choose_plan`` picked (default: the
-    one named by ``cfg.packing``); ``check_tokenizer=False`` when ``data.tokenizer`` was read from
-    the dataset itself (``megatron_pack.cli.run_config``).
-    """
-    if cfg.packing.mode == "online":
-        return OnlineSource(cfg)
-    if cfg.packing.in_batch:
-        return MicroBatchDataset.from_config(cfg, check_tokenizer=check_tokenizer)
-    return PackedSFTDataset.from_config(cfg, plan_dir=plan_dir, check_tokenizer=check_tokenizer)
 
 
 def collate_from_config(cfg: Config, metadata: Mapping[str, Any]) -> Callable[[Sequence[Mapping[str, Any]]], dict]:

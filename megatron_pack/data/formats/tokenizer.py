@@ -368,9 +368,13 @@ def build_tokenizer(name_or_path: str, chat_template: str | None = None):
                              "data.tokenizer=byte renders chats with its own role tokens; unset data.chat_template "
                              "or set data.tokenizer=/path/to/hf_tokenizer_dir.")
         return ByteTokenizer()
-    if not Path(name_or_path).is_dir():
-        raise ValueError(f"data.tokenizer ({name_or_path!r}) is neither 'byte' nor a local directory; "
-                         "set data.tokenizer=byte or data.tokenizer=/path/to/hf_tokenizer_dir (no downloads).")
+    from megatron_pack.data.formats.tokenizer_files import tokenizer_folder_problem
+
+    problem = tokenizer_folder_problem(name_or_path)  # one line, before transformers sees the folder
+    if problem:
+        from megatron_pack.data.formats.sources import DataError
+
+        raise DataError(problem)
     key = _cache_key(name_or_path, chat_template)
     if key not in _BUILT:
         _BUILT[key] = HFTokenizer(name_or_path, chat_template)

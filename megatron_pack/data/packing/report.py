@@ -155,10 +155,9 @@ class ReportPainter:
 
 
 def _paint_loop(conn) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401 (the import is the point: done before the numbers arrive)
+    # the imports are the point: done before the numbers arrive (the figure's, never pyplot's)
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
 
     while True:
         try:
@@ -175,13 +174,17 @@ def _paint_loop(conn) -> None:
 
 
 def report_figure(n: dict):
-    """The four-panel matplotlib figure of ``report.png`` (returned, for tests and notebooks)."""
-    import matplotlib
+    """The four-panel matplotlib figure of ``report.png`` (returned, for tests and notebooks).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    A ``matplotlib.figure.Figure`` drawn on the non-interactive Agg canvas: no ``pyplot`` (its import
+    and its global backend choice are not needed to write a PNG, and a notebook's backend is left
+    alone), and matplotlib is imported only here, when a report is written."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig = Figure(figsize=(11, 7))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
     _plot_lengths(axes[0, 0], n)
     f = n["pack_fill_histogram"]
     axes[0, 1].stairs(f["counts"], f["edges"], fill=True)
@@ -227,10 +230,7 @@ def _plot_lengths(ax, n: dict) -> None:
 
 
 def _plot(n: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     fig = report_figure(n)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=80)
-    plt.close(fig)
     tmp.replace(path)

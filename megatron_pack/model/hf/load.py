@@ -22,10 +22,9 @@ import torch
 from torch import Tensor
 
 from megatron_pack.config.hf_config import read_hf_config
+from megatron_pack.model.hf.folder_check import INDEX, SINGLE
 from megatron_pack.model.hf.mapping import IGNORED_HF, TE_ALIASES, Dims, load_shard_into, rules_for, shard_shape
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -56,10 +55,9 @@ class SafetensorsFolder:
         if (self.root / SINGLE).is_file():
             with safe_open(self.root / SINGLE, framework="pt") as f:
                 return {name: SINGLE for name in f.keys()}
-        pickles = sorted(p.name for p in self.root.glob("pytorch_model*.bin"))
-        hint = (f" It holds {pickles[0]} (a pickle, never loaded here): convert it once with transformers "
-                "(AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)).") if pickles else ""
-        raise FileNotFoundError(f"model.pretrained ({self.root}) has no {SINGLE} or {INDEX}.{hint}")
+        from megatron_pack.model.hf.folder_check import pickle_only_message
+
+        raise FileNotFoundError(pickle_only_message(self.root, f"model.pretrained ({self.root})"))
 
     @contextlib.contextmanager
     def _slice(self, name: str):

@@ -26,59 +26,15 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
+from megatron_pack.model.hf.rules import (FAMILY_RULES, IGNORED_HF, LLAMA, QK_NORM, QKV_BIAS, TE_ALIASES,  # noqa: F401
+                                        Rule, rules_for)
+
 class Reader(Protocol):
     """Reads Hugging Face tensors, or slices of them, from disk."""
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
     def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> Tensor: ...
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One megatron-core parameter and the Hugging Face tensor(s) it maps to."""
-
-    mcore: str
-    """megatron-core name; ``{i}`` is the layer index."""
-    hf: tuple[str, ...]
-    """Hugging Face name(s), in the order the transform joins them."""
-    kind: str
-    """'replicated', 'row', 'vocab', 'qkv' or 'gate_up'."""
-
-    def names(self, layer: Optional[int]) -> tuple[str, tuple[str, ...]]:
-        fill = (lambda s: s.format(i=layer)) if layer is not None else (lambda s: s)
-        return fill(self.mcore), tuple(fill(h) for h in self.hf)
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.mcore
-
-
-_L, _A, _M = "decoder.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}."
-LLAMA = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    Rule(_L + "input_layernorm.weight", (_M + "input_layernorm.weight",), "replicated"),
-    Rule(_L + "self_attention.linear_qkv.weight", (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"),
-         "qkv"),
-    Rule(_L + "self_attention.linear_proj.weight", (_A + "o_proj.weight",), "row"),
-    Rule(_L + "pre_mlp_layernorm.weight", (_M + "post_attention_layernorm.weight",), "replicated"),
-    Rule(_L + "mlp.linear_fc1.weight", (_M + "mlp.gate_proj.weight", _M + "mlp.up_proj.weight"), "gate_up"),
-    Rule(_L + "mlp.linear_fc2.weight", (_M + "mlp.down_proj.weight",), "row"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
-    Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
-)
-QKV_BIAS = (Rule(_L + "self_attention.linear_qkv.bias", (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"),
-                 "qkv"),)
-QK_NORM = (Rule(_L + "self_attention.q_layernorm.weight", (_A + "q_norm.weight",), "replicated"),
-           Rule(_L + "self_attention.k_layernorm.weight", (_A + "k_norm.weight",), "replicated"))
-FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
-    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA + QKV_BIAS, "qwen3": LLAMA + QK_NORM,
-}
-TE_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-"""local-spec suffix -> Transformer Engine spec suffix of the same tensor."""
-IGNORED_HF = ("rotary_emb.inv_freq",)
-"""HF tensors that are buffers recomputed from config.json (older checkpoints store them)."""
 
 
 @dataclass(frozen=True)
@@ -102,26 +58,6 @@ class Dims:
         return cls(num_heads=heads, num_groups=model.num_query_groups or heads,
                    head_dim=model.kv_channels or model.hidden_size // heads, ffn=model.ffn_hidden_size,
                    vocab=model.vocab_size, tp=tp)
-
-
-def rules_for(model_type: str, *, tied: bool, num_layers: int) -> list[tuple[Rule, str, tuple[str, ...]]]:
-    """Every (rule, megatron name, HF names) of a model, in layer order; no output layer when tied."""
-    out = []
-    for rule in FAMILY_RULES[model_type]:
-        if tied and rule.mcore == "output_layer.weight":
-            continue
-        for layer in (range(num_layers) if rule.per_layer else [None]):
-            mcore, hf = rule.names(layer)
-            out.append((rule, mcore, hf))
-    return sorted(out, key=lambda item: _order(item[1]))
-
-
-def _order(name: str) -> tuple:
-    if name.startswith("embedding"):
-        return (0,)
-    if name.startswith("decoder.layers."):
-        return (1, int(name.split(".")[2]))
-    return (2, name)
 
 
 def _rows(rank: int, per_rank: int) -> slice:

@@ -17,26 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_pack.config.hf_config import derive_model_keys
-from megatron_pack.model.hf.mapping import rules_for
-
-
-def hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for a supported config.json, in table order."""
-    m = derive_model_keys(hf)
-    h, d, f, v = m["hidden_size"], m["kv_channels"], m["ffn_hidden_size"], m["vocab_size"]
-    q, kv = m["num_attention_heads"] * d, m["num_query_groups"] * d
-    by_suffix = {"embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "q_proj.weight": (q, h),
-                 "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "q_proj.bias": (q,), "k_proj.bias": (kv,),
-                 "v_proj.bias": (kv,), "o_proj.weight": (h, q), "gate_proj.weight": (f, h), "up_proj.weight": (f, h),
-                 "down_proj.weight": (h, f), "q_norm.weight": (d,), "k_norm.weight": (d,), "layernorm.weight": (h,),
-                 "norm.weight": (h,)}
-    shapes = {}
-    tied = not m["untie_embeddings_and_output_weights"]
-    for _, _, names in rules_for(hf["model_type"], tied=tied, num_layers=m["num_layers"]):
-        for name in names:
-            shapes[name] = next(shape for suffix, shape in by_suffix.items() if name.endswith(suffix))
-    return shapes
+from megatron_pack.model.hf.rules import hf_shapes
 
 
 def write_random_folder(out: str | Path, hf: dict, *, dtype: torch.dtype = torch.float32,

@@ -1,19 +1,16 @@
 """Parameter-efficient fine-tuning: LoRA on megatron-core's parallel linears (``peft=lora``), and
-its export in the peft format or merged into the base (docs/peft.md)."""
+its export in the peft format or merged into the base (docs/peft.md).
 
-from megatron_pack.model.peft.lora import LoRAAdapter, adapter_state, apply_lora, count_parameters
+``peft_meta`` needs no torch; the LoRA names import ``lora`` (torch, megatron-core) when first used."""
+
+from megatron_pack.model.peft.meta import peft_meta
 
 __all__ = ["LoRAAdapter", "adapter_state", "apply_lora", "count_parameters", "peft_meta"]
 
 
-def peft_meta(cfg) -> dict | None:
-    """What a checkpoint records about ``cfg.peft`` (None for full fine-tuning): the adapter settings
-    and the absolute path of the base model, so export and resume need nothing else."""
-    from pathlib import Path
+def __getattr__(name: str):
+    if name in ("LoRAAdapter", "adapter_state", "apply_lora", "count_parameters"):
+        import importlib
 
-    p = cfg.peft
-    if p.method == "none":
-        return None
-    base = str(Path(cfg.model.pretrained).resolve()) if cfg.model.pretrained else None
-    return {"method": p.method, "dim": p.dim, "alpha": p.alpha, "dropout": p.dropout,
-            "target_modules": list(p.target_modules), "base_model": base}
+        return getattr(importlib.import_module(f"{__name__}.lora"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,211 @@
+"""Which checkpoint a run starts from, and whether it may: checked before launch (torch-free).
+
+``train --check`` (the launch scripts) and every rank before its process group call
+:func:`check_resume`; the trainer calls :func:`resume_choice` again with the checksums verified
+over its ranks (``checkpoint.collective_verify``). The choice, for ``checkpoint.save`` S and
+``checkpoint.load`` L:
+
+| settings                               | starts from                                                   |
+|----------------------------------------|---------------------------------------------------------------|
+| neither holds a checkpoint             | a fresh run                                                   |
+| S holds one                            | S's newest intact checkpoint, in full (a damaged newer one is |
+|                                        | passed over, named in a line)                                 |
+| L set                                  | L's newest intact checkpoint, in full (the same)              |
+| L + ``load_weights_only``              | the weights of L's newest checkpoint (damaged: refused)       |
+| L + ``load_weights_only``, S holds one | S's newest intact checkpoint, in full (the run was restarted) |
+
+Checkpoints are there but none is intact: refused (``ConfigError``), never a silent fresh start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_pack.config.schema import Config, ConfigError
+from megatron_pack.training.checkpoint_files import SHARDED_FORMAT, choose_checkpoint, read_meta, sizes_only
+
+
+def resolve_train_iters(cfg: Config, num_packs: Optional[int], dp_size: int) -> int:
+    """Optimizer steps of the run: ``train.train_iters``, or ``train.num_epochs`` passes over the
+    packs a DP size of ``dp_size`` trains per epoch (``num_packs - num_packs % dp_size``: the
+    sampler's drop_last) in global batches. Example: 103 packs, dp 2, global batch 8, 2 epochs ->
+    2 * 102 // 8 = 25 steps."""
+    t = cfg.train
+    if t.train_iters is not None:
+        return t.train_iters
+    if num_packs is None:
+        raise ValueError("train.num_epochs needs the pack loader (build_loader) to count packs per epoch; "
+                         "set train.train_iters instead with another loader.")
+    per_epoch = num_packs - num_packs % dp_size
+    iters = t.num_epochs * per_epoch // t.global_batch_size
+    if iters < 1:
+        raise ConfigError([f"train.num_epochs ({t.num_epochs}) over {per_epoch} packs per epoch is less than one "
+                           f"global batch (train.global_batch_size={t.global_batch_size}); raise train.num_epochs, "
+                           "lower train.global_batch_size, or prepare more data."])
+    return iters
+
+
+def run_settings(cfg: Config, train_iters: int, plan_fingerprint: Optional[str]) -> dict[str, Any]:
+    """What a resume must not change silently: learning rate and schedule, optimizer, global batch, data."""
+    t = cfg.train
+    return {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.lr_warmup_iters": t.lr_warmup_iters,
+            "train.lr_decay_style": t.lr_decay_style, "train iterations (resolved)": train_iters,
+            "train.weight_decay": t.weight_decay, "train.adam_beta1": t.adam_beta1, "train.adam_beta2": t.adam_beta2,
+            "train.adam_eps": t.adam_eps, "train.clip_grad": t.clip_grad,
+            "train.global_batch_size": t.global_batch_size, "train.seed": t.seed, "data plan": plan_fingerprint}
+
+
+DATA_SETTINGS = ("train.seed", "data plan")
+"""Settings that define the pack order: when they change, the data position starts over."""
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``["train.lr: 0.003 -> 0.001", ...]`` for every setting recorded in ``saved`` that differs."""
+    return [f"{key}: {saved[key]!r} -> {value!r}" for key, value in now.items() if key in saved and saved[key] != value]
+
+
+def check_resume_settings(cfg: Config, path: Path, now: dict[str, Any]) -> list[str]:
+    """Refuse (``ConfigError``) resuming ``path`` with changed settings unless ``checkpoint.allow_changed``;
+    returns the changes (printed by the caller when allowed)."""
+    changes = changed_settings(read_meta(path).get("settings", {}), now)
+    if changes and not cfg.checkpoint.allow_changed:
+        raise ConfigError([f"resuming {path} with changed settings ({'; '.join(changes)}); set "
+                           "checkpoint.allow_changed=true to go on with the new values, restore the old ones, or set "
+                           "checkpoint.load_weights_only=true to start a new run from its weights."])
+    return changes
+
+
+@dataclass
+class ResumeChoice:
+    """The checkpoint a run starts from and how."""
+
+    save: Path
+    """Where the run saves (checkpoint.save, or <train.output_dir>/checkpoints)."""
+    path: Optional[Path] = None
+    """The checkpoint read (None: a fresh start)."""
+    kind: str = "fresh"
+    """'fresh', 'resume' (model, optimizer, schedule, data position) or 'weights' (the model only)."""
+    skipped: list[str] = field(default_factory=list)
+    """One line per newer checkpoint passed over because it is damaged or incomplete."""
+
+
+def save_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.save or Path(cfg.train.output_dir) / "checkpoints")
+
+
+def resume_choice(cfg: Config, verify: Callable[[Path], list[str]] = sizes_only) -> ResumeChoice:
+    """What the run starts from (the module docstring's table); ``verify`` finds a checkpoint's
+    problems (sizes only before launch; sizes and checksums, over the ranks, in the trainer)."""
+    save = save_dir(cfg)
+    own, own_skipped = choose_checkpoint(save, verify)
+    passed = [f"passed over: {line}" for line in own_skipped]
+    load = cfg.checkpoint.load
+    if own is not None and (load is None or cfg.checkpoint.load_weights_only):
+        return ResumeChoice(save, own, "resume", passed)
+    if load is None:
+        if own_skipped:
+            raise ConfigError([f"checkpoint.save ({save}) holds checkpoints but none is intact: {own_skipped[0]}; "
+                               "restore the damaged files, or move the folder away to start fresh (nothing was "
+                               "started)."])
+        return ResumeChoice(save)
+    found, skipped = choose_checkpoint(load, verify)
+    if cfg.checkpoint.load_weights_only and skipped:
+        older = f" ({found.name} there is intact: move the damaged one away to start from it)" if found else ""
+        raise ConfigError([f"checkpoint.load ({load}): {skipped[0]}; checkpoint.load_weights_only starts from the "
+                           f"newest checkpoint and does not pass over a damaged one{older}."])
+    if found is None:
+        why = f": {skipped[0]}" if skipped else " (no 'latest' or step_*/meta.json)"
+        raise ConfigError([f"checkpoint.load ({load}) holds no complete checkpoint{why}; fix the path or unset "
+                           "checkpoint.load."])
+    kind = "weights" if cfg.checkpoint.load_weights_only else "resume"
+    return ResumeChoice(save, found, kind, [f"passed over: {line}" for line in skipped])
+
+
+def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
+    """(where to save, what to resume from or None): ``resume_choice``'s, sizes checked."""
+    choice = resume_choice(cfg)
+    return choice.save, choice.path
+
+
+def _on_gpu(cfg: Config) -> bool:
+    if cfg.train.device in ("cuda", "cpu"):
+        return cfg.train.device == "cuda"
+    import torch  # only asked for a resume at another layout (the check runs without torch otherwise)
+
+    return torch.cuda.is_available()
+
+
+def layout_meta(world_size: int, tp: int, cp: int, dp: int) -> dict:
+    """The parallel layout a checkpoint records in ``meta.json`` and a resume must match."""
+    return {"world_size": world_size, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
+            "data_parallel_size": dp}
+
+
+def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[list[str]] = None) -> Optional[Path]:
+    """The checkpoint this run starts from (None: a fresh start), checked before any process
+    group exists; what the run cannot do raises ``ConfigError`` (printed once by the entry,
+    exit 2) instead of failing on every rank inside ``Trainer.load``:
+
+    - ``checkpoint.load`` holds no checkpoint; a damaged checkpoint where the run may not pass over
+      it (``resume_choice``), whose lines for the ones it passed over are appended to ``notes``;
+    - a full resume at another layout of a checkpoint that cannot reshard: one in the older
+      per-tensor-parallel-rank format, or a GPU run (megatron-core's optimizer state is per rank);
+      a layout-free checkpoint resumes at any layout on CPU;
+    - online packing at another data-parallel size or ``data.num_workers`` (its shards depend on both);
+    - with ``dataset`` (the opened training plan): a full resume with changed lr, schedule,
+      optimizer, global batch, seed or data plan, unless ``checkpoint.allow_changed``.
+
+    A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
+    from megatron_pack.parallel.dims import ParallelDims
+
+    choice = resume_choice(cfg)
+    if notes is not None:
+        notes += choice.skipped
+    resume, kind = choice.path, choice.kind
+    if resume is None:
+        return None
+    saved = read_meta(resume)
+    dims = ParallelDims.from_config(cfg, world_size)
+    mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here"
+                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp).items() if saved.get(k) != v]
+    layout_free = saved.get("format") == SHARDED_FORMAT
+    if mismatch and (not layout_free or (kind == "resume" and _on_gpu(cfg))):
+        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        why = ("it was written in the older per-tensor-parallel-rank format, which does not reshard" if not layout_free
+               else "megatron-core's GPU optimizer state resumes only at the layout that wrote it (the weights reshard;"
+                    " checkpoint.load_weights_only=true starts a new run from them)")
+        raise ConfigError([f"cannot resume from {resume}: it was written with another parallel layout "
+                           f"({'; '.join(mismatch)}) and {why}. Resume it on {saved.get('world_size')} ranks with "
+                           f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
+                           f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
+                           "to another directory to start fresh."])
+    _check_resume_peft(cfg, resume, saved)
+    loader_state = saved.get("train_state", {}).get("loader") or {}
+    if kind == "resume" and cfg.packing.mode == "online" and loader_state.get("kind") == "online":
+        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        from megatron_pack.data.batches.online import online_packing_record, online_resume_problem
+
+        problem = online_resume_problem(loader_state, dp_size=dims.dp, num_workers=cfg.data.num_workers,
+                                        packing=online_packing_record(cfg),
+                                        fresh=f"set {key} to another directory to start fresh")
+        if problem:
+            raise ConfigError([f"cannot resume from {resume}: {problem}"])
+    if dataset is not None and kind == "resume":
+        num_packs = len(dataset) if hasattr(dataset, "__len__") else None  # online packing: no count up front
+        iters = resolve_train_iters(cfg, num_packs, dims.dp)
+        check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
+    return resume
+
+
+def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:
+    """A LoRA checkpoint resumes only as the same LoRA run (adapters only, on the recorded base)."""
+    from megatron_pack.model.peft.meta import peft_meta
+
+    want, have = peft_meta(cfg), saved.get("peft")
+    if want != have:
+        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+        raise ConfigError([f"cannot resume from {resume}: it was written with peft {have!r}, this run has peft "
+                           f"{want!r}; resume with the same peft.* and model.pretrained, or set {key} to another "
+                           "directory to start fresh."])

@@ -1,0 +1,84 @@
+"""Save on a signal: every rank finishes its step, the run saves a checkpoint, every rank exits 0.
+
+With ``checkpoint.save_on_signal=true`` (the default) the signals ``checkpoint.signals`` (SIGTERM,
+SIGUSR1) only record that a stop was asked for. After each step every rank enters one tiny
+all-reduce (MAX over the world, one int64) of the signal it received (0: none), so all ranks
+agree, whichever got the signal: a SLURM preemption signals every process, ``kill`` one rank, a
+launch script the workers of its node. Then all of them save together (unless that step was just
+saved), rank 0 prints ``stopped by SIGTERM after step 7: saved checkpoint ...``, and the run ends
+as a finished one does (exit 0). Running the same command resumes at step 8 with the losses an
+uninterrupted run has (tests/functional/test_signals.py).
+
+The handlers are installed at the start of the worker (``install``; before the config is read,
+for the default signals) and kept to the end: a second signal while saving changes nothing. A
+signal not configured keeps its default action.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Optional
+
+from megatron_pack.config.choices import STOP_SIGNALS
+
+_received: list[int] = []
+_installed: set[int] = set()
+
+
+def _record(signum: int, _frame) -> None:
+    if signum not in _received:
+        _received.append(signum)
+
+
+def install(names: tuple[str, ...] | list[str]) -> None:
+    """Record (instead of act on) the signals ``names``."""
+    for name in names:
+        num = int(getattr(signal, name))
+        signal.signal(num, _record)
+        _installed.add(num)
+
+
+def take_back_ignored(names: str) -> None:
+    """A worker's start (``cli.launch.worker_started``): the comma-separated signals torchrun was told
+    to ignore, and so passed on ignored, are recorded until ``configure`` decides."""
+    install([n for n in names.split(",") if n in STOP_SIGNALS])
+
+
+def configure(save_on_signal: bool, names: list[str]) -> None:
+    """Keep recording ``names`` when ``save_on_signal``; give every other installed signal its default
+    action back (re-raising it if it already arrived, as it would have acted)."""
+    wanted = {int(getattr(signal, n)) for n in names} if save_on_signal else set()
+    install([signal.Signals(n).name for n in wanted])
+    for num in sorted(_installed - wanted):
+        signal.signal(num, signal.default_int_handler if num == signal.SIGINT else signal.SIG_DFL)
+        _installed.discard(num)
+        if num in _received:
+            _received.remove(num)
+            os.kill(os.getpid(), num)
+
+
+def received() -> int:
+    """The first stop signal this process received (0: none)."""
+    return _received[0] if _received else 0
+
+
+class StopRequest:
+    """After each step: did any rank receive a stop signal? The same answer on every rank."""
+
+    def __init__(self, enabled: bool, device):
+        self.enabled = enabled
+        self.device = device
+
+    def agreed(self) -> Optional[str]:
+        """The stop signal's name when any rank received one, else None (collective over the world)."""
+        if not self.enabled:
+            return None
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([received()], dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        value = int(flag.item())
+        return signal.Signals(value).name if value else None

@@ -1,0 +1,90 @@
+"""The no-op ``prepare``: proved from hashed inputs, answered without building a tokenizer.
+
+Through ``megatron-pack prepare`` (in-process) on a small JSONL: the second identical run never
+builds a tokenizer (``build_tokenizer`` is made to fail) and prints the same summary; a changed
+input file, config key, tokenizer file or output, each runs the full ``prepare`` again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from megatron_pack.cli.prepare import main as prepare_main
+
+ARGS = ["input=t.jsonl", "tokenizer=byte", "output=ds", "packing.packed_sequence_size=128", "data.tokenize_workers=1"]
+
+
+def _write_input(root: Path, n: int = 30) -> None:
+    (root / "t.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) + "\n"
+                                          for i in range(n)))
+
+
+@pytest.fixture()
+def prepared(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _write_input(tmp_path)
+    assert prepare_main(ARGS) == 0
+    return tmp_path, capsys.readouterr().out
+
+
+def _built_tokenizer(monkeypatch) -> list:
+    import megatron_pack.data.formats.tokenizer as tokenizer
+
+    calls: list = []
+    real = tokenizer.build_tokenizer
+    monkeypatch.setattr(tokenizer, "build_tokenizer", lambda *a, **k: calls.append(a) or real(*a, **k))
+    import megatron_pack.data.prepare as prepare
+
+    monkeypatch.setattr(prepare, "build_tokenizer", tokenizer.build_tokenizer)
+    return calls
+
+
+def test_second_identical_run_builds_no_tokenizer(prepared, monkeypatch, capsys, caplog):
+    root, first = prepared
+    caplog.set_level(logging.INFO)
+    calls = _built_tokenizer(monkeypatch)
+    assert prepare_main(ARGS) == 0
+    out = capsys.readouterr().out
+    assert calls == [] and "nothing changed since the prepare that wrote" in caplog.text
+    assert out == first  # the same summary
+    assert len(list((root / "ds" / ".prepare_records").glob("*.json"))) == 1
+
+
+CHANGES = [  # (id, what changes before the second run)
+    ("input-file", lambda root, args: _write_input(root, 31) or args),
+    ("config-key", lambda root, args: args + ["packing.seed=1"]),
+    ("output-removed", lambda root, args: next((root / "ds" / "plans").glob("*/report.png")).unlink() or args),
+]
+
+
+@pytest.mark.parametrize("change", [c[1] for c in CHANGES], ids=[c[0] for c in CHANGES])
+def test_any_change_runs_the_full_prepare(prepared, monkeypatch, caplog, change):
+    root, _ = prepared
+    caplog.set_level(logging.INFO)
+    args = change(root, list(ARGS))
+    calls = _built_tokenizer(monkeypatch)
+    assert prepare_main(args) == 0
+    assert calls and "nothing changed" not in caplog.text
+    assert next((root / "ds" / "plans").glob("*/report.png")).is_file()
+
+
+def test_tokenizer_files_are_hashed_weights_are_not(tmp_path):
+    from megatron_pack.config import load_config
+    from megatron_pack.data.prepare_record import _tokenizer_files, inputs_key
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    cfg = load_config(["data=files", f"data.input={tmp_path / 'x.jsonl'}", f"data.tokenizer={folder}"])
+    assert [f.name for f in _tokenizer_files(cfg)] == ["tokenizer.json"]
+    (tmp_path / "x.jsonl").write_text("{}\n")
+    before = inputs_key(cfg)
+    (folder / "model.safetensors").write_bytes(b"other weights")
+    assert inputs_key(cfg) == before
+    (folder / "tokenizer.json").write_text('{"changed": 1}')
+    assert inputs_key(cfg) != before
