@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_pack.config.choices import PACKING_MODES
 from megatron_pack.config.hf_config import apply_pretrained
 from megatron_pack.config.schema import GROUPS, Config, ConfigError
 from megatron_pack.config.search_path import (CONFIG_DIR_ENV, PRESETS_DIR, experiment_files, presets,  # noqa: F401
@@ -92,6 +93,22 @@ SYNONYMS = {
 """Names users bring from TRL / NeMo / Megatron-LM / torchtune (or prepare's shorthands), by the leaf
 of the key they typed; the first suggestion tried."""
 
+RETIRED_KEYS = {"packing.in_batch": ("packing.mode", {True: "in_batch", False: "offline", None: "in_batch"})}
+"""Keys of earlier releases -> the key that replaced them and its value for each old value (None: unknown)."""
+
+
+def retired_key(key: str, value: Any = None) -> Optional[str]:
+    """How to write a retired ``key`` (set to ``value``) now, or None when ``key`` is not retired.
+
+    >>> retired_key("packing.in_batch", True)
+    'packing.in_batch was replaced by packing.mode (offline | online | in_batch), the one packing switch; write packing.mode=in_batch.'
+    """
+    if key not in RETIRED_KEYS:
+        return None
+    new, values = RETIRED_KEYS[key]
+    spelled = values.get(value if isinstance(value, bool) else None, values[None])
+    return f"{key} was replaced by {new} ({' | '.join(PACKING_MODES)}), the one packing switch; write {new}={spelled}."
+
 
 def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
     """The key a mistyped ``key`` most likely meant, or None.
@@ -123,6 +140,8 @@ def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
 
 def _unknown_key(text: str, key: str, keys: list[str], groups: Optional[list[str]] = None) -> str:
     """The message for an override or YAML key that names no field (never raises, whatever ``key`` is)."""
+    if retired_key(key):
+        return f"{text}: {retired_key(key)}"
     groups = sorted(set(groups or []) | set(GROUPS))
     dotted = [k for k in keys if "." in k]
     best = suggest_key(key, dotted, groups)
@@ -179,6 +198,8 @@ def _check_override(text: str, override: Any, options: dict[str, list[str]], key
                     f"e.g. {key}.{first}=<value>.")
         return _unknown_key(text, key, keys, list(options))
     group, name = key.split(".")[:2]
+    if retired_key(key) and not override.is_delete():
+        return f"{text}: {retired_key(key, override.value())}"
     if f"{group}.{name}" not in keys:
         return _unknown_key(text, f"{group}.{name}", keys)
     if key == f"{group}.{name}" and not override.is_delete():

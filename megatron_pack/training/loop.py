@@ -4,7 +4,7 @@ One optimizer step on every rank:
 
 1. ``ddp.zero_grad_buffer()``;
 2. ``num_microbatches = train.global_batch_size / (dp * micro_batch_size)`` forward/backward passes,
-   each on one THD row: an offline pack (micro_batch_size 1) or, with ``packing.in_batch``,
+   each on one THD row: an offline or online pack (micro_batch_size 1) or, with ``packing.mode=in_batch``,
    micro_batch_size samples packed at collate (or as many as the loader's ``begin_step()`` plans:
    a token budget, a balanced deal, online packs) (``forward_step``: next row, this CP rank's slice,
    ``PackedSeqParams``), backward on the
@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,8 @@ from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
-from megatron_pack.data.batches.sampler import PackLoader
 from megatron_pack.data.batches.online import online_packing_record, online_resume_problem, single_rank
+from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
@@ -50,17 +50,6 @@ from megatron_pack.training.optim import LRSchedule, build_optimizer
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
 """logging.log_sample_ids lines; INFO on every rank (each DP rank reads other packs), see cli/train.py."""
-
-
-class ResumableLoader(Protocol):
-    """What the loop needs of a loader (``PackLoader``, or a test's list of batches): THD batches
-    in order, and a state that resumes at the next one."""
-
-    def __iter__(self) -> Iterator[dict]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclass
@@ -159,23 +148,23 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
         pg_collection=state.pg_collection)
 
 
-def resolve_train_iters(cfg: Config, num_packs: Optional[int], dp_size: int) -> int:
-    """Optimizer steps of the run: ``train.train_iters``, or ``train.num_epochs`` passes over the
-    packs a DP size of ``dp_size`` trains per epoch (``num_packs - num_packs % dp_size``: the
-    sampler's drop_last) in global batches. Example: 103 packs, dp 2, global batch 8, 2 epochs ->
-    2 * 102 // 8 = 25 steps."""
+def resolve_train_iters(cfg: Config, steps) -> int:
+    """Optimizer steps of the run: ``train.train_iters``, or the steps ``train.num_epochs`` epochs take
+    (``steps``: a ``protocol.BatchLoader`` or the ``steps.StepPlanner`` of ``loader.step_planner``, whose
+    ``num_steps`` counts them: 103 packs, dp 2, global batch 8, 2 epochs -> 2 * 102 // 8 = 25 steps)."""
     t = cfg.train
     if t.train_iters is not None:
         return t.train_iters
-    if num_packs is None:
-        raise ValueError("train.num_epochs needs the pack loader (build_loader) to count packs per epoch; "
-                         "set train.train_iters instead with another loader.")
-    per_epoch = num_packs - num_packs % dp_size
-    iters = t.num_epochs * per_epoch // t.global_batch_size
+    iters = steps.num_steps(t.num_epochs)
+    if iters is None:  # validate() refuses train.num_epochs with packing.mode=online
+        raise ConfigError([f"train.num_epochs ({t.num_epochs}) needs the steps of an epoch counted up front, which "
+                           "this loader does not do; set train.train_iters instead."])
     if iters < 1:
-        raise ConfigError([f"train.num_epochs ({t.num_epochs}) over {per_epoch} packs per epoch is less than one "
-                           f"global batch (train.global_batch_size={t.global_batch_size}); raise train.num_epochs, "
-                           "lower train.global_batch_size, or prepare more data."])
+        batch = (f"train.global_batch_tokens={t.global_batch_tokens}" if t.global_batch_tokens is not None
+                 else f"train.global_batch_size={t.global_batch_size}")
+        raise ConfigError([f"train.num_epochs ({t.num_epochs}) over {steps.packs_per_epoch} packs per epoch is less "
+                           f"than one global batch ({batch}); raise train.num_epochs, lower "
+                           f"{batch.split('=')[0]}, or prepare more data."])
     return iters
 
 
@@ -218,11 +207,11 @@ class Trainer:
     model: torch.nn.Module
     optimizer: Any
     schedule: LRSchedule
-    loader: ResumableLoader
+    loader: BatchLoader
     forward_step_func: Callable
     train_iters: int = 0
     """Optimizer steps of the run (train.train_iters, or derived from train.num_epochs)."""
-    validation: Any = None
+    validation: Optional[BatchLoader] = None
     """This DP rank's validation loader (``eval.ValidationLoader``) or None."""
     plan_fingerprint: Optional[str] = None
     step: int = 0
@@ -231,8 +220,8 @@ class Trainer:
     """Sample ids of every pack this rank consumed, per step (in this process)."""
     history: list[StepMetrics] = field(default_factory=list)
     """Metrics of every step run in this process."""
-    step_info: Optional[Any] = None
-    """The loader's plan of the current step (``begin_step()``), when it plans steps."""
+    step_info: StepInfo = field(default_factory=StepInfo)
+    """The loader's plan of the current step (``begin_step()``)."""
     num_buckets: int = 0
     """Length buckets of the dataset (packing.buckets; 0: no per-bucket metrics)."""
     source_names: list[str] = field(default_factory=list)
@@ -261,9 +250,8 @@ class Trainer:
         token-weighted mean loss of the global batch. Returns the global counts and this rank's packs."""
         if self.data_iterator is None:
             self.data_iterator = RecordingIterator(self.loader)
-        begin_step = getattr(self.loader, "begin_step", None)  # planned steps (steps.py, online.py)
-        self.step_info = begin_step() if begin_step is not None else None
-        num_microbatches = self.step_info.num_microbatches if self.step_info else self.num_microbatches
+        self.step_info = self.loader.begin_step()
+        num_microbatches = self.step_info.num_microbatches or self.num_microbatches
         self.model.zero_grad_buffer()
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model=self.model, num_microbatches=num_microbatches, state=self.state,
@@ -308,20 +296,16 @@ class Trainer:
                               consumed_target_tokens=self.consumed_target_tokens,
                               elapsed_s=self.elapsed_before_s + now - self._start,
                               eta_s=(now - self._start) / done * max(0, self.train_iters - self.step),
-                              imbalance_before=getattr(self.step_info, "imbalance_before", None),
-                              imbalance_after=getattr(self.step_info, "imbalance_after", None),
+                              imbalance_before=self.step_info.imbalance_before,
+                              imbalance_after=self.step_info.imbalance_after,
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
                               source_target_share=source_share)
         self.history.append(metrics)
         return metrics
 
-    def epoch(self) -> Optional[float]:
-        """Epochs completed, fractional (from the pack sampler's position); None without a sampler."""
-        sampler = getattr(self.loader, "sampler", None)
-        if sampler is None or not hasattr(sampler, "num_packs_per_epoch"):
-            return None
-        per_epoch = sampler.num_packs_per_epoch * sampler.dp_size
-        return sampler.epoch + (sampler.consumed / per_epoch if per_epoch else 0.0)
+    def epoch(self) -> float:
+        """Epochs completed, fractional (the loader's position)."""
+        return self.loader.epoch
 
     def evaluate(self):
         """Validation loss over the validation packs (``eval.evaluate``); None without a validation set."""
@@ -330,8 +314,8 @@ class Trainer:
         from megatron_pack.training.eval import evaluate
 
         result = evaluate(self.model, self.validation, forward_step_func=self.forward_step_func,
-                          group=self.state.dp_cp_group, num_packs=self.validation.num_packs,
-                          source_names=getattr(self.validation, "source_names", []))
+                          group=self.state.dp_cp_group, num_packs=self.validation.packs_per_epoch,
+                          source_names=self.validation.info.source_names)
         self.val_history.append([self.step, result.loss])
         return result
 
@@ -512,12 +496,15 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
       per-tensor-parallel-rank format, or a GPU run (megatron-core's optimizer state is per rank);
       a layout-free checkpoint resumes at any layout on CPU;
     - online packing at another data-parallel size or ``data.num_workers`` (its shards depend on both);
-    - with ``dataset`` (the opened training plan): a full resume with changed lr, schedule,
-      optimizer, global batch, seed or data plan, unless ``checkpoint.allow_changed``.
+    - with ``dataset`` (the opened training plan): ``train.num_epochs`` that gives less than one
+      step (``planned_train_iters``), and a full resume with changed lr, schedule, optimizer,
+      global batch, seed or data plan, unless ``checkpoint.allow_changed``.
 
     A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
     from megatron_pack.parallel.dims import ParallelDims
 
+    dims = ParallelDims.from_config(cfg, world_size)
+    iters = planned_train_iters(cfg, dataset, dims.dp) if dataset is not None else None
     try:
         resume, kind = _resume_kind(cfg)
     except FileNotFoundError as exc:
@@ -525,7 +512,6 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
     if resume is None:
         return None
     saved = ckpt.read_meta(resume)
-    dims = ParallelDims.from_config(cfg, world_size)
     mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here"
                 for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp).items() if saved.get(k) != v]
     layout_free = saved.get("format") == ckpt.SHARDED_FORMAT
@@ -550,10 +536,17 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
         if problem:
             raise ConfigError([f"cannot resume from {resume}: {problem}"])
     if dataset is not None and kind == "resume":
-        num_packs = len(dataset) if hasattr(dataset, "__len__") else None  # online packing: no count up front
-        iters = resolve_train_iters(cfg, num_packs, dims.dp)
         check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
     return resume
+
+
+def planned_train_iters(cfg: Config, dataset, dp_size: int) -> int:
+    """The run's steps (``resolve_train_iters``) for the opened ``dataset`` at ``dp_size`` DP ranks,
+    counted before any process group starts, so ``train.num_epochs`` is refused (``ConfigError``,
+    one line) before ``build_trainer``. Online packing has ``train.train_iters`` (validate())."""
+    if cfg.train.train_iters is not None:
+        return cfg.train.train_iters
+    return resolve_train_iters(cfg, loader_lib.step_planner(cfg, dataset, dp_size))
 
 
 def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:
@@ -568,30 +561,28 @@ def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:
                            "directory to start fresh."])
 
 
-def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
+def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> BatchLoader:
     """This DP rank's loader (``megatron_pack.data.batches.loader.build_loader``) for ``state``'s ranks.
     Online packing reports each DP rank's shard accounting once (its TP/CP rank 0); the rest, rank 0.
     Online steps are decided over ``state.dp_group`` (every CP/TP rank's DP group decides the same)."""
     announce = state.rank == 0
     if cfg.packing.mode == "online":
         announce = state.tp_rank == 0 and state.cp_rank == 0
-    loader = loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
-                                     pin_memory=state.device.type == "cuda", announce=announce,
-                                     gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
-    loader.plan_fingerprint = dataset.metadata.get("fingerprint")  # what a resume compares (run_settings)
-    return loader
+    return loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
+                                   pin_memory=state.device.type == "cuda", announce=announce,
+                                   gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
 
 
-def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
+def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                   forward_step_func: Optional[Callable] = None, validation=None) -> Trainer:
-    """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` yields full THD packs
-    for this DP rank and has ``state_dict()`` / ``load_state_dict()`` (resume at the next pack);
-    ``validation`` is this DP rank's ``eval.ValidationLoader`` (or None)."""
+    """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` is this DP rank's
+    ``protocol.BatchLoader`` of full THD packs (``begin_step()`` plans each step, ``state_dict()`` /
+    ``load_state_dict()`` resume at the next one); ``validation`` is this DP rank's
+    ``eval.ValidationLoader`` (or None)."""
     from megatron_pack.model.builder import build_model
     from megatron_pack.training.step import forward_step
 
-    sampler = getattr(loader, "sampler", None)
-    train_iters = resolve_train_iters(cfg, getattr(sampler, "num_packs", None), state.dp_size)
+    train_iters = resolve_train_iters(cfg, loader)
     model = build_model(cfg, state)
     if cfg.train.bf16:  # megatron-core's bf16 wrapper: casts inputs, keeps fp32 main grads
         from megatron.core.transformer.module import Float16Module
@@ -601,13 +592,11 @@ def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
     ddp = wrap_ddp(cfg, model, state)
     optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
                                 device=state.device.type, dp_group=state.dp_group)
-    dataset = getattr(loader, "dataset", None)  # the breakdowns need the same sizes on every rank
-    num_buckets = len(dataset.metadata.get("buckets", {}).get("per_bucket", [])) if dataset is not None else 0
+    info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg, train_iters),
                    loader=loader, forward_step_func=forward_step_func or forward_step, train_iters=train_iters,
-                   validation=validation, plan_fingerprint=getattr(loader, "plan_fingerprint", None),
-                   num_buckets=num_buckets,
-                   source_names=list(getattr(dataset, "source_names", [])) if dataset is not None else [])
+                   validation=validation, plan_fingerprint=info.fingerprint, num_buckets=info.num_buckets,
+                   source_names=list(info.source_names))
 
 
 def _log_parameter_counts(model: torch.nn.Module, state) -> None:
@@ -655,7 +644,7 @@ def start_or_resume(cfg: Config, trainer: Trainer) -> None:
     log.info("resumed from %s at step %d (%d samples consumed)", resume, trainer.step, trainer.consumed_samples)
 
 
-def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
+def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                  forward_step_func: Optional[Callable] = None, validation=None) -> Trainer:
     """Train to the run's last step (``train.train_iters`` or ``train.num_epochs``; or
     ``train.exit_after_iters`` steps in this process), resuming from the newest checkpoint when
@@ -712,10 +701,10 @@ def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
         lines.append(f"lm loss: first {first['lm_loss']:.4f} (step {first['step']}) -> "
                      f"last {last['lm_loss']:.4f} (step {last['step']})")
         lines += _summary_totals(records)
-    if getattr(dataset, "plan_dir", None) is not None:  # online packing and in-batch packing have no plan
+    if dataset.plan_dir is not None:  # online packing and in-batch packing have no plan
         plan = Path(dataset.plan_dir)
         lines.append(f"packing report: {plan / 'report.json'} and {plan / 'report.png'}")
-    elif cfg.packing.in_batch:
+    elif cfg.packing.mode == "in_batch":
         lines.append(f"in-batch packing: micro-batches of {cfg.train.micro_batch_size} samples packed at collate "
                      f"(no offline plan, so no packing report)")
     lines += [f"metrics: {out / 'metrics.jsonl'}",
