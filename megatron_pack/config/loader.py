@@ -1,9 +1,9 @@
 """Compose the preset YAML with Hydra, convert once to the dataclasses, validate.
 
-The presets ship inside the package (``megatron_pack/config/presets/``); user folders are searched
-after them (``megatron_pack.config.search_path``). The structured schema (``Config``) is
+The shipped presets are ``configs/`` at the top of the repository (package data of a wheel); user
+folders are searched after them (``megatron_pack.config.search_path``). The structured schema (``Config``) is
 registered in Hydra's ConfigStore as ``base_config`` and is the first entry of
-``presets/config.yaml``'s defaults list, so every YAML key and every
+``configs/config.yaml``'s defaults list, so every YAML key and every
 override is type-checked against the dataclasses. Overrides are checked against the schema
 and the available presets before Hydra runs, so a typo fails at once with a suggestion::
 
@@ -34,7 +34,8 @@ _registered = False
 
 
 def config_dir() -> Path:
-    """The shipped presets folder (``megatron_pack/config/presets``), the first on the search path."""
+    """The shipped presets folder (``configs/`` of the repository, or a wheel's copy of it), the first on the
+    search path."""
     return PRESETS_DIR
 
 

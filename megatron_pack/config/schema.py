@@ -70,7 +70,7 @@ class ModelConfig(_Group):
     GROUP = "model"
 
     name: str = "tiny"
-    """Human-readable model name (the YAML preset under presets/model/)."""
+    """Human-readable model name (the YAML preset under configs/model/)."""
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -215,7 +215,7 @@ class DataConfig(_Group):
     GROUP = "data"
 
     name: str = "synthetic"
-    """Preset name (presets/data/<name>.yaml)."""
+    """Preset name (configs/data/<name>.yaml)."""
     source: str = "synthetic"
     """'synthetic' (embedded deterministic SFT set) or 'files' (read data.input)."""
     input: Optional[str] = None

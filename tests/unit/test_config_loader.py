@@ -158,11 +158,14 @@ def test_config_to_yaml_round_trips():
     assert Config(**{k: type(getattr(cfg, k))(**v) for k, v in loaded.items()}) == cfg
 
 
-def test_presets_ship_inside_the_package():
-    """issue 11 item 9: the presets are package data (a wheel install has them), not a repo folder."""
+def test_presets_are_the_configs_folder_of_the_checkout():
+    """issue 23 item 6: the presets live in configs/ at the top of the repository (DESIGN.md's layout), apart
+    from library code; a wheel carries them as package data (tests/functional/test_readme_commands.py)."""
     import megatron_pack
 
-    assert config_dir() == Path(megatron_pack.__file__).resolve().parent / "config" / "presets"
+    root = Path(megatron_pack.__file__).resolve().parents[1]
+    assert config_dir() == root / "configs"
+    assert not (root / "megatron_pack" / "config" / "presets").exists()
     assert {"model", "data", "parallel", "experiment"} <= set(presets(config_dir()))
     assert (config_dir() / "config.yaml").is_file() and "quickstart" in presets(config_dir())["experiment"]
 
