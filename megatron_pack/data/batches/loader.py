@@ -35,10 +35,10 @@ from megatron_pack.data.batches.micro_batches import MicroBatchDataset
 from megatron_pack.data.batches.online import Gather, OnlineLoader, OnlineSource, online_packing_record, single_rank
 from megatron_pack.data.batches.online_feed import PackFeed, PackMaker
 from megatron_pack.data.batches.protocol import loader_info
-from megatron_pack.data.batches.sampler import EpochOrder
 from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule, pack_stats
 from megatron_pack.data.batches.thd import make_collate_fn
 from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.packing.order import EpochOrder
 
 log = logging.getLogger("megatron_pack.train")
 

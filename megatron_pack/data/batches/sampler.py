@@ -1,8 +1,8 @@
 """The epoch order of offline packs, and which pack each data-parallel rank trains on.
 
-``EpochOrder`` is the one order of an epoch's packs every offline loader reads (the step planner,
-``steps.py``, takes its steps from it): a permutation seeded by ``(train.seed, epoch)``, bucket
-after bucket with ``packing.bucket_order=sequential``. ``PackSampler`` is one DP rank's view of
+``EpochOrder`` (``data/packing/order.py``) is the one order of an epoch's packs every offline
+loader reads (the step planner, ``steps.py``, takes its steps from it): a permutation seeded by
+``(train.seed, epoch)``, bucket after bucket with ``packing.bucket_order=sequential``. ``PackSampler`` is one DP rank's view of
 the fixed-batch rule over it, pack after pack: it deals each epoch's order round-robin over
 data-parallel ranks: in every *round* each DP rank takes one pack, rank ``r`` the ``r``-th of the
 round. All CP and TP ranks of one DP rank build the sampler
@@ -30,49 +30,15 @@ reads packs through ``steps.StepLoader``, whose fixed-batch rule deals exactly a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 from torch.utils.data import Sampler
 
+from megatron_pack.data.packing.order import EpochOrder
+
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True, eq=False)
-class EpochOrder:
-    """All pack indices in the order of an epoch, the same on every rank; ``order(epoch)``.
-
-    A permutation seeded by ``(seed, epoch)``; with ``groups`` (each pack's length bucket,
-    ``packing.bucket_order=sequential``) bucket after bucket, smallest bucket first, shuffled
-    inside each. Unshuffled (tests), index order rotated by ``epoch * rotate`` packs: a fixed-batch
-    epoch leaves out its last ``num_packs % dp`` packs, and the rotation leaves out others next time.
-
-    >>> EpochOrder(5, seed=0, shuffle=False, rotate=1)(1).tolist()
-    [4, 0, 1, 2, 3]
-    >>> EpochOrder(4, seed=0, groups=np.array([1, 0, 1, 0]))(0).tolist()[:2] in ([1, 3], [3, 1])
-    True
-    """
-
-    num_packs: int
-    seed: int
-    groups: Optional[np.ndarray] = None
-    shuffle: bool = True
-    rotate: int = 0
-
-    def __call__(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.roll(np.arange(self.num_packs, dtype=np.int64), (epoch * self.rotate) % self.num_packs)
-        rng = np.random.default_rng([self.seed, epoch])
-        if self.groups is not None:  # bucket_order=sequential: bucket after bucket, shuffled inside each
-            return np.concatenate([rng.permutation(np.flatnonzero(self.groups == g))
-                                   for g in np.unique(self.groups)]).astype(np.int64)
-        return rng.permutation(self.num_packs).astype(np.int64)
-
-    @property
-    def bucket_order(self) -> str:
-        """``packing.bucket_order`` this order follows."""
-        return "interleave" if self.groups is None else "sequential"
+__all__ = ["EpochOrder", "PackSampler"]
 
 
 class PackSampler(Sampler[int]):

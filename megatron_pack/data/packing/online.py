@@ -39,6 +39,7 @@ import numpy as np
 
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.algorithms import best_fit_decreasing, thd_lengths
+from megatron_pack.data.packing.order import EpochOrder
 from megatron_pack.data.packing.rules import DROP_REASONS, Chosen, select
 from megatron_pack.data.store.metadata import PlanSettings
 
@@ -102,7 +103,7 @@ class StoreStream:
         self._order = self._shard_order(0)
 
     def _shard_order(self, epoch: int) -> np.ndarray:
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.store))
+        order = EpochOrder(len(self.store), self.seed)(epoch)  # the one epoch order, over samples
         return order[self.shard::self.num_shards].copy()  # a copy: the view would keep the whole permutation
 
     def start_epoch(self, epoch: int, cursor: int = 0) -> None:
