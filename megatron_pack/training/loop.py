@@ -4,10 +4,10 @@ One optimizer step on every rank:
 
 1. ``ddp.zero_grad_buffer()``;
 2. ``num_microbatches = train.global_batch_size / (dp * micro_batch_size)`` forward/backward passes,
-   each on one THD row: an offline or online pack (micro_batch_size 1) or, with ``packing.mode=in_batch``,
-   micro_batch_size samples packed at collate (or as many as the loader's ``begin_step()`` plans:
-   a token budget, a balanced deal, online packs) (``forward_step``: next row, this CP rank's slice,
-   ``PackedSeqParams``), backward on the
+   each on one THD row: a pack, offline or online (micro_batch_size 1), or with
+   ``packing.mode=in_batch`` micro_batch_size samples packed at collate (or as many as the
+   loader's ``begin_step()`` plans: a token budget, a balanced deal, online packs)
+   (``forward_step``: next row, this CP rank's slice, ``PackedSeqParams``), backward on the
    pack's loss SUM. Nothing divides by the number of micro-batches, CP or DP size. On GPU this
    is megatron-core's ``get_forward_backward_func()``; on CPU :func:`forward_backward_cpu` runs
    the same logic without its CUDA-only pieces;
@@ -503,8 +503,7 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
     A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
     from megatron_pack.parallel.dims import ParallelDims
 
-    dims = ParallelDims.from_config(cfg, world_size)
-    iters = planned_train_iters(cfg, dataset, dims.dp) if dataset is not None else None
+    iters = planned_train_iters(cfg, dataset, world_size) if dataset is not None else None
     try:
         resume, kind = _resume_kind(cfg)
     except FileNotFoundError as exc:
@@ -512,6 +511,7 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
     if resume is None:
         return None
     saved = ckpt.read_meta(resume)
+    dims = ParallelDims.from_config(cfg, world_size)
     mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here"
                 for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp).items() if saved.get(k) != v]
     layout_free = saved.get("format") == ckpt.SHARDED_FORMAT
@@ -540,12 +540,15 @@ def check_resume(cfg: Config, world_size: int, dataset=None) -> Optional[Path]:
     return resume
 
 
-def planned_train_iters(cfg: Config, dataset, dp_size: int) -> int:
-    """The run's steps (``resolve_train_iters``) for the opened ``dataset`` at ``dp_size`` DP ranks,
+def planned_train_iters(cfg: Config, dataset, world_size: int) -> int:
+    """The run's steps (``resolve_train_iters``) for the opened ``dataset`` on ``world_size`` ranks,
     counted before any process group starts, so ``train.num_epochs`` is refused (``ConfigError``,
     one line) before ``build_trainer``. Online packing has ``train.train_iters`` (validate())."""
+    from megatron_pack.parallel.dims import ParallelDims
+
     if cfg.train.train_iters is not None:
         return cfg.train.train_iters
+    dp_size = ParallelDims.from_config(cfg, world_size).dp
     return resolve_train_iters(cfg, loader_lib.step_planner(cfg, dataset, dp_size))
 
 
