@@ -102,13 +102,14 @@ def retired_key(key: str, value: Any = None) -> Optional[str]:
     """How to write a retired ``key`` (set to ``value``) now, or None when ``key`` is not retired.
 
     >>> retired_key("packing.in_batch", True)
-    'packing.in_batch was replaced by packing.mode (offline | online | in_batch), the one packing switch; write packing.mode=in_batch.'
+    "did you mean 'packing.mode=in_batch'? packing.in_batch was replaced by packing.mode (offline | online | in_batch), the one packing switch."
     """
     if key not in RETIRED_KEYS:
         return None
     new, values = RETIRED_KEYS[key]
     spelled = values.get(value if isinstance(value, bool) else None, values[None])
-    return f"{key} was replaced by {new} ({' | '.join(PACKING_MODES)}), the one packing switch; write {new}={spelled}."
+    return (f"did you mean '{new}={spelled}'? {key} was replaced by {new} ({' | '.join(PACKING_MODES)}), "
+            "the one packing switch.")
 
 
 def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
@@ -142,7 +143,7 @@ def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
 def _unknown_key(text: str, key: str, keys: list[str], groups: Optional[list[str]] = None) -> str:
     """The message for an override or YAML key that names no field (never raises, whatever ``key`` is)."""
     if retired_key(key):
-        return f"{text}: {retired_key(key)}"
+        return f"{text}: unknown key '{key}'; {retired_key(key)}"
     groups = sorted(set(groups or []) | set(GROUPS))
     dotted = [k for k in keys if "." in k]
     best = suggest_key(key, dotted, groups)
@@ -200,7 +201,7 @@ def _check_override(text: str, override: Any, options: dict[str, list[str]], key
         return _unknown_key(text, key, keys, list(options))
     group, name = key.split(".")[:2]
     if retired_key(key) and not override.is_delete():
-        return f"{text}: {retired_key(key, override.value())}"
+        return f"{text}: unknown key '{key}'; {retired_key(key, override.value())}"
     if f"{group}.{name}" not in keys:
         return _unknown_key(text, f"{group}.{name}", keys)
     if key == f"{group}.{name}" and not override.is_delete():

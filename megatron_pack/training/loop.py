@@ -251,7 +251,9 @@ class Trainer:
         if self.data_iterator is None:
             self.data_iterator = RecordingIterator(self.loader)
         self.step_info = self.loader.begin_step()
-        num_microbatches = self.step_info.num_microbatches or self.num_microbatches
+        num_microbatches = self.step_info.num_microbatches
+        if num_microbatches is None:  # a loader that plans nothing (BatchList): the config's fixed count
+            num_microbatches = self.num_microbatches
         self.model.zero_grad_buffer()
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model=self.model, num_microbatches=num_microbatches, state=self.state,

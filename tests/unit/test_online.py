@@ -79,7 +79,7 @@ def test_best_fit_decreasing_with_a_sample_cap_by_hand(lengths, capacity, cap, e
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 16), min_size=1, max_size=3000), cap=st.integers(1, 9))
 def test_capped_bins_hold_every_item_once_within_both_limits(lengths, cap):
-    """Also above SMALL_BUFFER items, where the uncapped path hands over to the vectorised planner."""
+    """Also above SMALL_PLAN items, where the rule runs on the vectorised planner."""
     bins, loads = best_fit_decreasing(np.asarray(lengths), 16, cap)
     members = np.concatenate(bins)
     assert sorted(members.tolist()) == list(range(len(lengths)))
