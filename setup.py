@@ -1,8 +1,29 @@
 """megatron_pack: packed-sequence SFT in the THD layout with context parallelism, on megatron-core."""
 
 import sys
+from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+class BuildPyWithPresets(build_py):
+    """Also copy the presets of configs/ (config.yaml, <group>/<name>.yaml) into the wheel as package data
+    of megatron_pack.config (presets/), so an installed package finds them from any folder; a source
+    checkout or an editable install reads configs/ in place (megatron_pack/config/search_path.py)."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = Path(self.build_lib) / "megatron_pack" / "config" / "presets"
+        for src in sorted((ROOT / "configs").glob("**/*.yaml")):
+            dest = target / src.relative_to(ROOT / "configs")
+            self.mkpath(str(dest.parent))
+            self.copy_file(str(src), str(dest))
+
 
 # megatron-core 0.16.1 is the newest release that installs on Python 3.11; newer Pythons may take newer.
 MCORE = "megatron-core==0.16.1" if sys.version_info < (3, 12) else "megatron-core>=0.16.1"
@@ -16,8 +37,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_pack", "megatron_pack.*"]),
     include_package_data=True,
-    # the presets (config.yaml and <group>/<name>.yaml) are package data: a wheel works from any folder
-    package_data={"megatron_pack.config": ["presets/*.yaml", "presets/*/*.yaml"]},
+    cmdclass={"build_py": BuildPyWithPresets},  # configs/ -> megatron_pack/config/presets/ in the wheel
     install_requires=[
         "torch>=2.4,<2.15",  # 2.13.0 (the CPU wheel installed first by scripts/setup.sh) satisfies this
         MCORE,

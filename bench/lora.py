@@ -54,14 +54,6 @@ def _packs(num: int) -> list[dict]:
     return packs
 
 
-class _Loader:
-    def __init__(self, packs):
-        self.packs = packs
-
-    def __iter__(self):
-        return iter(self.packs)
-
-
 def _rank(rank: int, folder: str, mode: str, steps: int, store: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -74,6 +66,7 @@ def _rank(rank: int, folder: str, mode: str, steps: int, store: str, out: str) -
                                              PeftConfig, TrainConfig)
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import initialize_parallel
+    from megatron_pack.data.batches.protocol import BatchList
     from megatron_pack.training.loop import build_trainer
 
     enable_cpu_compat_without_cuda()
@@ -90,7 +83,7 @@ def _rank(rank: int, folder: str, mode: str, steps: int, store: str, out: str) -
     gc.collect()
     baseline = _kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
-    trainer = build_trainer(cfg, state, _Loader(_packs(steps + 1)))
+    trainer = build_trainer(cfg, state, BatchList(_packs(steps + 1)))
     times = []
     for i in range(steps + 1):
         start = time.perf_counter()

@@ -41,6 +41,7 @@ def _pack(pack_size: int, seed: int = 0) -> dict:
 def _measure(args, granularity: str, tmp: str) -> tuple[int, float]:
     from megatron_pack.config import load_config
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.data.batches.protocol import BatchList
     from megatron_pack.training.loop import build_trainer
     from megatron_pack.training.memory import SavedActivationMeter
 
@@ -53,12 +54,7 @@ def _measure(args, granularity: str, tmp: str) -> tuple[int, float]:
     state = initialize_parallel(cfg)
     pack = _pack(args.pack)
 
-    class Loader:
-        def __iter__(self):
-            while True:
-                yield pack
-
-    trainer = build_trainer(cfg, state, Loader())
+    trainer = build_trainer(cfg, state, BatchList([pack] * args.repeats))
     best, peak = float("inf"), 0
     for _ in range(args.repeats):
         meter = SavedActivationMeter(exclude=trainer.model.parameters())

@@ -136,19 +136,9 @@ def spawn_world(worker: Callable[..., dict], world_size: int, tmp_path: Path | s
     return results
 
 
-class ListLoader:
-    """A loader over fixed packs with the resumable state the trainer checkpoints (``next``)."""
+def ListLoader(packs: list[dict]):
+    """A loader over fixed packs with the resumable state the trainer checkpoints (the next pack):
+    the library's ``BatchList``, which plays the loader protocol (``data/batches/protocol.py``)."""
+    from megatron_pack.data.batches.protocol import BatchList
 
-    def __init__(self, packs: list[dict]):
-        self.packs, self.next = packs, 0
-
-    def __iter__(self):
-        while self.next < len(self.packs):
-            self.next += 1
-            yield self.packs[self.next - 1]
-
-    def state_dict(self) -> dict:
-        return {"next": self.next}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.next = int(state["next"])
+    return BatchList(packs)

@@ -30,7 +30,7 @@ COMMON_KEYS = {
                "verify.attention"],
     "train": ["data.dataset_dir", "data.plan", "train.train_iters", "train.lr", "train.global_batch_size",
               "train.micro_batch_size", "parallel.context_parallel_size", "parallel.tensor_model_parallel_size",
-              "train.output_dir", "checkpoint.load", "packing.in_batch"],
+              "train.output_dir", "checkpoint.load", "packing.mode"],
 }
 USAGE_EXTRA = {
     "prepare": ("Shorthands: input=PATH (data=files data.input=PATH), tokenizer=X, output=DIR (data.dataset_dir), "

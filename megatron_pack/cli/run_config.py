@@ -7,7 +7,7 @@
     validate(cfg, world_size, dataset_meta=plan metadata)
 
 so ``megatron-pack verify data.dataset_dir=D`` works right after any ``prepare`` into ``D``. In-batch
-packing (``packing.in_batch=true``) has no plan: it reads the token store only.
+packing (``packing.mode=in_batch``) has no plan: it reads the token store only.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     problem = check_input_matches_store(cfg0, store_meta, dataset_dir)
     if problem:
         raise ConfigError([problem])
-    if cfg0.packing.in_batch:
+    if cfg0.packing.mode == "in_batch":
         return _in_batch_run(overrides, cfg0, store_meta, given, config_dirs, world_size, open_data)
     plan_dir = choose_plan(cfg0, dataset_dir, given)
     from megatron_pack.data.store.atomic import read_json
@@ -78,7 +78,7 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
 
 
 def _in_batch_run(overrides, cfg0, store_meta, given, config_dirs, world_size, open_data) -> RunConfig:
-    """packing.in_batch: no plan; the tokenizer and vocab size still come from the store."""
+    """packing.mode=in_batch: no plan; the tokenizer and vocab size still come from the store."""
     from megatron_pack.config.loader import load_config
     from megatron_pack.data.store.recorded import recorded_overrides
 

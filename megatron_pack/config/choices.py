@@ -1,8 +1,10 @@
-"""Value lists that several layers read, each written once here (config is the bottom layer).
+"""Value lists of the config keys, each written once here (config is the bottom layer).
 
-The schema checks a field against its list, the code that acts on the value dispatches on the
-same tuple, and tests/unit/test_config_docs.py checks that docs/configuration.md names every
-value. Add a value here, then teach the code it names (a test fails until every consumer knows it).
+``CHOICES`` maps every key with a fixed set of values to its list: the schema checks a field
+against it (``schema._choice``), the validators and the code that acts on a value use the same
+tuple, and tests/unit/test_layout.py checks that every listed value validates, any other is
+refused naming the list, and docs/configuration.md's row of the key names every value. Add a
+value here, then teach the code it names (a test fails until every consumer knows it).
 """
 
 PACKING_ALGORITHMS = ("bfd", "ffd", "first_fit_shuffle", "sequential", "wrapped")
@@ -15,8 +17,9 @@ ATTENTION_MODES = ("thd", "pack_causal")
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 """``parallel.cp_comm_type``: Transformer Engine's context-parallel communication."""
 
-PACKING_MODES = ("offline", "online")
-"""``packing.mode``: packs from a prepared plan, or made at run time from a bounded buffer."""
+PACKING_MODES = ("offline", "online", "in_batch")
+"""``packing.mode``, the one switch of how packing happens: packs from a prepared plan, packs made at run time
+from a bounded buffer, or each micro-batch of ``train.micro_batch_size`` samples packed into one row at collate."""
 
 ONLINE_SOURCES = ("store", "stream")
 """``packing.online_source``: the prepared token store, or data.input tokenized on the fly."""
@@ -49,3 +52,91 @@ FP8_TOKEN_ALIGNMENT = {"none": 1, "delayed": 16, "current": 16, "mxfp8": 32, "bl
 (docs/thd.md "FP8 recipes" cites the Transformer Engine sources): 16 for per-tensor scaling (cuBLASLt's
 FP8 leading-dimension rule; the token dimension is the inner one of the weight-gradient GEMM), 32 for
 MXFP8 (its scaling block) and 128 for blockwise FP8 (its scaling block and quantized all-gather)."""
+
+ROPE_SCALINGS = ("none", "llama3")
+"""``model.rope_scaling``: plain RoPE, or Llama 3.1 / 3.2 frequency scaling."""
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+"""``model.normalization``."""
+
+ACTIVATIONS = ("swiglu", "gelu")
+"""``model.activation``."""
+
+ATTENTION_BACKENDS = ("auto", "torch", "te")
+"""``model.attention_backend``: Transformer Engine when CUDA and TE are present (else torch), torch, or TE."""
+
+PARAMS_DTYPES = ("float32", "bfloat16")
+"""``model.params_dtype`` (and ``export.dtype``, which also takes null: the source folder's dtype)."""
+
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+"""``model.cuda_graph_impl``: no CUDA graphs, megatron-core's, or Transformer Engine's."""
+
+CUDA_GRAPH_SCOPES = ("attn", "mlp")
+"""Entries of ``model.cuda_graph_scope`` (empty: whole layers)."""
+
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+"""``model.recompute_granularity`` (or null: off)."""
+
+RECOMPUTE_METHODS = ("uniform", "block")
+"""``model.recompute_method`` (or null: uniform)."""
+
+DATA_SOURCES = ("synthetic", "files")
+"""``data.source``: the embedded synthetic SFT set, or ``data.input``."""
+
+RECORD_SCHEMAS = ("auto", "prompt_completion", "chat")
+"""``data.schema``."""
+
+RECORD_FORMATS = ("default", "sharegpt")
+"""``data.format``: the keys of data.*, or ShareGPT's conversations/from/value."""
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles ``data.role_aliases`` may map to."""
+
+OVERFLOW_POLICIES = ("error", "drop", "truncate", "split")
+"""``packing.on_overflow``: what happens to a sample longer than the pack."""
+
+BUCKET_ORDERS = ("interleave", "sequential")
+"""``packing.bucket_order``: one shuffle over all packs, or bucket after bucket, shortest first."""
+
+WRAPPED_ATTENTIONS = ("document", "cross")
+"""``packing.wrapped_attention``: no attention across documents of a wrapped row, or one sequence per row."""
+
+PACKING_EXPORTS = ("none", "bridge")
+"""``packing.export``: nothing more, or also Megatron-Bridge's packed parquet."""
+
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+"""``parallel.backend``: nccl with CUDA, else gloo; or either."""
+
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+"""``train.lr_decay_style``."""
+
+DEVICES = ("auto", "cuda", "cpu")
+"""``train.device``: cuda when available."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""``logging.level``."""
+
+VERIFY_REFERENCES = ("self", "transformers")
+"""``verify.reference``: each sample alone through our model, or through transformers' forward."""
+
+PEFT_METHODS = ("none", "lora")
+"""``peft.method``: full fine-tuning, or LoRA adapters."""
+
+CHOICES = {
+    "model.rope_scaling": ROPE_SCALINGS, "model.normalization": NORMALIZATIONS, "model.activation": ACTIVATIONS,
+    "model.attention_backend": ATTENTION_BACKENDS, "model.params_dtype": PARAMS_DTYPES,
+    "model.cuda_graph_impl": CUDA_GRAPH_IMPLS, "model.fp8": FP8_RECIPES,
+    "model.recompute_granularity": RECOMPUTE_GRANULARITIES, "model.recompute_method": RECOMPUTE_METHODS,
+    "data.source": DATA_SOURCES, "data.schema": RECORD_SCHEMAS, "data.format": RECORD_FORMATS,
+    "packing.algorithm": PACKING_ALGORITHMS, "packing.on_overflow": OVERFLOW_POLICIES,
+    "packing.bucket_order": BUCKET_ORDERS, "packing.wrapped_attention": WRAPPED_ATTENTIONS,
+    "packing.export": PACKING_EXPORTS, "packing.mode": PACKING_MODES, "packing.online_source": ONLINE_SOURCES,
+    "packing.balance": BALANCE_MODES, "parallel.cp_comm_type": CP_COMM_TYPES, "parallel.backend": DIST_BACKENDS,
+    "train.token_budget": TOKEN_BUDGET_KINDS, "train.lr_decay_style": LR_DECAY_STYLES, "train.device": DEVICES,
+    "logging.level": LOG_LEVELS, "verify.attention": ATTENTION_MODES, "verify.reference": VERIFY_REFERENCES,
+    "export.dtype": PARAMS_DTYPES, "peft.method": PEFT_METHODS,
+}
+"""Every config key with a fixed set of values -> its list (a key whose field is Optional also takes null)."""
+
+NULLABLE_CHOICES = ("model.recompute_granularity", "model.recompute_method", "export.dtype")
+"""Keys of ``CHOICES`` that also take null (off, or the default it stands for)."""

@@ -1,9 +1,9 @@
 """Compose the preset YAML with Hydra, convert once to the dataclasses, validate.
 
-The presets ship inside the package (``megatron_pack/config/presets/``); user folders are searched
-after them (``megatron_pack.config.search_path``). The structured schema (``Config``) is
+The shipped presets are ``configs/`` at the top of the repository (package data of a wheel); user
+folders are searched after them (``megatron_pack.config.search_path``). The structured schema (``Config``) is
 registered in Hydra's ConfigStore as ``base_config`` and is the first entry of
-``presets/config.yaml``'s defaults list, so every YAML key and every
+``configs/config.yaml``'s defaults list, so every YAML key and every
 override is type-checked against the dataclasses. Overrides are checked against the schema
 and the available presets before Hydra runs, so a typo fails at once with a suggestion::
 
@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_pack.config.choices import PACKING_MODES
 from megatron_pack.config.hf_config import apply_pretrained
 from megatron_pack.config.schema import GROUPS, Config, ConfigError
 from megatron_pack.config.search_path import (CONFIG_DIR_ENV, PRESETS_DIR, experiment_files, presets,  # noqa: F401
@@ -33,7 +34,8 @@ _registered = False
 
 
 def config_dir() -> Path:
-    """The shipped presets folder (``megatron_pack/config/presets``), the first on the search path."""
+    """The shipped presets folder (``configs/`` of the repository, or a wheel's copy of it), the first on the
+    search path."""
     return PRESETS_DIR
 
 
@@ -92,6 +94,23 @@ SYNONYMS = {
 """Names users bring from TRL / NeMo / Megatron-LM / torchtune (or prepare's shorthands), by the leaf
 of the key they typed; the first suggestion tried."""
 
+RETIRED_KEYS = {"packing.in_batch": ("packing.mode", {True: "in_batch", False: "offline", None: "in_batch"})}
+"""Keys of earlier releases -> the key that replaced them and its value for each old value (None: unknown)."""
+
+
+def retired_key(key: str, value: Any = None) -> Optional[str]:
+    """How to write a retired ``key`` (set to ``value``) now, or None when ``key`` is not retired.
+
+    >>> retired_key("packing.in_batch", True)
+    "did you mean 'packing.mode=in_batch'? packing.in_batch was replaced by packing.mode (offline | online | in_batch), the one packing switch."
+    """
+    if key not in RETIRED_KEYS:
+        return None
+    new, values = RETIRED_KEYS[key]
+    spelled = values.get(value if isinstance(value, bool) else None, values[None])
+    return (f"did you mean '{new}={spelled}'? {key} was replaced by {new} ({' | '.join(PACKING_MODES)}), "
+            "the one packing switch.")
+
 
 def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
     """The key a mistyped ``key`` most likely meant, or None.
@@ -123,6 +142,8 @@ def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
 
 def _unknown_key(text: str, key: str, keys: list[str], groups: Optional[list[str]] = None) -> str:
     """The message for an override or YAML key that names no field (never raises, whatever ``key`` is)."""
+    if retired_key(key):
+        return f"{text}: unknown key '{key}'; {retired_key(key)}"
     groups = sorted(set(groups or []) | set(GROUPS))
     dotted = [k for k in keys if "." in k]
     best = suggest_key(key, dotted, groups)
@@ -179,6 +200,8 @@ def _check_override(text: str, override: Any, options: dict[str, list[str]], key
                     f"e.g. {key}.{first}=<value>.")
         return _unknown_key(text, key, keys, list(options))
     group, name = key.split(".")[:2]
+    if retired_key(key) and not override.is_delete():
+        return f"{text}: unknown key '{key}'; {retired_key(key, override.value())}"
     if f"{group}.{name}" not in keys:
         return _unknown_key(text, f"{group}.{name}", keys)
     if key == f"{group}.{name}" and not override.is_delete():

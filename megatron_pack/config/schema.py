@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_pack.config.choices import (ATTENTION_MODES, BALANCE_MODES, CP_COMM_TYPES, DEFAULT_COST_A, DEFAULT_COST_B,
-                                          FP8_RECIPES, ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, STOP_SIGNALS,
-                                          TOKEN_BUDGET_KINDS)
+from megatron_pack.config.choices import (CHAT_ROLES, CHOICES, CUDA_GRAPH_SCOPES, DEFAULT_COST_A, DEFAULT_COST_B,
+                                          NULLABLE_CHOICES, STOP_SIGNALS)
 
 
 class ConfigError(ValueError):
@@ -42,11 +41,14 @@ def _positive(group: str, obj: Any, names: tuple[str, ...], allow_zero: tuple[st
     return problems
 
 
-def _choice(group: str, obj: Any, name: str, choices: tuple[str, ...]) -> list[str]:
-    value = getattr(obj, name)
-    if value not in choices:
-        return [f"{group}.{name} ({value!r}) must be one of {list(choices)}; set {group}.{name}={choices[0]}."]
-    return []
+def _choice(group: str, obj: Any, name: str) -> list[str]:
+    """``group.name`` holds a value of its list in ``choices.CHOICES`` (or null where the key allows it)."""
+    key = f"{group}.{name}"
+    value, choices = getattr(obj, name), CHOICES[key]
+    if value in choices or (value is None and key in NULLABLE_CHOICES):
+        return []
+    also = " or null" if key in NULLABLE_CHOICES else ""
+    return [f"{key} ({value!r}) must be one of {list(choices)}{also}; set {key}={choices[0]}."]
 
 
 class _Group:
@@ -68,7 +70,7 @@ class ModelConfig(_Group):
     GROUP = "model"
 
     name: str = "tiny"
-    """Human-readable model name (the YAML preset under presets/model/)."""
+    """Human-readable model name (the YAML preset under configs/model/)."""
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -151,7 +153,7 @@ class ModelConfig(_Group):
                                        "num_query_groups", "kv_channels", "vocab_size", "seq_length",
                                        "max_position_embeddings", "rotary_base",
                                        "rope_original_max_position_embeddings"))
-        problems += _choice(g, self, "rope_scaling", ("none", "llama3"))
+        problems += _choice(g, self, "rope_scaling")
         if not 0 < self.norm_epsilon < 1:
             problems.append(f"model.norm_epsilon ({self.norm_epsilon}) must be in (0, 1); set model.norm_epsilon=1e-5.")
         if self.rope_scaling == "llama3" and not (self.rope_scaling_factor > 0
@@ -160,17 +162,13 @@ class ModelConfig(_Group):
                             f"0 < model.rope_low_freq_factor ({self.rope_low_freq_factor}) < "
                             f"model.rope_high_freq_factor ({self.rope_high_freq_factor}); use the values of the "
                             "model's config.json (Llama 3.1: 8, 1, 4).")
-        problems += _choice(g, self, "normalization", ("RMSNorm", "LayerNorm"))
-        problems += _choice(g, self, "activation", ("swiglu", "gelu"))
-        problems += _choice(g, self, "attention_backend", ("auto", "torch", "te"))
-        problems += _choice(g, self, "params_dtype", ("float32", "bfloat16"))
-        problems += _choice(g, self, "cuda_graph_impl", ("none", "local", "transformer_engine"))
-        problems += _choice(g, self, "fp8", FP8_RECIPES)
+        for name in ("normalization", "activation", "attention_backend", "params_dtype", "cuda_graph_impl", "fp8"):
+            problems += _choice(g, self, name)
         problems += _recompute_problems(self)
         for scope in self.cuda_graph_scope:
-            if scope not in ("attn", "mlp"):
-                problems.append(f"model.cuda_graph_scope entry {scope!r} must be 'attn' or 'mlp'; "
-                                "leave the list empty to capture whole layers.")
+            if scope not in CUDA_GRAPH_SCOPES:
+                problems.append(f"model.cuda_graph_scope entry {scope!r} must be "
+                                f"{' or '.join(map(repr, CUDA_GRAPH_SCOPES))}; leave the list empty to capture whole layers.")
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 problems.append(f"model.{name} ({getattr(self, name)}) must be in [0, 1); set model.{name}=0.0.")
@@ -193,13 +191,7 @@ class ModelConfig(_Group):
 
 
 def _recompute_problems(m: "ModelConfig") -> list[str]:
-    problems = []
-    if m.recompute_granularity not in (None, "selective", "full"):
-        problems.append(f"model.recompute_granularity ({m.recompute_granularity!r}) must be null, 'selective' or "
-                        "'full'; set model.recompute_granularity=selective.")
-    if m.recompute_method not in (None, "uniform", "block"):
-        problems.append(f"model.recompute_method ({m.recompute_method!r}) must be null, 'uniform' or 'block'; "
-                        "set model.recompute_method=uniform.")
+    problems = _choice("model", m, "recompute_granularity") + _choice("model", m, "recompute_method")
     if m.recompute_num_layers is not None and (isinstance(m.recompute_num_layers, bool)
                                                or m.recompute_num_layers < 1):
         problems.append(f"model.recompute_num_layers ({m.recompute_num_layers!r}) must be a positive integer; "
@@ -226,7 +218,7 @@ class DataConfig(_Group):
     GROUP = "data"
 
     name: str = "synthetic"
-    """Preset name (presets/data/<name>.yaml)."""
+    """Preset name (configs/data/<name>.yaml)."""
     source: str = "synthetic"
     """'synthetic' (embedded deterministic SFT set) or 'files' (read data.input)."""
     input: Optional[str] = None
@@ -285,12 +277,11 @@ class DataConfig(_Group):
         g = self.GROUP
         problems = _positive(g, self, ("synthetic_num_samples", "num_workers", "tokenize_workers"),
                              allow_zero=("num_workers", "tokenize_workers"))
-        problems += _choice(g, self, "source", ("synthetic", "files"))
-        problems += _choice(g, self, "schema", ("auto", "prompt_completion", "chat"))
-        problems += _choice(g, self, "format", ("default", "sharegpt"))
+        for name in ("source", "schema", "format"):
+            problems += _choice(g, self, name)
         for alias, role in self.role_aliases.items():
-            if role not in ("system", "user", "assistant", "tool"):
-                problems.append(f"data.role_aliases.{alias} ({role!r}) must map to one of system/user/assistant/tool; "
+            if role not in CHAT_ROLES:
+                problems.append(f"data.role_aliases.{alias} ({role!r}) must map to one of {'/'.join(CHAT_ROLES)}; "
                                 f"set data.role_aliases.{alias}=user (or assistant).")
         problems += _source_problems(self.sources, self.input)
         if self.sources and self.source != "files":
@@ -310,7 +301,8 @@ class PackingConfig(_Group):
     GROUP = "packing"
 
     packed_sequence_size: int = 512
-    """Tokens per pack for offline packing; 0 turns offline packing off."""
+    """Tokens per pack (packing.mode offline or online); mode=in_batch packs micro-batches of whole samples
+    (each up to model.seq_length) and does not read it."""
     pad_seq_to_mult: Optional[int] = None
     """Pad every sub-sequence to this multiple; None derives lcm(2*CP, CP*TP if SP) from parallel."""
     max_single_sequence_length: Optional[int] = None
@@ -335,13 +327,12 @@ class PackingConfig(_Group):
     documents) or 'cross' (one sequence per row, attention crosses documents: pretraining style)."""
     pad_cu_seqlens: bool = False
     """Give cu_seqlens a fixed length (max_samples_per_bin + 2) for CUDA graphs."""
-    in_batch: bool = False
-    """Train on the token store without a plan: each micro-batch of train.micro_batch_size samples is packed
-    into one THD row at collate (needs packing.packed_sequence_size=0 and micro_batch_size > 1)."""
     export: str = "none"
     """'none' or 'bridge' (also write Megatron-Bridge's packed parquet in prepare)."""
     mode: str = "offline"
-    """'offline' (packs from the prepared plan) or 'online' (packed at run time from a bounded buffer)."""
+    """How packing happens, the one switch: 'offline' (packs from the prepared plan), 'online' (packed at run time
+    from a bounded buffer) or 'in_batch' (each micro-batch of train.micro_batch_size samples from the token store,
+    no plan, packed into one THD row at collate; needs micro_batch_size > 1)."""
     online_source: str = "store"
     """With mode=online: 'store' (the prepared token store) or 'stream' (data.input tokenized on the fly)."""
     buffer_size: int = 1024
@@ -360,18 +351,18 @@ class PackingConfig(_Group):
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
-        problems = _positive(g, self, ("packed_sequence_size", "pad_seq_to_mult", "max_single_sequence_length",
-                                       "seed"), allow_zero=("packed_sequence_size", "seed"))
-        problems += _choice(g, self, "algorithm", PACKING_ALGORITHMS)
-        problems += _choice(g, self, "on_overflow", ("error", "drop", "truncate", "split"))
-        problems += _choice(g, self, "bucket_order", ("interleave", "sequential"))
-        problems += _choice(g, self, "wrapped_attention", ("document", "cross"))
+        if self.packed_sequence_size == 0 and not isinstance(self.packed_sequence_size, bool):
+            problems = ["packing.packed_sequence_size (0) no longer turns offline packing off: packing.mode is the one "
+                        "switch; set packing.mode=in_batch (and leave packing.packed_sequence_size unset) to pack "
+                        "each micro-batch at collate."]
+        else:
+            problems = _positive(g, self, ("packed_sequence_size",))
+        problems += _positive(g, self, ("pad_seq_to_mult", "max_single_sequence_length", "seed"), allow_zero=("seed",))
+        for name in ("algorithm", "on_overflow", "bucket_order", "wrapped_attention", "export", "mode", "online_source",
+                     "balance"):
+            problems += _choice(g, self, name)
         problems += _positive(g, self, ("split_overlap",), allow_zero=("split_overlap",))
         problems += _bucket_problems(self.buckets)
-        problems += _choice(g, self, "export", ("none", "bridge"))
-        problems += _choice(g, self, "mode", PACKING_MODES)
-        problems += _choice(g, self, "online_source", ONLINE_SOURCES)
-        problems += _choice(g, self, "balance", BALANCE_MODES)
         problems += _positive(g, self, ("buffer_size", "buffer_tokens", "max_samples_per_pack"))
         for name in ("cost_a", "cost_b"):
             if not getattr(self, name) >= 0:
@@ -382,9 +373,9 @@ class PackingConfig(_Group):
         return problems
 
     @property
-    def offline(self) -> bool:
-        """True when offline packing is on."""
-        return self.packed_sequence_size > 0
+    def makes_packs(self) -> bool:
+        """True when training reads packs of ``packed_sequence_size`` tokens (mode offline or online, not in_batch)."""
+        return self.mode != "in_batch"
 
 
 SOURCE_SCHEMA_KEYS = ("schema", "format", "prompt_key", "completion_key", "messages_key", "role_key", "content_key",
@@ -466,8 +457,7 @@ class ParallelConfig(_Group):
         g = self.GROUP
         problems = _positive(g, self, ("tensor_model_parallel_size", "context_parallel_size",
                                        "pipeline_model_parallel_size"))
-        problems += _choice(g, self, "cp_comm_type", CP_COMM_TYPES)
-        problems += _choice(g, self, "backend", ("auto", "nccl", "gloo"))
+        problems += _choice(g, self, "cp_comm_type") + _choice(g, self, "backend")
         return problems
 
 
@@ -480,10 +470,10 @@ class TrainConfig(_Group):
     GROUP = "train"
 
     micro_batch_size: int = 1
-    """Samples per micro-batch with packing.in_batch (packed into one THD row); 1 with offline packing
-    (a pack is one micro-batch)."""
+    """Samples per micro-batch with packing.mode=in_batch (packed into one THD row); 1 with packs (offline or
+    online: a pack is one micro-batch)."""
     global_batch_size: int = 8
-    """Packs (offline) or samples (packing.in_batch) per optimizer step, summed over data-parallel ranks;
+    """Packs (offline, online) or samples (packing.mode=in_batch) per optimizer step, summed over data-parallel ranks;
     each rank runs global_batch_size / (dp * micro_batch_size) micro-batches."""
     global_batch_tokens: Optional[int] = None
     """Tokens per optimizer step (train.token_budget): packs are taken until met; replaces global_batch_size when set."""
@@ -539,12 +529,11 @@ class TrainConfig(_Group):
         problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "num_epochs",
                                        "lr_warmup_iters", "exit_after_iters", "global_batch_tokens", "eval_interval",
                                        "eval_iters"), allow_zero=("lr_warmup_iters", "eval_interval", "eval_iters"))
-        problems += _choice(g, self, "token_budget", TOKEN_BUDGET_KINDS)
+        problems += _choice(g, self, "token_budget")
         if (self.train_iters is None) == (self.num_epochs is None):
             problems.append(f"train.train_iters ({self.train_iters}) and train.num_epochs ({self.num_epochs}): set "
                             "exactly one, e.g. train.train_iters=null train.num_epochs=2, or train.num_epochs=null.")
-        problems += _choice(g, self, "lr_decay_style", ("cosine", "linear", "constant"))
-        problems += _choice(g, self, "device", ("auto", "cuda", "cpu"))
+        problems += _choice(g, self, "lr_decay_style") + _choice(g, self, "device")
         if not self.lr > 0:
             problems.append(f"train.lr ({self.lr}) must be > 0; set train.lr=3e-4.")
         elif not 0 <= self.min_lr <= self.lr:
@@ -626,7 +615,7 @@ class LoggingConfig(_Group):
 
     def field_problems(self) -> list[str]:
         problems = _positive(self.GROUP, self, ("log_interval",))
-        problems += _choice(self.GROUP, self, "level", ("DEBUG", "INFO", "WARNING", "ERROR"))
+        problems += _choice(self.GROUP, self, "level")
         return problems
 
 
@@ -649,8 +638,7 @@ class VerifyConfig(_Group):
 
     def field_problems(self) -> list[str]:
         problems = _positive(self.GROUP, self, ("num_packs",))
-        problems += _choice(self.GROUP, self, "attention", ATTENTION_MODES)
-        problems += _choice(self.GROUP, self, "reference", ("self", "transformers"))
+        problems += _choice(self.GROUP, self, "attention") + _choice(self.GROUP, self, "reference")
         if not self.tolerance > 0:
             problems.append(f"verify.tolerance ({self.tolerance}) must be > 0; set verify.tolerance=1e-4.")
         return problems
@@ -698,9 +686,7 @@ class ExportConfig(_Group):
         if parse_size(self.max_shard_size) is None:
             problems.append(f"export.max_shard_size ({self.max_shard_size!r}) must be a size like '5GB', '500MB' "
                             "or '2GiB'; set export.max_shard_size=5GB.")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16"):
-            problems.append(f"export.dtype ({self.dtype!r}) must be 'float32' or 'bfloat16'; "
-                            "leave it unset to keep the source folder's dtype.")
+        problems += _choice(self.GROUP, self, "dtype")
         if self.adapter and self.merge:
             problems.append("export.adapter and export.merge are both true; choose one: export.adapter=true writes "
                             "the adapters for peft, export.merge=true a full model with them merged in.")
@@ -723,7 +709,7 @@ class PeftConfig(_Group):
     """megatron-core linears that get an adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
 
     def field_problems(self) -> list[str]:
-        problems = _choice(self.GROUP, self, "method", ("none", "lora"))
+        problems = _choice(self.GROUP, self, "method")
         problems += _positive(self.GROUP, self, ("dim",))
         if not self.alpha > 0:
             problems.append(f"peft.alpha ({self.alpha}) must be > 0; set peft.alpha={self.dim} (scale 1).")

@@ -1,8 +1,10 @@
-"""Where presets are found: the package's own ``presets/``, then the user's config folders.
+"""Where presets are found: the shipped presets (``configs/``), then the user's config folders.
 
-The shipped presets live inside the package (``megatron_pack/config/presets/``, installed with
-the wheel), so every command works from any folder and any install. Users add folders laid out
-the same way (``<dir>/<group>/<name>.yaml``), searched after the package's::
+The shipped presets live in ``configs/`` at the top of the repository (``config.yaml`` and
+``<group>/<name>.yaml``, apart from library code). A wheel carries them as package data of
+``megatron_pack.config`` (``presets/``, copied there by setup.py's ``build_py``), so every command
+works from any folder and any install; a source checkout (or an editable install) reads
+``configs/`` in place. Users add folders laid out the same way, searched after the shipped ones::
 
     MEGATRON_PACK_CONFIG_DIR=/team/configs:/home/me/configs   (os.pathsep-separated)
     megatron-pack train --config-dir ./configs experiment=my_run     # ./configs/experiment/my_run.yaml
@@ -11,8 +13,8 @@ and a single experiment file can be named by its path, without a folder around i
 
     megatron-pack train experiment=./my_run.yaml
 
-``config.yaml`` (the defaults list) always comes from the package. A user preset may not reuse the
-name of a shipped one with other content: Hydra would silently read the shipped file first.
+``config.yaml`` (the defaults list) always comes from the shipped presets. A user preset may not
+reuse the name of a shipped one with other content: Hydra would silently read the shipped file first.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from typing import Iterator, Sequence, Union
 
 from megatron_pack.config.schema import ConfigError
 
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+def shipped_presets_dir() -> Path:
+    """The shipped presets: a wheel's package data (``megatron_pack/config/presets``), else ``configs/``
+    of the source tree this package is in."""
+    installed = Path(__file__).resolve().parent / "presets"
+    if (installed / "config.yaml").is_file():
+        return installed
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+PRESETS_DIR = shipped_presets_dir()
 CONFIG_DIR_ENV = "MEGATRON_PACK_CONFIG_DIR"
 PathLike = Union[str, Path]
 

@@ -32,10 +32,6 @@ def _ceil_to(value: int, multiple: int) -> int:
     return max(multiple, round_up(value, multiple))
 
 
-def _packing_on(cfg: Config) -> bool:
-    return cfg.packing.offline or cfg.packing.in_batch
-
-
 def _sp_text(cp: int, tp: int, sp: bool) -> str:
     return " with sequence_parallel" if sp and tp > 1 else ""
 
@@ -82,18 +78,12 @@ def _validate_pipeline_parallel(cfg: Config) -> list[str]:
 def _validate_context_parallel(cfg: Config) -> list[str]:
     cp = cfg.parallel.context_parallel_size
     seq = cfg.model.seq_length
-    if cfg.packing.offline and seq == cfg.packing.packed_sequence_size:
+    if cfg.packing.makes_packs and seq == cfg.packing.packed_sequence_size:
         return []  # _validate_packed_sizes names the one fix for both keys (the pad multiple is a multiple of 2*CP)
     if cp > 1 and seq % (2 * cp):
         return [f"model.seq_length ({seq}) must be divisible by 2*parallel.context_parallel_size = {2 * cp} "
                 f"(each sequence is cut into 2*CP chunks); set model.seq_length={_ceil_to(seq, 2 * cp)}."]
     return []
-
-
-def _packing_text(cfg: Config) -> str:
-    if cfg.packing.in_batch:
-        return "packing.in_batch=true"
-    return f"offline packing (packing.packed_sequence_size={cfg.packing.packed_sequence_size})"
 
 
 def _validate_per_token_loss(cfg: Config) -> list[str]:
@@ -105,9 +95,8 @@ def _validate_per_token_loss(cfg: Config) -> list[str]:
     """
     problems = []
     cp = cfg.parallel.context_parallel_size
-    if not cfg.model.calculate_per_token_loss and (cp > 1 or _packing_on(cfg)):
-        why = [f"parallel.context_parallel_size={cp}"] if cp > 1 else []
-        why += [_packing_text(cfg)] if _packing_on(cfg) else []
+    if not cfg.model.calculate_per_token_loss:  # every packing.mode packs samples together
+        why = ([f"parallel.context_parallel_size={cp}"] if cp > 1 else []) + [f"packing.mode={cfg.packing.mode}"]
         problems.append(
             f"model.calculate_per_token_loss (False) must be True with {' and '.join(why)}: packs and CP ranks hold "
             "different numbers of target tokens, so the loss is a sum scaled once by the global token count "
@@ -122,62 +111,51 @@ def _validate_per_token_loss(cfg: Config) -> list[str]:
 
 
 def _validate_offline_packing(cfg: Config) -> list[str]:
-    """One pack is one row; the fixed-shape options need a pack size."""
+    """One pack is one row; the fixed-shape options need packs of a fixed size."""
     problems = []
-    size, mbs = cfg.packing.packed_sequence_size, cfg.train.micro_batch_size
-    if cfg.packing.offline and mbs != 1:
+    size, mbs, mode = cfg.packing.packed_sequence_size, cfg.train.micro_batch_size, cfg.packing.mode
+    if cfg.packing.makes_packs and mbs != 1:
         problems.append(
-            f"train.micro_batch_size ({mbs}) must be 1 with offline packing (packing.packed_sequence_size={size}: "
+            f"train.micro_batch_size ({mbs}) must be 1 with packing.mode={mode} (packing.packed_sequence_size={size}: "
             f"one pack is one row); set train.micro_batch_size=1 and raise train.global_batch_size "
             f"(e.g. {cfg.train.global_batch_size * mbs}) or packing.packed_sequence_size "
-            f"(e.g. {size * mbs}) to keep the tokens per step.")
-    if not cfg.packing.offline:
+            f"(e.g. {size * mbs}) to keep the tokens per step, or set packing.mode=in_batch.")
+    if not cfg.packing.makes_packs:
         for key, on in (("data.pad_to_max_length", cfg.data.pad_to_max_length),
                         ("packing.pad_cu_seqlens", cfg.packing.pad_cu_seqlens)):
             if on:
                 problems.append(
-                    f"{key} (True) needs offline packing, but packing.packed_sequence_size is 0 (off); "
-                    f"set packing.packed_sequence_size=<tokens per pack, > 0> or {key}=false.")
+                    f"{key} (True) needs packs of packing.packed_sequence_size tokens, but packing.mode=in_batch "
+                    f"packs micro-batches of any length; set packing.mode=offline (or online) or {key}=false.")
     return problems
 
 
 def _validate_in_batch_packing(cfg: Config) -> list[str]:
-    problems = []
-    if not cfg.packing.in_batch:
-        return problems
-    if cfg.packing.offline:
-        problems.append(
-            f"packing.in_batch (True) and offline packing (packing.packed_sequence_size="
-            f"{cfg.packing.packed_sequence_size}) are mutually exclusive; set packing.packed_sequence_size=0 to "
-            "pack at run time, or packing.in_batch=false to use offline packs.")
-    if cfg.train.micro_batch_size <= 1:
-        problems.append(
-            f"train.micro_batch_size ({cfg.train.micro_batch_size}) must be > 1 with packing.in_batch=true "
-            "(it packs the rows of one micro-batch into one THD row); set train.micro_batch_size=4 "
-            "or packing.in_batch=false.")
-    return problems
+    if cfg.packing.mode == "in_batch" and cfg.train.micro_batch_size <= 1:
+        return [f"train.micro_batch_size ({cfg.train.micro_batch_size}) must be > 1 with packing.mode=in_batch "
+                "(it packs the rows of one micro-batch into one THD row); set train.micro_batch_size=4 "
+                "or packing.mode=offline."]
+    return []
 
 
 def _validate_online_packing(cfg: Config) -> list[str]:
-    """packing.mode=online needs a pack size and a buffer that holds a pack; its cap on samples per pack
+    """packing.mode=online needs a buffer that holds a pack; its cap on samples per pack
     is online only (workers, token budgets, balancing and fixed cu_seqlens work online:
     data/batches/online.py)."""
     p = cfg.packing
     if p.mode != "online":
         if p.max_samples_per_pack is not None:
+            how = ("packs by the prepared plan (which records its own max_samples_per_bin)" if p.mode == "offline"
+                   else "packs train.micro_batch_size samples a row")
             return [f"packing.max_samples_per_pack ({p.max_samples_per_pack}) caps packs made at run time, but "
-                    "packing.mode=offline packs by the prepared plan (which records its own max_samples_per_bin); "
-                    "unset packing.max_samples_per_pack, or set packing.mode=online."]
+                    f"packing.mode={p.mode} {how}; unset packing.max_samples_per_pack, or set packing.mode=online."]
         return []
     problems = []
     if p.on_overflow == "split":
         problems.append("packing.on_overflow (split) cuts over-long samples into pieces in the offline plan, which "
                         "packing.mode=online does not make (it would truncate them instead); set "
                         "packing.on_overflow=truncate (or drop), or packing.mode=offline.")
-    if not p.offline:
-        problems.append("packing.mode (online) needs a pack size, but packing.packed_sequence_size is 0; "
-                        "set packing.packed_sequence_size=<tokens per pack, > 0>.")
-    if p.buffer_tokens is not None and p.offline and p.buffer_tokens < p.packed_sequence_size:
+    if p.buffer_tokens is not None and p.buffer_tokens < p.packed_sequence_size:
         problems.append(f"packing.buffer_tokens ({p.buffer_tokens}) must hold at least one pack "
                         f"(packing.packed_sequence_size={p.packed_sequence_size}); set "
                         f"packing.buffer_tokens={p.packed_sequence_size * 16} or leave it unset.")
@@ -187,14 +165,24 @@ def _validate_online_packing(cfg: Config) -> list[str]:
 def _validate_step_batches(cfg: Config) -> list[str]:
     """Token budgets and balancing work on packs (offline or online), not on in-batch rows."""
     problems = []
-    if cfg.train.global_batch_tokens is not None and not cfg.packing.offline:
-        problems.append(f"train.global_batch_tokens ({cfg.train.global_batch_tokens}) needs packs "
-                        "(packing.packed_sequence_size > 0, offline or online); set packing.packed_sequence_size "
-                        "or unset train.global_batch_tokens.")
-    if cfg.packing.balance == "dp" and not cfg.packing.offline:
-        problems.append("packing.balance (dp) needs offline packs, but packing.packed_sequence_size is 0; "
-                        "set packing.packed_sequence_size=<tokens per pack> or packing.balance=none.")
+    if cfg.train.global_batch_tokens is not None and not cfg.packing.makes_packs:
+        problems.append(f"train.global_batch_tokens ({cfg.train.global_batch_tokens}) needs packs (packing.mode "
+                        "offline or online), but packing.mode=in_batch; set packing.mode=offline or unset "
+                        "train.global_batch_tokens.")
+    if cfg.packing.balance == "dp" and not cfg.packing.makes_packs:
+        problems.append("packing.balance (dp) needs packs (packing.mode offline or online), but packing.mode=in_batch; "
+                        "set packing.mode=offline or packing.balance=none.")
     return problems
+
+
+def _validate_epochs(cfg: Config) -> list[str]:
+    """train.num_epochs needs the steps of an epoch counted before the run (the loader's ``num_steps``):
+    offline packs and in-batch micro-batches count them from the plan; online packs are made at run time."""
+    if cfg.train.num_epochs is not None and cfg.packing.mode == "online":
+        return [f"train.num_epochs ({cfg.train.num_epochs}) needs the packs of an epoch counted before the run, but "
+                "packing.mode=online makes them at run time (their number depends on the buffer); set "
+                "train.train_iters=<steps> train.num_epochs=null, or packing.mode=offline."]
+    return []
 
 
 def _validate_pad_cu_seqlens(cfg: Config) -> list[str]:
@@ -207,10 +195,10 @@ def _validate_pad_cu_seqlens(cfg: Config) -> list[str]:
 def _validate_cuda_graphs(cfg: Config) -> list[str]:
     """Captured graphs replay fixed shapes: packing must pad tokens and cu_seqlens to fixed sizes."""
     impl, scope = cfg.model.cuda_graph_impl, list(cfg.model.cuda_graph_scope)
-    if impl == "none" or not _packing_on(cfg):
+    if impl == "none":
         return []
-    if cfg.packing.in_batch:
-        return [f"model.cuda_graph_impl ({impl}) cannot capture in-batch packing (packing.in_batch=true gives a "
+    if cfg.packing.mode == "in_batch":
+        return [f"model.cuda_graph_impl ({impl}) cannot capture in-batch packing (packing.mode=in_batch gives a "
                 "different cu_seqlens every step); use offline packing with data.pad_to_max_length=true and "
                 "packing.pad_cu_seqlens=true, or set model.cuda_graph_impl=none."]
     problems = []
@@ -254,8 +242,8 @@ def _validate_pad_multiple(cfg: Config) -> list[str]:
 
 
 def _validate_packed_sizes(cfg: Config) -> list[str]:
-    """Pack size vs pad multiple, longest sample and model.seq_length (offline packing only)."""
-    if not cfg.packing.offline:
+    """Pack size vs pad multiple, longest sample and model.seq_length (packs: mode offline or online)."""
+    if not cfg.packing.makes_packs:
         return []
     problems = []
     size = cfg.packing.packed_sequence_size
@@ -435,7 +423,7 @@ def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[
         problems.append(f"packing.pad_cu_seqlens (True) needs max_samples_per_bin from {where}, which is missing "
                         f"(no metadata, or written without it); {redo}.")
     pack_size = meta.get("pack_size")
-    if cfg.packing.offline and pack_size is not None and pack_size != cfg.packing.packed_sequence_size:
+    if cfg.packing.makes_packs and pack_size is not None and pack_size != cfg.packing.packed_sequence_size:
         problems.append(f"packing.packed_sequence_size ({cfg.packing.packed_sequence_size}) does not match "
                         f"pack_size={pack_size} in {where}; set packing.packed_sequence_size={pack_size} or {redo}.")
     problems += _dataset_pad_problems(cfg, meta.get("pad_seq_to_mult"), where, redo)
@@ -449,7 +437,7 @@ def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[
 
 def _dataset_pad_problems(cfg: Config, planned: Optional[int], where: str, redo: str) -> list[str]:
     """The plan reserved room for padding to ``planned``; collate must not pad to more."""
-    if planned is None or not cfg.packing.offline:
+    if planned is None or not cfg.packing.makes_packs:
         return []
     cp, tp, sp = _layout(cfg)
     required = required_pad_multiple(cp, tp, sp)
@@ -469,7 +457,7 @@ def _dataset_pack_problems(cfg: Config, meta: dict[str, Any], where: str, redo: 
     """The plan's packs are padded to the pack multiple the run needs (model.fp8: a whole number of FP8 blocks
     per rank); a plan made without the recipe (or for a smaller CP) is refused with the prepare that fits."""
     planned = meta.get("pack_multiple", meta.get("pad_seq_to_mult"))
-    if planned is None or not cfg.packing.offline or cfg.model.fp8 == "none":
+    if planned is None or not cfg.packing.makes_packs or cfg.model.fp8 == "none":
         return []
     needed = effective_pack_multiple(cfg)
     if int(planned) % needed == 0:
@@ -503,7 +491,7 @@ def _validate_packing_strategy(cfg: Config) -> list[str]:
         problems.append(f"packing.split_overlap ({p.split_overlap}) only applies with packing.on_overflow=split "
                         f"(it is {p.on_overflow}); set packing.on_overflow=split or packing.split_overlap=0.")
     longest = min(p.max_single_sequence_length or p.packed_sequence_size, p.packed_sequence_size)
-    if p.on_overflow == "split" and p.offline and p.split_overlap >= longest:
+    if p.on_overflow == "split" and p.makes_packs and p.split_overlap >= longest:
         problems.append(f"packing.split_overlap ({p.split_overlap}) must be smaller than the longest piece "
                         f"({longest} tokens), or no piece would carry a new target; set packing.split_overlap="
                         f"{min(p.split_overlap, longest // 4)}.")
@@ -536,6 +524,10 @@ def _validate_packing_strategy(cfg: Config) -> list[str]:
     if p.bucket_order != "interleave" and p.buckets is None:
         problems.append(f"packing.bucket_order ({p.bucket_order}) needs length buckets; set packing.buckets=auto "
                         "(or boundaries such as [512,2048]) or packing.bucket_order=interleave.")
+    if p.mode != "offline" and (p.buckets is not None or p.bucket_order != "interleave"):
+        problems.append(f"packing.buckets ({p.buckets}) and packing.bucket_order ({p.bucket_order}) sort the packs of a "
+                        f"prepared plan into length buckets, but packing.mode={p.mode} makes its packs at run time "
+                        "(nothing to bucket); unset packing.buckets and packing.bucket_order, or set packing.mode=offline.")
     return problems
 
 
@@ -554,11 +546,10 @@ def _validate_evaluation(cfg: Config) -> list[str]:
         problems.append(f"data.validation ({d.validation}) cannot be used with data.sources: one validation file "
                         "has no sources to give a validation loss per source; set data.validation=null and "
                         "data.validation_fraction=0.05 (held out from every source).")
-    elif not cfg.packing.offline:
+    elif not cfg.packing.makes_packs:
         key = "data.validation" if d.validation is not None else "data.validation_fraction"
-        problems.append(f"{key} needs offline packing (validation packs are prepared like the training packs), but "
-                        "packing.packed_sequence_size is 0; set packing.packed_sequence_size=<tokens per pack> "
-                        f"or unset {key}.")
+        problems.append(f"{key} needs packs (validation packs are prepared like offline training packs), but "
+                        f"packing.mode=in_batch; set packing.mode=offline or unset {key}.")
     return problems
 
 
@@ -572,6 +563,7 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_in_batch_packing,
     _validate_online_packing,
     _validate_step_batches,
+    _validate_epochs,
     _validate_pad_cu_seqlens,
     _validate_cuda_graphs,
     _validate_pad_multiple,

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_pack.config.choices import NORMALIZATIONS
+
 
 class SequenceParallelNorm(torch.nn.Module):
     """RMSNorm or LayerNorm (``config.normalization``) whose parameters carry ``sequence_parallel``.
@@ -30,8 +32,8 @@ class SequenceParallelNorm(torch.nn.Module):
                  zero_centered_gamma: bool = False, normalization: str | None = None):
         super().__init__()
         self.normalization = normalization or config.normalization
-        if self.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(f"model.normalization ({self.normalization!r}) must be 'RMSNorm' or 'LayerNorm'.")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"model.normalization ({self.normalization!r}) must be one of {list(NORMALIZATIONS)}.")
         if config.layernorm_zero_centered_gamma or zero_centered_gamma:
             raise ValueError("zero-centred gamma is not supported by SequenceParallelNorm; "
                              "leave layernorm_zero_centered_gamma off.")

@@ -128,7 +128,7 @@ def slice_thd_batch(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dic
             f"Packed THD batches expect micro-batch size 1 for context-parallel slicing, got tokens of shape "
             f"{tuple(tokens.shape)}; set train.micro_batch_size=1 (offline packs), or pack a right-padded "
             "[B, S] batch into one row first with megatron_pack.data.in_batch.pack_batch_sequences "
-            "(packing.in_batch=true).")
+            "(packing.mode=in_batch).")
     num_tokens = tokens.shape[1]
     cu = _as_cu(batch["cu_seqlens_padded"])
     if int(cu[-1]) != num_tokens:

@@ -1,12 +1,13 @@
 """Atomic checkpoints: model and optimizer through torch distributed checkpointing (DCP), the
-rest (RNG states, sampler position, schedule) as one small per-rank file.
+rest (RNG states, loader position, optimizer state outside DCP) as one small per-rank file.
 
 Layout under ``checkpoint.save``::
 
     step_00000003/           one complete checkpoint
-        .metadata, *.distcp  DCP shards: "model/tp<r>/<param>" and "optim/tp<r>/<param>.<state>"
-        rank_00000.pt        per-rank state: RNG, sampler, schedule (torch.save of plain containers)
-        meta.json            step, world size and parallel layout
+        .metadata, *.distcp  DCP shards, every tensor by its global identity (resharding.py):
+                             "model.<param>", "optimizer.<exp_avg|exp_avg_sq>.<param>", "optimizer.step"
+        rank_00000.pt        per-rank state: RNG, loader, megatron-core's optimizer on GPU (torch.save of plain containers)
+        meta.json            step, world size and parallel layout, format, train state, settings
         manifest.json        every file above with its size and sha256, written last (checkpoint_files.py)
     latest                   the name of the newest complete checkpoint ("step_00000003")
 
@@ -16,9 +17,13 @@ Saving is atomic: every rank writes into ``tmp.step_00000003/``; after a barrier
 ``os.replace`` of a temporary file). A crash at any point leaves ``latest`` naming the previous
 complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Resume, ``export`` and
 ``verify`` check the manifest before they read a checkpoint; a resume passes over a damaged one to
-the newest intact one and says so (``collective_verify``). Replicas across DP and
-CP hold identical keys, so DCP writes each tensor once; TP shards carry their TP rank in the key,
-so a checkpoint is resumed with the same tensor-parallel size (checked, with a clear error).
+the newest intact one and says so (``collective_verify``). The trainer's
+checkpoints (``meta.json`` ``format``: ``SHARDED_FORMAT``) store each parameter and its AdamW
+state once, by global identity, so any layout reads them back: a run saved at TP2 x CP2 resumes at
+TP1, DP2 or any other (``load_sharded_checkpoint``; on GPU megatron-core's per-rank optimizer state
+resumes at the same layout only, checked with a clear error). Checkpoints of the older format
+(keys ``model/tp<r>/<param>``, ``save_checkpoint`` / ``load_checkpoint`` without ``sharded_state``)
+resume only at the tensor-parallel size that wrote them.
 
 Everything is read back with ``torch.load(..., weights_only=True)``, and DCP's ``.metadata`` (which torch
 unpickles with plain ``pickle.load``) through an allowlist of its own types: no arbitrary pickle.

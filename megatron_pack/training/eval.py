@@ -74,7 +74,8 @@ def num_eval_packs(num_packs: int, eval_iters: int, global_batch_size: int) -> i
 
 
 class ValidationLoader:
-    """This DP rank's share of the first ``num_packs`` validation packs, as THD batches, in order."""
+    """This DP rank's share of the first ``num_packs`` validation packs, as THD batches, in order: a
+    ``protocol.BatchLoader`` whose step is one evaluation (always the same packs, so nothing to resume)."""
 
     def __init__(self, dataset, collate: Callable, *, num_packs: int, dp_rank: int, dp_size: int):
         self.dataset, self.collate = dataset, collate
@@ -82,9 +83,16 @@ class ValidationLoader:
         self.num_packs = num_packs
 
     @property
+    def info(self):
+        """The dataset's ``protocol.LoaderInfo`` (its source names give the per-source validation loss)."""
+        from megatron_pack.data.batches.protocol import loader_info
+
+        return loader_info(self.dataset.metadata)
+
+    @property
     def source_names(self) -> list[str]:
         """The dataset's data.sources names (the same on every rank; empty for a single input)."""
-        return list(getattr(self.dataset, "source_names", []))
+        return list(self.info.source_names)
 
     def __iter__(self):
         for i in self.indices:
@@ -92,6 +100,30 @@ class ValidationLoader:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def begin_step(self):
+        """One evaluation: this rank's validation packs."""
+        from megatron_pack.data.batches.protocol import StepInfo
+
+        return StepInfo(num_microbatches=len(self.indices))
+
+    def state_dict(self) -> dict:
+        return {"kind": "validation", "num_packs": self.num_packs}
+
+    def load_state_dict(self, state) -> None:
+        if state.get("kind") != "validation" or state.get("num_packs") != self.num_packs:
+            raise ValueError(f"loader state {dict(state)!r} is not this validation loader's ({self.num_packs} packs).")
+
+    @property
+    def epoch(self) -> float:
+        return 0.0  # every evaluation reads the same packs: no position to move
+
+    @property
+    def packs_per_epoch(self) -> int:
+        return self.num_packs
+
+    def num_steps(self, num_epochs: int) -> int:
+        return num_epochs
 
 
 def build_validation_loader(cfg, state, dataset) -> Optional[ValidationLoader]:

@@ -4,10 +4,10 @@ One optimizer step on every rank:
 
 1. ``ddp.zero_grad_buffer()``;
 2. ``num_microbatches = train.global_batch_size / (dp * micro_batch_size)`` forward/backward passes,
-   each on one THD row: an offline pack (micro_batch_size 1) or, with ``packing.in_batch``,
-   micro_batch_size samples packed at collate (or as many as the loader's ``begin_step()`` plans:
-   a token budget, a balanced deal, online packs) (``forward_step``: next row, this CP rank's slice,
-   ``PackedSeqParams``), backward on the
+   each on one THD row: a pack, offline or online (micro_batch_size 1), or with
+   ``packing.mode=in_batch`` micro_batch_size samples packed at collate (or as many as the
+   loader's ``begin_step()`` plans: a token budget, a balanced deal, online packs)
+   (``forward_step``: next row, this CP rank's slice, ``PackedSeqParams``), backward on the
    pack's loss SUM. Nothing divides by the number of micro-batches, CP or DP size. On GPU this
    is megatron-core's ``get_forward_backward_func()``; on CPU :func:`forward_backward_cpu` runs
    the same logic without its CUDA-only pieces;
@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,31 +40,21 @@ from megatron_pack.config.schema import Config
 from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
-from megatron_pack.data.batches.sampler import PackLoader
 from megatron_pack.data.batches.online import single_rank
+from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
 from megatron_pack.training.resume import (DATA_SETTINGS, _check_resume_peft, changed_settings,  # noqa: F401
                                            check_resume, check_resume_settings, checkpoint_dirs, layout_meta,
-                                           resolve_train_iters, resume_choice, run_settings, save_dir)
+                                           planned_train_iters, resolve_train_iters, resume_choice, run_settings,
+                                           save_dir)
 from megatron_pack.training.signals import StopRequest
 
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
 """logging.log_sample_ids lines; INFO on every rank (each DP rank reads other packs), see cli/train.py."""
-
-
-class ResumableLoader(Protocol):
-    """What the loop needs of a loader (``PackLoader``, or a test's list of batches): THD batches
-    in order, and a state that resumes at the next one."""
-
-    def __iter__(self) -> Iterator[dict]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclass
@@ -172,11 +162,11 @@ class Trainer:
     model: torch.nn.Module
     optimizer: Any
     schedule: LRSchedule
-    loader: ResumableLoader
+    loader: BatchLoader
     forward_step_func: Callable
     train_iters: int = 0
     """Optimizer steps of the run (train.train_iters, or derived from train.num_epochs)."""
-    validation: Any = None
+    validation: Optional[BatchLoader] = None
     """This DP rank's validation loader (``eval.ValidationLoader``) or None."""
     plan_fingerprint: Optional[str] = None
     step: int = 0
@@ -185,8 +175,8 @@ class Trainer:
     """Sample ids of every pack this rank consumed, per step (in this process)."""
     history: list[StepMetrics] = field(default_factory=list)
     """Metrics of every step run in this process."""
-    step_info: Optional[Any] = None
-    """The loader's plan of the current step (``begin_step()``), when it plans steps."""
+    step_info: StepInfo = field(default_factory=StepInfo)
+    """The loader's plan of the current step (``begin_step()``)."""
     num_buckets: int = 0
     """Length buckets of the dataset (packing.buckets; 0: no per-bucket metrics)."""
     source_names: list[str] = field(default_factory=list)
@@ -219,9 +209,10 @@ class Trainer:
         token-weighted mean loss of the global batch. Returns the global counts and this rank's packs."""
         if self.data_iterator is None:
             self.data_iterator = RecordingIterator(self.loader)
-        begin_step = getattr(self.loader, "begin_step", None)  # planned steps (steps.py, online.py)
-        self.step_info = begin_step() if begin_step is not None else None
-        num_microbatches = self.step_info.num_microbatches if self.step_info else self.num_microbatches
+        self.step_info = self.loader.begin_step()
+        num_microbatches = self.step_info.num_microbatches
+        if num_microbatches is None:  # a loader that plans nothing (BatchList): the config's fixed count
+            num_microbatches = self.num_microbatches
         self.model.zero_grad_buffer()
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model=self.model, num_microbatches=num_microbatches, state=self.state,
@@ -266,20 +257,16 @@ class Trainer:
                               consumed_target_tokens=self.consumed_target_tokens,
                               elapsed_s=self.elapsed_before_s + now - self._start,
                               eta_s=(now - self._start) / done * max(0, self.train_iters - self.step),
-                              imbalance_before=getattr(self.step_info, "imbalance_before", None),
-                              imbalance_after=getattr(self.step_info, "imbalance_after", None),
+                              imbalance_before=self.step_info.imbalance_before,
+                              imbalance_after=self.step_info.imbalance_after,
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
                               source_target_share=source_share)
         self.history.append(metrics)
         return metrics
 
-    def epoch(self) -> Optional[float]:
-        """Epochs completed, fractional (from the pack sampler's position); None without a sampler."""
-        sampler = getattr(self.loader, "sampler", None)
-        if sampler is None or not hasattr(sampler, "num_packs_per_epoch"):
-            return None
-        per_epoch = sampler.num_packs_per_epoch * sampler.dp_size
-        return sampler.epoch + (sampler.consumed / per_epoch if per_epoch else 0.0)
+    def epoch(self) -> float:
+        """Epochs completed, fractional (the loader's position)."""
+        return self.loader.epoch
 
     def evaluate(self):
         """Validation loss over the validation packs (``eval.evaluate``); None without a validation set."""
@@ -288,8 +275,8 @@ class Trainer:
         from megatron_pack.training.eval import evaluate
 
         result = evaluate(self.model, self.validation, forward_step_func=self.forward_step_func,
-                          group=self.state.dp_cp_group, num_packs=self.validation.num_packs,
-                          source_names=getattr(self.validation, "source_names", []))
+                          group=self.state.dp_cp_group, num_packs=self.validation.packs_per_epoch,
+                          source_names=self.validation.info.source_names)
         self.val_history.append([self.step, result.loss])
         return result
 
@@ -443,30 +430,28 @@ class Trainer:
         self.data_iterator = None
 
 
-def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> PackLoader:
+def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -> BatchLoader:
     """This DP rank's loader (``megatron_pack.data.batches.loader.build_loader``) for ``state``'s ranks.
     Online packing reports each DP rank's shard accounting once (its TP/CP rank 0); the rest, rank 0.
     Online steps are decided over ``state.dp_group`` (every CP/TP rank's DP group decides the same)."""
     announce = state.rank == 0
     if cfg.packing.mode == "online":
         announce = state.tp_rank == 0 and state.cp_rank == 0
-    loader = loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
-                                     pin_memory=state.device.type == "cuda", announce=announce,
-                                     gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
-    loader.plan_fingerprint = dataset.metadata.get("fingerprint")  # what a resume compares (run_settings)
-    return loader
+    return loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
+                                   pin_memory=state.device.type == "cuda", announce=announce,
+                                   gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
 
 
-def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
+def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                   forward_step_func: Optional[Callable] = None, validation=None) -> Trainer:
-    """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` yields full THD packs
-    for this DP rank and has ``state_dict()`` / ``load_state_dict()`` (resume at the next pack);
-    ``validation`` is this DP rank's ``eval.ValidationLoader`` (or None)."""
+    """Model (seeded by ``train.seed``), DDP, optimizer, schedule; ``loader`` is this DP rank's
+    ``protocol.BatchLoader`` of full THD packs (``begin_step()`` plans each step, ``state_dict()`` /
+    ``load_state_dict()`` resume at the next one); ``validation`` is this DP rank's
+    ``eval.ValidationLoader`` (or None)."""
     from megatron_pack.model.builder import build_model
     from megatron_pack.training.step import forward_step
 
-    sampler = getattr(loader, "sampler", None)
-    train_iters = resolve_train_iters(cfg, getattr(sampler, "num_packs", None), state.dp_size)
+    train_iters = resolve_train_iters(cfg, loader)
     model = build_model(cfg, state)
     if cfg.train.bf16:  # megatron-core's bf16 wrapper: casts inputs, keeps fp32 main grads
         from megatron.core.transformer.module import Float16Module
@@ -476,13 +461,11 @@ def build_trainer(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
     ddp = wrap_ddp(cfg, model, state)
     optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
                                 device=state.device.type, dp_group=state.dp_group)
-    dataset = getattr(loader, "dataset", None)  # the breakdowns need the same sizes on every rank
-    num_buckets = len(dataset.metadata.get("buckets", {}).get("per_bucket", [])) if dataset is not None else 0
+    info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg, train_iters),
                    loader=loader, forward_step_func=forward_step_func or forward_step, train_iters=train_iters,
-                   validation=validation, plan_fingerprint=getattr(loader, "plan_fingerprint", None),
-                   num_buckets=num_buckets,
-                   source_names=list(getattr(dataset, "source_names", [])) if dataset is not None else [])
+                   validation=validation, plan_fingerprint=info.fingerprint, num_buckets=info.num_buckets,
+                   source_names=list(info.source_names))
 
 
 def _log_parameter_counts(model: torch.nn.Module, state) -> None:
@@ -527,7 +510,7 @@ def start_or_resume(cfg: Config, trainer: Trainer) -> Optional[Path]:
     return resume
 
 
-def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
+def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                  forward_step_func: Optional[Callable] = None, validation=None) -> Trainer:
     """Train to the run's last step (``train.train_iters`` or ``train.num_epochs``; or
     ``train.exit_after_iters`` steps in this process), resuming from the newest checkpoint when
@@ -599,10 +582,10 @@ def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
         lines.append(f"lm loss: first {first['lm_loss']:.4f} (step {first['step']}) -> "
                      f"last {last['lm_loss']:.4f} (step {last['step']})")
         lines += _summary_totals(records)
-    if getattr(dataset, "plan_dir", None) is not None:  # online packing and in-batch packing have no plan
+    if dataset.plan_dir is not None:  # online packing and in-batch packing have no plan
         plan = Path(dataset.plan_dir)
         lines.append(f"packing report: {plan / 'report.json'} and {plan / 'report.png'}")
-    elif cfg.packing.in_batch:
+    elif cfg.packing.mode == "in_batch":
         lines.append(f"in-batch packing: micro-batches of {cfg.train.micro_batch_size} samples packed at collate "
                      f"(no offline plan, so no packing report)")
     lines += [f"metrics: {out / 'metrics.jsonl'}",

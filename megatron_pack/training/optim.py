@@ -2,12 +2,17 @@
 
 On CPU the optimizer is ``torch.optim.AdamW`` over the gradients megatron-core's
 ``DistributedDataParallel`` leaves in ``param.main_grad`` (already summed over DP x CP and
-scaled once by ``1 / global target tokens`` in ``finalize_model_grads``). On GPU it is
-megatron-core's optimizer (``get_megatron_optimizer``), which reads ``main_grad`` itself.
+scaled once by ``1 / global target tokens`` in ``finalize_model_grads``): :class:`TrainOptimizer`,
+or with ``ddp.use_distributed_optimizer`` :class:`ShardedTrainOptimizer` (the same AdamW, its state
+and update sharded over DP). On GPU it is megatron-core's optimizer (``get_megatron_optimizer``),
+which reads ``main_grad`` itself: :class:`MegatronTrainOptimizer`.
 
-Both sit behind :class:`TrainOptimizer`: ``step(lr) -> grad_norm`` clips, steps and clears the
-gradients; ``named_state()`` / ``load_named_state()`` expose the AdamW moments keyed by parameter
-name for checkpoints.
+All three answer ``step(lr) -> grad_norm`` (clip, step at ``lr``, clear the gradients). A
+checkpoint stores ``checkpoint_tensors()``: on CPU the AdamW moments shaped like this rank's
+parameter shards (gathered over DP when sharded), keyed by parameter name, which
+``training/resharding.py`` writes by global identity with the parameters (any layout resumes
+them); and ``rank_state()``: on GPU megatron-core's whole per-rank state (its
+``checkpoint_tensors()`` is empty; the same layout resumes it), None on CPU.
 
 The gradient norm counts every parameter once across tensor-parallel ranks: a TP-sharded weight
 contributes each rank's shard, a replicated one (a norm, a bias of a row-parallel layer) only

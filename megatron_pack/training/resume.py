@@ -27,24 +27,37 @@ from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.training.checkpoint_files import SHARDED_FORMAT, choose_checkpoint, read_meta, sizes_only
 
 
-def resolve_train_iters(cfg: Config, num_packs: Optional[int], dp_size: int) -> int:
-    """Optimizer steps of the run: ``train.train_iters``, or ``train.num_epochs`` passes over the
-    packs a DP size of ``dp_size`` trains per epoch (``num_packs - num_packs % dp_size``: the
-    sampler's drop_last) in global batches. Example: 103 packs, dp 2, global batch 8, 2 epochs ->
-    2 * 102 // 8 = 25 steps."""
+def resolve_train_iters(cfg: Config, steps) -> int:
+    """Optimizer steps of the run: ``train.train_iters``, or the steps ``train.num_epochs`` epochs take
+    (``steps``: a ``protocol.BatchLoader`` or the ``steps.StepPlanner`` of ``loader.step_planner``, whose
+    ``num_steps`` counts them: 103 packs, dp 2, global batch 8, 2 epochs -> 2 * 102 // 8 = 25 steps)."""
     t = cfg.train
     if t.train_iters is not None:
         return t.train_iters
-    if num_packs is None:
-        raise ValueError("train.num_epochs needs the pack loader (build_loader) to count packs per epoch; "
-                         "set train.train_iters instead with another loader.")
-    per_epoch = num_packs - num_packs % dp_size
-    iters = t.num_epochs * per_epoch // t.global_batch_size
+    iters = steps.num_steps(t.num_epochs)
+    if iters is None:  # validate() refuses train.num_epochs with packing.mode=online
+        raise ConfigError([f"train.num_epochs ({t.num_epochs}) needs the steps of an epoch counted up front, which "
+                           "this loader does not do; set train.train_iters instead."])
     if iters < 1:
-        raise ConfigError([f"train.num_epochs ({t.num_epochs}) over {per_epoch} packs per epoch is less than one "
-                           f"global batch (train.global_batch_size={t.global_batch_size}); raise train.num_epochs, "
-                           "lower train.global_batch_size, or prepare more data."])
+        batch = (f"train.global_batch_tokens={t.global_batch_tokens}" if t.global_batch_tokens is not None
+                 else f"train.global_batch_size={t.global_batch_size}")
+        raise ConfigError([f"train.num_epochs ({t.num_epochs}) over {steps.packs_per_epoch} packs per epoch is less "
+                           f"than one global batch ({batch}); raise train.num_epochs, lower "
+                           f"{batch.split('=')[0]}, or prepare more data."])
     return iters
+
+
+def planned_train_iters(cfg: Config, dataset, world_size: int) -> int:
+    """The run's steps (``resolve_train_iters``) for the opened ``dataset`` on ``world_size`` ranks,
+    counted before any process group starts, so ``train.num_epochs`` is refused (``ConfigError``,
+    one line) before ``build_trainer``. Online packing has ``train.train_iters`` (validate())."""
+    from megatron_pack.data.batches import loader as loader_lib
+    from megatron_pack.parallel.dims import ParallelDims
+
+    if cfg.train.train_iters is not None:
+        return cfg.train.train_iters
+    dp_size = ParallelDims.from_config(cfg, world_size).dp
+    return resolve_train_iters(cfg, loader_lib.step_planner(cfg, dataset, dp_size))
 
 
 def run_settings(cfg: Config, train_iters: int, plan_fingerprint: Optional[str]) -> dict[str, Any]:
@@ -154,12 +167,14 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
       per-tensor-parallel-rank format, or a GPU run (megatron-core's optimizer state is per rank);
       a layout-free checkpoint resumes at any layout on CPU;
     - online packing at another data-parallel size or ``data.num_workers`` (its shards depend on both);
-    - with ``dataset`` (the opened training plan): a full resume with changed lr, schedule,
-      optimizer, global batch, seed or data plan, unless ``checkpoint.allow_changed``.
+    - with ``dataset`` (the opened training plan): ``train.num_epochs`` that gives less than one
+      step (``planned_train_iters``), and a full resume with changed lr, schedule, optimizer,
+      global batch, seed or data plan, unless ``checkpoint.allow_changed``.
 
     A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
     from megatron_pack.parallel.dims import ParallelDims
 
+    iters = planned_train_iters(cfg, dataset, world_size) if dataset is not None else None
     choice = resume_choice(cfg)
     if notes is not None:
         notes += choice.skipped
@@ -193,8 +208,6 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
         if problem:
             raise ConfigError([f"cannot resume from {resume}: {problem}"])
     if dataset is not None and kind == "resume":
-        num_packs = len(dataset) if hasattr(dataset, "__len__") else None  # online packing: no count up front
-        iters = resolve_train_iters(cfg, num_packs, dims.dp)
         check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
     return resume
 

@@ -1,4 +1,4 @@
-"""packing.in_batch=true trains end to end (issue 11): micro-batches of samples from the token store,
+"""packing.mode=in_batch trains end to end (issue 11): micro-batches of samples from the token store,
 packed at collate with the CP pad multiple, per-token loss. Losses equal at CP=1 and CP=2, equal to an
 offline-packed run (collate_thd) on the same samples in the same micro-batches, and the first step's loss
 equal to a float64 per-sample replay of the same initial model with no packing at all."""
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _overrides(ds: str, out: str, cp: int, *extra: str) -> list[str]:
-    return [f"data.dataset_dir={ds}", "packing.in_batch=true", "packing.packed_sequence_size=0",
+    return [f"data.dataset_dir={ds}", "packing.mode=in_batch",
             f"train.micro_batch_size={MBS}", f"train.global_batch_size={GBS}", f"train.train_iters={NUM_STEPS}",
             "train.lr_warmup_iters=1", f"train.output_dir={out}", "checkpoint.enabled=false",
             "logging.tensorboard=false", f"parallel.context_parallel_size={cp}", "parallel.backend=gloo",

@@ -16,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -114,11 +115,16 @@ def test_readme_commands_from_a_fresh_clone(tmp_path):
 
 
 def test_readme_commands_from_a_wheel_in_another_folder(tmp_path):
-    """A non-editable install: the presets must come from inside the package."""
+    """A non-editable install: the presets (configs/ of the repository) must come from inside the package."""
     build = _copy_tree(tmp_path / "src")
     subprocess.run([str(PY), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path / "dist"), str(build)], check=True, capture_output=True, timeout=600)
     wheel = next((tmp_path / "dist").glob("megatron_pack-*.whl"))
+    with zipfile.ZipFile(wheel) as built:  # every preset of configs/ is package data of the wheel
+        shipped = {n.split("megatron_pack/config/presets/", 1)[1] for n in built.namelist()
+                   if n.startswith("megatron_pack/config/presets/")}
+    assert shipped == {str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("**/*.yaml")}
+    assert len(shipped) >= 15 and "config.yaml" in shipped
     venv = tmp_path / "venv"
     base = subprocess.run([str(PY), "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True,
                           check=True).stdout.strip()

@@ -54,7 +54,7 @@ def _train(rank: int, world_size: int, tmp: str) -> dict:
     state = initialize_parallel(cfg)
     dataset = PackedSFTDataset.from_config(cfg)
     loader = build_loader(cfg, state, dataset)
-    order = loader.sampler.epoch_order(0)[:STEPS * GBS]
+    order = loader.planner.epoch_order(0)[:STEPS * GBS]
     validation = build_validation_loader(cfg, state, open_validation(cfg, dataset))
     trainer = run_training(cfg, state, loader, validation=validation)
     last = trainer.history[-1]  # every run evaluates at its last step

@@ -37,6 +37,13 @@ TYPOS = [
     ("synonym-hf", ["max_steps=10"], "unknown key 'max_steps'", "did you mean 'train.train_iters'?"),
     ("group-no-close-field", ["train.foo=1"], "unknown key 'train.foo'", "keys of train: micro_batch_size"),
     ("unknown-group", ["xyz.abc=1"], "unknown key 'xyz.abc'", "with a group among"),
+    # issue 23 item 5: packing.mode is the one packing switch; the old keys name it
+    ("retired-in-batch", ["packing.in_batch=true"], "unknown key 'packing.in_batch'",
+     "did you mean 'packing.mode=in_batch'? packing.in_batch was replaced by packing.mode"),
+    ("retired-in-batch-off", ["packing.in_batch=false"], "unknown key 'packing.in_batch'",
+     "did you mean 'packing.mode=offline'?"),
+    ("pack-size-0-is-no-switch", ["packing.packed_sequence_size=0"], "packing.packed_sequence_size (0) no longer turns",
+     "set packing.mode=in_batch"),
 ]
 
 
@@ -55,6 +62,14 @@ def test_suggestion_never_raises_whatever_the_key(key):
 
     message = _unknown_key(f"{key}=1", key, _all_keys(), ["model", "data", "experiment"])
     assert message.startswith(f"{key}=1: unknown key '{key}'") and ("did you mean" in message or "keys " in message)
+
+
+def test_retired_key_in_a_yaml_file_names_the_new_spelling(tmp_path):
+    (tmp_path / "run.yaml").write_text("packing:\n  in_batch: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config([f"experiment={tmp_path / 'run.yaml'}"])
+    assert len(info.value.problems) == 1 and "\n" not in info.value.problems[0]
+    assert "did you mean 'packing.mode=in_batch'?" in info.value.problems[0]
 
 
 def test_min_lr_defaults_to_a_tenth_of_lr():
@@ -158,11 +173,14 @@ def test_config_to_yaml_round_trips():
     assert Config(**{k: type(getattr(cfg, k))(**v) for k, v in loaded.items()}) == cfg
 
 
-def test_presets_ship_inside_the_package():
-    """issue 11 item 9: the presets are package data (a wheel install has them), not a repo folder."""
+def test_presets_are_the_configs_folder_of_the_checkout():
+    """issue 23 item 6: the presets live in configs/ at the top of the repository (DESIGN.md's layout), apart
+    from library code; a wheel carries them as package data (tests/functional/test_readme_commands.py)."""
     import megatron_pack
 
-    assert config_dir() == Path(megatron_pack.__file__).resolve().parent / "config" / "presets"
+    root = Path(megatron_pack.__file__).resolve().parents[1]
+    assert config_dir() == root / "configs"
+    assert not (root / "megatron_pack" / "config" / "presets").exists()
     assert {"model", "data", "parallel", "experiment"} <= set(presets(config_dir()))
     assert (config_dir() / "config.yaml").is_file() and "quickstart" in presets(config_dir())["experiment"]
 

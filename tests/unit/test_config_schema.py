@@ -25,7 +25,10 @@ FIELD_CASES = [  # (id, group, fields, fragments of the problem; () = valid)
     ("data-files", "data", dict(source="files", input="/x.jsonl"), ()),
     ("data-workers-zero-ok", "data", dict(num_workers=0), ()),
     ("data-workers-negative", "data", dict(num_workers=-1), ("data.num_workers (-1) must be a non-negative integer",)),
-    ("packing-off", "packing", dict(packed_sequence_size=0), ()),
+    # issue 23 item 5: packing.mode is the one switch; a pack size of 0 no longer turns packing off
+    ("packing-off-is-refused", "packing", dict(packed_sequence_size=0),
+     ("packing.packed_sequence_size (0) no longer turns offline packing off", "set packing.mode=in_batch")),
+    ("packing-in-batch", "packing", dict(mode="in_batch"), ()),
     ("packing-negative", "packing", dict(packed_sequence_size=-8), ("packing.packed_sequence_size (-8)",)),
     ("packing-pad-zero", "packing", dict(pad_seq_to_mult=0), ("packing.pad_seq_to_mult (0)",)),
     ("packing-algorithm", "packing", dict(algorithm="greedy"), ("packing.algorithm ('greedy')", "set packing.algorithm=bfd")),

@@ -178,7 +178,7 @@ def test_validate_refuses_a_pack_size_off_the_rule(overrides, fragment):
 def test_in_batch_and_online_follow_the_rule():
     from megatron_pack.data.batches.loader import collate_from_config
 
-    cfg = load_config(["model.fp8=mxfp8", "packing.in_batch=true", "packing.packed_sequence_size=0",
+    cfg = load_config(["model.fp8=mxfp8", "packing.mode=in_batch",
                        "train.micro_batch_size=2", "parallel=cp2"])
     collate = collate_from_config(cfg, {"pad_id": 0})
     batch = collate([{"input_ids": [5, 6, 2], "loss_mask": [0, 1, 1]}, {"input_ids": [7, 2], "loss_mask": [0, 1]}])

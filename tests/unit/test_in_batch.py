@@ -125,7 +125,7 @@ def test_in_batch_properties(lengths, multiple):
     assert out["tokens"][0][real].tolist() == expected and int(real.sum()) == sum(lengths) > 0
 
 
-# ---- collate_in_batch: the collate of packing.in_batch=true (issue 11, "in-batch packing must train") ----
+# ---- collate_in_batch: the collate of packing.mode=in_batch (issue 11, "in-batch packing must train") ----
 
 def test_collate_in_batch_hand_computed():
     from megatron_pack.data.batches.in_batch import collate_in_batch
@@ -173,7 +173,7 @@ def test_micro_batch_dataset_keeps_every_sample_once(tmp_path):
     ds = tmp_path / "ds"
     assert main(["prepare", "data=synthetic", "data.synthetic_num_samples=50", "data.tokenize_workers=1",
                  f"data.dataset_dir={ds}", "packing.packed_sequence_size=256"]) == 0
-    cfg = load_config([f"data.dataset_dir={ds}", "packing.in_batch=true", "packing.packed_sequence_size=0",
+    cfg = load_config([f"data.dataset_dir={ds}", "packing.mode=in_batch",
                        "train.micro_batch_size=4", "train.global_batch_size=8", "model.seq_length=256",
                        "parallel.context_parallel_size=2"])
     dataset = open_dataset(cfg)

@@ -196,39 +196,37 @@ def test_loading_a_config_does_not_import_torch():
     assert out.stdout.split() == ["8", "False"], out.stdout + out.stderr
 
 
-# key, its value list in config.choices, the schema group and field
-VALUE_LISTS = [
-    ("packing.algorithm", "PACKING_ALGORITHMS"),
-    ("verify.attention", "ATTENTION_MODES"),
-    ("parallel.cp_comm_type", "CP_COMM_TYPES"),
-    ("model.fp8", "FP8_RECIPES"),
-]
+# every key with a fixed set of values and its list in config.choices (issue 23 item 5: one list per key)
+from megatron_pack.config.choices import CHOICES  # noqa: E402
+
+VALUE_LISTS = sorted(CHOICES.items())
+WITH = {"model.recompute_method": dict(recompute_granularity="full")}
+"""Fields a key's values need set to validate at all."""
 
 
-@pytest.mark.parametrize("key,name", VALUE_LISTS, ids=[k for k, _ in VALUE_LISTS])
-def test_value_list_is_what_the_schema_accepts_and_the_docs_name(key, name):
-    from megatron_pack.config import GROUPS, ConfigError, choices
+@pytest.mark.parametrize("key,values", VALUE_LISTS, ids=[k for k, _ in VALUE_LISTS])
+def test_value_list_is_what_the_schema_accepts_and_the_docs_name(key, values):
+    from megatron_pack.config import GROUPS, ConfigError
 
-    values = getattr(choices, name)
     assert len(values) >= 2
     group, field = key.split(".")
     for value in values:
-        GROUPS[group](**{field: value})  # every listed value validates
+        GROUPS[group](**{field: value}, **WITH.get(key, {}))  # every listed value validates
     with pytest.raises(ConfigError, match=f"must be one of {list(values)}".replace("[", r"\[").replace("+", r"\+")):
-        GROUPS[group](**{field: "not_a_value"})
+        GROUPS[group](**{field: "not_a_value"}, **WITH.get(key, {}))
     row = next(line for line in (ROOT / "docs/configuration.md").read_text().splitlines() if line.startswith(f"| `{key}` |"))
     assert all(f"'{v}'" in row for v in values), f"docs/configuration.md's {key} row must name every value: {row}"
 
 
 def test_value_lists_are_defined_once():
-    """The consumers use the config list itself, not a copy of its values."""
+    """The consumers use the config list itself, not a copy of its values (schema.py writes none inline)."""
     from megatron_pack.config import choices
     from megatron_pack.data.packing import algorithms
     from megatron_pack.model import attention
 
     assert algorithms.ALGORITHMS is choices.PACKING_ALGORITHMS
     assert attention.ATTENTION_MODES is choices.ATTENTION_MODES
-    literals = {tuple(getattr(choices, n)) for n, _ in [(v, k) for k, v in VALUE_LISTS]}
+    literals = {tuple(values) for values in CHOICES.values()} | {choices.CUDA_GRAPH_SCOPES, choices.CHAT_ROLES}
     found = []
     for f in (ROOT / "megatron_pack").rglob("*.py"):
         if f.name == "choices.py":
@@ -238,6 +236,10 @@ def test_value_lists_are_defined_once():
                 if tuple(e.value for e in node.elts) in literals:
                     found.append(f"{f.relative_to(ROOT)}:{node.lineno}")
     assert not found, f"value lists written again (import them from megatron_pack.config.choices): {found}"
+    schema = ast.parse((ROOT / "megatron_pack/config/schema.py").read_text())
+    inline = [n.lineno for n in ast.walk(schema) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "_choice"
+              and any(isinstance(a, (ast.Tuple, ast.List)) for a in n.args)]
+    assert not inline, f"schema.py lines {inline} pass a choice list inline; name it in config/choices.py CHOICES"
 
 
 @pytest.mark.parametrize("algorithm", ["bfd", "ffd", "first_fit_shuffle", "sequential"])

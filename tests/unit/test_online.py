@@ -79,12 +79,33 @@ def test_best_fit_decreasing_with_a_sample_cap_by_hand(lengths, capacity, cap, e
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 16), min_size=1, max_size=3000), cap=st.integers(1, 9))
 def test_capped_bins_hold_every_item_once_within_both_limits(lengths, cap):
-    """Also above SMALL_BUFFER items, where the uncapped path hands over to the vectorised planner."""
+    """Also above SMALL_PLAN items, where the rule runs on the vectorised planner."""
     bins, loads = best_fit_decreasing(np.asarray(lengths), 16, cap)
     members = np.concatenate(bins)
     assert sorted(members.tolist()) == list(range(len(lengths)))
     assert max(len(b) for b in bins) <= cap and int(loads.max()) <= 16
     assert loads.tolist() == [sum(lengths[i] for i in b.tolist()) for b in bins]
+
+
+@pytest.mark.parametrize("on_overflow", ["drop", "truncate"])
+def test_online_stream_keeps_truncates_and_drops_what_the_offline_plan_does(prepared, on_overflow):
+    """One ``rules.select`` (issue 23 item 2): a store read online keeps the offline plan's samples, ids and counts."""
+    from megatron_pack.data.packing.online import StoreStream
+    from megatron_pack.data.packing.plan import select_samples
+    from megatron_pack.data.store.metadata import read_metadata
+    from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
+
+    folder = prepared.data.dataset_dir
+    store = TokenStore(folder, read_metadata(folder, STORE_FORMAT, STORE_FORMAT_VERSION))
+    settings = PlanSettings(pack_size=64, pad_multiple=4, algorithm="online", seed=0, on_overflow=on_overflow,
+                            max_length=48)
+    offline = select_samples(store, settings)
+    chunk = StoreStream(store, settings, shard=0, num_shards=1, seed=3).next_chunk(len(store))
+    assert chunk.end_of_epoch and chunk.num_read == len(store)
+    assert dict(zip(chunk.ids.tolist(), chunk.num_ids.tolist())) == dict(zip(offline.kept.tolist(),
+                                                                             offline.num_ids.tolist()))
+    assert chunk.dropped == offline.dropped and chunk.num_truncated == offline.num_truncated
+    assert sum(offline.dropped.values()) + offline.num_truncated > 10  # guard: the rules really acted
 
 
 @pytest.mark.parametrize("cap", [None, 3], ids=["bound", "cap3"])

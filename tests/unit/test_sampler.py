@@ -1,4 +1,4 @@
-"""PackSampler / PackLoader: order tables, DP sharding, and resume at the exact next consumed pack."""
+"""PackSampler / the offline StepLoader: order tables, DP sharding, and resume at the exact next step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_pack.data.batches.sampler import PackSampler, build_pack_loader
+from megatron_pack.data.batches.sampler import EpochOrder, PackSampler
+from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule
 from megatron_pack.data.batches.thd import make_collate_fn
 
 
@@ -126,8 +127,19 @@ class _Packs:
 
 
 def _consume(loader, n):
-    iterator = iter(loader)
-    return [next(iterator)["sample_ids"].tolist() for _ in range(n)]
+    """``n`` steps of one pack per rank, as the training loop reads them (``begin_step`` first)."""
+    iterator, out = iter(loader), []
+    for _ in range(n):
+        assert loader.begin_step().num_microbatches == 1
+        out.append(next(iterator)["sample_ids"].tolist())
+    return out
+
+
+def build_pack_loader(dataset, collate, sampler: PackSampler, num_workers: int) -> StepLoader:
+    """The offline loader of a fixed global batch of one pack per DP rank, dealt as ``sampler`` deals."""
+    planner = StepPlanner(None, EpochOrder(sampler.num_packs, sampler.seed), StepRule(
+        dp_size=sampler.dp_size, global_batch_size=sampler.dp_size))
+    return StepLoader(dataset, collate, planner, dp_rank=sampler.dp_rank, seed=sampler.seed, num_workers=num_workers)
 
 
 @pytest.mark.slow

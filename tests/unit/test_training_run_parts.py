@@ -51,14 +51,24 @@ def _cfg(**train) -> Config:
 def test_resolve_train_iters(train, num_packs, dp, expected):
     from megatron_pack.training.loop import resolve_train_iters
 
-    assert resolve_train_iters(_cfg(**train), num_packs, dp) == expected
+    cfg = _cfg(**train)
+    assert resolve_train_iters(cfg, _fixed_steps(cfg, num_packs, dp)) == expected
+
+
+def _fixed_steps(cfg, num_packs, dp):
+    """The step planner of a fixed global batch over ``num_packs`` packs (what ``build_loader`` plans)."""
+    from megatron_pack.data.batches.sampler import EpochOrder
+    from megatron_pack.data.batches.steps import StepPlanner, StepRule
+
+    return StepPlanner(None, EpochOrder(num_packs, seed=0), StepRule(dp_size=dp, global_batch_size=cfg.train.global_batch_size))
 
 
 def test_resolve_train_iters_refuses_less_than_one_step():
     from megatron_pack.training.loop import resolve_train_iters
 
+    cfg = _cfg(num_epochs=1)
     with pytest.raises(ConfigError, match=r"train.num_epochs \(1\) over 6 packs per epoch is less than one global batch"):
-        resolve_train_iters(_cfg(num_epochs=1), 6, 1)
+        resolve_train_iters(cfg, _fixed_steps(cfg, 6, 1))
 
 
 def test_changed_settings_lists_each_change():

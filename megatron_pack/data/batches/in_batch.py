@@ -1,6 +1,6 @@
 """In-batch packing: a right-padded [B, S] micro-batch becomes one THD row at run time.
 
-This is the ``micro_batch_size > 1`` path (``packing.in_batch=true``) for batches that arrive
+This is the ``micro_batch_size > 1`` path (``packing.mode=in_batch``) for batches that arrive
 right-padded, e.g. from a vision-language collator. Each row's real length comes from
 ``lengths`` or from a padding mask (``attention_mask``, 1 on real tokens); it is never guessed
 from pad ids. Rows keep their own labels (already aligned with their tokens: nothing is shifted
@@ -137,7 +137,7 @@ def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: 
 
 
 def collate_in_batch(samples, *, pad_multiple: int = 1, pad_id: int = 0, pack_multiple: int = 1) -> dict:
-    """One micro-batch of samples -> one THD row, packed at collate time (``packing.in_batch=true``).
+    """One micro-batch of samples -> one THD row, packed at collate time (``packing.mode=in_batch``).
 
     ``samples`` are the token store's dicts ``{"input_ids", "loss_mask", "sample_id"}`` (ids end with
     eos). They become a right-padded [B, S] batch (``tokens = ids[:-1]``, ``labels = ids[1:]``,

@@ -1,6 +1,6 @@
 """``MicroBatchDataset``: the token store as micro-batches of samples, packed at collate time.
 
-The dataset of ``packing.in_batch=true`` (no offline plan): item ``i`` is micro-batch ``i``, a list
+The dataset of ``packing.mode=in_batch`` (no offline plan): item ``i`` is micro-batch ``i``, a list
 of up to ``train.micro_batch_size`` samples in the per-sample dict format of ``collate_thd``, which
 ``megatron_pack.data.batches.in_batch.collate_in_batch`` packs into one THD row with the CP/TP pad
 multiple. The samples kept and their lengths follow the offline rules (``select_samples``):
@@ -8,7 +8,7 @@ a sample without answer tokens is dropped and counted; a sample longer than ``mo
 (its RoPE positions; ``packing.max_single_sequence_length`` when lower) follows
 ``packing.on_overflow``. Kept samples are shuffled once (``packing.seed``) and cut into groups of
 ``micro_batch_size``; the last group holds the remainder (per-token loss weighs it rightly), so
-nothing is left out. ``PackSampler`` then orders and deals the groups over DP ranks as it does packs.
+nothing is left out. ``steps.StepLoader`` then orders and deals the groups over DP ranks as it does packs.
 
     >>> ds = MicroBatchDataset("data/synthetic", micro_batch_size=4, max_length=512)
     >>> len(ds), [s["sample_id"] for s in ds[0]]
@@ -34,6 +34,8 @@ class MicroBatchDataset(BinnedSamples):
 
     plan_dir = None
     """No packing plan: micro-batches are packed at collate time."""
+    bin_bucket = None
+    """No length buckets (packing.buckets needs an offline plan)."""
 
     def __init__(self, dataset_dir, *, micro_batch_size: int, max_length: int, pad_multiple: int = 1,
                  on_overflow: str = "error", seed: int = 0, expected_tokenizer=None):

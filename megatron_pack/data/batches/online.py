@@ -35,7 +35,7 @@ import numpy as np
 
 from megatron_pack.config.layout import effective_pack_multiple, effective_pad_multiple
 from megatron_pack.config.schema import Config
-from megatron_pack.data.batches.steps import StepInfo
+from megatron_pack.data.batches.protocol import LoaderInfo, StepInfo
 from megatron_pack.data.formats.sources import DataError, iter_chunks, parse_chunk, parse_line, resolve_inputs
 from megatron_pack.data.batches.online_feed import PackFeed, ReadyPack, shard_of
 from megatron_pack.data.packing.balance import assign_balanced, imbalance
@@ -222,7 +222,8 @@ def select_round_robin(tokens: Sequence[Sequence[int]], budget: int) -> Optional
 
 
 class OnlineLoader:
-    """This DP rank's THD batches of online packs; ``begin_step()`` before each step's micro-batches.
+    """This DP rank's THD batches of online packs (a ``protocol.BatchLoader``); ``begin_step()`` before
+    each step's micro-batches.
 
     ``gather`` all-gathers over the data-parallel group (every rank calls it in the same order:
     only when the whole group needs it, never on one rank's data alone); ``samples_of`` turns
@@ -240,6 +241,8 @@ class OnlineLoader:
         self.dp_rank, self.dp_size, self.num_workers = feed.dp_rank, feed.dp_size, num_workers
         self.packs_per_step, self.budget_tokens, self.budget_kind = packs_per_step, budget_tokens, budget_kind
         self.balance, self.announce = balance, announce
+        self.info = LoaderInfo()
+        """No plan: no buckets, sources or fingerprint."""
         self.packing = dict(packing or {})
         """``online_packing_record(cfg)``: checked against a checkpoint's on resume."""
         self.states: list[Optional[dict]] = [None] * feed.num_shards
@@ -339,9 +342,17 @@ class OnlineLoader:
         return batches
 
     @property
-    def epoch(self) -> int:
-        """The earliest epoch any of this rank's shards is in."""
-        return min(0 if s is None else int(s["epoch"]) for s in self.states)
+    def epoch(self) -> float:
+        """Whole epochs every shard of this rank has finished (the earliest epoch any of them is in)."""
+        return float(min(0 if s is None else int(s["epoch"]) for s in self.states))
+
+    @property
+    def packs_per_epoch(self) -> None:
+        """Unknown: packs are made at run time (validate() refuses train.num_epochs online)."""
+        return None
+
+    def num_steps(self, num_epochs: int) -> None:
+        return None
 
     @property
     def accounting(self) -> list[dict]:

@@ -18,7 +18,7 @@ def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True
                  ) -> PackedSFTDataset | MicroBatchDataset:
     """The prepared packed dataset for ``cfg`` (raises ``DataError`` naming the prepare command);
     with ``packing.mode=online`` the ``OnlineSource`` its packs are made from; with
-    ``packing.in_batch`` the token store as micro-batches of ``train.micro_batch_size`` samples.
+    ``packing.mode=in_batch`` the token store as micro-batches of ``train.micro_batch_size`` samples.
 
     ``plan_dir`` is the plan ``megatron_pack.data.store.recorded.choose_plan`` picked (default: the
     one named by ``cfg.packing``); ``check_tokenizer=False`` when ``data.tokenizer`` was read from
@@ -28,7 +28,7 @@ def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True
         from megatron_pack.data.batches.online import OnlineSource
 
         return OnlineSource(cfg)
-    if cfg.packing.in_batch:
+    if cfg.packing.mode == "in_batch":
         return MicroBatchDataset.from_config(cfg, check_tokenizer=check_tokenizer)
     return PackedSFTDataset.from_config(cfg, plan_dir=plan_dir, check_tokenizer=check_tokenizer)
 

@@ -1,8 +1,11 @@
-"""Which pack each data-parallel rank trains on, and resuming at the exact next pack.
+"""The epoch order of offline packs, and which pack each data-parallel rank trains on.
 
-``PackSampler`` orders the packs of an epoch with a permutation seeded by ``(seed, epoch)``
-and deals them round-robin over data-parallel ranks: in every *round* each DP rank takes one
-pack, rank ``r`` the ``r``-th of the round. All CP and TP ranks of one DP rank build the sampler
+``EpochOrder`` (``data/packing/order.py``) is the one order of an epoch's packs every offline
+loader reads (the step planner, ``steps.py``, takes its steps from it): a permutation seeded by
+``(train.seed, epoch)``, bucket after bucket with ``packing.bucket_order=sequential``. ``PackSampler`` is one DP rank's view of
+the fixed-batch rule over it, pack after pack: it deals each epoch's order round-robin over
+data-parallel ranks: in every *round* each DP rank takes one pack, rank ``r`` the ``r``-th of the
+round. All CP and TP ranks of one DP rank build the sampler
 with the same ``dp_rank`` and therefore read the same packs. Example, 5 packs, 2 DP ranks,
 ``shuffle=False``::
 
@@ -20,23 +23,22 @@ The resume point is ``(epoch, consumed)``: ``consumed`` packs of the epoch's ord
 trained on by the DP ranks together. Since rounds deal the order front to back, those are
 exactly ``order[:consumed]``, so a run can even resume with another DP size.
 
-**Consumed, not prefetched.** With ``num_workers > 0`` a ``DataLoader`` pulls indices from the
-sampler ahead of the training loop. So iterating the sampler never moves the resume point;
-``PackLoader`` (built by ``build_pack_loader``) moves it by one pack each time it *hands a batch
-to the loop*. ``loader.state_dict()`` taken after a step therefore names the next pack the loop
-has not seen, however many batches the workers had prepared. Resume with
-``loader.load_state_dict(state)`` before iterating.
+Iterating the sampler never moves the resume point; ``advance(n)`` does. The training loop
+reads packs through ``steps.StepLoader``, whose fixed-batch rule deals exactly as this sampler
+(tests/unit/test_loader_protocol.py) and whose resume point moves with ``begin_step()``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
+
+from megatron_pack.data.packing.order import EpochOrder
 
 STATE_VERSION = 1
+__all__ = ["EpochOrder", "PackSampler"]
 
 
 class PackSampler(Sampler[int]):
@@ -64,25 +66,16 @@ class PackSampler(Sampler[int]):
             raise ValueError(f"PackSampler: groups has {len(groups)} entries for {num_packs} packs.")
         self.groups = None if groups is None else np.asarray(groups)
         """Length bucket of every pack for packing.bucket_order=sequential (None: one shuffle over all)."""
+        self.order = EpochOrder(num_packs, seed, self.groups, shuffle,
+                                rotate=num_packs % dp_size if drop_last else 0)
         self.epoch = 0
         """Epoch of the next pack to consume."""
         self.consumed = 0
         """Packs of this epoch's order consumed by all DP ranks together (a multiple of dp_size)."""
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """All pack indices in the order of ``epoch`` (the same on every rank)."""
-        if not self.shuffle:
-            order = np.arange(self.num_packs, dtype=np.int64)
-            if not self.drop_last:
-                return order
-            # drop_last leaves num_packs % dp_size packs out of every epoch; rotating the order by
-            # that many per epoch leaves a different tail out each time, never the same packs forever
-            return np.roll(order, (epoch * (self.num_packs % self.dp_size)) % self.num_packs)
-        if self.groups is not None:  # bucket_order=sequential: bucket after bucket, shuffled inside each
-            rng = np.random.default_rng([self.seed, epoch])
-            return np.concatenate([rng.permutation(np.flatnonzero(self.groups == g))
-                                   for g in np.unique(self.groups)]).astype(np.int64)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_packs).astype(np.int64)
+        """All pack indices in the order of ``epoch`` (the same on every rank: ``EpochOrder``)."""
+        return self.order(epoch)
 
     def _num_rounds(self, consumed: int) -> int:
         """Rounds left in an epoch after ``consumed`` packs of its order."""
@@ -151,51 +144,3 @@ class PackSampler(Sampler[int]):
         if not 0 <= consumed <= self.num_packs:
             raise ValueError(f"sampler state consumed={consumed} is outside [0, num_packs={self.num_packs}].")
         self.epoch, self.consumed = int(state["epoch"]), consumed
-
-
-class PackLoader:
-    """Iterates THD batches for the training loop; its state counts batches handed out.
-
-    Wraps a ``DataLoader(dataset, sampler=PackSampler, batch_size=None, collate_fn=...)``: the
-    dataset's item is one pack (a list of samples) and ``collate_fn`` turns it into one THD
-    batch, in the worker processes when ``num_workers > 0``. Each batch yielded advances the
-    sampler by one pack, so ``state_dict()`` reflects consumption, never worker prefetch.
-    """
-
-    def __init__(self, dataset: Any, collate_fn: Callable, sampler: PackSampler, num_workers: int = 0,
-                 **loader_kwargs: Any):
-        self.sampler = sampler
-        self.dataset = dataset
-        """The packed dataset (its metadata sizes the per-bucket and per-source metrics)."""
-        # A DataLoader iterator draws its workers' base seed from the global torch RNG unless it has
-        # its own generator; a resumed run creates its iterator after restoring the RNG, so that draw
-        # would shift every later dropout mask against the uninterrupted run. Collate draws nothing.
-        loader_kwargs.setdefault("generator", torch.Generator().manual_seed(0))
-        self._loader = DataLoader(dataset, batch_size=None, sampler=sampler, collate_fn=collate_fn,
-                                  num_workers=num_workers, **loader_kwargs)
-
-    def __iter__(self) -> Iterator[dict]:
-        for batch in self._loader:  # the DataLoader snapshots the sampler's resume point here
-            self.sampler.advance(1)
-            yield batch
-
-    @property
-    def epoch(self) -> int:
-        """Epoch of the next batch."""
-        return self.sampler.epoch
-
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore before calling ``iter``; an iterator created earlier keeps its old position."""
-        self.sampler.load_state_dict(state)
-
-
-def build_pack_loader(dataset: Any, collate_fn: Callable, sampler: PackSampler, num_workers: int = 0,
-                      *, prefetch_factor: Optional[int] = None, pin_memory: bool = False) -> PackLoader:
-    """A ``PackLoader`` over ``dataset`` (``len`` = number of packs, item = list of samples)."""
-    kwargs: dict[str, Any] = {"pin_memory": pin_memory and torch.cuda.is_available()}
-    if num_workers > 0:
-        kwargs["prefetch_factor"] = prefetch_factor or 2
-    return PackLoader(dataset, collate_fn, sampler, num_workers, **kwargs)

@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = ("system", "user", "assistant", "tool")
+from megatron_pack.config.choices import CHAT_ROLES
+
+ROLES = CHAT_ROLES
 
 SHAREGPT = {"messages_key": "conversations", "role_key": "from", "content_key": "value",
             "role_aliases": (("human", "user"), ("gpt", "assistant"), ("function_call", "assistant"),

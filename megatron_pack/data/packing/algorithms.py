@@ -16,10 +16,19 @@ Worked example (``bfd``, capacity 8, lengths ``[5, 4, 3, 2, 2]``)::
     length 3: the best (smallest remaining >= 3) is bin 0 -> remaining 0
     length 2 (x2): the best is bin 1 (remaining 4), which takes 4 // 2 = 2 of them -> remaining 0
     bins: {0: [5, 3], 1: [4, 2, 2]}   (sample indices [0, 2] and [1, 3, 4])
+
+The best-fit rule is written once, here, for the offline plan and the online packer's buffer
+(``data/packing/online.py`` calls ``best_fit_decreasing``): samples longest first (equal lengths
+by index), each into the open bin with the least room that still fits it; among bins with equal
+room, the one that has had that room the longest (the first to reach it); with ``max_items`` a bin
+holding that many samples is closed. Up to ``SMALL_PLAN`` samples the rule runs sample by sample
+(faster on a small buffer); above, on the histogram. Both give the same plan, array for array
+(tests/unit/test_bfd_rule.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +42,9 @@ ALGORITHMS = PACKING_ALGORITHMS
 """``packing.algorithm`` values; the list lives in ``megatron_pack.config.choices``."""
 BIN_PACKING_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "wrapped")
 """The algorithms ``plan_packing`` runs: bins of whole samples (``wrapped`` cuts samples: ``packing.wrapped``)."""
+SMALL_PLAN = 2048
+"""Up to this many samples best fit runs sample by sample: on a small buffer it is 10-60x faster than the
+histogram planner, whose cost grows with the capacity (4096-token packs, 64-2048 samples, measured)."""
 
 
 def thd_lengths(num_ids, pad_multiple: int = 1) -> np.ndarray:
@@ -102,34 +114,107 @@ def lower_bound_bins(lengths, capacity: int) -> int:
     return int(math.ceil(int(np.asarray(lengths, dtype=np.int64).sum()) / capacity))
 
 
-def plan_packing(lengths, capacity: int, algorithm: str = "bfd", seed: int = 0) -> PackingPlan:
+def plan_packing(lengths, capacity: int, algorithm: str = "bfd", seed: int = 0,
+                 max_items: int | None = None) -> PackingPlan:
     """Assign every sample to a bin so no bin's total length exceeds ``capacity``.
 
     ``lengths`` are the padded THD lengths (see ``thd_lengths``), each in ``[1, capacity]``.
-    Algorithms: ``bfd`` (exact best-fit decreasing), ``ffd`` (first-fit decreasing),
-    ``first_fit_shuffle`` (seeded shuffle, then first fit), ``sequential`` (next fit in input
-    order). The bin order is shuffled with ``seed``, except for ``sequential``, which keeps the
-    input order. Same inputs, same plan.
+    Algorithms: ``bfd`` (exact best-fit decreasing, the rule in the module docstring),
+    ``ffd`` (first-fit decreasing), ``first_fit_shuffle`` (seeded shuffle, then first fit),
+    ``sequential`` (next fit in input order). The bin order is shuffled with ``seed``, except for
+    ``sequential``, which keeps the input order. ``max_items`` (``bfd`` only) closes a bin once it
+    holds that many samples. Same inputs, same plan.
 
     >>> plan = plan_packing([4, 2, 3, 3], 6)
     >>> plan.num_bins, plan.efficiency
     (2, 1.0)
     """
     lengths = _checked_lengths(lengths, capacity, algorithm)
+    if max_items is not None and (algorithm != "bfd" or max_items < 1):
+        raise ValueError(f"max_items ({max_items}) caps the samples of a bfd bin; it needs algorithm='bfd' "
+                         f"(got {algorithm!r}) and a positive count.")
     if lengths.size == 0:
         return PackingPlan(np.zeros(0, np.int64), np.zeros(1, np.int64), lengths, capacity)
     if algorithm == "sequential":
         order, offsets = _sequential(lengths, capacity)
         return PackingPlan(order, offsets, lengths, capacity)
     if algorithm in ("bfd", "ffd"):
-        with ThreadPoolExecutor(1) as pool:  # the sort releases the GIL: overlap it with the planning
-            by_length = pool.submit(_longest_first, lengths)
-            fill, events = _decreasing(lengths, capacity, best_fit=algorithm == "bfd")
-            new_id = np.random.default_rng(seed).permutation(len(fill))
-            order, offsets = _materialize(events, fill, new_id, by_length)
+        order, offsets = _decreasing_plan(lengths, capacity, best_fit=algorithm == "bfd", max_items=max_items,
+                                          renumber=lambda num_bins: np.random.default_rng(seed).permutation(num_bins))
     else:
         order, offsets = _shuffle_bins(*_first_fit_shuffle(lengths, capacity, seed), seed)
     return PackingPlan(order, offsets, lengths, capacity)
+
+
+def best_fit_decreasing(lengths, capacity: int, max_items: int | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """The ``bfd`` bins of ``plan_packing`` in the order they were opened (no seeded shuffle), as
+    (sample index arrays, loads); each bin lists its samples in the order they were placed.
+
+    >>> bins, loads = best_fit_decreasing([5, 4, 3, 2, 2], 8)
+    >>> [b.tolist() for b in bins], loads.tolist()
+    ([[0, 2], [1, 3, 4]], [8, 8])
+    >>> bins, loads = best_fit_decreasing([5, 4, 3, 2, 2], 8, max_items=2)
+    >>> [b.tolist() for b in bins], loads.tolist()
+    ([[0, 2], [1, 3], [4]], [8, 6, 2])
+    """
+    lengths = _checked_lengths(lengths, capacity, "bfd")
+    if max_items is not None and max_items < 1:
+        raise ValueError(f"max_items ({max_items}) must be a positive count (packing.max_samples_per_pack).")
+    if lengths.size == 0:
+        return [], np.zeros(0, np.int64)
+    if len(lengths) <= SMALL_PLAN:  # the online buffer's usual size: no plan arrays in between
+        bins = [np.asarray(m, dtype=np.int64) for m in _best_fit_by_sample(lengths, capacity, max_items)]
+        return bins, np.array([int(lengths[b].sum()) for b in bins], dtype=np.int64)
+    order, offsets = _decreasing_plan(lengths, capacity, best_fit=True, max_items=max_items,
+                                      renumber=lambda num_bins: np.arange(num_bins))
+    plan = PackingPlan(order, offsets, lengths, capacity)
+    return plan.bins(), plan.bin_loads()
+
+
+def _decreasing_plan(lengths: np.ndarray, capacity: int, *, best_fit: bool, max_items: int | None,
+                     renumber) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, bin_offsets)`` of best / first fit decreasing; ``renumber(num_bins)`` gives each bin
+    (in opening order) its place in the plan."""
+    if best_fit and len(lengths) <= SMALL_PLAN:
+        return _bins_to_order(_best_fit_by_sample(lengths, capacity, max_items), renumber)
+    with ThreadPoolExecutor(1) as pool:  # the sort releases the GIL: overlap it with the planning
+        by_length = pool.submit(_longest_first, lengths)
+        fill, events = _decreasing(lengths, capacity, best_fit=best_fit, max_items=max_items)
+        return _materialize(events, fill, renumber(len(fill)), by_length)
+
+
+def _best_fit_by_sample(lengths: np.ndarray, capacity: int, max_items: int | None) -> list[list[int]]:
+    """The bfd rule one sample at a time: bins (in opening order) of sample indices (in placement order).
+
+    ``room`` is sorted by (room left, when the bin got that room, bin): the first entry with
+    enough room is the best fit, and among equal rooms the bin that has had it the longest.
+    """
+    shortest = int(lengths.min())
+    room: list[tuple[int, int, int]] = []
+    members: list[list[int]] = []
+    for clock, i in enumerate(_longest_first(lengths).tolist()):
+        need = int(lengths[i])
+        at = bisect.bisect_left(room, (need, -1, -1))
+        if at == len(room):
+            b, left = len(members), capacity
+            members.append([])
+        else:
+            left, _, b = room.pop(at)
+        members[b].append(i)
+        left -= need
+        if left >= shortest and (max_items is None or len(members[b]) < max_items):
+            bisect.insort(room, (left, clock, b))
+    return members
+
+
+def _bins_to_order(members: list[list[int]], renumber) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, bin_offsets)`` with bin ``b`` (opening order) placed at ``renumber(num_bins)[b]``."""
+    new_id = np.asarray(renumber(len(members)))
+    placed = [members[b] for b in np.argsort(new_id)]
+    offsets = np.zeros(len(members) + 1, dtype=np.int64)
+    np.cumsum([len(m) for m in placed], out=offsets[1:])
+    index_dtype = np.int32 if offsets[-1] < 2**31 else np.int64
+    return np.fromiter((i for m in placed for i in m), dtype=index_dtype, count=int(offsets[-1])), offsets
 
 
 def _checked_lengths(lengths, capacity: int, algorithm: str) -> np.ndarray:
@@ -188,7 +273,8 @@ def _materialize(events: list, fill: np.ndarray, new_id: np.ndarray, by_length) 
     return order, offsets
 
 
-def _decreasing(lengths: np.ndarray, capacity: int, *, best_fit: bool) -> tuple[np.ndarray, list]:
+def _decreasing(lengths: np.ndarray, capacity: int, *, best_fit: bool,
+                max_items: int | None = None) -> tuple[np.ndarray, list]:
     """Exact best-fit / first-fit decreasing, one length at a time (largest first).
 
     Returns the number of samples in each bin and the placement events (see ``_materialize``).
@@ -198,9 +284,12 @@ def _decreasing(lengths: np.ndarray, capacity: int, *, best_fit: bool) -> tuple[
     scale = int(np.gcd.reduce(np.append(present, capacity)))
     if scale > 1:  # e.g. lengths padded to a multiple: plan in units of that multiple
         histogram, capacity = histogram[::scale], capacity // scale
-    # Any-fit plans never leave two bins at most half full, so they use <= 2 * lower bound + 1 bins.
+    # Any-fit plans never leave two bins at most half full, so they use <= 2 * lower bound + 1 bins
+    # (a cap on samples per bin voids that bound: as many bins as samples, at most).
     max_bins = min(len(lengths), 2 * int(math.ceil(int(histogram @ np.arange(len(histogram))) / capacity)) + 2)
-    state = (_BestFitBins(capacity, max_bins) if best_fit else
+    if max_items is not None:
+        max_bins = len(lengths)
+    state = (_BestFitBins(capacity, max_bins, max_items) if best_fit else
              _FirstFitBins(capacity, max_bins, int(present[0]) // scale))
     events: list = []
     half = capacity // 2  # samples longer than half the capacity never share a bin: one event for all
@@ -237,8 +326,10 @@ class _Bins:
         self.num_bins += lengths.size
         self._placed(new, self.capacity - lengths)
 
+    max_items: int | None = None
+
     def open_new(self, length: int, k: int, events: list) -> None:
-        per_bin = self.capacity // length
+        per_bin = self.capacity // length if self.max_items is None else min(self.capacity // length, self.max_items)
         num_new = -(-k // per_bin)
         new = np.arange(self.num_bins, self.num_bins + num_new, dtype=np.int64)
         take = np.full(num_new, per_bin, dtype=np.int64)
@@ -259,8 +350,10 @@ class _BestFitBins(_Bins):
 
     BLOCK_BITS = 6
 
-    def __init__(self, capacity: int, max_bins: int):
+    def __init__(self, capacity: int, max_bins: int, max_items: int | None = None):
         super().__init__(capacity, max_bins)
+        self.max_items = max_items
+        """Samples that close a bin (None: no cap): a closed bin is in no bucket."""
         self.buckets: list[list[np.ndarray]] = [[] for _ in range(capacity + 1)]
         self.num_in_bucket = np.zeros(capacity + 1, dtype=np.int64)
         self.num_filled_in_block = np.zeros((capacity >> self.BLOCK_BITS) + 1, dtype=np.int64)
@@ -280,6 +373,11 @@ class _BestFitBins(_Bins):
             self.num_in_bucket[r] += bins.size
 
     def _placed(self, bins: np.ndarray, remaining: np.ndarray) -> None:
+        if self.max_items is not None:
+            still_open = self.count[bins] < self.max_items
+            bins, remaining = bins[still_open], remaining[still_open]
+            if not bins.size:
+                return
         if remaining.size < 2 or remaining[0] == remaining[-2]:  # open_new: all but the last equally full
             self._push(int(remaining[0]), bins[:-1])
             self._push(int(remaining[-1]), bins[-1:])
@@ -296,7 +394,8 @@ class _BestFitBins(_Bins):
             hi = min((block + 1) << self.BLOCK_BITS, self.capacity + 1)
             rs = np.flatnonzero(self.num_in_bucket[lo:hi]) + lo
             if rs.size:
-                k = self._fill_buckets(rs, length, k, events)
+                fill = self._fill_buckets if self.max_items is None else self._fill_capped
+                k = fill(rs, length, k, events)
                 if k == 0:
                     return 0
         return k
@@ -315,6 +414,37 @@ class _BestFitBins(_Bins):
             self._fill_partial(int(rs[num_full]), length, k, events)
             k = 0
         return k
+
+    def _fill_capped(self, rs: np.ndarray, length: int, k: int, events: list) -> int:
+        """``_fill_buckets`` with a cap: a bin of bucket ``r`` takes ``min(r // length, max_items - count)``
+        samples, one bin after the other, and closes when it reaches the cap."""
+        for r in rs.tolist():
+            bins = self._pop(r)
+            can = np.minimum(r // length, self.max_items - self.count[bins])
+            total = np.cumsum(can)
+            num_full = int(np.searchsorted(total, k))  # bins[:num_full] take all they can, bins[num_full] the rest
+            if num_full >= bins.size:
+                self._record(length, bins, can, events)
+                self._regroup(bins, r - can * length)
+                k -= int(total[-1])
+                continue
+            take = can[:num_full + 1].copy()
+            take[-1] = k - (int(total[num_full - 1]) if num_full else 0)
+            used = bins[:num_full + 1]
+            self._record(length, used, take, events)
+            self._regroup(used, r - take * length)
+            self._push(r, bins[num_full + 1:])
+            return 0
+        return k
+
+    def _regroup(self, bins: np.ndarray, remaining: np.ndarray) -> None:
+        """Push each still-open bin to its bucket, in bin order within a bucket (their arrival order)."""
+        still_open = self.count[bins] < self.max_items
+        bins, remaining = bins[still_open], remaining[still_open]
+        by_room = np.argsort(remaining, kind="stable")
+        values, starts = np.unique(remaining[by_room], return_index=True)
+        for r, group in zip(values.tolist(), np.split(bins[by_room], starts[1:])):
+            self._push(r, group)
 
     def _fill_partial(self, r: int, length: int, k: int, events: list) -> None:
         """Bucket ``r`` has more room than ``k`` samples need: fill its first bins only."""

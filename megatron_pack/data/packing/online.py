@@ -2,7 +2,8 @@
 
 A *sample stream* hands out this shard's samples in a deterministic order, a chunk at a time,
 as ``(sample_id, num_ids, padded length)`` with the empty-sample rule and the overflow policy
-already applied (the same rules, and the same counters, as an offline plan). Two streams exist:
+already applied by ``rules.select``, the offline plan's own function (the same rules and counters). Two
+streams exist:
 
 - ``StoreStream``: a prepared token store; each epoch is a permutation seeded by
   ``(seed, epoch)``, and shard ``s`` of ``S`` reads positions ``s, s+S, s+2S, ...`` of it;
@@ -13,7 +14,8 @@ already applied (the same rules, and the same counters, as an offline plan). Two
 The shards of a run are disjoint: one per data-parallel rank, so no sample is read twice.
 
 ``OnlinePacker`` keeps at most ``buffer_size`` samples and ``buffer_tokens`` padded tokens. When
-the buffer is full it runs best-fit decreasing over the buffer and emits the fullest packs until
+the buffer is full it runs best-fit decreasing over the buffer (``algorithms.best_fit_decreasing``:
+the offline plan's ``bfd``, written once) and emits the fullest packs until
 the buffer is down to half of each bound; the samples of the emptier packs wait for partners.
 At the end of an epoch the rest is emitted. Worked example, pack size 8, buffer_size 4, padded
 lengths arriving ``[5, 4, 3, 2 | 6, 1]``::
@@ -29,7 +31,6 @@ resumed from it emits exactly the packs the uninterrupted run would have.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Protocol
@@ -37,14 +38,15 @@ from typing import Any, Iterator, Mapping, Optional, Protocol
 import numpy as np
 
 from megatron_pack.data.formats.sources import DataError
-from megatron_pack.data.packing.algorithms import plan_packing, thd_lengths
+from megatron_pack.data.packing.algorithms import best_fit_decreasing, thd_lengths
+from megatron_pack.data.packing.order import EpochOrder
+from megatron_pack.data.packing.rules import DROP_REASONS, Chosen, select
 from megatron_pack.data.store.metadata import PlanSettings
 
 log = logging.getLogger("megatron_pack.train.accounting")
 """Per-epoch accounting lines; the train entry shows them on every rank that announces."""
 
 STATE_VERSION = 1
-DROP_REASONS = ("no_answer_tokens", "too_long", "no_answer_tokens_after_truncation")
 
 
 @dataclass
@@ -79,37 +81,13 @@ class SampleStream(Protocol):
     def restore(self, sample_ids: list[int]) -> None: ...
 
 
-def select(num_ids: np.ndarray, num_targets: np.ndarray, settings: PlanSettings,
-           answer_after_truncation, where) -> tuple[np.ndarray, np.ndarray, dict, int]:
-    """The offline plan's per-sample rules on one chunk: (keep mask, ids to read, dropped counts,
-    truncated count). ``answer_after_truncation(i, take)`` says whether sample ``i`` of the chunk
-    still has an answer token after truncation; ``where(i)`` names it for the ``error`` policy."""
-    empty = num_targets == 0
-    over = ((num_ids - 1 > settings.max_length) | (thd_lengths(num_ids, settings.pad_multiple) > settings.pack_size))
-    over &= ~empty
-    dropped = dict.fromkeys(DROP_REASONS, 0)
-    dropped["no_answer_tokens"] = int(empty.sum())
-    take = num_ids.astype(np.int64).copy()
-    if over.any() and settings.on_overflow == "error":
-        i = int(np.flatnonzero(over)[0])
-        raise DataError(f"{where(i)}: THD length {int(num_ids[i]) - 1} is longer than the pack allows (pack size "
-                        f"{settings.pack_size}, pad multiple {settings.pad_multiple}, max length "
-                        f"{settings.max_length}); set packing.on_overflow=drop or packing.on_overflow=truncate, or "
-                        "raise packing.packed_sequence_size / packing.max_single_sequence_length.")
-    keep = ~empty
-    num_truncated = 0
-    if settings.on_overflow == "drop":
-        dropped["too_long"] = int(over.sum())
-        keep &= ~over
-    else:
-        for i in np.flatnonzero(over):
-            take[i] = settings.truncate_to + 1
-            if answer_after_truncation(int(i), int(take[i])):
-                num_truncated += 1
-            else:
-                keep[i] = False
-                dropped["no_answer_tokens_after_truncation"] += 1
-    return keep, take, dropped, num_truncated
+def _chunk(ids: np.ndarray, chosen: Chosen, settings: PlanSettings, end_of_epoch: bool) -> Chunk:
+    """The chunk of the samples ``select`` kept out of ``ids`` (online packing never splits: validate refuses it)."""
+    if settings.on_overflow == "split":
+        raise ValueError("online packing has no on_overflow=split (validate() refuses packing.mode=online with it)")
+    keep = chosen.keep
+    return Chunk(ids[keep], chosen.num_ids[keep], thd_lengths(chosen.num_ids[keep], settings.pad_multiple), len(ids),
+                 chosen.dropped, chosen.num_truncated, end_of_epoch)
 
 
 class StoreStream:
@@ -125,7 +103,7 @@ class StoreStream:
         self._order = self._shard_order(0)
 
     def _shard_order(self, epoch: int) -> np.ndarray:
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.store))
+        order = EpochOrder(len(self.store), self.seed)(epoch)  # the one epoch order, over samples
         return order[self.shard::self.num_shards].copy()  # a copy: the view would keep the whole permutation
 
     def start_epoch(self, epoch: int, cursor: int = 0) -> None:
@@ -143,10 +121,9 @@ class StoreStream:
             start = int(self.store.offsets[ids[i]])
             return bool(np.any(self.store.answer_mask[start + 1:start + take]))
 
-        keep, take, dropped, num_truncated = select(num_ids, targets, self.settings, answer_after,
-                                                    lambda i: self.store.where(int(ids[i])))
-        return Chunk(ids[keep], take[keep], thd_lengths(take[keep], self.settings.pad_multiple), len(ids),
-                     dropped, num_truncated, self.cursor >= len(self._order))
+        chosen = select(num_ids, targets, self.settings, answer_after_truncation=answer_after,
+                        where=lambda i: self.store.where(int(ids[i])))
+        return _chunk(ids, chosen, self.settings, self.cursor >= len(self._order))
 
     def sample(self, sample_id: int, num_ids: int) -> dict:
         return store_sample(self.store, sample_id, num_ids)
@@ -205,12 +182,11 @@ class RecordStream:
         ids = np.array([i for i, _, _ in got], dtype=np.int64)
         num_ids = np.array([len(x) for x, _ in encoded], dtype=np.int64)
         targets = np.array([int(m[1:].sum()) for _, m in encoded], dtype=np.int64)
-        keep, take, dropped, num_truncated = select(
-            num_ids, targets, self.settings, lambda i, t: bool(encoded[i][1][1:t].any()), lambda i: got[i][2])
-        for j in np.flatnonzero(keep):
+        chosen = select(num_ids, targets, self.settings,
+                        answer_after_truncation=lambda i, t: bool(encoded[i][1][1:t].any()), where=lambda i: got[i][2])
+        for j in np.flatnonzero(chosen.keep):
             self._held[int(ids[j])] = encoded[j]
-        return Chunk(ids[keep], take[keep], thd_lengths(take[keep], self.settings.pad_multiple), len(ids),
-                     dropped, num_truncated, end)
+        return _chunk(ids, chosen, self.settings, end)
 
     def _encode(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
         try:
@@ -234,47 +210,6 @@ class RecordStream:
         if wanted:
             raise DataError(f"the checkpoint's online-packing buffer names records {sorted(wanted)[:5]} that the "
                             "stream no longer has; resume with the same data.input, or start without checkpoint.load.")
-
-
-SMALL_BUFFER = 2048
-"""Up to this many samples the per-sample best fit below is faster than the histogram planner."""
-
-
-def best_fit_decreasing(lengths: np.ndarray, capacity: int,
-                        max_items: Optional[int] = None) -> tuple[list[np.ndarray], np.ndarray]:
-    """BFD bins of ``lengths`` as (index arrays, loads); the same rule as ``plan_packing(..., "bfd")``:
-    longest first, each into the open bin with the least room that still fits it (ties: the older bin).
-    With ``max_items`` a bin that holds that many items is closed (``packing.max_samples_per_pack``).
-
-    >>> bins, loads = best_fit_decreasing(np.array([5, 4, 3, 2, 2]), 8)
-    >>> [b.tolist() for b in bins], loads.tolist()
-    ([[0, 2], [1, 3, 4]], [8, 8])
-    >>> bins, loads = best_fit_decreasing(np.array([5, 4, 3, 2, 2]), 8, max_items=2)
-    >>> [b.tolist() for b in bins], loads.tolist()
-    ([[0, 2], [1, 3], [4]], [8, 6, 2])
-    """
-    if len(lengths) > SMALL_BUFFER and max_items is None:
-        plan = plan_packing(lengths, capacity, "bfd", seed=0)
-        bins = plan.bins()
-        first = np.array([b.min() for b in bins])
-        order = np.argsort(first, kind="stable")  # undo the seeded bin shuffle: bins by their oldest sample
-        return [bins[i] for i in order], plan.bin_loads()[order]
-    room: list[tuple[int, int]] = []  # sorted (remaining, bin index)
-    members: list[list[int]] = []
-    for i in np.argsort(-lengths, kind="stable").tolist():
-        need = int(lengths[i])
-        at = bisect.bisect_left(room, (need, -1))
-        if at == len(room):
-            members.append([i])
-            if max_items is None or max_items > 1:
-                bisect.insort(room, (capacity - need, len(members) - 1))
-        else:
-            left, b = room.pop(at)
-            members[b].append(i)
-            if max_items is None or len(members[b]) < max_items:
-                bisect.insort(room, (left - need, b))
-    bins = [np.asarray(m, dtype=np.int64) for m in members]
-    return bins, np.array([int(lengths[b].sum()) for b in bins], dtype=np.int64)
 
 
 def block_seeded(draw, seed: int, block: int = 4096):
@@ -309,10 +244,9 @@ class LengthStream:
         self.cursor = stop
         ids = np.arange(start, stop, dtype=np.int64) * self.num_shards + self.shard
         num_ids = np.asarray(self.num_ids_of(self.epoch, start, stop), dtype=np.int64)
-        keep, take, dropped, num_truncated = select(num_ids, (num_ids > 1).astype(np.int64), self.settings,
-                                                    lambda i, t: True, lambda i: f"sample {int(ids[i])}")
-        return Chunk(ids[keep], take[keep], thd_lengths(take[keep], self.settings.pad_multiple), len(ids),
-                     dropped, num_truncated, stop >= self._size)
+        chosen = select(num_ids, (num_ids > 1).astype(np.int64), self.settings,
+                        answer_after_truncation=lambda i, t: True, where=lambda i: f"sample {int(ids[i])}")
+        return _chunk(ids, chosen, self.settings, stop >= self._size)
 
     def sample(self, sample_id: int, num_ids: int) -> dict:
         raise TypeError("LengthStream holds lengths only, not tokens; use StoreStream or RecordStream to train.")

@@ -29,6 +29,7 @@ from megatron_pack.data.store.atomic import atomic_directory, sha256_file, write
 from megatron_pack.data.packing.algorithms import PackingPlan, lower_bound_bins, plan_packing, thd_lengths
 from megatron_pack.data.packing.buckets import assign_buckets, bucket_boundaries, bucket_statistics, plan_buckets
 from megatron_pack.data.packing.mixing import mix_selection
+from megatron_pack.data.packing.rules import select
 from megatron_pack.data.packing.split import split_entries
 from megatron_pack.data.packing.wrapped import wrapped_entries
 from megatron_pack.data.formats.sources import DataError
@@ -40,7 +41,6 @@ PLAN_ARRAYS = ("bin_offsets", "sample_order", "sample_num_ids")
 OPTIONAL_PLAN_ARRAYS = ("sample_start", "sample_piece", "bin_bucket", "sample_source")
 """Written only by split / wrapped plans (first id and piece index of each entry) and bucketed plans
 (each pack's bucket); a plan without them reads as starts 0, pieces 0, one bucket."""
-NUM_OFFENDERS_SHOWN = 5
 
 
 @dataclass
@@ -70,48 +70,29 @@ class Selection:
 
 
 def select_samples(store: TokenStore, settings: PlanSettings, include=None) -> Selection:
-    """Apply the empty-sample rule and the overflow policy; ``error`` raises listing offenders.
+    """Apply the per-sample rules (``rules.select``: empty samples, the overflow policy) to the store;
+    ``error`` raises listing offenders, ``split`` cuts the over-long ones into pieces.
 
-    ``wrapped`` cuts documents at row ends by construction, so no sample is over-long there.
     ``include`` (bool [num samples], default all) limits the plan to those samples (the training
     or the held-out validation share); the others are neither packed nor counted as dropped."""
-    if settings.truncate_to < 1:
-        raise DataError(f"packing.packed_sequence_size ({settings.pack_size}) is smaller than the pad multiple "
-                        f"({settings.pad_multiple}); raise it to a multiple of {settings.pad_multiple}.")
     num_ids = store.num_ids()
-    empty = np.asarray(store.num_targets) == 0
-    padded = thd_lengths(num_ids, settings.pad_multiple)
-    include = np.ones(len(num_ids), dtype=bool) if include is None else np.asarray(include, dtype=bool)
-    empty = empty & include
-    over = ((num_ids - 1 > settings.max_length) | (padded > settings.pack_size)) & ~empty & include
-    if settings.algorithm == "wrapped":
-        over[:] = False
-    dropped = {"no_answer_tokens": int(empty.sum()), "too_long": 0, "no_answer_tokens_after_truncation": 0}
-    take = num_ids.copy()
-    if over.any() and settings.on_overflow == "error":
-        raise DataError(_overflow_message(store, settings, np.flatnonzero(over), padded))
+
+    def answer_after_truncation(i: int, take: int) -> bool:
+        start = int(store.offsets[i])
+        return bool(np.any(store.answer_mask[start + 1:start + take]))
+
+    chosen = select(num_ids, store.num_targets, settings, answer_after_truncation=answer_after_truncation,
+                    where=store.where, include=include)
     if settings.on_overflow == "split":
-        return _split_selection(store, settings, empty | ~include, over, num_ids, dropped)
-    if settings.on_overflow == "drop":
-        dropped["too_long"] = int(over.sum())
-        keep = ~empty & ~over & include
-    else:
-        keep = ~empty & include
-        for i in np.flatnonzero(over):
-            take[i] = settings.truncate_to + 1
-            start = int(store.offsets[i])
-            if not np.any(store.answer_mask[start + 1:start + take[i]]):
-                keep[i] = False
-                dropped["no_answer_tokens_after_truncation"] += 1
-    kept = np.flatnonzero(keep)
-    num_truncated = int((over & keep).sum()) if settings.on_overflow == "truncate" else 0
-    return Selection(kept, take[kept].astype(np.int32), dropped, num_truncated)
+        return _split_selection(store, settings, chosen.keep, chosen.over, num_ids, chosen.dropped)
+    kept = np.flatnonzero(chosen.keep)
+    return Selection(kept, chosen.num_ids[kept].astype(np.int32), chosen.dropped, chosen.num_truncated)
 
 
-def _split_selection(store: TokenStore, settings: PlanSettings, empty: np.ndarray, over: np.ndarray,
+def _split_selection(store: TokenStore, settings: PlanSettings, whole: np.ndarray, over: np.ndarray,
                      num_ids: np.ndarray, dropped: dict) -> Selection:
     """Whole samples that fit, plus the pieces (``split.split_entries``) of the over-long ones."""
-    whole = np.flatnonzero(~empty & ~over)
+    whole = np.flatnonzero(whole)
     sample, start, num, piece, num_empty = split_entries(np.flatnonzero(over), store.offsets, store.answer_mask,
                                                          settings.truncate_to, settings.split_overlap)
     kept = np.concatenate([whole, sample]).astype(np.int64)
@@ -120,28 +101,6 @@ def _split_selection(store: TokenStore, settings: PlanSettings, empty: np.ndarra
                      starts=np.concatenate([np.zeros(len(whole), np.int64), start])[order],
                      pieces=np.concatenate([np.zeros(len(whole), np.int32), piece])[order],
                      num_split=int(over.sum()), num_pieces_without_answer=num_empty)
-
-
-def _overflow_message(store: TokenStore, settings: PlanSettings, offenders: np.ndarray, padded) -> str:
-    """Every offender (the first few by file and line) and fixes that each work as written.
-
-    ``packing.max_single_sequence_length`` is capped at the pack size, so raising it is offered
-    only when it (not the pack) is what the offenders exceed.
-    """
-    lines = [f"  {store.where(i)}: THD length {int(store.offsets[i + 1] - store.offsets[i]) - 1} "
-             f"(padded {int(padded[i])})" for i in offenders[:NUM_OFFENDERS_SHOWN]]
-    more = f"\n  ... and {len(offenders) - NUM_OFFENDERS_SHOWN} more" if len(offenders) > NUM_OFFENDERS_SHOWN else ""
-    longest = int(np.max(np.asarray(padded)[offenders]))
-    if longest <= settings.pack_size:  # only max_single_sequence_length is in the way
-        whole = (f"set packing.max_single_sequence_length={settings.pack_size} (or leave it unset) to keep them whole")
-    else:
-        whole = (f"set packing.packed_sequence_size={longest} (a multiple of the pad multiple "
-                 f"{settings.pad_multiple}) to keep them whole")
-    return (f"{len(offenders)} sample(s) are longer than the pack allows (pack size {settings.pack_size}, "
-            f"pad multiple {settings.pad_multiple}, max length {settings.max_length}):\n" + "\n".join(lines) + more +
-            f"\nFix: set packing.on_overflow=truncate to cut them to {settings.truncate_to} tokens (or "
-            f"packing.on_overflow=drop to skip them, counted, or packing.on_overflow=split to cut them into "
-            f"pieces), or {whole}.")
 
 
 @dataclass
