@@ -1,8 +1,9 @@
-"""`megatron-pack inspect DIR` (or `data.dataset_dir=DIR`): a prepared dataset's summary and report.
+"""`megatron-pack inspect DIR` (or `data.dataset_dir=DIR`, `data.plan=NAME`): a prepared dataset's summary.
 
 Prints the token store's counts and length percentiles, one row per packing plan (pack size,
-pad multiple, algorithm, packs, efficiency, accounting), and the paths of every plan's
-``report.json`` / ``report.png`` (written now when missing).
+pad multiple, algorithm, packs, efficiency, accounting), the settings that tell the plans apart
+(from their manifests), and the paths of every plan's ``report.json`` / ``report.png`` (written
+now when missing). With ``data.plan=NAME`` only that plan, with its whole manifest.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ import sys
 from pathlib import Path
 
 
-def _dataset_dir(argv: list[str], config_dirs: list[str]) -> Path:
+def _dataset_dir(argv: list[str], config_dirs: list[str]) -> tuple[Path, str | None]:
+    """The dataset folder (``DIR`` or ``data.dataset_dir=DIR``) and ``data.plan``, if given."""
+    plan = next((a.partition("=")[2] for a in argv if a.startswith("data.plan=")), None)
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
-            return Path(arg)
+            return Path(arg), plan
         if key == "data.dataset_dir":
-            return Path(value)
+            return Path(value), plan
     from megatron_pack.config import load_config
 
-    return Path(load_config(argv, config_dirs=config_dirs).data.dataset_dir)
+    return Path(load_config(argv, config_dirs=config_dirs).data.dataset_dir), plan
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -66,7 +69,18 @@ def plan_details(plan_dir: Path, m: dict) -> list[str]:
     return lines
 
 
-def summarize(dataset_dir: Path) -> str:
+def _manifest_lines(plans: list[Path], metas: list[dict], named: bool) -> list[str]:
+    """Every recorded setting of a named plan; else, with several plans, the settings that tell them apart."""
+    from megatron_pack.data.store.manifest import ENTRIES, distinguishing
+
+    manifests = [m.get("manifest") or {} for m in metas]
+    rows = ([e for e in ENTRIES if manifests[0].get(e.key) is not None] if named
+            else distinguishing(manifests) if len(plans) > 1 else [])
+    return [f"  {p.name}: " + ", ".join(e.text(m.get(e.key)) for e in rows) for p, m in zip(plans, manifests)] \
+        if rows else []
+
+
+def summarize(dataset_dir: Path, plan: str | None = None) -> str:
     """The text ``inspect`` prints; every plan's report files are written when missing."""
     from megatron_pack.data.batches.dataset import PackedSFTDataset, list_plans, read_metadata
     from megatron_pack.data.packing.report import write_report
@@ -79,20 +93,30 @@ def summarize(dataset_dir: Path) -> str:
              f"  sample ids P50/P90/P95/P99/max: {pct['p50']}/{pct['p90']}/{pct['p95']}/{pct['p99']}/{pct['max']}; "
              f"answer tokens {store['answer_token_share']:.1%}; blank lines skipped {store['num_blank_lines_skipped']}"]
     plans = list_plans(dataset_dir)
+    if plan is not None:
+        plans = [p for p in plans if p.name == plan]
+        if not plans:
+            from megatron_pack.data.formats.sources import DataError
+
+            have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
+            raise DataError(f"data.plan ({plan}) is not a plan in {dataset_dir}/plans; plans there: {have}.")
     if not plans:
         return "\n".join(lines + ["no packing plans yet: run `megatron-pack prepare` with a pack size."])
     rows = [["plan", "pack", "mult", "algorithm", "seed", "overflow", "packs", "lower bd", "eff %", "read",
              "packed", "dropped", "truncated", "split"]]
-    reports, details = [], []
+    reports, details, metas = [], [], []
     for plan_dir in plans:
         ds = PackedSFTDataset(dataset_dir, plan_dir)
         rows.append(_plan_row(plan_dir, ds.metadata))
         details += plan_details(plan_dir, ds.metadata)
+        metas.append(ds.metadata)
         if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
             write_report(ds.store, plan_dir)
         reports += [f"  {plan_dir / 'report.json'}", f"  {plan_dir / 'report.png'}"]
-    return "\n".join(lines + ["", _table(rows)] + (["", "strategies:"] + details if details else []) +
-                     ["", "reports:"] + reports)
+    settings = _manifest_lines(plans, metas, named=plan is not None)
+    title = "settings (manifest):" if plan is not None else "settings that tell the plans apart (data.plan=<name> picks one):"
+    return "\n".join(lines + ["", _table(rows)] + (["", title] + settings if settings else [])
+                     + (["", "strategies:"] + details if details else []) + ["", "reports:"] + reports)
 
 
 def main(argv: list[str]) -> int:
@@ -108,7 +132,7 @@ def main(argv: list[str]) -> int:
             from megatron_pack.config import load_config
 
             return print_resolved(load_config([a for a in line.overrides if "=" in a], config_dirs=line.config_dirs))
-        print(summarize(_dataset_dir(line.overrides, line.config_dirs)))
+        print(summarize(*_dataset_dir(line.overrides, line.config_dirs)))
     except (ConfigError, DataError, FileNotFoundError) as exc:
         print(f"megatron-pack inspect: {exc}", file=sys.stderr)
         return 2

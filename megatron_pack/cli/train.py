@@ -51,6 +51,18 @@ def _refusal(exc: Exception) -> int:
     return 2
 
 
+def describe_data(dataset, validation) -> str:
+    """``plan P (N packs); validation V (M packs)``: what the run trains and evaluates on."""
+    plan = getattr(dataset, "plan_dir", None)
+    text = f"plan {plan} ({len(dataset)} packs)" if plan is not None else f"{type(dataset).__name__}"
+    if validation is not None:
+        text += f"; validation {validation.plan_dir} ({len(validation)} packs)"
+        recorded = (getattr(dataset, "metadata", {}).get("manifest") or {}).get("data.validation")
+        if recorded:
+            text += f" from {recorded['input']}"
+    return text
+
+
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.cli.run_config import load_run_config
@@ -77,7 +89,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     if check_only:
-        print(f"megatron-pack train: config ok for {world_size} rank(s)"
+        print(f"megatron-pack train: config ok for {world_size} rank(s); {describe_data(dataset, validation)}"
               + (f"; resumes from {resume}" if resume else ""), flush=True)
         return 0
     _setup_logging(cfg.logging.level, rank)

@@ -2,7 +2,7 @@
 
 Idempotent: the store is identified by a fingerprint of its inputs (source files' sha256 or the
 synthetic settings, tokenizer identity, schema, answer-only switch) and the plan by a fingerprint
-of (store, pack size, pad multiple, algorithm, seed, overflow policy, max length); a re-run with
+of (store, its manifest: every setting that shaped it, ``megatron_pack.data.store.manifest``); a re-run with
 identical inputs and settings finds both complete and does nothing. In a multi-rank job only
 global rank 0 writes; the others wait at ``barrier`` and then verify the checksums, retrying for
 a while on slow shared filesystems.
@@ -22,6 +22,7 @@ import numpy as np
 from megatron_pack.data.store.atomic import atomic_directory, read_json, sha256_file, write_json
 from megatron_pack.data.packing.plan import write_plan
 from megatron_pack.data.formats.sources import Chunk, DataError, iter_chunks, resolve_inputs
+from megatron_pack.data.store.manifest import build_manifest, dirname, integrity_problems
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
                                                plan_settings, read_metadata)
 from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore,
@@ -154,35 +155,39 @@ def ensure_store(cfg, *, progress: bool = True) -> TokenStore:
     return build_store(cfg, target, inputs, tokenizer, progress=progress)
 
 
-def ensure_plan(store: TokenStore, settings: PlanSettings) -> Path:
-    """The plan directory for ``settings``, written unless an intact one exists."""
-    plan_dir = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
+def ensure_plan(store: TokenStore, settings: PlanSettings, manifest: dict) -> Path:
+    """The plan directory for ``settings`` (recording ``manifest``), written unless an intact one exists."""
+    plan_dir = store.path / "plans" / dirname(manifest, store.metadata["fingerprint"])
     if (plan_dir / "metadata.json").is_file():
         try:
-            read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
-            return plan_dir
+            problems = integrity_problems(plan_dir, read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION))
+            if not problems:
+                return plan_dir
+            log.warning("rewriting the packing plan %s: %s", plan_dir, "; ".join(problems))
         except DataError as exc:
             log.warning("rewriting the packing plan: %s", exc)
-    return write_plan(store, settings)
+    return write_plan(store, settings, manifest)
 
 
 def validation_config(cfg):
-    """``cfg`` for preparing and opening ``data.validation``: the same tokenizer, schema, pack size
-    and pad multiple, read from ``data.validation`` into ``<data.dataset_dir>/validation``."""
+    """``cfg`` for preparing ``data.validation``: the same tokenizer, template, schema, pack size and pad
+    multiple, read from ``data.validation`` into ``<data.dataset_dir>/validation`` (one file: no data.sources)."""
     import dataclasses
 
-    data = dataclasses.replace(cfg.data, source="files", input=cfg.data.validation, validation=None,
+    data = dataclasses.replace(cfg.data, source="files", input=cfg.data.validation, validation=None, sources=[],
                                dataset_dir=str(Path(cfg.data.dataset_dir) / VALIDATION_DIRNAME))
     return dataclasses.replace(cfg, data=data)
 
 
 def _prepare_here(cfg, *, progress: bool) -> Path:
-    settings = plan_settings(cfg)
-    store = ensure_store(cfg, progress=progress)
-    plan_dir = ensure_plan(store, settings)
+    settings, manifest = plan_settings(cfg), build_manifest(cfg)
+    store = ensure_store(cfg, progress=progress)  # first: a rebuilt store replaces data.dataset_dir whole
     if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
         valid_cfg = validation_config(cfg)
-        ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg))
+        valid_plan = ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg),
+                                 build_manifest(valid_cfg))
+        manifest["data.validation"]["plan"] = str(valid_plan.relative_to(Path(cfg.data.dataset_dir)))
+    plan_dir = ensure_plan(store, settings, manifest)
     from megatron_pack.data.packing.report import write_report
 
     if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
@@ -230,7 +235,7 @@ def _failure_marker(cfg) -> Path:
 def _wait_for_plan(cfg, timeout_s: float) -> Path:
     """On ranks other than 0: the plan rank 0 wrote, verified; retried while the filesystem catches up."""
     deadline = time.monotonic() + timeout_s
-    settings = plan_settings(cfg)
+    manifest = build_manifest(cfg)
     dataset_dir = Path(cfg.data.dataset_dir)
     while True:
         marker = _failure_marker(cfg)
@@ -238,8 +243,10 @@ def _wait_for_plan(cfg, timeout_s: float) -> Path:
             raise DataError(f"rank 0 failed to prepare {dataset_dir}: {read_json(marker)['error']}")
         try:
             store_meta = read_metadata(dataset_dir, STORE_FORMAT, STORE_FORMAT_VERSION)
-            plan_dir = dataset_dir / "plans" / settings.dirname(store_meta["fingerprint"])
-            read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
+            plan_dir = dataset_dir / "plans" / dirname(manifest, store_meta["fingerprint"])
+            problems = integrity_problems(plan_dir, read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION))
+            if problems:
+                raise DataError(f"{plan_dir} is damaged: {'; '.join(problems)}")
             return plan_dir
         except (DataError, OSError, ValueError) as exc:
             if time.monotonic() > deadline:

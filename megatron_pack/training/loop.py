@@ -579,6 +579,7 @@ def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -
                                      pin_memory=state.device.type == "cuda", announce=announce,
                                      gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
     loader.plan_fingerprint = dataset.metadata.get("fingerprint")  # what a resume compares (run_settings)
+    loader.manifest = dataset.metadata.get("manifest") or {}  # what the data was made with (for hf_source)
     return loader
 
 
@@ -669,7 +670,9 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
     if cfg.model.pretrained and cfg.checkpoint.enabled and state.rank == 0:  # lets `export` read a checkpoint alone
         from megatron_pack.model.hf.export import save_hf_source
 
-        save_hf_source(cfg.model.pretrained, save_dir)
+        recorded = getattr(loader, "manifest", None) or {}
+        template = (recorded.get("data.chat_template") or {}).get("text")  # the one the data was rendered with
+        save_hf_source(cfg.model.pretrained, save_dir, tokenizer=recorded.get("data.tokenizer"), chat_template=template)
     start_or_resume(cfg, trainer)
     if state.rank == 0:
         write_run_record(cfg, state, trainer.train_iters)

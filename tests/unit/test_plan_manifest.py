@@ -40,7 +40,7 @@ PLANS = [  # (id, the prepare command's keys): each was refused by `train --chec
                             "packing.packed_sequence_size=64"]),
     ("buckets", ["data=files", "data.input=a.jsonl", "packing.buckets=[16,32]"]),
     ("validation-fraction", ["data=files", "data.input=a.jsonl", "data.validation_fraction=0.2"]),
-    ("sources", ["data.source=files", SOURCES]),
+    ("sources", ["data.source=files", SOURCES, "packing.on_overflow=truncate"]),
     ("wrapped-document", ["data=files", "data.input=a.jsonl", "packing.algorithm=wrapped", "packing.on_overflow=split"]),
 ]
 
@@ -61,7 +61,7 @@ def test_every_plan_trains_and_verifies_with_only_its_folder(work, tmp_path, arg
 def test_mixing_prepares_from_the_command_line(work, tmp_path):
     """`prepare data.source=files 'data.sources=[...]'` (docs/data.md) was refused: data.input is required."""
     ds = tmp_path / "mix"
-    out = ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data.source=files", SOURCES)
+    out = ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data.source=files", SOURCES, "packing.on_overflow=drop")
     manifest = json.loads((ds / "plans" / plan_names(ds)[0] / "metadata.json").read_text())["manifest"]
     assert [(s["name"], s["weight"]) for s in manifest["data.sources"]] == [("a", 0.5), ("b", 0.3), ("c", 0.2)]
     assert "source a" in ok(work, "inspect", str(ds)) and "packs:" in out
@@ -135,3 +135,20 @@ def test_a_plan_is_damaged_only_when_its_checksums_fail(work, tmp_path):
     (plan / "metadata.json").write_text(json.dumps(meta))
     out = refused(work, "train", "--check", f"data.dataset_dir={ds}")
     assert "is damaged" in out and "fingerprint" in out
+
+
+def test_export_writes_the_template_the_plan_was_prepared_with(work, tmp_path):
+    """The export of a run prepared with data.chat_template had no template (apply_chat_template raised)."""
+    from _hf import make_family
+    from transformers import AutoTokenizer
+
+    model = make_family(tmp_path, "llama_tied", name="model")
+    ds = tmp_path / "ds"
+    ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=a.jsonl", f"data.tokenizer={model}",
+       "data.chat_template=custom.jinja")
+    out = ok(work, "export", f"model.pretrained={model}", f"output={tmp_path / 'exported'}", f"data.dataset_dir={ds}")
+    assert "chat template" in out
+    tok = AutoTokenizer.from_pretrained(tmp_path / "exported")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert tok.chat_template == CUSTOM_TEMPLATE and text == "<s>[user] hi</s>"
+    assert json.loads((tmp_path / "exported" / "tokenizer_config.json").read_text())["chat_template"] == CUSTOM_TEMPLATE

@@ -11,9 +11,9 @@ A plan directory sits under ``<store>/plans/`` and holds (``B`` packs, ``K`` pac
     sample_source.npy   int32 [K]    (data.sources only) source index of each entry (metadata source_names)
     metadata.json                    settings, Megatron-Bridge fields, accounting, sha256 of the arrays
 
-Its name carries the settings and a fingerprint of (store, pack size, pad multiple, algorithm,
-seed, overflow policy, max length), so several plans share one store and re-planning never
-re-tokenizes.
+Its ``metadata.json`` records the manifest (``megatron_pack.data.store.manifest``: every setting that
+shaped the plan), and its name carries the main settings and a fingerprint of (store, manifest), so
+several plans share one store and re-planning never re-tokenizes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from megatron_pack.data.packing.mixing import mix_selection
 from megatron_pack.data.packing.split import split_entries
 from megatron_pack.data.packing.wrapped import wrapped_entries
 from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.store import manifest as manifests
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
                                                held_out_mask)
 from megatron_pack.data.store.token_store import TokenStore
@@ -222,14 +223,15 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
     return out
 
 
-def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
+def write_plan(store: TokenStore, settings: PlanSettings, manifest: dict) -> Path:
     """Plan ``store`` under ``settings`` into ``<store>/plans/<name>`` (atomically); return the directory.
+    ``manifest`` (``manifest.build_manifest`` of the same config) is recorded and names the plan.
 
     With ``settings.validation_fraction`` > 0 the held-out samples (``held_out_mask``, chosen
     before packing) are packed into their own plan ``<name>/validation`` with the same settings;
     the training plan never holds them, and both metadata files record the split. Nothing is
     written when either plan cannot be made."""
-    target = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
+    target = store.path / "plans" / manifests.dirname(manifest, store.metadata["fingerprint"])
     held = (held_out_mask(len(store), settings.validation_fraction, settings.validation_seed)
             if settings.validation_fraction else np.zeros(len(store), dtype=bool))
     if settings.validation_fraction and not held.any():
@@ -243,7 +245,7 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
     with atomic_directory(target, replace=True) as tmp:
         for subdir, arrays in plans:
             (tmp / subdir).mkdir(exist_ok=True)
-            _write_plan_arrays(tmp / subdir, store, settings, *arrays)
+            _write_plan_arrays(tmp / subdir, store, manifest, *arrays)
     return target
 
 
@@ -279,13 +281,12 @@ def _make_plan(store: TokenStore, settings: PlanSettings, include: np.ndarray, s
     return arrays, metadata
 
 
-def _write_plan_arrays(directory: Path, store: TokenStore, settings: PlanSettings, arrays: dict,
-                       metadata: dict) -> None:
+def _write_plan_arrays(directory: Path, store: TokenStore, manifest: dict, arrays: dict, metadata: dict) -> None:
     for name, array in arrays.items():
         np.save(directory / f"{name}.npy", array, allow_pickle=False)
     metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION,
-                    store_fingerprint=store.metadata["fingerprint"],
-                    fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
+                    store_fingerprint=store.metadata["fingerprint"], manifest=manifest,
+                    fingerprint=manifests.fingerprint(manifest, store.metadata["fingerprint"]),
                     files={f"{name}.npy": {"sha256": sha256_file(directory / f"{name}.npy"),
                                            "size": (directory / f"{name}.npy").stat().st_size} for name in arrays})
     write_json(directory / "metadata.json", metadata)
