@@ -24,6 +24,9 @@ ONLINE_SOURCES = ("store", "stream")
 BALANCE_MODES = ("none", "dp")
 """``packing.balance``: deal packs round-robin, or assign them to DP ranks by cost."""
 
+BAD_RECORD_POLICIES = ("error", "skip")
+"""``data.on_bad_record``: stop at the first bad record (file and line), or skip each one, counted by reason."""
+
 TOKEN_BUDGET_KINDS = ("target", "real")
 """``train.token_budget``: what ``train.global_batch_tokens`` counts: loss-carrying tokens or all real tokens."""
 

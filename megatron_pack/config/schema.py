@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_pack.config.choices import (ATTENTION_MODES, BALANCE_MODES, CP_COMM_TYPES, DEFAULT_COST_A, DEFAULT_COST_B,
-                                          ONLINE_SOURCES, PACKING_ALGORITHMS, PACKING_MODES, TOKEN_BUDGET_KINDS)
+from megatron_pack.config.choices import (ATTENTION_MODES, BAD_RECORD_POLICIES, BALANCE_MODES, CP_COMM_TYPES,
+                                          DEFAULT_COST_A, DEFAULT_COST_B, ONLINE_SOURCES, PACKING_ALGORITHMS,
+                                          PACKING_MODES, TOKEN_BUDGET_KINDS)
 
 
 class ConfigError(ValueError):
@@ -252,6 +253,9 @@ class DataConfig(_Group):
     """'byte' (embedded byte-level tokenizer, no download) or a local Hugging Face tokenizer directory."""
     answer_only_loss: bool = True
     """Train on completion/assistant tokens (and their eos) only; False trains on every token."""
+    on_bad_record: str = "error"
+    """'error' (stop at the first bad record, naming its file and line) or 'skip' (leave each bad record out,
+    counted by reason; the first 10 listed with their lines in the prepare summary and the store metadata)."""
     dataset_dir: str = "data/synthetic"
     """Directory of the prepared token store and plans (written by prepare, read by train)."""
     plan: Optional[str] = None
@@ -279,6 +283,7 @@ class DataConfig(_Group):
         problems += _choice(g, self, "source", ("synthetic", "files"))
         problems += _choice(g, self, "schema", ("auto", "prompt_completion", "chat"))
         problems += _choice(g, self, "format", ("default", "sharegpt"))
+        problems += _choice(g, self, "on_bad_record", BAD_RECORD_POLICIES)
         for alias, role in self.role_aliases.items():
             if role not in ("system", "user", "assistant", "tool"):
                 problems.append(f"data.role_aliases.{alias} ({role!r}) must map to one of system/user/assistant/tool; "

@@ -81,8 +81,9 @@ def store_inputs(cfg, tokenizer) -> dict:
         sources = {"kind": "files", "input": d.input,
                    "files": [{"path": str(f), "sha256": sha256_file(f), "size": f.stat().st_size} for f in files]}
     schema = _schema(cfg)
+    skip = {"on_bad_record": d.on_bad_record} if d.on_bad_record != "error" else {}  # older stores keep their names
     return {"sources": sources, "tokenizer": tokenizer.identity(), "answer_only_loss": d.answer_only_loss,
-            "schema": schema.identity(),
+            "schema": schema.identity(), **skip,
             "format_version": STORE_FORMAT_VERSION}
 
 
@@ -119,11 +120,15 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
     with atomic_directory(target, replace=True) as tmp:
         results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_file_schemas(cfg, inputs),
                                   answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers,
-                                  chat_template=cfg.data.chat_template)
+                                  chat_template=cfg.data.chat_template, on_bad_record=cfg.data.on_bad_record)
         counts = write_store(tmp, results, token_dtype=token_dtype_for(tokenizer.vocab_size), total=total,
                              progress=progress)
+        counts["bad_records"] = {"policy": cfg.data.on_bad_record, **counts["bad_records"]}
         if counts["num_samples"] == 0:
-            raise DataError(f"data.input ({cfg.data.input}) holds no records; nothing to prepare.")
+            skipped = counts["bad_records"]["num_skipped"]
+            raise DataError(f"data.input ({cfg.data.input}) holds no records"
+                            + (f" but the {skipped} bad one(s) skipped ({counts['bad_records']['by_reason']})"
+                               if skipped else "") + "; nothing to prepare.")
         meta = {**inputs, **counts, **store_statistics(tmp), "format": STORE_FORMAT,
                 "fingerprint": fingerprint(inputs), "tokenizer_path": _tokenizer_path(cfg.data.tokenizer),
                 "vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,

@@ -134,3 +134,30 @@ def test_a_weight_other_than_0_or_1_is_a_bad_record(tmp_path):
     out = refused(tmp_path, "prepare", "data=files", "data.input=t.jsonl", "data.format=sharegpt",
                   "data.dataset_dir=ds", "packing.packed_sequence_size=64", "data.tokenize_workers=1")
     assert "t.jsonl: line 2:" in out and "weight (0.5) must be 0 or 1" in out
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_online_stream_follows_the_same_policy(tmp_path, policy):
+    """packing.online_source=stream tokenizes data.input while training: the same policy, counted in its
+    per-epoch accounting (read = packed + dropped, bad_record among the reasons)."""
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.online import OnlineSource
+    from megatron_pack.data.formats.sources import DataError
+
+    write_jsonl(tmp_path / "t.jsonl", [GOOD, REASONS[0][1], GOOD, REASONS[6][1], GOOD])
+    cfg = load_config(["data=files", f"data.input={tmp_path / 't.jsonl'}", "data.schema=chat", "packing.mode=online",
+                       "packing.online_source=stream", "packing.packed_sequence_size=64", "model.seq_length=64",
+                       "packing.buffer_size=8",
+                       f"data.on_bad_record={policy}"])
+    stream = OnlineSource(cfg).pack_stream(shard=0, num_shards=1)
+    if policy == "error":
+        with pytest.raises(DataError, match="t.jsonl: line 2: malformed JSON"):
+            while not stream.finished_epochs:
+                stream.next_pack()
+        return
+    packed = []
+    while not stream.finished_epochs:
+        packed += [s for s, _ in stream.next_pack()]
+    epoch = stream.finished_epochs[0]
+    assert sorted(packed) == [0, 2, 4] and epoch["num_samples_read"] == 5
+    assert epoch["num_samples_dropped"]["bad_record"] == 2

@@ -217,7 +217,9 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
                        "num_samples_split": entries.num_split or selection.num_split,
                        "num_packed_entries": len(thd),
                        "num_pieces_without_answer": selection.num_pieces_without_answer,
-                       "num_samples_held_out": num_held_out, "balanced": True},
+                       "num_samples_held_out": num_held_out, "balanced": True,
+                       # bad records data.on_bad_record=skip left out of the store (never tokenized), by reason
+                       "num_records_skipped": int((meta.get("bad_records") or {}).get("num_skipped", 0))},
     }
     out.update(layout.extra or {})
     return out

@@ -245,6 +245,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("data.chat_template", read=_chat_template, plan=False, agrees=_template_agrees,
           applies=lambda v, m: {"data.chat_template": v and v["path"]}, show=lambda v: v["path"] if v else "null"),
     Entry("data.answer_only_loss", plan=False),
+    Entry("data.on_bad_record", plan=False),
     *(Entry(f"data.{name}", plan=False) for name in SCHEMA_KEYS),
 )
 """Every recorded setting, in the order messages list them."""
