@@ -259,7 +259,8 @@ class DataConfig(_Group):
     dataset_dir: str = "data/synthetic"
     """Directory of the prepared token store and plans (written by prepare, read by train)."""
     plan: Optional[str] = None
-    """Plan folder under data.dataset_dir/plans to train or verify on; None picks the only one that fits."""
+    """Plan folder under data.dataset_dir/plans to train, verify, inspect or export with; None picks the one plan
+    whose manifest agrees with the keys given on the command line."""
     pad_to_max_length: bool = False
     """Pad every pack to packing.packed_sequence_size (fixed shapes; required for CUDA graphs)."""
     num_workers: int = 0
