@@ -23,10 +23,16 @@ CUSTOM_TEMPLATE = ("{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] 
 
 
 def run_cli(cwd: Path | str, *argv: str, env: Optional[dict] = None) -> tuple[int, str]:
-    """``megatron-pack ARGV`` from ``cwd`` in this process: (exit status, stdout + stderr)."""
+    """``megatron-pack ARGV`` from ``cwd`` in this process: (exit status, stdout + stderr + log lines)."""
+    import logging
+
     from megatron_pack.cli.main import main
 
     out = io.StringIO()
+    handler = logging.StreamHandler(out)  # the commands log to the stderr they found at their first call
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
     saved_env = {k: os.environ.get(k) for k in (env or {})}
     cwd_before = os.getcwd()
     try:
@@ -38,6 +44,7 @@ def run_cli(cwd: Path | str, *argv: str, env: Optional[dict] = None) -> tuple[in
             except SystemExit as exc:
                 status = exc.code if isinstance(exc.code, int) else 1
     finally:
+        root.removeHandler(handler)
         os.chdir(cwd_before)
         for key, value in saved_env.items():
             if value is None:

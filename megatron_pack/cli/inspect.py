@@ -113,9 +113,13 @@ def summarize(dataset_dir: Path, plan: str | None = None) -> str:
         if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
             write_report(ds.store, plan_dir)
         reports += [f"  {plan_dir / 'report.json'}", f"  {plan_dir / 'report.png'}"]
+    from megatron_pack.data.packing.report import lost_data_text
+
+    lost = [f"  {p.name}: {lost_data_text(m['lost_data'])}" for p, m in zip(plans, metas) if "lost_data" in m]
     settings = _manifest_lines(plans, metas, named=plan is not None)
     title = "settings (manifest):" if plan is not None else "settings that tell the plans apart (data.plan=<name> picks one):"
-    return "\n".join(lines + ["", _table(rows)] + (["", title] + settings if settings else [])
+    return "\n".join(lines + ["", _table(rows)] + ["", "kept and lost (tokens = THD positions):"] + lost
+                     + (["", title] + settings if settings else [])
                      + (["", "strategies:"] + details if details else []) + ["", "reports:"] + reports)
 
 

@@ -93,13 +93,16 @@ def bad_record_lines(store_meta: dict) -> list[str]:
 
 
 def summary_lines(cfg, plan_dir: Path, store_meta: dict, meta: dict) -> list[str]:
-    """What prepare prints when it is done: where, the packs, the accounting, the bad records, the report."""
+    """What prepare prints when it is done: where, the packs, the accounting, what was kept and lost, the bad
+    records, the report."""
+    from megatron_pack.data.packing.report import lost_data_text
+
     acc = meta["accounting"]
     return ([f"dataset: {cfg.data.dataset_dir}", f"plan:    {plan_dir}",
              f"packs: {meta['num_bins']} (lower bound {meta['lower_bound_bins']}), efficiency "
              f"{meta['packing_efficiency']}%, samples read {acc['num_samples_read']}, packed "
              f"{acc['num_samples_packed']}, dropped {acc['num_samples_dropped']}, truncated "
-             f"{acc['num_samples_truncated']}"]
+             f"{acc['num_samples_truncated']}", f"data: {lost_data_text(meta['lost_data'])}"]
             + bad_record_lines(store_meta)
             + [f"report:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}"])
 

@@ -195,6 +195,7 @@ def _prepare_here(cfg, *, progress: bool) -> Path:
     plan_dir = ensure_plan(store, settings, manifest)
     from megatron_pack.data.packing.report import write_report
 
+    _warn_lost(store, plan_dir, settings)
     if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
         write_report(store, plan_dir)  # both: a run killed between the two files must not leave one forever
     if cfg.packing.export == "bridge":
@@ -202,6 +203,18 @@ def _prepare_here(cfg, *, progress: bool) -> Path:
 
         export_bridge(store, plan_dir)
     return plan_dir
+
+
+def _warn_lost(store: TokenStore, plan_dir: Path, settings: PlanSettings) -> None:
+    """One warning line when the overflow policy lost more than 5% of the plan's answer targets."""
+    from megatron_pack.data.packing.algorithms import thd_lengths
+    from megatron_pack.data.packing.report import lost_targets_warning
+
+    lost = read_json(plan_dir / "metadata.json").get("lost_data")
+    longest = int(thd_lengths(store.num_ids(), settings.pad_multiple).max()) if len(store) else 0
+    warning = lost_targets_warning(lost, longest) if lost else None
+    if warning:
+        log.warning(warning)
 
 
 def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
