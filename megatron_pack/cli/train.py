@@ -2,8 +2,10 @@
 
 Order: load and validate the whole config with the world size, the prepared dataset's
 metadata, which fills in what prepare recorded (``megatron_pack.cli.run_config``), and the
-checkpoint to resume from (nothing is built before that; a refusal prints once and exits 2), initialise the process groups once, print the resolved config and the parallel
-layout (rank 0), then train (``megatron_pack.training.loop``).
+checkpoint to resume from (nothing is built before that; a refusal prints once and exits 2),
+initialise the process groups once, print one line saying what runs (rank 0; the resolved config
+goes to ``<train.output_dir>/config.yaml`` and ``run.json``), then train (``megatron_pack.training.loop``).
+Every warning is printed once, by rank 0 (``megatron_pack.cli.main.warn_once_on_rank_0``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from megatron_pack.data.formats.sources import DataError
 
 
 def _setup_logging(level: str, rank: int) -> None:
-    logging.basicConfig(level=getattr(logging, level) if rank == 0 else logging.WARNING,
+    # rank 0 speaks for the run: the other ranks log errors only (their warnings are rank 0's, repeated)
+    logging.basicConfig(level=getattr(logging, level) if rank == 0 else logging.ERROR,
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-module INFO setup lines
@@ -51,6 +54,19 @@ def _refusal(exc: Exception) -> int:
     return 2
 
 
+def run_line(cfg, state, dataset, validation) -> str:
+    """The one console line a run starts with (the resolved config itself is written to the run folder)."""
+    t, m = cfg.train, cfg.model
+    steps = f"{t.train_iters} steps" if t.train_iters is not None else f"{t.num_epochs} epochs"
+    batch = f"{t.global_batch_tokens} tokens" if t.global_batch_tokens is not None else f"{t.global_batch_size} packs"
+    model = f"{m.name} ({m.num_layers} layers, hidden {m.hidden_size}"
+    model += f", from {m.pretrained})" if m.pretrained else ")"
+    model += " + LoRA" if cfg.peft.method == "lora" else ""
+    layout = state.describe().split(";", 1)[0]
+    return (f"run {t.output_dir}: {steps} of {batch}, lr {t.lr:.2e} | model {model} | parallel layout: {layout} | "
+            f"{describe_data(dataset, validation)} | resolved config: {t.output_dir}/config.yaml")
+
+
 def describe_data(dataset, validation) -> str:
     """``plan P (N packs); validation V (M packs)``: what the run trains and evaluates on."""
     plan = getattr(dataset, "plan_dir", None)
@@ -71,7 +87,10 @@ def main(argv: list[str]) -> int:
     line = parse_command_line("train", [a for a in argv if a != CHECK_FLAG])
     if isinstance(line, int):  # --help / --version answer without importing torch
         return line
-    from megatron_pack.config import config_to_yaml
+    if check_only:  # a config check (the launch scripts run it before torchrun): the run itself warns, once
+        import warnings
+
+        warnings.simplefilter("ignore")
     from megatron_pack.training.eval import build_validation_loader, open_validation
     from megatron_pack.training.loop import build_loader, check_resume, run_summary, run_training
 
@@ -98,9 +117,11 @@ def main(argv: list[str]) -> int:
 
     enable_cpu_compat_without_cuda()  # megatron-core's CUDA assumptions, answered on a CPU host
     state = initialize_parallel(cfg)
-    if rank == 0:
-        print("".join(f"{note}\n" for note in run.notes) + "resolved config:\n" + config_to_yaml(cfg), flush=True)
-        print("parallel layout: " + state.describe(), flush=True)
+    if rank == 0:  # the whole resolved config goes to <train.output_dir>/config.yaml and run.json
+        print(run_line(cfg, state, dataset, validation), flush=True)
+        if run.notes:
+            print(f"settings from the dataset ({run.plan_dir or cfg.data.dataset_dir}): "
+                  + ", ".join(n.split(": ", 1)[-1] for n in run.notes), flush=True)
     try:
         run_training(cfg, state, build_loader(cfg, state, dataset),
                      validation=build_validation_loader(cfg, state, validation))

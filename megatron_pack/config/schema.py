@@ -42,10 +42,24 @@ def _positive(group: str, obj: Any, names: tuple[str, ...], allow_zero: tuple[st
     return problems
 
 
+def nearest(value: Any, choices: tuple[str, ...]) -> str:
+    """The choice closest to a mistyped ``value`` (``'sharegtp' -> 'sharegpt'``, ``'trunc' -> 'truncate'``);
+    the first choice (the default) when none is close (``'greedy'``: no algorithm is spelt like it)."""
+    import difflib
+
+    text = str(value)
+    prefixed = [c for c in choices if c.startswith(text) or text.startswith(c)]
+    if prefixed:
+        return max(prefixed, key=lambda c: difflib.SequenceMatcher(None, text, c).ratio())
+    scored = [(difflib.SequenceMatcher(None, text, c).ratio(), -i, c) for i, c in enumerate(choices)]
+    best = max(scored)
+    return best[2] if best[0] >= 0.6 else choices[0]
+
+
 def _choice(group: str, obj: Any, name: str, choices: tuple[str, ...]) -> list[str]:
     value = getattr(obj, name)
     if value not in choices:
-        return [f"{group}.{name} ({value!r}) must be one of {list(choices)}; set {group}.{name}={choices[0]}."]
+        return [f"{group}.{name} ({value!r}) must be one of {list(choices)}; set {group}.{name}={nearest(value, choices)}."]
     return []
 
 
