@@ -38,18 +38,32 @@ PREPARE = ["data=files", "data.input=t.jsonl", "packing.packed_sequence_size=64"
 
 
 @pytest.mark.parametrize("reason,line,fragment", REASONS, ids=[f"{r[0]}-{i}" for i, r in enumerate(REASONS)])
-def test_each_reason_is_an_error_by_default_and_counted_with_skip(tmp_path, reason, line, fragment):
+def test_each_reason_is_an_error_by_default(tmp_path, reason, line, fragment):
     write_jsonl(tmp_path / "t.jsonl", [GOOD, GOOD, line, GOOD])
     out = refused(tmp_path, "prepare", *PREPARE, "data.dataset_dir=ds")
     assert "t.jsonl: line 3:" in out and fragment in out and not (tmp_path / "ds").exists()
+    from megatron_pack.data.formats.chat import BAD_RECORD_REASONS
+
+    assert reason in BAD_RECORD_REASONS
+
+
+def test_skip_counts_every_reason_and_lists_each_with_its_line(tmp_path):
+    write_jsonl(tmp_path / "t.jsonl", [GOOD] + [line for _, line, _ in REASONS] + [GOOD])
     out = ok(tmp_path, "prepare", *PREPARE, "data.dataset_dir=ds", "data.on_bad_record=skip")
-    assert f"skipped 1 bad record(s): {reason} 1" in out and "t.jsonl: line 3:" in out
     store = json.loads((tmp_path / "ds" / "metadata.json").read_text())
-    assert store["num_samples"] == 3
+    assert store["num_samples"] == 2
     bad = store["bad_records"]
-    assert bad["policy"] == "skip" and bad["num_skipped"] == 1 and bad["by_reason"] == {reason: 1}
-    assert bad["first"][0]["where"].endswith("t.jsonl: line 3") and bad["first"][0]["reason"] == reason
-    assert fragment in bad["first"][0]["message"]
+    expected = {}
+    for reason, _, _ in REASONS:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert bad["policy"] == "skip" and bad["num_skipped"] == len(REASONS) and bad["by_reason"] == dict(sorted(
+        expected.items()))
+    counts = ", ".join(f"{r} {n}" for r, n in sorted(expected.items()))
+    assert f"skipped {len(REASONS)} bad record(s): {counts}" in out
+    for i, (reason, _, fragment) in enumerate(REASONS):  # line i + 2: each with its reason and its one line
+        listed = bad["first"][i]
+        assert listed["where"].endswith(f"t.jsonl: line {i + 2}") and listed["reason"] == reason
+        assert fragment in listed["message"] and f"t.jsonl: line {i + 2}:" in out
 
 
 def test_error_names_the_first_bad_line_in_file_order(tmp_path):
@@ -79,12 +93,16 @@ def test_skip_lists_the_first_ten_and_counts_all(tmp_path):
 
 
 def test_skip_is_part_of_the_store_identity(tmp_path):
-    write_jsonl(tmp_path / "t.jsonl", [GOOD, REASONS[0][1], GOOD])
-    ok(tmp_path, "prepare", *PREPARE, "data.dataset_dir=ds", "data.on_bad_record=skip")
-    first = json.loads((tmp_path / "ds" / "metadata.json").read_text())["fingerprint"]
-    write_jsonl(tmp_path / "good.jsonl", [GOOD, GOOD])
-    ok(tmp_path, "prepare", *PREPARE[:1], "data.input=good.jsonl", *PREPARE[2:], "data.dataset_dir=ds2")
-    assert json.loads((tmp_path / "ds2" / "metadata.json").read_text())["fingerprint"] != first
+    """A store made with skip holds fewer samples than the file: it must not be reused as the error policy's."""
+    from megatron_pack.config import load_config
+    from megatron_pack.data.formats.tokenizer import ByteTokenizer
+    from megatron_pack.data.prepare import fingerprint, store_inputs
+
+    write_jsonl(tmp_path / "t.jsonl", [GOOD, GOOD])
+    prints = {policy: fingerprint(store_inputs(load_config(["data=files", f"data.input={tmp_path / 't.jsonl'}",
+                                                             f"data.on_bad_record={policy}"]), ByteTokenizer()))
+              for policy in ("error", "skip")}
+    assert prints["error"] != prints["skip"]
 
 
 SHAREGPT = {"conversations": [{"from": "human", "value": "aa"}, {"from": "gpt", "value": "bb", "weight": 0},

@@ -164,7 +164,8 @@ def report_figure(n: dict):
         import textwrap
 
         fig.suptitle("\n".join(textwrap.wrap(lost_data_text(n["lost_data"]), 150)), fontsize=9)
-    fig.tight_layout()
+    # fixed margins (tight_layout measured every tick label: 0.6 s of a 1.2 s report on 2 cores)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.88, hspace=0.38, wspace=0.22)
     return fig
 
 
