@@ -85,3 +85,17 @@ def chat(i: int, answer_words: int = 3, *, system: bool = False) -> dict:
 
 def plan_names(dataset_dir: Path) -> list[str]:
     return sorted(p.name for p in (Path(dataset_dir) / "plans").iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def copy_tree(dest: Path, root: Path) -> Path:
+    """A fresh clone of the working tree at ``root`` (tracked and untracked-but-not-ignored files, no build outputs)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = Path(root) / name
+        if src.is_file() and not src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(src.read_bytes())
+    return dest

@@ -56,6 +56,13 @@ def resolve_checkpoint(path: str) -> Path:
     return latest
 
 
+def _latest_or_none(path: str) -> Path | None:
+    try:
+        return resolve_checkpoint(path)
+    except FileNotFoundError:
+        return None
+
+
 def _hf_source(step_dir: Path) -> Path:
     from megatron_pack.model.hf.export import HF_SOURCE
 
@@ -100,6 +107,10 @@ def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = No
 
     argv = _expand(argv)
     checkpoint = _given(argv, "export.checkpoint")
+    if print_config and checkpoint and _latest_or_none(checkpoint) is None:  # --cfg job before the run wrote it
+        return print_resolved(load_config(argv, config_dirs=config_dirs or []),
+                              f"export.checkpoint ({checkpoint}) holds no checkpoint yet, so this is the command line's "
+                              "config; once it does, model.pretrained comes from its hf_source/.")
     step_dir = resolve_checkpoint(checkpoint) if checkpoint else None
     given_base = _given(argv, "model.pretrained")
     if step_dir is not None and _given(argv, "model.pretrained") is None:

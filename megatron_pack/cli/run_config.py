@@ -6,7 +6,8 @@
     validate(cfg, world_size, dataset_meta=plan metadata)
 
 so ``megatron-pack verify data.dataset_dir=D`` works right after any ``prepare`` into ``D``. In-batch
-packing (``packing.in_batch=true``) has no plan: it reads the token store only. ``--cfg job`` before
+packing (``packing.in_batch=true``) has no plan: it reads the token store only; online packing from a
+stream (``packing.online_source=stream``) reads nothing prepared. ``--cfg job`` before
 the dataset is prepared prints the command line's config and says which values the dataset will set.
 """
 
@@ -52,6 +53,8 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     early = launch_problems(cfg0, world_size=world_size)  # reported first: no dataset setting changes them
     if early:
         raise ConfigError(early)
+    if cfg0.packing.mode == "online" and cfg0.packing.online_source == "stream":
+        return _stream_run(cfg0, world_size, open_data)
     dataset_dir = Path(cfg0.data.dataset_dir)
     fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} ...` first (README.md, 'Commands'), or set "
            "data.dataset_dir to the folder prepare wrote")
@@ -102,6 +105,17 @@ def _before_prepare(cfg0, given: set[str], dataset_dir: Path, world_size: Option
             f"`megatron-pack prepare data.dataset_dir={dataset_dir} ...` has run, these come from the dataset "
             f"(unless set here): {', '.join(dict.fromkeys(later))}.")
     return RunConfig(cfg0, None, [note])
+
+
+def _stream_run(cfg0, world_size: Optional[int], open_data: bool) -> RunConfig:
+    """packing.online_source=stream: the records of data.input are tokenized while training; nothing prepared
+    is read, so the command line's config is the run's."""
+    cfg = _validated(cfg0, world_size, None)
+    if not open_data:
+        return RunConfig(cfg, None)
+    from megatron_pack.data.batches.loader import open_dataset
+
+    return RunConfig(cfg, open_dataset(cfg))
 
 
 def _in_batch_run(cfg0, store_meta, given, world_size, open_data) -> RunConfig:

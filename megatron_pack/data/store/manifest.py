@@ -209,6 +209,11 @@ def _synthetic(name: str) -> Callable[[Any], Any]:
     return lambda cfg: getattr(cfg.data, name) if cfg.data.source == "synthetic" else None
 
 
+def _if_recorded(key: str) -> Callable[[Any, dict], dict]:
+    """Set ``key`` only when the row recorded a value (None: it does not apply to this dataset)."""
+    return lambda value, manifest: {} if value is None else {key: value}
+
+
 def _input(cfg) -> Optional[str]:
     return _abs(cfg.data.input) if cfg.data.source == "files" and not cfg.data.sources else None
 
@@ -239,8 +244,9 @@ ENTRIES: tuple[Entry, ...] = (
     # the token store: what was tokenized, and how (its fingerprint covers these)
     Entry("data.source", plan=False),
     Entry("data.input", read=_input, plan=False, compared=False),
-    Entry("data.synthetic_num_samples", read=_synthetic("synthetic_num_samples"), plan=False),
-    Entry("data.synthetic_seed", read=_synthetic("synthetic_seed"), plan=False),
+    Entry("data.synthetic_num_samples", read=_synthetic("synthetic_num_samples"), plan=False,
+          applies=_if_recorded("data.synthetic_num_samples")),
+    Entry("data.synthetic_seed", read=_synthetic("synthetic_seed"), plan=False, applies=_if_recorded("data.synthetic_seed")),
     Entry("data.tokenizer", read=_tokenizer, plan=False, compared=False),
     Entry("data.chat_template", read=_chat_template, plan=False, agrees=_template_agrees,
           applies=lambda v, m: {"data.chat_template": v and v["path"]}, show=lambda v: v["path"] if v else "null"),
