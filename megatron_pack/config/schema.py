@@ -642,7 +642,8 @@ class VerifyConfig(_Group):
     tolerance: float = 1e-4
     """Largest allowed absolute logit difference between packed and alone."""
     checkpoint: Optional[str] = None
-    """Checkpoint to load weights from; None uses a random init (seed train.seed)."""
+    """Checkpoint to load weights from; None uses model.pretrained's weights when it is set, else a random init
+    (seed train.seed)."""
     attention: str = "thd"
     """'thd' (the real path) or 'pack_causal' (plain causal attention over the whole pack: a broken
     setting that must FAIL, kept to show what verify catches)."""
