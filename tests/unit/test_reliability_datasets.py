@@ -112,7 +112,7 @@ CASES = [
     ("edited-plan-manifest", lambda ds, plan, **_: _edit_manifest(plan / "metadata.json", **{"packing.seed": 3}),
      [], "2", ["is damaged", "its manifest hashes to fingerprint", "(the manifest was edited)"]),
     ("tokenizer-differs", None, ["data.tokenizer={hf}"], "2",
-     ["was tokenized with tokenizer 'byte'", "but training uses", "set data.tokenizer to the tokenizer"]),
+     ["was tokenized with tokenizer 'byte'", "but training uses", "set data.tokenizer (and data.chat_template) to what the dataset was prepared with"]),
     ("pack-size-not-seq-length", None, ["model.seq_length=256"], "2",
      ["no plan in", "was made with model.seq_length=256 (plans there: pack512_",
       "packing.packed_sequence_size=512", "drop those keys"]),

@@ -158,8 +158,10 @@ def check_tokenizer(identity: dict, expected, where: str) -> None:
         raise DataError(f"{where} was tokenized with tokenizer {identity.get('name')!r} (vocab {identity.get('vocab_size')}, "
                         f"hash {str(identity.get('vocab_hash'))[:12]}, special ids {identity.get('special_ids')}), but "
                         f"training uses {want.get('name')!r} (vocab {want.get('vocab_size')}, hash "
-                        f"{str(want.get('vocab_hash'))[:12]}, special ids {want.get('special_ids')}); set data.tokenizer to "
-                        "the tokenizer the dataset was prepared with, or re-run `megatron-pack prepare` with this one.")
+                        f"{str(want.get('vocab_hash'))[:12]}, special ids {want.get('special_ids')}; a Hugging Face vocabulary "
+                        "hash covers its chat template, data.chat_template included); set data.tokenizer (and "
+                        "data.chat_template) to what the dataset was prepared with, or leave them unset (train reads "
+                        "them from the dataset), or re-run `megatron-pack prepare` with this one.")
 
 
 def list_plans(dataset_dir: Path) -> list[Path]:

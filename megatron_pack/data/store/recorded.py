@@ -163,14 +163,11 @@ def check_intact(plan_dir: Path, store_fingerprint: str) -> dict:
 
 def apply_recorded(cfg, plan_meta: dict[str, Any], store_meta: dict[str, Any], given: set[str]) -> Recorded:
     """``cfg`` with every recorded setting the command line leaves unset (module docstring)."""
-    settings = manifests.settings_from(plan_meta.get("manifest") or {}, given)
+    manifest = plan_meta.get("manifest")
+    settings = manifests.settings_from(manifest, given) if manifest is not None else _store_settings(store_meta, given)
     vocab = store_meta.get("vocab_size")
     if vocab is not None and vocab > cfg.model.vocab_size and "model.vocab_size" not in given:
         settings["model.vocab_size"] = round_up(int(vocab), VOCAB_MULTIPLE * cfg.parallel.tensor_model_parallel_size)
-    if plan_meta == {} and "data.tokenizer" not in given:  # in-batch packing: no plan, the store's tokenizer
-        tokenizer = store_meta.get("tokenizer_path") or (store_meta.get("tokenizer") or {}).get("name")
-        if tokenizer is not None:
-            settings["data.tokenizer"] = tokenizer
     changes: dict[str, dict[str, Any]] = {}
     notes = []
     for key, value in settings.items():
@@ -181,6 +178,12 @@ def apply_recorded(cfg, plan_meta: dict[str, Any], store_meta: dict[str, Any], g
             notes.append(f"{key}={manifests.override_value(value)} (was {manifests.override_value(current)})")
     groups = {g: dataclasses.replace(getattr(cfg, g), **c) for g, c in changes.items()}
     return Recorded(dataclasses.replace(cfg, **groups), notes, check_tokenizer="data.tokenizer" in given)
+
+
+def _store_settings(store_meta: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """Without a plan (in-batch packing): the tokenizer the store was made with."""
+    tokenizer = store_meta.get("tokenizer_path") or (store_meta.get("tokenizer") or {}).get("name")
+    return {"data.tokenizer": tokenizer} if tokenizer is not None and "data.tokenizer" not in given else {}
 
 
 def check_input_matches_store(cfg, store_meta: dict[str, Any], dataset_dir: Path) -> Optional[str]:
