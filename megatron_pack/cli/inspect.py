@@ -1,9 +1,10 @@
 """`megatron-pack inspect DIR` (or `data.dataset_dir=DIR`, `data.plan=NAME`): a prepared dataset's summary.
 
 Prints the token store's counts and length percentiles, one row per packing plan (pack size,
-pad multiple, algorithm, packs, efficiency, accounting), the settings that tell the plans apart
-(from their manifests), and the paths of every plan's ``report.json`` / ``report.png`` (written
-now when missing). With ``data.plan=NAME`` only that plan, with its whole manifest.
+pad multiple, algorithm, packs, efficiency, accounting), what each plan kept and lost, the settings
+that tell the plans apart (from their manifests), and the paths of every plan's ``report.json`` /
+``report.png`` (written now when missing). ``data.plan=NAME``, or manifest keys given on the command
+line (``packing.seed=3``), show only the plans they pick, a single one with its whole manifest.
 """
 
 from __future__ import annotations
@@ -12,18 +13,22 @@ import sys
 from pathlib import Path
 
 
-def _dataset_dir(argv: list[str], config_dirs: list[str]) -> tuple[Path, str | None]:
-    """The dataset folder (``DIR`` or ``data.dataset_dir=DIR``) and ``data.plan``, if given."""
-    plan = next((a.partition("=")[2] for a in argv if a.startswith("data.plan=")), None)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            return Path(arg), plan
-        if key == "data.dataset_dir":
-            return Path(value), plan
-    from megatron_pack.config import load_config
+def _dataset_dir(argv: list[str], config_dirs: list[str]) -> tuple[Path, str | None, object]:
+    """The dataset folder (``DIR`` or ``data.dataset_dir=DIR``), ``data.plan`` if given, and which plans the
+    manifest keys given pick (a predicate on a plan's manifest; None: every plan)."""
+    from megatron_pack.data.store.manifest import disagreements, given_entries
+    from megatron_pack.data.store.recorded import given_keys
 
-    return Path(load_config(argv, config_dirs=config_dirs).data.dataset_dir), plan
+    plan = next((a.partition("=")[2] for a in argv if a.startswith("data.plan=")), None)
+    overrides = [f"data.dataset_dir={a}" if "=" not in a else a for a in argv]
+    given = given_keys(overrides)
+    if "data.dataset_dir" in given and not given_entries(given):  # the usual case: no config to compose
+        return Path(next(a for a in reversed(overrides) if a.startswith("data.dataset_dir=")).partition("=")[2]), plan, None
+    from megatron_pack.config.loader import compose_config
+
+    cfg = compose_config(overrides, config_dirs=config_dirs)
+    keep = (lambda manifest: not disagreements(cfg, manifest, given)) if given_entries(given) else None
+    return Path(cfg.data.dataset_dir), plan, keep
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -80,8 +85,9 @@ def _manifest_lines(plans: list[Path], metas: list[dict], named: bool) -> list[s
         if rows else []
 
 
-def summarize(dataset_dir: Path, plan: str | None = None) -> str:
-    """The text ``inspect`` prints; every plan's report files are written when missing."""
+def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
+    """The text ``inspect`` prints (``plan``: only that one; ``keep``: only the plans whose manifest it
+    accepts); every plan's report files are written when missing."""
     from megatron_pack.data.batches.dataset import PackedSFTDataset, list_plans, read_metadata
     from megatron_pack.data.packing.report import write_report
     from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION
@@ -100,6 +106,15 @@ def summarize(dataset_dir: Path, plan: str | None = None) -> str:
 
             have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
             raise DataError(f"data.plan ({plan}) is not a plan in {dataset_dir}/plans; plans there: {have}.")
+    if keep is not None:
+        from megatron_pack.data.formats.sources import DataError
+        from megatron_pack.data.store.atomic import read_json
+
+        picked = [p for p in plans if keep(read_json(p / "metadata.json").get("manifest") or {})]
+        if plans and not picked:
+            raise DataError(f"no plan in {dataset_dir} was made with the keys given (plans there: "
+                            f"{', '.join(p.name for p in plans)}); `megatron-pack inspect {dataset_dir}` compares them.")
+        plans = picked
     if not plans:
         return "\n".join(lines + ["no packing plans yet: run `megatron-pack prepare` with a pack size."])
     rows = [["plan", "pack", "mult", "algorithm", "seed", "overflow", "packs", "lower bd", "eff %", "read",
@@ -116,8 +131,9 @@ def summarize(dataset_dir: Path, plan: str | None = None) -> str:
     from megatron_pack.data.packing.report import lost_data_text
 
     lost = [f"  {p.name}: {lost_data_text(m['lost_data'])}" for p, m in zip(plans, metas) if "lost_data" in m]
-    settings = _manifest_lines(plans, metas, named=plan is not None)
-    title = "settings (manifest):" if plan is not None else "settings that tell the plans apart (data.plan=<name> picks one):"
+    named = len(plans) == 1 and (plan is not None or keep is not None)
+    settings = _manifest_lines(plans, metas, named=named)
+    title = "settings (manifest):" if named else "settings that tell the plans apart (data.plan=<name> picks one):"
     return "\n".join(lines + ["", _table(rows)] + ["", "kept and lost (tokens = THD positions):"] + lost
                      + (["", title] + settings if settings else [])
                      + (["", "strategies:"] + details if details else []) + ["", "reports:"] + reports)

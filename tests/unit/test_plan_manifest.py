@@ -151,3 +151,15 @@ def test_export_writes_the_template_the_plan_was_prepared_with(work, tmp_path):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert tok.chat_template == CUSTOM_TEMPLATE and text == "<s>[user] hi</s>"
     assert json.loads((tmp_path / "exported" / "tokenizer_config.json").read_text())["chat_template"] == CUSTOM_TEMPLATE
+
+
+def test_inspect_shows_the_plans_the_keys_pick(work, tmp_path):
+    ds = tmp_path / "ds"
+    for seed in (0, 3):
+        ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=a.jsonl", f"packing.seed={seed}")
+    both = ok(work, "inspect", str(ds))
+    assert all(name in both for name in plan_names(ds)) and "tell the plans apart" in both and "packing.seed=3" in both
+    one = ok(work, "inspect", str(ds), "packing.seed=3")
+    (seed3,) = [n for n in plan_names(ds) if "seed3" in n]
+    assert seed3 in one and "seed0" not in one and "settings (manifest):" in one and "data.tokenizer=byte" in one
+    assert "no plan in" in refused(work, "inspect", f"data.dataset_dir={ds}", "packing.seed=9")
