@@ -672,7 +672,8 @@ def run_training(cfg: Config, state: ParallelState, loader: ResumableLoader, *,
 
         recorded = getattr(loader, "manifest", None) or {}
         template = (recorded.get("data.chat_template") or {}).get("text")  # the one the data was rendered with
-        save_hf_source(cfg.model.pretrained, save_dir, tokenizer=recorded.get("data.tokenizer"), chat_template=template)
+        save_hf_source(cfg.model.pretrained, save_dir, tokenizer=(recorded.get("data.tokenizer") or {}).get("path"),
+                       chat_template=template)
     start_or_resume(cfg, trainer)
     if state.rank == 0:
         write_run_record(cfg, state, trainer.train_iters)

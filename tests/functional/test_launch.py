@@ -114,4 +114,5 @@ def test_check_flag_accepts_a_good_config(launch_workdir, single_node_losses, mo
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--check", *TRAIN_ARGS, "train.output_dir=ref"]) == 0
     out = capsys.readouterr().out
-    assert "config ok for 2 rank(s); resumes from ref/checkpoints/step_00000003" in out
+    assert "config ok for 2 rank(s); plan data/plans/pack512_mult4_" in out  # what it would train on
+    assert "; resumes from ref/checkpoints/step_00000003" in out

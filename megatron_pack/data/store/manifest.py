@@ -6,7 +6,8 @@ Each plan's ``metadata.json`` holds ``manifest``, one entry per row of ``ENTRIES
                  "packing.seed": 0, "packing.on_overflow": "split", "packing.split_overlap": 64, ...,
                  "data.sources": [{"name": "chat", "input": "/abs/chat.jsonl", "weight": 0.6, "format": "sharegpt"}],
                  "data.validation": {"input": "/abs/valid.jsonl", "files": [...], "plan": "validation/plans/..."},
-                 "data.tokenizer": "/abs/tokenizer", "data.chat_template": {"path": ..., "sha256": ..., "text": ...}}
+                 "data.tokenizer": {"path": "/abs/tokenizer", "vocab_hash": ...},
+                 "data.chat_template": {"path": ..., "sha256": ..., "text": ...}}
 
 Rows marked ``plan`` make the plan's identity: its fingerprint is the sha256 of the store's fingerprint and
 those rows (the others shaped the token store, whose own fingerprint covers them), and the plan's folder
@@ -184,9 +185,13 @@ def _validation_agrees(cfg, recorded, given) -> bool:
     return same(_file_hashes(cfg.data.validation), recorded["files"])
 
 
-def _tokenizer(cfg) -> str:
+def _tokenizer(cfg) -> dict:
+    """The tokenizer folder (absolute) or ``byte``, and the hash of its vocabulary (chat template included)."""
+    from megatron_pack.data.formats.tokenizer import build_tokenizer  # built once per process
+
     name = cfg.data.tokenizer
-    return name if name == "byte" or not Path(name).exists() else str(Path(name).resolve())
+    path = name if name == "byte" or not Path(name).exists() else str(Path(name).resolve())
+    return {"path": path, "vocab_hash": build_tokenizer(name, cfg.data.chat_template).identity()["vocab_hash"]}
 
 
 def _chat_template(cfg) -> Optional[dict]:
@@ -247,7 +252,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("data.synthetic_num_samples", read=_synthetic("synthetic_num_samples"), plan=False,
           applies=_if_recorded("data.synthetic_num_samples")),
     Entry("data.synthetic_seed", read=_synthetic("synthetic_seed"), plan=False, applies=_if_recorded("data.synthetic_seed")),
-    Entry("data.tokenizer", read=_tokenizer, plan=False, compared=False),
+    Entry("data.tokenizer", read=_tokenizer, plan=False, compared=False,
+          applies=lambda v, m: {"data.tokenizer": v["path"]}, show=lambda v: v["path"]),
     Entry("data.chat_template", read=_chat_template, plan=False, agrees=_template_agrees,
           applies=lambda v, m: {"data.chat_template": v and v["path"]}, show=lambda v: v["path"] if v else "null"),
     Entry("data.answer_only_loss", plan=False),
