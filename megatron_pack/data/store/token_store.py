@@ -92,15 +92,15 @@ def _records(chunk: Chunk) -> Iterator[tuple[int, dict | DataError]]:
         yield from parse_chunk(chunk, keep_errors=True)
 
 
-def bad_record(error: Exception, path: str, where: str) -> tuple[str, str, str, bool]:
-    """``(where, reason, message, fatal)`` of a record's error: the one line ``prepare`` prints for it."""
+def bad_record(error: Exception, where: str) -> tuple[str, str, bool]:
+    """``(reason, message, fatal)`` of the record at ``where`` (``file: line N``): the one line ``prepare`` prints."""
     if isinstance(error, DataError):  # read, not parsed: the message already names the file and line
-        return where, error.reason or "malformed_json", str(error), False
+        return error.reason or "malformed_json", str(error), False
     if isinstance(error, UnicodeEncodeError):  # JSON "\ud800" escapes decode to text that is not valid Unicode
-        return where, "invalid_unicode", (f"{where}: the text holds an unpaired surrogate "
-                                          f"({error.object[error.start]!r}), which is not valid Unicode; fix the "
-                                          "\\uXXXX escapes (surrogates must come in pairs) or drop the record."), False
-    return where, error.reason, f"{where}: {error}.", error.fatal
+        return "invalid_unicode", (f"{where}: the text holds an unpaired surrogate ({error.object[error.start]!r}), "
+                                   "which is not valid Unicode; fix the \\uXXXX escapes (surrogates must come in "
+                                   "pairs) or drop the record."), False
+    return error.reason, f"{where}: {error}.", error.fatal
 
 
 def _encode_one(tok, record: dict, schema: SampleSchema, answer_only: bool):
@@ -129,7 +129,8 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     for position, record in records:
         result = record if isinstance(record, DataError) else next(encoded)
         if isinstance(result, (DataError, RecordError, UnicodeEncodeError)):  # the first bad one in file order
-            place, reason, message, fatal = bad_record(result, chunk.path, f"{chunk.path}: {where} {position}")
+            place = f"{chunk.path}: {where} {position}"
+            reason, message, fatal = bad_record(result, place)
             if not skip or fatal:
                 raise DataError(message, reason) from None
             bad.append((place, reason, message))
