@@ -2,9 +2,10 @@
 
 import sys
 
-from megatron_pack.cli.main import quiet_optional_backend_warnings
-from megatron_pack.cli.train import main
+from megatron_pack.cli.main import warn_once_on_rank_0
 
 if __name__ == "__main__":
-    quiet_optional_backend_warnings()
+    warn_once_on_rank_0()  # before megatron-core is imported: it warns at import time
+    from megatron_pack.cli.train import main
+
     sys.exit(main(sys.argv[1:]))

@@ -7,8 +7,11 @@
     megatron-pack export checkpoint=runs/lora/checkpoints output=exports/lora-merged export.merge=true
 
 ``checkpoint=`` and ``output=`` are short for ``export.checkpoint=`` / ``export.output=``. A
-checkpoint of a run started from ``model.pretrained`` carries that folder's config.json and
-tokenizer in ``<checkpoint.save>/hf_source/``; pass ``model.pretrained=DIR`` to use another copy.
+checkpoint of a run started from ``model.pretrained`` carries that folder's config.json and the
+tokenizer the data was tokenized with, with the chat template it was rendered with, in
+``<checkpoint.save>/hf_source/``; pass ``model.pretrained=DIR`` to use another copy. With
+``data.dataset_dir=D`` (and ``data.plan=NAME`` where D holds several plans) the export's tokenizer
+gets the chat template that plan was prepared with (``data.chat_template``, from its manifest).
 Runs in one process, whatever TP / CP / DP layout wrote the checkpoint. The dtype written is the
 source folder's unless ``export.dtype`` says otherwise; shards are capped at
 ``export.max_shard_size``. A ``peft=lora`` checkpoint holds adapters only: ``export.adapter=true``
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 _SHORT = {"checkpoint": "export.checkpoint", "output": "export.output"}
 
@@ -44,6 +48,13 @@ def resolve_checkpoint(path: str) -> Path:
     from megatron_pack.training.checkpoint_files import verified_checkpoint
 
     return verified_checkpoint(path, "export.checkpoint")
+
+
+def _latest_or_none(path: str) -> Path | None:
+    try:
+        return resolve_checkpoint(path)
+    except FileNotFoundError:
+        return None
 
 
 def _hf_source(step_dir: Path) -> Path:
@@ -91,6 +102,10 @@ def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = No
 
     argv = _expand(argv)
     checkpoint = _given(argv, "export.checkpoint")
+    if print_config and checkpoint and _latest_or_none(checkpoint) is None:  # --cfg job before the run wrote it
+        return print_resolved(load_config(argv, config_dirs=config_dirs or []),
+                              f"export.checkpoint ({checkpoint}) holds no checkpoint yet, so this is the command line's "
+                              "config; once it does, model.pretrained comes from its hf_source/.")
     step_dir = resolve_checkpoint(checkpoint) if checkpoint else None
     given_base = _given(argv, "model.pretrained")
     if step_dir is not None and _given(argv, "model.pretrained") is None:
@@ -107,8 +122,9 @@ def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = No
     if output.exists() and any(output.iterdir()):  # before reading anything
         raise FileExistsError(f"export.output ({output}) exists and is not empty; choose a new folder (nothing is "
                               "overwritten).")
+    template = _dataset_template(cfg, argv)  # before anything is written
     if cfg.export.adapter or cfg.export.merge or (step_dir is not None and _checkpoint_peft(step_dir)):
-        return _export_lora(cfg, step_dir, given_base, out)
+        return _export_lora(cfg, step_dir, given_base, out, template)
     if step_dir is None:  # a round trip reads the folder's weights
         check_weights_folder(cfg.model.pretrained)
     shards = read_model_shards(step_dir) if step_dir is not None else None
@@ -116,9 +132,32 @@ def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = No
                                  shards=shards, dtype=cfg.export.dtype,
                                  max_shard_bytes=parse_size(cfg.export.max_shard_size))
     what = f"checkpoint {step_dir}" if step_dir else f"{cfg.model.pretrained} (round trip, no checkpoint)"
+    _write_template(cfg, template, out)
     out(f"export: {what} -> {cfg.export.output} ({dtype}, {len(files)} files: {', '.join(files)})")
     out(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({str(cfg.export.output)!r})")
     return 0
+
+
+def _dataset_template(cfg, argv: list[str]) -> Optional[dict]:
+    """With data.dataset_dir / data.plan on the command line: the chat template the chosen plan was prepared
+    with (its manifest's data.chat_template; None when it kept the tokenizer's), and the plan's name."""
+    from megatron_pack.data.store.atomic import read_json
+    from megatron_pack.data.store.recorded import choose_plan, given_keys
+
+    given = given_keys(argv)
+    if not {"data.dataset_dir", "data.plan"} & given:
+        return None
+    plan_dir = choose_plan(cfg, Path(cfg.data.dataset_dir), given)
+    template = read_json(plan_dir / "metadata.json")["manifest"].get("data.chat_template")
+    return {**template, "plan": plan_dir.name} if template else None
+
+
+def _write_template(cfg, template: Optional[dict], out) -> None:
+    from megatron_pack.model.hf.export import set_chat_template
+
+    if template and set_chat_template(cfg.export.output, template["text"]):
+        out(f"export: chat template {template['path']} (the one {template['plan']} was prepared with) -> "
+            f"{Path(cfg.export.output) / 'tokenizer_config.json'}")
 
 
 def _checkpoint_peft(step_dir: Path) -> dict | None:
@@ -128,7 +167,7 @@ def _checkpoint_peft(step_dir: Path) -> dict | None:
     return read_meta(step_dir).get("peft")
 
 
-def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int:
+def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out, template: Optional[dict]) -> int:
     """export.adapter / export.merge of a peft=lora checkpoint (model/peft/export.py)."""
     from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.config.schema import ConfigError, parse_size
@@ -147,6 +186,7 @@ def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int
     if cfg.export.adapter:
         files, dtype = export_adapter(output=output, shards=read_model_shards(step_dir), peft=peft,
                                       source=cfg.model.pretrained, model_cfg=cfg.model, dtype=cfg.export.dtype)
+        _write_template(cfg, template, out)
         out(f"export: LoRA adapters of checkpoint {step_dir} -> {output} ({dtype}, {', '.join(files)})")
         out(f"load it with: peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
             f"{peft.get('base_model')!r}), {output!r})")
@@ -156,6 +196,7 @@ def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int
     files, dtype = export_merged(output=output, shards=read_model_shards(step_dir), peft=peft,
                                  source=cfg.model.pretrained, base=base, model_cfg=cfg.model, dtype=cfg.export.dtype,
                                  max_shard_bytes=parse_size(cfg.export.max_shard_size))
+    _write_template(cfg, template, out)
     out(f"export: checkpoint {step_dir} merged into {base} -> {output} ({dtype}, {len(files)} files: {', '.join(files)})")
     out(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({output!r})")
     return 0
@@ -164,6 +205,7 @@ def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out) -> int
 def main(argv: list[str]) -> int:
     from megatron_pack.config.hf_config import UnsupportedModel
     from megatron_pack.config.schema import ConfigError
+    from megatron_pack.data.formats.sources import DataError
 
     from megatron_pack.cli.args import parse_command_line
 
@@ -172,7 +214,7 @@ def main(argv: list[str]) -> int:
         return line
     try:
         return run_export(line.overrides, config_dirs=line.config_dirs, print_config=line.print_config)
-    except (ConfigError, UnsupportedModel, FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
+    except (ConfigError, DataError, UnsupportedModel, FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
         print(f"megatron-pack export: {exc}", file=sys.stderr)
         return 2
 

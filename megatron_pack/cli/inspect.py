@@ -1,8 +1,10 @@
-"""`megatron-pack inspect DIR` (or `data.dataset_dir=DIR`): a prepared dataset's summary and report.
+"""`megatron-pack inspect DIR` (or `data.dataset_dir=DIR`, `data.plan=NAME`): a prepared dataset's summary.
 
 Prints the token store's counts and length percentiles, one row per packing plan (pack size,
-pad multiple, algorithm, packs, efficiency, accounting), and the paths of every plan's
-``report.json`` / ``report.png`` (written now when missing).
+pad multiple, algorithm, packs, efficiency, accounting), what each plan kept and lost, the settings
+that tell the plans apart (from their manifests), and the paths of every plan's ``report.json`` /
+``report.png`` (written now when missing). ``data.plan=NAME``, or manifest keys given on the command
+line (``packing.seed=3``), show only the plans they pick, a single one with its whole manifest.
 """
 
 from __future__ import annotations
@@ -11,16 +13,22 @@ import sys
 from pathlib import Path
 
 
-def _dataset_dir(argv: list[str], config_dirs: list[str]) -> Path:
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            return Path(arg)
-        if key == "data.dataset_dir":
-            return Path(value)
-    from megatron_pack.config import load_config
+def _dataset_dir(argv: list[str], config_dirs: list[str]) -> tuple[Path, str | None, object]:
+    """The dataset folder (``DIR`` or ``data.dataset_dir=DIR``), ``data.plan`` if given, and which plans the
+    manifest keys given pick (a predicate on a plan's manifest; None: every plan)."""
+    from megatron_pack.data.store.manifest import disagreements, given_entries
+    from megatron_pack.data.store.recorded import given_keys
 
-    return Path(load_config(argv, config_dirs=config_dirs).data.dataset_dir)
+    plan = next((a.partition("=")[2] for a in argv if a.startswith("data.plan=")), None)
+    overrides = [f"data.dataset_dir={a}" if "=" not in a else a for a in argv]
+    given = given_keys(overrides)
+    if "data.dataset_dir" in given and not given_entries(given):  # the usual case: no config to compose
+        return Path(next(a for a in reversed(overrides) if a.startswith("data.dataset_dir=")).partition("=")[2]), plan, None
+    from megatron_pack.config.loader import compose_config
+
+    cfg = compose_config(overrides, config_dirs=config_dirs)
+    keep = (lambda manifest: not disagreements(cfg, manifest, given)) if given_entries(given) else None
+    return Path(cfg.data.dataset_dir), plan, keep
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -66,8 +74,20 @@ def plan_details(plan_dir: Path, m: dict) -> list[str]:
     return lines
 
 
-def summarize(dataset_dir: Path) -> str:
-    """The text ``inspect`` prints; every plan's report files are written when missing."""
+def _manifest_lines(plans: list[Path], metas: list[dict], named: bool) -> list[str]:
+    """Every recorded setting of a named plan; else, with several plans, the settings that tell them apart."""
+    from megatron_pack.data.store.manifest import ENTRIES, distinguishing
+
+    manifests = [m.get("manifest") or {} for m in metas]
+    rows = ([e for e in ENTRIES if manifests[0].get(e.key) is not None] if named
+            else distinguishing(manifests) if len(plans) > 1 else [])
+    return [f"  {p.name}: " + ", ".join(e.text(m.get(e.key)) for e in rows) for p, m in zip(plans, manifests)] \
+        if rows else []
+
+
+def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
+    """The text ``inspect`` prints (``plan``: only that one; ``keep``: only the plans whose manifest it
+    accepts); every plan's report files are written when missing."""
     from megatron_pack.data.batches.dataset import PackedSFTDataset, list_plans, read_metadata
     from megatron_pack.data.packing.report import write_report
     from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION
@@ -79,20 +99,44 @@ def summarize(dataset_dir: Path) -> str:
              f"  sample ids P50/P90/P95/P99/max: {pct['p50']}/{pct['p90']}/{pct['p95']}/{pct['p99']}/{pct['max']}; "
              f"answer tokens {store['answer_token_share']:.1%}; blank lines skipped {store['num_blank_lines_skipped']}"]
     plans = list_plans(dataset_dir)
+    if plan is not None:
+        plans = [p for p in plans if p.name == plan]
+        if not plans:
+            from megatron_pack.data.formats.sources import DataError
+
+            have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
+            raise DataError(f"data.plan ({plan}) is not a plan in {dataset_dir}/plans; plans there: {have}.")
+    if keep is not None:
+        from megatron_pack.data.formats.sources import DataError
+        from megatron_pack.data.store.atomic import read_json
+
+        picked = [p for p in plans if keep(read_json(p / "metadata.json").get("manifest") or {})]
+        if plans and not picked:
+            raise DataError(f"no plan in {dataset_dir} was made with the keys given (plans there: "
+                            f"{', '.join(p.name for p in plans)}); `megatron-pack inspect {dataset_dir}` compares them.")
+        plans = picked
     if not plans:
         return "\n".join(lines + ["no packing plans yet: run `megatron-pack prepare` with a pack size."])
     rows = [["plan", "pack", "mult", "algorithm", "seed", "overflow", "packs", "lower bd", "eff %", "read",
              "packed", "dropped", "truncated", "split"]]
-    reports, details = [], []
+    reports, details, metas = [], [], []
     for plan_dir in plans:
         ds = PackedSFTDataset(dataset_dir, plan_dir)
         rows.append(_plan_row(plan_dir, ds.metadata))
         details += plan_details(plan_dir, ds.metadata)
+        metas.append(ds.metadata)
         if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
             write_report(ds.store, plan_dir)
         reports += [f"  {plan_dir / 'report.json'}", f"  {plan_dir / 'report.png'}"]
-    return "\n".join(lines + ["", _table(rows)] + (["", "strategies:"] + details if details else []) +
-                     ["", "reports:"] + reports)
+    from megatron_pack.data.packing.report import lost_data_text
+
+    lost = [f"  {p.name}: {lost_data_text(m['lost_data'])}" for p, m in zip(plans, metas) if "lost_data" in m]
+    named = len(plans) == 1 and (plan is not None or keep is not None)
+    settings = _manifest_lines(plans, metas, named=named)
+    title = "settings (manifest):" if named else "settings that tell the plans apart (data.plan=<name> picks one):"
+    return "\n".join(lines + ["", _table(rows)] + ["", "kept and lost (tokens = THD positions):"] + lost
+                     + (["", title] + settings if settings else [])
+                     + (["", "strategies:"] + details if details else []) + ["", "reports:"] + reports)
 
 
 def main(argv: list[str]) -> int:
@@ -108,7 +152,7 @@ def main(argv: list[str]) -> int:
             from megatron_pack.config import load_config
 
             return print_resolved(load_config([a for a in line.overrides if "=" in a], config_dirs=line.config_dirs))
-        print(summarize(_dataset_dir(line.overrides, line.config_dirs)))
+        print(summarize(*_dataset_dir(line.overrides, line.config_dirs)))
     except (ConfigError, DataError, FileNotFoundError) as exc:
         print(f"megatron-pack inspect: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -35,19 +36,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_optional_backend_warnings() -> None:
-    """Hide megatron-core's import-time notices that Transformer Engine / Apex are absent.
+def warn_once_on_rank_0(rank: str | int | None = None) -> None:
+    """Print each warning once per run, from rank 0 (``$RANK``, 0 outside torchrun).
 
-    They are expected on CPU (and printed once per rank per module); which backend was chosen is
-    printed by the commands themselves (docs/model.md).
+    megatron-core warns that Transformer Engine / Apex are absent from several modules, and every rank
+    warns what rank 0 warns: 4 identical lines on 2 ranks. Rank 0 now prints each distinct message once
+    (whatever module raised it), the other ranks print none. Warning filters (``-W``, ``PYTHONWARNINGS``)
+    still decide what is shown at all.
     """
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed",
-                            category=UserWarning)
+    rank = os.environ.get("RANK", "0") if rank is None else rank
+    if str(rank) != "0":
+        warnings.simplefilter("ignore")
+        return
+    seen: set[tuple[str, str]] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        key = (category.__name__, str(message))
+        if key not in seen:
+            seen.add(key)
+            (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    quiet_optional_backend_warnings()
+    warn_once_on_rank_0()
     if argv[:1] == ["--version"]:
         from megatron_pack.cli.args import version_text
 

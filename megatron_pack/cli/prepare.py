@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 from megatron_pack.config.schema import ConfigError
 
@@ -84,14 +85,35 @@ def main(argv: list[str]) -> int:
         print(f"megatron-pack prepare: {exc}", file=sys.stderr)
         return 2
     if rank == 0:
-        meta = read_json(plan_dir / "metadata.json")
-        acc = meta["accounting"]
-        print(f"dataset: {cfg.data.dataset_dir}\nplan:    {plan_dir}\n"
-              f"packs: {meta['num_bins']} (lower bound {meta['lower_bound_bins']}), efficiency "
-              f"{meta['packing_efficiency']}%, samples read {acc['num_samples_read']}, packed "
-              f"{acc['num_samples_packed']}, dropped {acc['num_samples_dropped']}, truncated "
-              f"{acc['num_samples_truncated']}\nreport:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}")
+        print("\n".join(summary_lines(cfg, plan_dir, read_json(Path(cfg.data.dataset_dir) / "metadata.json"),
+                                       read_json(plan_dir / "metadata.json"))))
     return 0
+
+
+def bad_record_lines(store_meta: dict) -> list[str]:
+    """``skipped N bad record(s): reason n, ...`` and the first ones with their lines (empty when none)."""
+    bad = store_meta.get("bad_records") or {}
+    if not bad.get("num_skipped"):
+        return []
+    counts = ", ".join(f"{reason} {n}" for reason, n in bad["by_reason"].items())
+    lines = [f"bad records: skipped {bad['num_skipped']} bad record(s): {counts} (data.on_bad_record=skip); "
+             f"the first {len(bad['first'])}:"]
+    return lines + [f"  {b['message']}" for b in bad["first"]]
+
+
+def summary_lines(cfg, plan_dir: Path, store_meta: dict, meta: dict) -> list[str]:
+    """What prepare prints when it is done: where, the packs, the accounting, what was kept and lost, the bad
+    records, the report."""
+    from megatron_pack.data.packing.report import lost_data_text
+
+    acc = meta["accounting"]
+    return ([f"dataset: {cfg.data.dataset_dir}", f"plan:    {plan_dir}",
+             f"packs: {meta['num_bins']} (lower bound {meta['lower_bound_bins']}), efficiency "
+             f"{meta['packing_efficiency']}%, samples read {acc['num_samples_read']}, packed "
+             f"{acc['num_samples_packed']}, dropped {acc['num_samples_dropped']}, truncated "
+             f"{acc['num_samples_truncated']}", f"data: {lost_data_text(meta['lost_data'])}"]
+            + bad_record_lines(store_meta)
+            + [f"report:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}"])
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """The config ``train`` and ``verify`` run with: the command line, completed by what prepare recorded.
 
     cfg0 = compose(overrides)                       # presets + command line, not yet validated
-    plan = choose_plan(cfg0, data.dataset_dir)      # data.plan, or the one plan that fits
-    cfg  = load_config(overrides + recorded)        # + pack size, seq length, pad multiple, tokenizer,
-                                                    #   vocab size, overflow policy the command line left unset
+    plan = choose_plan(cfg0, data.dataset_dir)      # data.plan, or the one plan whose manifest agrees
+    cfg  = cfg0 + the plan's manifest               # every recorded setting the command line left unset
     validate(cfg, world_size, dataset_meta=plan metadata)
 
 so ``megatron-pack verify data.dataset_dir=D`` works right after any ``prepare`` into ``D``. In-batch
-packing (``packing.mode=in_batch``) has no plan: it reads the token store only.
+packing (``packing.mode=in_batch``) has no plan: it reads the token store only; online packing from a
+stream (``packing.online_source=stream``) reads nothing prepared. ``--cfg job`` before
+the dataset is prepared prints the command line's config and says which values the dataset will set.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ class RunConfig:
     cfg: Any
     dataset: Any
     notes: list[str] = field(default_factory=list)
+    plan_dir: Optional[Path] = None
+    """The plan chosen (None: in-batch packing, or --cfg job before prepare)."""
 
 
-def _store_meta(dataset_dir: Path, fix: str) -> dict:
+def _store_meta(dataset_dir: Path) -> Optional[dict]:
     from megatron_pack.data.store.atomic import read_json
 
     if not (dataset_dir / "metadata.json").is_file():
-        raise DataError(f"data.dataset_dir ({dataset_dir}) holds no prepared dataset; {fix}.")
+        return None
     return read_json(dataset_dir / "metadata.json")
 
 
@@ -41,51 +44,86 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
                     world_size: Optional[int] = None, open_data: bool = True) -> RunConfig:
     """``cfg`` for train/verify (module docstring); ``open_data=False`` skips opening the arrays
     (``--cfg job``). Raises ``ConfigError`` or ``DataError`` naming the key and the fix."""
-    from megatron_pack.config.loader import compose_config, load_config
-    from megatron_pack.data.store.recorded import (check_input_matches_store, choose_plan, given_keys,
-                                                   recorded_overrides)
-
+    from megatron_pack.config.loader import compose_config
     from megatron_pack.config.validate import launch_problems
+    from megatron_pack.data.store.recorded import apply_recorded, check_input_matches_store, choose_plan, given_keys
 
     given = given_keys(overrides)
     cfg0 = compose_config(overrides, config_dirs=config_dirs or ())
     early = launch_problems(cfg0, world_size=world_size)  # reported first: no dataset setting changes them
     if early:
         raise ConfigError(early)
+    if cfg0.packing.mode == "online" and cfg0.packing.online_source == "stream":
+        return _stream_run(cfg0, world_size, open_data)
     dataset_dir = Path(cfg0.data.dataset_dir)
     fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} ...` first (README.md, 'Commands'), or set "
            "data.dataset_dir to the folder prepare wrote")
-    store_meta = _store_meta(dataset_dir, fix)
+    store_meta = _store_meta(dataset_dir)
+    if store_meta is None:
+        if not open_data:  # --cfg job before prepare: the command line's config, and what the dataset will set
+            return _before_prepare(cfg0, given, dataset_dir, world_size)
+        raise DataError(f"data.dataset_dir ({dataset_dir}) holds no prepared dataset; {fix}.")
     problem = check_input_matches_store(cfg0, store_meta, dataset_dir)
     if problem:
         raise ConfigError([problem])
     if cfg0.packing.mode == "in_batch":
-        return _in_batch_run(overrides, cfg0, store_meta, given, config_dirs, world_size, open_data)
+        return _in_batch_run(cfg0, store_meta, given, world_size, open_data)
     plan_dir = choose_plan(cfg0, dataset_dir, given)
     from megatron_pack.data.store.atomic import read_json
 
     plan_meta = read_json(plan_dir / "metadata.json")
-    recorded = recorded_overrides(cfg0, plan_meta, store_meta, given)
-    cfg = load_config(list(overrides) + recorded.overrides, config_dirs=config_dirs or (), world_size=world_size,
-                      dataset_meta=plan_meta)
+    recorded = apply_recorded(cfg0, plan_meta, store_meta, given)
+    cfg = _validated(recorded.cfg, world_size, plan_meta)
     notes = [f"from {plan_dir}: {n}" for n in recorded.notes]
     if not open_data:
-        return RunConfig(cfg, None, notes)
+        return RunConfig(cfg, None, notes, plan_dir)
     from megatron_pack.data.batches.opening import open_dataset
 
     dataset = open_dataset(cfg, plan_dir=plan_dir, check_tokenizer=recorded.check_tokenizer)
-    return RunConfig(cfg, dataset, notes)
+    return RunConfig(cfg, dataset, notes, plan_dir)
 
 
-def _in_batch_run(overrides, cfg0, store_meta, given, config_dirs, world_size, open_data) -> RunConfig:
+def _validated(cfg, world_size: Optional[int], dataset_meta: dict):
+    from megatron_pack.config.validate import validate
+
+    validate(cfg, world_size=world_size, dataset_meta=dataset_meta)
+    return cfg
+
+
+def _before_prepare(cfg0, given: set[str], dataset_dir: Path, world_size: Optional[int]) -> RunConfig:
+    """``--cfg job`` with nothing prepared yet: the config as the command line gives it, validated where it
+    can be, and one line naming the keys the dataset will set once prepared."""
+    from megatron_pack.config.validate import collect_problems
+    from megatron_pack.data.store.manifest import ENTRIES
+
+    later = [k for e in ENTRIES if e.taken for k in (e.key, *e.given_by) if k not in given]
+    problems = [p for p in collect_problems(cfg0, world_size=world_size)
+                if not any(p.startswith(k) for k in later)]  # a value the dataset will replace is not wrong yet
+    if problems:
+        raise ConfigError(problems)
+    note = (f"data.dataset_dir ({dataset_dir}) is not prepared yet, so this is the command line's config; once "
+            f"`megatron-pack prepare data.dataset_dir={dataset_dir} ...` has run, these come from the dataset "
+            f"(unless set here): {', '.join(dict.fromkeys(later))}.")
+    return RunConfig(cfg0, None, [note])
+
+
+def _stream_run(cfg0, world_size: Optional[int], open_data: bool) -> RunConfig:
+    """packing.online_source=stream: the records of data.input are tokenized while training; nothing prepared
+    is read, so the command line's config is the run's."""
+    cfg = _validated(cfg0, world_size, None)
+    if not open_data:
+        return RunConfig(cfg, None)
+    from megatron_pack.data.batches.opening import open_dataset
+
+    return RunConfig(cfg, open_dataset(cfg))
+
+
+def _in_batch_run(cfg0, store_meta, given, world_size, open_data) -> RunConfig:
     """packing.mode=in_batch: no plan; the tokenizer and vocab size still come from the store."""
-    from megatron_pack.config.loader import load_config
-    from megatron_pack.data.store.recorded import recorded_overrides
+    from megatron_pack.data.store.recorded import apply_recorded
 
-    recorded = recorded_overrides(cfg0, {}, store_meta, given)
-    meta = {"vocab_size": store_meta.get("vocab_size")}
-    cfg = load_config(list(overrides) + recorded.overrides, config_dirs=config_dirs or (), world_size=world_size,
-                      dataset_meta=meta)
+    recorded = apply_recorded(cfg0, {}, store_meta, given)
+    cfg = _validated(recorded.cfg, world_size, {"vocab_size": store_meta.get("vocab_size")})
     notes = [f"from {cfg.data.dataset_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes)

@@ -2,8 +2,10 @@
 
 Order: load and validate the whole config with the world size, the prepared dataset's
 metadata, which fills in what prepare recorded (``megatron_pack.cli.run_config``), and the
-checkpoint to resume from (nothing is built before that; a refusal prints once and exits 2), initialise the process groups once, print the resolved config and the parallel
-layout (rank 0), then train (``megatron_pack.training.loop``).
+checkpoint to resume from (nothing is built before that; a refusal prints once and exits 2),
+initialise the process groups once, print one line saying what runs (rank 0; the resolved config
+goes to ``<train.output_dir>/config.yaml`` and ``run.json``), then train (``megatron_pack.training.loop``).
+Every warning is printed once, by rank 0 (``megatron_pack.cli.main.warn_once_on_rank_0``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from megatron_pack.data.formats.sources import DataError
 
 
 def _setup_logging(level: str, rank: int) -> None:
-    logging.basicConfig(level=getattr(logging, level) if rank == 0 else logging.WARNING,
+    # rank 0 speaks for the run: the other ranks log errors only (their warnings are rank 0's, repeated)
+    logging.basicConfig(level=getattr(logging, level) if rank == 0 else logging.ERROR,
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-module INFO setup lines
@@ -53,6 +56,31 @@ def _refusal(exc: Exception, *, wait: bool = True) -> int:
     return 2
 
 
+def run_line(cfg, state, dataset, validation) -> str:
+    """The one console line a run starts with (the resolved config itself is written to the run folder)."""
+    t, m = cfg.train, cfg.model
+    steps = f"{t.train_iters} steps" if t.train_iters is not None else f"{t.num_epochs} epochs"
+    batch = f"{t.global_batch_tokens} tokens" if t.global_batch_tokens is not None else f"{t.global_batch_size} packs"
+    model = f"{m.name} ({m.num_layers} layers, hidden {m.hidden_size}"
+    model += f", from {m.pretrained})" if m.pretrained else ")"
+    model += " + LoRA" if cfg.peft.method == "lora" else ""
+    layout = state.describe().split(";", 1)[0]
+    return (f"run {t.output_dir}: {steps} of {batch}, lr {t.lr:.2e} | model {model} | parallel layout: {layout} | "
+            f"{describe_data(dataset, validation)} | resolved config: {t.output_dir}/config.yaml")
+
+
+def describe_data(dataset, validation) -> str:
+    """``plan P (N packs); validation V (M packs)``: what the run trains and evaluates on."""
+    plan = getattr(dataset, "plan_dir", None)
+    text = f"plan {plan} ({len(dataset)} packs)" if plan is not None else f"{type(dataset).__name__}"
+    if validation is not None:
+        text += f"; validation {validation.plan_dir} ({len(validation)} packs)"
+        recorded = (getattr(dataset, "metadata", {}).get("manifest") or {}).get("data.validation")
+        if recorded:
+            text += f" from {recorded['input']}"
+    return text
+
+
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.cli.launch import worker_started
@@ -65,7 +93,10 @@ def main(argv: list[str]) -> int:
         return line
     if not check_only:
         worker_started()  # under torchrun: die with the agent; stop signals recorded from here on
-    from megatron_pack.config import config_to_yaml
+    else:  # a config check (the launch scripts run it before torchrun): the run itself warns, once
+        import warnings
+
+        warnings.simplefilter("ignore")
     from megatron_pack.data.batches.opening import open_validation
     from megatron_pack.training.resume import check_resume  # the check imports no torch (a fast --check)
 
@@ -85,7 +116,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     if check_only:
-        print(f"megatron-pack train: config ok for {world_size} rank(s)"
+        print(f"megatron-pack train: config ok for {world_size} rank(s); {describe_data(dataset, validation)}"
               + (f"; resumes from {resume}" if resume else ""), flush=True)
         for line in passed_over:  # damaged newer checkpoints: said once, before launch
             print(f"megatron-pack train: {line}", file=sys.stderr, flush=True)
@@ -104,9 +135,11 @@ def main(argv: list[str]) -> int:
 
     enable_cpu_compat_without_cuda()  # megatron-core's CUDA assumptions, answered on a CPU host
     state = initialize_parallel(cfg)
-    if rank == 0:
-        print("".join(f"{note}\n" for note in run.notes) + "resolved config:\n" + config_to_yaml(cfg), flush=True)
-        print("parallel layout: " + state.describe(), flush=True)
+    if rank == 0:  # the whole resolved config goes to <train.output_dir>/config.yaml and run.json
+        print(run_line(cfg, state, dataset, validation), flush=True)
+        if run.notes:
+            print(f"settings from the dataset ({run.plan_dir or cfg.data.dataset_dir}): "
+                  + ", ".join(n.split(": ", 1)[-1] for n in run.notes), flush=True)
     try:
         trainer = run_training(cfg, state, build_loader(cfg, state, dataset),
                                validation=build_validation_loader(cfg, state, validation))

@@ -2,7 +2,8 @@
 
 Loads the packed dataset at ``data.dataset_dir`` (its only plan, or ``data.plan``; pack size, pad
 multiple, tokenizer and vocab size as prepare recorded them unless given), builds the model
-from ``model.*`` (random init with ``train.seed``, or the weights of ``verify.checkpoint``), and
+from ``model.*`` (the weights of ``model.pretrained`` when set, else a random init with ``train.seed``;
+``verify.checkpoint`` loads a training checkpoint's over them), and
 for the first ``verify.num_packs`` packs runs the pack once (THD, as training does) and each of
 its samples alone (a pack of one, no padding). For every pack it prints the largest absolute
 logit difference over the real tokens, each sample's mean answer-token loss packed and alone,
@@ -218,6 +219,17 @@ def format_pack(result: PackResult, tolerance: float, *, leaks_by_design: bool =
     return "\n".join(lines)
 
 
+def describe_weights(cfg, model) -> str:
+    """Load ``verify.checkpoint`` when set; say which weights the model runs on (build_model already read
+    ``model.pretrained``'s, when set: the default is the folder's weights, never a random init)."""
+    if cfg.verify.checkpoint:
+        base = f" on model.pretrained ({cfg.model.pretrained})" if cfg.model.pretrained else ""
+        return f"checkpoint {load_model_weights(model, cfg.verify.checkpoint)}{base}"
+    if cfg.model.pretrained:
+        return f"model.pretrained ({cfg.model.pretrained})"
+    return f"random init (train.seed={cfg.train.seed})"
+
+
 def run_verify(cfg, *, dataset=None, out=print) -> int:
     """Verify ``cfg.verify.num_packs`` packs of ``dataset`` (default: the plan of ``cfg.data.dataset_dir``
     matching ``cfg``); 0 when all pass, else 1."""
@@ -241,8 +253,7 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
     state = initialize_parallel(local_cfg)
     try:
         model = build_model(local_cfg, state, attention_mode=cfg.verify.attention)
-        weights = (f"checkpoint {load_model_weights(model, cfg.verify.checkpoint)}" if cfg.verify.checkpoint
-                   else f"random init (train.seed={cfg.train.seed})")
+        weights = describe_weights(cfg, model)
         if cfg.peft.method == "lora":
             weights += (f", LoRA active (dim {cfg.peft.dim}, alpha {cfg.peft.alpha}, "
                         f"{getattr(model, 'num_adapters', 0)} adapters on {','.join(cfg.peft.target_modules)})")

@@ -30,6 +30,9 @@ BALANCE_MODES = ("none", "dp")
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 """``checkpoint.signals``: signals that stop a run after its step with a checkpoint (SIGKILL / SIGSTOP cannot be caught)."""
 
+BAD_RECORD_POLICIES = ("error", "skip")
+"""``data.on_bad_record``: stop at the first bad record (file and line), or skip each one, counted by reason."""
+
 TOKEN_BUDGET_KINDS = ("target", "real")
 """``train.token_budget``: what ``train.global_batch_tokens`` counts: loss-carrying tokens or all real tokens."""
 
@@ -128,6 +131,7 @@ CHOICES = {
     "model.cuda_graph_impl": CUDA_GRAPH_IMPLS, "model.fp8": FP8_RECIPES,
     "model.recompute_granularity": RECOMPUTE_GRANULARITIES, "model.recompute_method": RECOMPUTE_METHODS,
     "data.source": DATA_SOURCES, "data.schema": RECORD_SCHEMAS, "data.format": RECORD_FORMATS,
+    "data.on_bad_record": BAD_RECORD_POLICIES,
     "packing.algorithm": PACKING_ALGORITHMS, "packing.on_overflow": OVERFLOW_POLICIES,
     "packing.bucket_order": BUCKET_ORDERS, "packing.wrapped_attention": WRAPPED_ATTENTIONS,
     "packing.export": PACKING_EXPORTS, "packing.mode": PACKING_MODES, "packing.online_source": ONLINE_SOURCES,

@@ -41,6 +41,20 @@ def _positive(group: str, obj: Any, names: tuple[str, ...], allow_zero: tuple[st
     return problems
 
 
+def nearest(value: Any, choices: tuple[str, ...]) -> str:
+    """The choice closest to a mistyped ``value`` (``'sharegtp' -> 'sharegpt'``, ``'trunc' -> 'truncate'``);
+    the first choice (the default) when none is close (``'greedy'``: no algorithm is spelt like it)."""
+    import difflib
+
+    text = str(value)
+    prefixed = [c for c in choices if c.startswith(text) or text.startswith(c)]
+    if prefixed:
+        return max(prefixed, key=lambda c: difflib.SequenceMatcher(None, text, c).ratio())
+    scored = [(difflib.SequenceMatcher(None, text, c).ratio(), -i, c) for i, c in enumerate(choices)]
+    best = max(scored)
+    return best[2] if best[0] >= 0.6 else choices[0]
+
+
 def _choice(group: str, obj: Any, name: str) -> list[str]:
     """``group.name`` holds a value of its list in ``choices.CHOICES`` (or null where the key allows it)."""
     key = f"{group}.{name}"
@@ -48,7 +62,7 @@ def _choice(group: str, obj: Any, name: str) -> list[str]:
     if value in choices or (value is None and key in NULLABLE_CHOICES):
         return []
     also = " or null" if key in NULLABLE_CHOICES else ""
-    return [f"{key} ({value!r}) must be one of {list(choices)}{also}; set {key}={choices[0]}."]
+    return [f"{key} ({value!r}) must be one of {list(choices)}{also}; set {key}={nearest(value, choices)}."]
 
 
 class _Group:
@@ -253,10 +267,14 @@ class DataConfig(_Group):
     """'byte' (embedded byte-level tokenizer, no download) or a local Hugging Face tokenizer directory."""
     answer_only_loss: bool = True
     """Train on completion/assistant tokens (and their eos) only; False trains on every token."""
+    on_bad_record: str = "error"
+    """'error' (stop at the first bad record, naming its file and line) or 'skip' (leave each bad record out,
+    counted by reason; the first 10 listed with their lines in the prepare summary and the store metadata)."""
     dataset_dir: str = "data/synthetic"
     """Directory of the prepared token store and plans (written by prepare, read by train)."""
     plan: Optional[str] = None
-    """Plan folder under data.dataset_dir/plans to train or verify on; None picks the only one that fits."""
+    """Plan folder under data.dataset_dir/plans to train, verify, inspect or export with; None picks the one plan
+    whose manifest agrees with the keys given on the command line."""
     pad_to_max_length: bool = False
     """Pad every pack to packing.packed_sequence_size (fixed shapes; required for CUDA graphs)."""
     num_workers: int = 0
@@ -277,7 +295,7 @@ class DataConfig(_Group):
         g = self.GROUP
         problems = _positive(g, self, ("synthetic_num_samples", "num_workers", "tokenize_workers"),
                              allow_zero=("num_workers", "tokenize_workers"))
-        for name in ("source", "schema", "format"):
+        for name in ("source", "schema", "format", "on_bad_record"):
             problems += _choice(g, self, name)
         for alias, role in self.role_aliases.items():
             if role not in CHAT_ROLES:
@@ -628,7 +646,8 @@ class VerifyConfig(_Group):
     tolerance: float = 1e-4
     """Largest allowed absolute logit difference between packed and alone."""
     checkpoint: Optional[str] = None
-    """Checkpoint to load weights from; None uses a random init (seed train.seed)."""
+    """Checkpoint to load weights from; None uses model.pretrained's weights when it is set, else a random init
+    (seed train.seed)."""
     attention: str = "thd"
     """'thd' (the real path) or 'pack_causal' (plain causal attention over the whole pack: a broken
     setting that must FAIL, kept to show what verify catches)."""

@@ -542,10 +542,6 @@ def _validate_evaluation(cfg: Config) -> list[str]:
                 problems.append(f"train.{key} ({getattr(t, key)}) has no validation set to evaluate; set "
                                 "data.validation=/path/to/valid.jsonl or data.validation_fraction=0.05, "
                                 f"or train.{key}=0.")
-    elif d.validation is not None and d.sources:
-        problems.append(f"data.validation ({d.validation}) cannot be used with data.sources: one validation file "
-                        "has no sources to give a validation loss per source; set data.validation=null and "
-                        "data.validation_fraction=0.05 (held out from every source).")
     elif not cfg.packing.makes_packs:
         key = "data.validation" if d.validation is not None else "data.validation_fraction"
         problems.append(f"{key} needs packs (validation packs are prepared like offline training packs), but "
@@ -619,7 +615,8 @@ def launch_problems(cfg: Config, *, world_size: Optional[int]) -> list[str]:
 
 def prepare_problems(cfg: Config) -> list[str]:
     """What only ``prepare`` needs (it reads the raw data; train and verify read the prepared dataset)."""
-    if cfg.data.source == "files" and not cfg.data.input:
+    if cfg.data.source == "files" and not cfg.data.input and not cfg.data.sources:
         return ["data.input (None) is required by prepare when data.source=files; "
-                "set data.input=/path/to/train.jsonl (a file, directory or glob), or input=... for short."]
+                "set data.input=/path/to/train.jsonl (a file, directory or glob), or input=... for short, "
+                "or data.sources=[{name: ..., input: ..., weight: ...}, ...] to mix several."]
     return []

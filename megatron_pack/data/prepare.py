@@ -2,7 +2,7 @@
 
 Idempotent: the store is identified by a fingerprint of its inputs (source files' sha256 or the
 synthetic settings, tokenizer identity, schema, answer-only switch) and the plan by a fingerprint
-of (store, pack size, pad multiple, algorithm, seed, overflow policy, max length); a re-run with
+of (store, its manifest: every setting that shaped it, ``megatron_pack.data.store.manifest``); a re-run with
 identical inputs and settings finds both complete and does nothing. In a multi-rank job only
 global rank 0 writes; the others wait at ``barrier`` and then verify the checksums, retrying for
 a while on slow shared filesystems.
@@ -22,6 +22,7 @@ import numpy as np
 from megatron_pack.data.store.atomic import atomic_directory, read_json, sha256_file, write_json
 from megatron_pack.data.packing.plan import write_plan
 from megatron_pack.data.formats.sources import Chunk, DataError, iter_chunks, resolve_inputs
+from megatron_pack.data.store.manifest import build_manifest, dirname, integrity_problems
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
                                                plan_settings, read_metadata)
 from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore,
@@ -80,8 +81,9 @@ def store_inputs(cfg, tokenizer) -> dict:
         sources = {"kind": "files", "input": d.input,
                    "files": [{"path": str(f), "sha256": sha256_file(f), "size": f.stat().st_size} for f in files]}
     schema = _schema(cfg)
+    skip = {"on_bad_record": d.on_bad_record} if d.on_bad_record != "error" else {}  # older stores keep their names
     return {"sources": sources, "tokenizer": tokenizer.identity(), "answer_only_loss": d.answer_only_loss,
-            "schema": schema.identity(),
+            "schema": schema.identity(), **skip,
             "format_version": STORE_FORMAT_VERSION}
 
 
@@ -118,11 +120,15 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
     with atomic_directory(target, replace=True) as tmp:
         results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_file_schemas(cfg, inputs),
                                   answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers,
-                                  chat_template=cfg.data.chat_template)
+                                  chat_template=cfg.data.chat_template, on_bad_record=cfg.data.on_bad_record)
         counts = write_store(tmp, results, token_dtype=token_dtype_for(tokenizer.vocab_size), total=total,
                              progress=progress)
+        counts["bad_records"] = {"policy": cfg.data.on_bad_record, **counts["bad_records"]}
         if counts["num_samples"] == 0:
-            raise DataError(f"data.input ({cfg.data.input}) holds no records; nothing to prepare.")
+            skipped = counts["bad_records"]["num_skipped"]
+            raise DataError(f"data.input ({cfg.data.input}) holds no records"
+                            + (f" but the {skipped} bad one(s) skipped ({counts['bad_records']['by_reason']})"
+                               if skipped else "") + "; nothing to prepare.")
         meta = {**inputs, **counts, **store_statistics(tmp), "format": STORE_FORMAT,
                 "fingerprint": fingerprint(inputs), "tokenizer_path": _tokenizer_path(cfg.data.tokenizer),
                 "vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
@@ -154,24 +160,26 @@ def ensure_store(cfg, *, progress: bool = True) -> TokenStore:
     return build_store(cfg, target, inputs, tokenizer, progress=progress)
 
 
-def ensure_plan(store: TokenStore, settings: PlanSettings) -> Path:
-    """The plan directory for ``settings``, written unless an intact one exists."""
-    plan_dir = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
+def ensure_plan(store: TokenStore, settings: PlanSettings, manifest: dict) -> Path:
+    """The plan directory for ``settings`` (recording ``manifest``), written unless an intact one exists."""
+    plan_dir = store.path / "plans" / dirname(manifest, store.metadata["fingerprint"])
     if (plan_dir / "metadata.json").is_file():
         try:
-            read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
-            return plan_dir
+            problems = integrity_problems(plan_dir, read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION))
+            if not problems:
+                return plan_dir
+            log.warning("rewriting the packing plan %s: %s", plan_dir, "; ".join(problems))
         except DataError as exc:
             log.warning("rewriting the packing plan: %s", exc)
-    return write_plan(store, settings)
+    return write_plan(store, settings, manifest)
 
 
 def validation_config(cfg):
-    """``cfg`` for preparing and opening ``data.validation``: the same tokenizer, schema, pack size
-    and pad multiple, read from ``data.validation`` into ``<data.dataset_dir>/validation``."""
+    """``cfg`` for preparing ``data.validation``: the same tokenizer, template, schema, pack size and pad
+    multiple, read from ``data.validation`` into ``<data.dataset_dir>/validation`` (one file: no data.sources)."""
     import dataclasses
 
-    data = dataclasses.replace(cfg.data, source="files", input=cfg.data.validation, validation=None,
+    data = dataclasses.replace(cfg.data, source="files", input=cfg.data.validation, validation=None, sources=[],
                                dataset_dir=str(Path(cfg.data.dataset_dir) / VALIDATION_DIRNAME))
     return dataclasses.replace(cfg, data=data)
 
@@ -183,12 +191,15 @@ def _prepare_here(cfg, *, progress: bool, report_in_background: bool = False) ->
 
     painter = ReportPainter.start() if report_in_background and "matplotlib" not in sys.modules else None
     try:
-        settings = plan_settings(cfg)
-        store = ensure_store(cfg, progress=progress)
-        plan_dir = ensure_plan(store, settings)
+        settings, manifest = plan_settings(cfg), build_manifest(cfg)
+        store = ensure_store(cfg, progress=progress)  # first: a rebuilt store replaces data.dataset_dir whole
         if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
             valid_cfg = validation_config(cfg)
-            ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg))
+            valid_plan = ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg),
+                                     build_manifest(valid_cfg))
+            manifest["data.validation"]["plan"] = str(valid_plan.relative_to(Path(cfg.data.dataset_dir)))
+        plan_dir = ensure_plan(store, settings, manifest)
+        _warn_lost(store, plan_dir)
         if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
             write_report(store, plan_dir, painter)  # both: a run killed between the two files must not leave one
     finally:
@@ -199,6 +210,15 @@ def _prepare_here(cfg, *, progress: bool, report_in_background: bool = False) ->
 
         export_bridge(store, plan_dir)
     return plan_dir
+
+
+def _warn_lost(store: TokenStore, plan_dir: Path) -> None:
+    """One warning line when the overflow policy lost more than 5% of the plan's answer targets."""
+    from megatron_pack.data.packing.report import plan_lost_warning
+
+    warning = plan_lost_warning(store.metadata, read_json(plan_dir / "metadata.json"))
+    if warning:
+        log.warning(warning)
 
 
 def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
@@ -241,7 +261,7 @@ def _failure_marker(cfg) -> Path:
 def _wait_for_plan(cfg, timeout_s: float) -> Path:
     """On ranks other than 0: the plan rank 0 wrote, verified; retried while the filesystem catches up."""
     deadline = time.monotonic() + timeout_s
-    settings = plan_settings(cfg)
+    manifest = build_manifest(cfg)
     dataset_dir = Path(cfg.data.dataset_dir)
     while True:
         marker = _failure_marker(cfg)
@@ -249,8 +269,10 @@ def _wait_for_plan(cfg, timeout_s: float) -> Path:
             raise DataError(f"rank 0 failed to prepare {dataset_dir}: {read_json(marker)['error']}")
         try:
             store_meta = read_metadata(dataset_dir, STORE_FORMAT, STORE_FORMAT_VERSION)
-            plan_dir = dataset_dir / "plans" / settings.dirname(store_meta["fingerprint"])
-            read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
+            plan_dir = dataset_dir / "plans" / dirname(manifest, store_meta["fingerprint"])
+            problems = integrity_problems(plan_dir, read_metadata(plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION))
+            if problems:
+                raise DataError(f"{plan_dir} is damaged: {'; '.join(problems)}")
             return plan_dir
         except (DataError, OSError, ValueError) as exc:
             if time.monotonic() > deadline:

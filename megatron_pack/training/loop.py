@@ -524,7 +524,8 @@ def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     if cfg.model.pretrained and cfg.checkpoint.enabled and state.rank == 0:  # lets `export` read a checkpoint alone
         from megatron_pack.model.hf.export import save_hf_source
 
-        save_hf_source(cfg.model.pretrained, save_root)
+        info = loader.info  # the tokenizer and template the data was made with travel to the export
+        save_hf_source(cfg.model.pretrained, save_root, tokenizer=info.tokenizer, chat_template=info.chat_template)
     loaded = start_or_resume(cfg, trainer)
     if loaded is not None or cfg.model.pretrained:  # weights read from files: every rank checks its shard
         from megatron_pack.training.finite import check_weights

@@ -125,34 +125,15 @@ class StepMetrics:
         return out
 
     def line(self, train_iters: int) -> str:
-        val = f"val loss {self.val_loss:.6f} | " if self.val_loss is not None else ""
-        epoch = f"epoch {self.epoch:.2f} | " if self.epoch is not None else ""
+        """The console line of a step, about 160 characters at most: loss (and validation loss when it was
+        evaluated), lr, real tokens/s, padding, step time and ETA. Everything else (target tokens, samples,
+        epoch, consumed counts, grad norm, elapsed time, DP imbalance, per-bucket and per-source numbers) is
+        in metrics.jsonl and TensorBoard (``record``, ``breakdown_scalars``)."""
+        val = f" | val loss {self.val_loss:.6f}" if self.val_loss is not None else ""
         eta = format_duration(self.eta_s) if self.eta_s is not None else "?"
-        return (f"step {self.step}/{train_iters} | lm loss {self.lm_loss:.6f} | {val}{epoch}"
-                f"target tok/s {self.target_tokens_per_s:,.0f} | real tok/s {self.real_tokens_per_s:,.0f} | "
-                f"padding {100 * self.padding_share:.1f}% | samples {self.samples} | "
-                f"target tokens {self.target_tokens} | consumed samples {self.consumed_samples} | "
-                f"consumed target tokens {self.consumed_target_tokens} | grad norm {self.grad_norm:.4f} | "
-                f"lr {self.lr:.3e} | step {1000 * self.step_time_s:.0f} ms | "
-                f"elapsed {format_duration(self.elapsed_s)} | ETA {eta}" + self._imbalance_text()
-                + self._breakdown_text())
-
-    def _imbalance_text(self) -> str:
-        if self.imbalance_before is None:
-            return ""
-        return f" | dp imbalance {self.imbalance_before:.3f} -> {self.imbalance_after:.3f}"
-
-    def _breakdown_text(self) -> str:
-        parts = []
-        if self.bucket_real_tokens is not None:
-            parts.append("bucket tokens " + "/".join(str(v) for v in self.bucket_real_tokens))
-        for prefix, losses, shares in (("", self.source_loss, self.source_target_share),
-                                       ("val ", self.val_source_loss, self.val_source_target_share)):
-            for name, loss in (losses or {}).items():
-                share = (shares or {}).get(name, 0.0)
-                parts.append(f"{prefix}{name} loss {'n/a' if loss is None else f'{loss:.4f}'} "
-                             f"({100 * share:.0f}% targets)")
-        return "".join(f" | {p}" for p in parts)
+        return (f"step {self.step}/{train_iters} | loss {self.lm_loss:.6f}{val} | lr {self.lr:.2e} | "
+                f"{self.real_tokens_per_s:,.0f} tok/s | padding {100 * self.padding_share:.1f}% | "
+                f"{1000 * self.step_time_s:.0f} ms | ETA {eta}")
 
 
 _BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share", "val_source_loss",
@@ -265,7 +246,7 @@ class MetricsWriter:
 
             self._tb.flush()
         if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters or metrics.val_loss is not None:
-            log.info(metrics.line(self.train_iters) + f" | target tokens spread {100 * record['target_tokens_spread']:.1f}%")
+            log.info(metrics.line(self.train_iters))
 
     def _spread(self, target_tokens: int) -> float:
         """Coefficient of variation (std / mean) of the target tokens per step over the steps of this process."""

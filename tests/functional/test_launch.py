@@ -54,8 +54,8 @@ def test_multi_node_two_agents_equal_single_node(launch_workdir, single_node_los
                 agent.kill()
                 agent.wait()
     np.testing.assert_array_equal(read_losses(launch_workdir / "multi"), single_node_losses)
-    assert "step 3/3 | lm loss" in logs[0] and "parallel layout: world 2 = dp 1 x cp 2" in logs[0]
-    assert "lm loss" not in logs[1]  # rank 0 is node 0's process, whichever agent joined first
+    assert "step 3/3 | loss" in logs[0] and "parallel layout: world 2 = dp 1 x cp 2" in logs[0]
+    assert "| loss" not in logs[1]  # rank 0 is node 0's process, whichever agent joined first
 
 
 # (id, script arguments before the overrides, extra overrides, fragment the one message must hold)
@@ -114,4 +114,5 @@ def test_check_flag_accepts_a_good_config(launch_workdir, single_node_losses, mo
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--check", *TRAIN_ARGS, "train.output_dir=ref"]) == 0
     out = capsys.readouterr().out
-    assert "config ok for 2 rank(s); resumes from ref/checkpoints/step_00000003" in out
+    assert "config ok for 2 rank(s); plan data/plans/pack512_mult4_" in out  # what it would train on
+    assert "; resumes from ref/checkpoints/step_00000003" in out

@@ -106,7 +106,7 @@ def test_sbatch_trains_like_single_node(job_id, announce, jobs, launch_workdir, 
     assert announce in log and master and master.group(1) in node_names, log[-3000:]
     out = next(o for j, _, overrides in JOBS if j == job_id for o in overrides if o.startswith("train.output_dir"))
     np.testing.assert_array_equal(read_losses(launch_workdir / out.split("=")[1]), single_node_losses)
-    steps = [line for line in log.splitlines() if "| lm loss" in line]
+    steps = [line for line in log.splitlines() if "| loss " in line]
     assert len(steps) == 3 and all(line.startswith("0: ") for line in steps), log[-3000:]  # rank 0 on node 0
 
 

@@ -253,7 +253,7 @@ def _conversations(n: int, seed: int = 0) -> list[dict]:
         messages = [{"role": "system", "content": text(3)}] if i % 3 == 0 else []
         for _ in range(int(rng.integers(1, 4))):
             messages += [{"role": "user", "content": text(int(rng.integers(1, 8)))},
-                         {"role": "assistant", "content": text(int(rng.integers(0, 8)))}]
+                         {"role": "assistant", "content": text(int(rng.integers(1, 8)))}]  # "" is a bad turn
         out.append({"messages": messages} if i % 4 else {"messages": [{"role": m["role"], "content": [
             {"type": "text", "text": m["content"]}]} for m in messages]})
     return out

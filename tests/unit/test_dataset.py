@@ -62,8 +62,7 @@ def test_metadata_names(prepared):
 def test_from_config_without_matching_plan(prepared):
     cfg, _ = prepared
     other = _cfg(Path(cfg.data.dataset_dir).parent, seed=7)
-    with pytest.raises(DataError, match=r"no packing plan for pack size 256, pad multiple 4, algorithm bfd, seed 7.*"
-                                        r"megatron-pack prepare"):
+    with pytest.raises(DataError, match=r"no packing plan pack256_mult4_bfd_seed7_.*megatron-pack prepare"):
         PackedSFTDataset.from_config(other)
     missing = Config(data=DataConfig(dataset_dir=str(Path(cfg.data.dataset_dir).parent / "nothing")))
     with pytest.raises(DataError, match="holds no prepared dataset.*megatron-pack prepare"):

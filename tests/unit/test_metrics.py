@@ -39,8 +39,8 @@ def test_writer_files_and_line(tmp_path, caplog):
     assert [r["step"] for r in records] == [1, 2, 3] and records[1]["lm_loss"] == 1.25
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     lines = [r.message for r in caplog.records]
-    assert len(lines) == 3 and lines[0].startswith("step 2/3 | lm loss 1.500000")
-    assert "padding 37.5%" in lines[0] and "target tok/s 100" in lines[0]
+    assert len(lines) == 3 and lines[0].startswith("step 2/3 | loss 1.500000")
+    assert "padding 37.5%" in lines[0] and "200 tok/s" in lines[0] and records[1]["target_tokens_per_s"] == 100
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

@@ -490,7 +490,8 @@ def test_a_workers_data_error_reaches_the_loop_as_its_one_line():
 
 def test_stream_workers_parse_only_their_own_lines_of_a_file(tmp_path):
     """Record ``i`` (blank lines are not records) belongs to worker ``i % stride``; a worker never parses
-    another's JSON, so a malformed line is reported by the worker that owns it, naming file and line."""
+    another's JSON, so a malformed line reaches only the worker that owns it (as its DataError, in the
+    record's place: the stream stops on it or, with data.on_bad_record=skip, counts it), naming file and line."""
     from megatron_pack.data.batches.online import OnlineSource
 
     lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(7)]
@@ -504,8 +505,9 @@ def test_stream_workers_parse_only_their_own_lines_of_a_file(tmp_path):
     even = list(source.records(0, 2))
     assert [(i, r["prompt"], where.rsplit(": ", 1)[1]) for i, r, where in even] == [
         (0, "q0", "line 1"), (2, "q2", "line 3"), (4, "q4", "line 6"), (6, "q5", "line 8")]
-    with pytest.raises(DataError, match=r"in.jsonl: line 7: malformed JSON"):
-        list(source.records(1, 2))
+    odd = [(i, r) for i, r, _ in source.records(1, 2)]
+    assert [i for i, r in odd if isinstance(r, DataError)] == [5]
+    assert "in.jsonl: line 7: malformed JSON" in str(odd[2][1])
     assert [i for i, _, _ in source.records(3, 4)] == [3, 7]  # resume-style start: every 4th from record 3
 
 

@@ -240,17 +240,3 @@ def test_plan_packing_points_wrapped_to_its_module():
     assert "wrapped" in ALGORITHMS and "wrapped" not in BIN_PACKING_ALGORITHMS and len(BIN_PACKING_ALGORITHMS) == 4
     with pytest.raises(ValueError, match="wrapped_entries"):
         plan_packing([1, 2], 4, "wrapped")
-
-
-def test_settings_at_defaults_keep_old_plan_names():
-    from megatron_pack.data.store.metadata import PlanSettings
-
-    base = PlanSettings(pack_size=64, pad_multiple=1, algorithm="bfd", seed=0, on_overflow="error", max_length=64)
-    import hashlib
-
-    before = {"store": "s", "pack_size": 64, "pad_multiple": 1, "algorithm": "bfd", "seed": 0,
-              "on_overflow": "error", "max_length": 64, "format_version": 1}  # the fingerprint before these keys
-    assert base.fingerprint("s") == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
-    other = PlanSettings(pack_size=64, pad_multiple=1, algorithm="bfd", seed=0, on_overflow="error", max_length=64,
-                         buckets=(8,))
-    assert base.fingerprint("s") != other.fingerprint("s")

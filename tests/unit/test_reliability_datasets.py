@@ -48,6 +48,12 @@ def _edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(meta))
 
 
+def _edit_manifest(path: Path, **changes) -> None:
+    meta = json.loads(path.read_text())
+    meta["manifest"].update(changes)
+    path.write_text(json.dumps(meta))
+
+
 def _truncate(ds: Path, plan: Path, **_) -> None:
     tokens = ds / "tokens.npy"
     tokens.write_bytes(tokens.read_bytes()[: tokens.stat().st_size // 2])
@@ -80,7 +86,8 @@ def _hf_tokenizer(directory: Path) -> Path:
     return directory
 
 
-# id, damage(ds, plan, ...) or None, extra overrides, world size, fragments of the refusal
+# id, damage(ds, plan, ...) or None, extra overrides, world size, fragments of the refusal. The store holds two
+# plans (seeds 0 and 3): the damage cases name theirs with data.plan; the others (no damage) are picked by keys.
 CASES = [
     ("truncated-token-file", _truncate, [], "2", ["is damaged", "tokens.npy has", "metadata says",
                                                   "Delete it and re-run `megatron-pack prepare`"]),
@@ -91,22 +98,26 @@ CASES = [
     ("metadata-from-another-plan", _metadata_from_another_plan, [], "2",
      ["is damaged", "differs from metadata", "re-run `megatron-pack prepare`"]),
     ("plan-of-other-settings-renamed", _plan_renamed, [], "2",
-     ["holds a plan made with other settings", "records pack size 512, pad multiple 4, algorithm bfd, seed 3",
-      "stands for pack size 512, pad multiple 4, algorithm bfd, seed 0", "delete it and run `megatron-pack prepare"]),
+     ["is damaged", "is not the one its folder name ends with (the folder was renamed, or another plan copied "
+      "into it)", "Delete it and re-run `megatron-pack prepare"]),
     ("plan-from-another-store", _plan_from_another_store, [], "2",
      ["was made for another token store", "re-run `megatron-pack prepare`"]),
     ("future-store-version", lambda ds, plan, **_: _edit_json(ds / "metadata.json", format_version=99), [], "2",
      ["version 99", "reads 'megatron_pack.token_store' version 1", "re-run `megatron-pack prepare`"]),
-    ("future-plan-version", lambda ds, plan, **_: _edit_json(plan / "metadata.json", format_version=2), [], "2",
-     ["version 2", "reads 'megatron_pack.packing_plan' version 1", "re-run `megatron-pack prepare`"]),
+    ("future-plan-version", lambda ds, plan, **_: _edit_json(plan / "metadata.json", format_version=99), [], "2",
+     ["version 99", "reads 'megatron_pack.packing_plan' version 2", "re-run `megatron-pack prepare`"]),
     ("edited-plan-pack-size", lambda ds, plan, **_: _edit_json(plan / "metadata.json", pack_size=1024), [], "2",
-     ["holds a plan made with other settings", "records pack size 1024", "delete it and run `megatron-pack prepare"]),
+     ["is damaged", "metadata field pack_size (1024) differs from its manifest (512)",
+      "Delete it and re-run `megatron-pack prepare"]),
+    ("edited-plan-manifest", lambda ds, plan, **_: _edit_manifest(plan / "metadata.json", **{"packing.seed": 3}),
+     [], "2", ["is damaged", "its manifest hashes to fingerprint", "(the manifest was edited)"]),
     ("tokenizer-differs", None, ["data.tokenizer={hf}"], "2",
-     ["was tokenized with tokenizer 'byte'", "but training uses", "set data.tokenizer to the tokenizer"]),
+     ["was tokenized with tokenizer 'byte'", "but training uses", "set data.tokenizer (and data.chat_template) to what the dataset was prepared with"]),
     ("pack-size-not-seq-length", None, ["model.seq_length=256"], "2",
-     ["no plan in", "was made with pack_size=256 (plans there: pack512_", "drop those overrides"]),
+     ["no plan in", "was made with model.seq_length=256 (plans there: pack512_",
+      "packing.packed_sequence_size=512", "drop those keys"]),
     ("pack-size-not-prepared", None, ["packing.packed_sequence_size=1024", "model.seq_length=1024"], "2",
-     ["was made with pack_size=1024", "megatron-pack prepare data.dataset_dir="]),
+     ["was made with packing.packed_sequence_size=1024", "megatron-pack prepare data.dataset_dir="]),
     ("pad-multiple-changed", None, ["parallel=cp4"], "4",
      ["pad each sample to 4 tokens", "(cp=4, tp=1) needs a multiple of 8",
       "`megatron-pack prepare data.dataset_dir="]),
@@ -126,7 +137,9 @@ def test_refused_before_training_starts(prepared, tmp_path, monkeypatch, capsys,
     hf = _hf_tokenizer(tmp_path / "hf") if any("{hf}" in o for o in overrides) else None
     monkeypatch.setenv("WORLD_SIZE", world_size)
     monkeypatch.setenv("RANK", "0")
-    argv = BASE + [f"data.dataset_dir={ds}", f"train.output_dir={tmp_path}/run"] + [o.format(hf=hf) for o in overrides]
+    named = [f"data.plan={plan.name}"] if damage is not None or hf is not None else []
+    argv = (BASE + [f"data.dataset_dir={ds}", f"train.output_dir={tmp_path}/run"] + named
+            + [o.format(hf=hf) for o in overrides])
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("megatron-pack train:"), err
@@ -135,13 +148,18 @@ def test_refused_before_training_starts(prepared, tmp_path, monkeypatch, capsys,
     assert not dist.is_initialized() and not (tmp_path / "run").exists()
 
 
-def test_the_undamaged_copy_is_accepted(prepared, tmp_path):
-    """Guard: the refusals above come from the damage, not from the setup."""
+def test_the_undamaged_copy_is_accepted(prepared, tmp_path, monkeypatch, capsys):
+    """Guard: the refusals above come from the damage, not from the setup (the same entry, the same plan)."""
+    from megatron_pack.cli.train import main
     from megatron_pack.config import load_config, validate
     from megatron_pack.data.batches.loader import open_dataset
 
     root, plan, *_ = prepared
     shutil.copytree(root / "good", tmp_path / "ds")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--check", *BASE, f"data.dataset_dir={tmp_path / 'ds'}", f"data.plan={plan.name}"]) == 0
+    assert "config ok for 2 rank(s)" in capsys.readouterr().out
     cfg = load_config(BASE + [f"data.dataset_dir={tmp_path / 'ds'}"], world_size=2)
     dataset = open_dataset(cfg)
     validate(cfg, world_size=2, dataset_meta=dict(dataset.metadata))

@@ -71,7 +71,7 @@ def _write_input(path: Path, lengths: list[tuple[int, int]], chat_every: int) ->
 def _prepare(tmp: Path, s: dict):
     from megatron_pack.config import Config, DataConfig, ModelConfig, PackingConfig, ParallelConfig
     from megatron_pack.data.batches.dataset import PackedSFTDataset
-    from megatron_pack.data.prepare import ensure_plan, ensure_store, plan_settings
+    from megatron_pack.data.prepare import build_manifest, ensure_plan, ensure_store, plan_settings
 
     _write_input(tmp / "train.jsonl", s["lengths"], s["chat_every"])
     cfg = Config(model=ModelConfig(seq_length=s["pack_size"]),
@@ -81,7 +81,7 @@ def _prepare(tmp: Path, s: dict):
                                        seed=s["plan_seed"], on_overflow=s["on_overflow"]),
                  parallel=ParallelConfig(context_parallel_size=s["cp"], tensor_model_parallel_size=s["tp"],
                                          sequence_parallel=s["sp"]))
-    plan_dir = ensure_plan(ensure_store(cfg, progress=False), plan_settings(cfg))
+    plan_dir = ensure_plan(ensure_store(cfg, progress=False), plan_settings(cfg), build_manifest(cfg))
     return PackedSFTDataset(tmp / "ds", plan_dir)
 
 

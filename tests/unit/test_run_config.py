@@ -65,7 +65,7 @@ def test_readme_verify_right_after_cp2_prepare_passes(cp2_dataset, capsys):
     a tokenizer error, then an IndexError)."""
     assert main(["verify", f"data.dataset_dir={cp2_dataset}", "verify.num_packs=2"]) == 0
     out = capsys.readouterr().out
-    assert "packing.pad_seq_to_mult=4 (was None; recorded in the plan)" in out and "2/2 packs PASS" in out
+    assert "packing.pad_seq_to_mult=4 (was null)" in out and "2/2 packs PASS" in out
 
 
 def test_pack_size_is_read_from_the_plan(two_plans):

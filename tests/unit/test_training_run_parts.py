@@ -91,18 +91,19 @@ def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
 
-def test_step_line_carries_epoch_consumed_validation_elapsed_eta():
+def test_step_line_carries_validation_and_eta_and_the_record_the_rest():
     from megatron_pack.training.metrics import StepMetrics
 
     m = StepMetrics(step=3, lm_loss=2.0, target_tokens=10, real_tokens=20, slots=32, samples=4, grad_norm=1.0,
                     lr=1e-3, step_time_s=0.5, epoch=1.25, consumed_samples=12, consumed_target_tokens=30,
                     elapsed_s=65.0, eta_s=4.0, val_loss=1.5)
     line = m.line(5)
-    for fragment in ("step 3/5", "epoch 1.25", "val loss 1.500000", "consumed samples 12", "consumed target tokens 30",
-                     "elapsed 1m05s", "ETA 4s"):
+    for fragment in ("step 3/5", "loss 2.000000", "val loss 1.500000", "lr 1.00e-03", "40 tok/s", "padding 37.5%",
+                     "500 ms", "ETA 4s"):
         assert fragment in line
     record = m.record()
     assert record["val_loss"] == 1.5 and record["epoch"] == 1.25 and record["consumed_target_tokens"] == 30
+    assert record["consumed_samples"] == 12 and record["elapsed_s"] == 65.0
     assert "val_source_loss" not in record and m.validation_scalars() == {"lm_loss": 1.5}
 
 
@@ -120,7 +121,7 @@ def test_validation_per_source_in_the_record_line_and_tensorboard_tags():
     assert record["val_source_target_share"] == {"chat": 1.0, "code": 0.0}
     assert m.validation_scalars() == {"lm_loss": 2.5, "source_chat/loss": 2.0, "source_chat/target_share": 1.0,
                                       "source_code/target_share": 0.0}
-    assert "val chat loss 2.0000 (100% targets) | val code loss n/a (0% targets)" in m.line(5)
+    assert "val loss 2.500000" in m.line(5) and "chat" not in m.line(5)  # per source: the record and TensorBoard
 
 
 def test_num_eval_packs():

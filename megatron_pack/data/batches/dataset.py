@@ -16,7 +16,8 @@ carry ``bucket`` (the pack's length bucket); a mixed plan's (``data.sources``) c
 (an index into ``ds.source_names``).
 
 Opening validates the format version, the sha256 of every array (once per process, cached by
-file size and mtime) and, when given, that the tokenizer is the one the training config names.
+file size and mtime), that the manifest hashes to the plan's fingerprint and name (else the plan is
+damaged) and, when given, that the tokenizer is the one the training config names.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import numpy as np
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.split import piece_loss_mask
 from megatron_pack.data.store.atomic import read_json
-from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, check_tokenizer, describe_settings,
-                                               list_plans, plan_settings, read_metadata)
+from megatron_pack.data.store.manifest import build_manifest, dirname, integrity_problems
+from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, check_tokenizer,
+                                               list_plans, read_metadata)
 from megatron_pack.data.store.metadata import verify_files  # noqa: F401  (this module's name before the split)
 from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
 
@@ -77,7 +79,17 @@ class PackedSFTDataset(BinnedSamples):
         self.metadata = read_metadata(self.plan_dir, PLAN_FORMAT, PLAN_FORMAT_VERSION)
         if self.metadata["store_fingerprint"] != self.store_metadata["fingerprint"]:
             raise DataError(f"plan {self.plan_dir} was made for another token store; re-run `megatron-pack prepare`.")
+        named = self.plan_dir.parent if self.plan_dir.name == VALIDATION_DIRNAME else self.plan_dir
+        problems = integrity_problems(named, self.metadata)
+        if problems:
+            raise DataError(f"plan {self.plan_dir} is damaged: {'; '.join(problems)}. Delete it and re-run "
+                            "`megatron-pack prepare`.")
         self._open_arrays()
+
+    @property
+    def manifest(self) -> dict:
+        """Every setting that shaped the plan, by config key (``megatron_pack.data.store.manifest``)."""
+        return self.metadata["manifest"]
 
     def _open_arrays(self) -> None:
         self.store = TokenStore(self.dataset_dir, self.store_metadata)
@@ -126,31 +138,25 @@ class PackedSFTDataset(BinnedSamples):
 
     @classmethod
     def from_config(cls, cfg, *, plan_dir=None, check_tokenizer: bool = True) -> "PackedSFTDataset":
-        """The dataset at ``data.dataset_dir`` with the plan matching ``cfg``'s packing settings.
+        """The dataset at ``data.dataset_dir`` with ``plan_dir``, or the plan ``cfg`` describes (the one
+        ``prepare(cfg)`` writes: the folder its manifest names).
 
-        ``plan_dir`` (chosen by ``megatron_pack.data.store.recorded.choose_plan``) must hold the
-        plan ``cfg`` describes; ``check_tokenizer=False`` skips rebuilding ``data.tokenizer`` when it
-        was read from the dataset itself.
+        ``plan_dir`` is what ``megatron_pack.data.store.recorded.choose_plan`` picked from the manifests;
+        ``check_tokenizer=False`` skips rebuilding ``data.tokenizer`` when it was read from the dataset itself.
         """
         dataset_dir = Path(cfg.data.dataset_dir)
         fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} "
                f"packing.packed_sequence_size={cfg.packing.packed_sequence_size} ...` with the same config first")
         if not (dataset_dir / "metadata.json").is_file():
             raise DataError(f"data.dataset_dir ({dataset_dir}) holds no prepared dataset; {fix}.")
-        store_meta = read_json(dataset_dir / "metadata.json")
-        settings = plan_settings(cfg)
-        plan_dir = Path(plan_dir) if plan_dir is not None else dataset_dir / "plans" / settings.dirname(
-            store_meta.get("fingerprint", ""))
-        if not plan_dir.is_dir():
-            have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
-            raise DataError(f"{dataset_dir} has no packing plan for {describe_settings(settings)} (plans there: {have}); {fix}.")
-        dataset = cls(dataset_dir, plan_dir, expected_tokenizer=_expected_tokenizer(cfg) if check_tokenizer else None)
-        expected = settings.fingerprint(dataset.store_metadata["fingerprint"])
-        if dataset.metadata.get("fingerprint") != expected:  # a plan copied or renamed into this name
-            raise DataError(f"plan {plan_dir} holds a plan made with other settings (fingerprint "
-                            f"{str(dataset.metadata.get('fingerprint'))[:12]}, expected {expected[:12]} for "
-                            f"{describe_settings(settings)}); delete it and {fix}.")
-        return dataset
+        if plan_dir is None:
+            store_meta = read_json(dataset_dir / "metadata.json")
+            plan_dir = dataset_dir / "plans" / dirname(build_manifest(cfg), store_meta.get("fingerprint", ""))
+            if not plan_dir.is_dir():
+                have = ", ".join(p.name for p in list_plans(dataset_dir)) or "none"
+                raise DataError(f"{dataset_dir} has no packing plan {plan_dir.name} for this config (plans there: "
+                                f"{have}); {fix}, or name one with data.plan.")
+        return cls(dataset_dir, plan_dir, expected_tokenizer=_expected_tokenizer(cfg) if check_tokenizer else None)
 
     def __getitem__(self, i: int) -> list[dict]:
         i, lo, hi = self._bin(i)

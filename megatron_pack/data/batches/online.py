@@ -140,7 +140,11 @@ class OnlineSource:
                         continue
                     if index >= start and (index - start) % stride == 0:  # JSON of other shards is never parsed
                         line = chunk.first + offset
-                        yield index, parse_line(raw, chunk.path, line), f"{chunk.path}: line {line}"
+                        try:
+                            record = parse_line(raw, chunk.path, line)
+                        except DataError as exc:  # the stream decides (data.on_bad_record)
+                            record = exc
+                        yield index, record, f"{chunk.path}: line {line}"
                     index += 1
                 continue
             for position, record in parse_chunk(chunk):
@@ -156,7 +160,8 @@ class OnlineSource:
             from megatron_pack.data.prepare import _schema
 
             stream = RecordStream(self.records, self.tokenizer, _schema(self.cfg), self.settings, shard=shard,
-                                  num_shards=num_shards, answer_only_loss=self.cfg.data.answer_only_loss)
+                                  num_shards=num_shards, answer_only_loss=self.cfg.data.answer_only_loss,
+                                  on_bad_record=self.cfg.data.on_bad_record)
         packer = OnlinePacker(self.settings.pack_size, buffer_size=p.buffer_size, buffer_tokens=p.buffer_tokens,
                               max_samples=p.max_samples_per_pack)
         return OnlinePackStream(stream, packer, chunk_size=min(1024, p.buffer_size), announce=announce)

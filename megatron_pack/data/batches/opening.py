@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_pack.config.schema import Config
-from megatron_pack.data.batches.dataset import PackedSFTDataset
+from megatron_pack.data.batches.dataset import PackedSFTDataset, _expected_tokenizer
 from megatron_pack.data.batches.micro_batches import MicroBatchDataset
 
 
@@ -34,32 +34,70 @@ def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True
 
 
 def open_validation(cfg, train_dataset=None):
-    """The validation ``PackedSFTDataset`` of ``cfg`` or None when it has none.
+    """The validation ``PackedSFTDataset`` of the training plan, or None when it has none.
 
-    ``data.validation``: the plan prepared in ``<data.dataset_dir>/validation`` with the training
-    plan's settings; ``data.validation_fraction``: the ``validation`` sub-plan of the training
-    plan (``train_dataset``'s, opened from ``cfg`` when not given). Raises ``DataError`` naming
-    the prepare command when it is missing.
+    The training plan's manifest says which (``data.validation``: the plan prepared from that file, recorded
+    with its folder under ``<data.dataset_dir>/validation``; ``data.validation_fraction``: the plan's own
+    ``validation`` sub-plan), so train needs neither key repeated. It is checked against the training store's
+    tokenizer identity (chat template included), never against a tokenizer rebuilt from the command line.
+    ``train_dataset`` is opened from ``cfg`` when not given; one without a manifest (online, in-batch) falls
+    back to ``cfg``'s keys. Raises ``DataError`` naming the prepare command when it is missing.
     """
+    train_dataset = train_dataset if train_dataset is not None else PackedSFTDataset.from_config(cfg)
+    manifest = getattr(train_dataset, "metadata", {}).get("manifest")
+    if manifest is None:
+        return _validation_from_config(cfg, train_dataset)
+    identity = train_dataset.store_metadata["tokenizer"]
+    if manifest.get("data.validation"):
+        return _validation_file(train_dataset, manifest["data.validation"], identity)
+    if manifest.get("data.validation_fraction"):
+        return _held_out(train_dataset, identity)
+    return None
+
+
+def _held_out(train_dataset, identity):
     from megatron_pack.data.formats.sources import DataError
     from megatron_pack.data.store.metadata import VALIDATION_DIRNAME
 
-    if cfg.data.validation is not None:
-        from megatron_pack.data.prepare import validation_config
-
-        return PackedSFTDataset.from_config(validation_config(cfg))
-    if not cfg.data.validation_fraction:
-        return None
-    train_dataset = train_dataset or PackedSFTDataset.from_config(cfg)
     plan_dir = Path(train_dataset.plan_dir) / VALIDATION_DIRNAME
     if not (plan_dir / "metadata.json").is_file():
-        raise DataError(f"the packing plan {train_dataset.plan_dir} has no held-out validation plan for "
-                        f"data.validation_fraction={cfg.data.validation_fraction}; re-run `megatron-pack prepare` "
-                        "with the same config.")
-    dataset = PackedSFTDataset(train_dataset.dataset_dir, plan_dir, expected_tokenizer=cfg.data.tokenizer)
+        raise DataError(f"the packing plan {train_dataset.plan_dir} records a data.validation_fraction but has no "
+                        f"held-out validation plan {plan_dir}; delete {train_dataset.plan_dir} and re-run "
+                        "`megatron-pack prepare` with the same config.")
+    dataset = PackedSFTDataset(train_dataset.dataset_dir, plan_dir, expected_tokenizer=identity)
     if "mixture" in dataset.metadata:  # written before held-out samples were packed each once
         raise DataError(f"the validation plan {plan_dir} was written by an older prepare that resampled the held-out "
                         "samples to the data.sources shares (some never evaluated, others repeated); delete "
                         f"{train_dataset.plan_dir} and re-run `megatron-pack prepare` with the same config.")
     return dataset
 
+
+def _validation_file(train_dataset, recorded: dict, identity):
+    """The plan ``prepare data.validation=FILE`` wrote, checked to hold that file's records."""
+    from megatron_pack.data.formats.sources import DataError
+
+    plan_dir = Path(train_dataset.dataset_dir) / recorded.get("plan", "<missing>")
+    redo = (f"re-run `megatron-pack prepare data.dataset_dir={train_dataset.dataset_dir} "
+            f"data.validation={recorded['input']} ...` with the training plan's settings")
+    if not (plan_dir / "metadata.json").is_file():
+        raise DataError(f"the training plan {train_dataset.plan_dir} was prepared with data.validation="
+                        f"{recorded['input']}, but its validation plan {plan_dir} is missing; {redo}.")
+    dataset = PackedSFTDataset(plan_dir.parent.parent, plan_dir, expected_tokenizer=identity)
+    files = [{"name": Path(f["path"]).name, "sha256": f.get("sha256")}
+             for f in dataset.store_metadata["sources"].get("files", [])]
+    if sorted(files, key=str) != sorted(recorded["files"], key=str):
+        raise DataError(f"the validation store {plan_dir.parent.parent} holds other records than data.validation="
+                        f"{recorded['input']} had when the training plan {train_dataset.plan_dir.name} was prepared "
+                        f"(another prepare replaced it); {redo}.")
+    return dataset
+
+
+def _validation_from_config(cfg, train_dataset):
+    """Online and in-batch runs (no training plan): the validation set the config names."""
+    if cfg.data.validation is not None:
+        from megatron_pack.data.prepare import validation_config
+
+        return PackedSFTDataset.from_config(validation_config(cfg))
+    if not cfg.data.validation_fraction:
+        return None
+    return _held_out(train_dataset, _expected_tokenizer(cfg))

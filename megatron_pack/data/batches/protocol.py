@@ -48,12 +48,21 @@ class LoaderInfo:
     """data.sources names (empty: no per-source metrics)."""
     fingerprint: Optional[str] = None
     """The plan's fingerprint, which a resume compares (None: no plan)."""
+    tokenizer: Optional[str] = None
+    """The tokenizer folder (or ``byte``) the plan's data was tokenized with, from its manifest (None: no manifest)."""
+    chat_template: Optional[str] = None
+    """The text of the ``data.chat_template`` the data was rendered with (None: the tokenizer's own), which the
+    run's ``hf_source`` copy, and so its export, carries."""
 
 
 def loader_info(metadata: Mapping[str, Any]) -> LoaderInfo:
-    """``LoaderInfo`` of a dataset from its metadata (``buckets.per_bucket``, ``source_names``, ``fingerprint``)."""
+    """``LoaderInfo`` of a dataset from its metadata (``buckets.per_bucket``, ``source_names``, ``fingerprint``,
+    the manifest's ``data.tokenizer`` and ``data.chat_template``)."""
+    manifest = metadata.get("manifest") or {}
     return LoaderInfo(num_buckets=len(metadata.get("buckets", {}).get("per_bucket", [])),
-                      source_names=tuple(metadata.get("source_names", [])), fingerprint=metadata.get("fingerprint"))
+                      source_names=tuple(metadata.get("source_names", [])), fingerprint=metadata.get("fingerprint"),
+                      tokenizer=(manifest.get("data.tokenizer") or {}).get("path"),
+                      chat_template=(manifest.get("data.chat_template") or {}).get("text"))
 
 
 class BatchLoader(Protocol):

@@ -15,7 +15,13 @@ conversation and the index of the first message whose assistant turns are traine
 Content may be a string or a list of parts ``[{"type": "text", "text": "..."}]`` (OpenAI /
 TRL style); text parts are joined, any other part type is refused naming its index and type.
 Roles are checked after the aliases: an optional system message, then user and assistant
-alternating, tool only after assistant.
+alternating, tool only after assistant. A user, assistant or tool turn without text (no content,
+null or "") is refused.
+An assistant turn with ``"weight": 0`` (ShareGPT / Axolotl) stays in the context but carries no
+loss; ``weight`` is 0 or 1 (default 1).
+
+Every refusal is a ``RecordError`` with a ``reason`` (``BAD_RECORD_REASONS``), which
+``data.on_bad_record=skip`` counts.
 """
 
 from __future__ import annotations
@@ -35,8 +41,20 @@ SHAREGPT = {"messages_key": "conversations", "role_key": "from", "content_key": 
 _DEFAULT_KEYS = {"messages_key": "messages", "role_key": "role", "content_key": "content"}
 
 
+BAD_RECORD_REASONS = ("malformed_json", "not_utf8", "not_an_object", "empty_conversation", "turn_without_content",
+                      "unknown_role", "wrong_role_order", "missing_key", "wrong_type", "non_text_part", "empty_sample",
+                      "bad_weight", "template_refused", "invalid_unicode")
+"""Why a record is bad (``data.on_bad_record=skip`` counts each); docs/data.md lists them."""
+
+
 class RecordError(ValueError):
-    """A record that cannot be tokenized; ``str`` names what is wrong (the caller adds file and line)."""
+    """A record that cannot be tokenized; ``str`` names what is wrong (the caller adds file and line) and
+    ``reason`` is one of ``BAD_RECORD_REASONS``. ``fatal`` marks a problem of the configuration, not of
+    the record (no chat template at all): it stops ``prepare`` whatever ``data.on_bad_record`` says."""
+
+    def __init__(self, message: str, reason: str = "wrong_type", *, fatal: bool = False):
+        super().__init__(message)
+        self.reason, self.fatal = reason, fatal
 
 
 @dataclass(frozen=True)
@@ -92,7 +110,8 @@ def record_kind(record: dict, schema: SampleSchema) -> str:
         if schema.prompt_key not in record and schema.completion_key not in record:
             raise RecordError(f"record has keys {sorted(record)}: neither {schema.messages_key!r} (chat) nor "
                               f"{schema.prompt_key!r}+{schema.completion_key!r}; set data.schema and "
-                              "data.prompt_key / data.completion_key / data.messages_key (or data.format=sharegpt)")
+                              "data.prompt_key / data.completion_key / data.messages_key (or data.format=sharegpt)",
+                              "missing_key")
         kind = "prompt_completion"
     if kind == "prompt_completion" and isinstance(record.get(schema.prompt_key), list):
         return "conversational"
@@ -100,7 +119,9 @@ def record_kind(record: dict, schema: SampleSchema) -> str:
 
 
 def chat_messages(record: dict, schema: SampleSchema) -> tuple[list[dict], int]:
-    """``(messages, first_trained)`` of a chat or TRL conversational record, normalised and checked."""
+    """``(messages, first_trained)`` of a chat or TRL conversational record, normalised and checked.
+    Messages are ``{role, content}``; a ``weight: 0`` assistant turn (see ``untrained_turns``) also
+    carries ``"weight": 0``."""
     if record_kind(record, schema) == "conversational":
         prompt = _message_list(record, schema.prompt_key, schema, allow_empty=True)
         completion = _message_list(record, schema.completion_key, schema, allow_empty=False)
@@ -108,27 +129,62 @@ def chat_messages(record: dict, schema: SampleSchema) -> tuple[list[dict], int]:
     else:
         messages, first_trained, where = _message_list(record, schema.messages_key, schema), 0, schema.messages_key
     _check_role_order(messages, where)
-    if not any(m["content"] for m in messages):
-        raise RecordError(f"the sample is empty: every {where}[i] content is an empty string; remove the record "
-                          "or fill it in")
     return messages, first_trained
+
+
+def untrained_turns(messages: list[dict]) -> list[int]:
+    """Indices of the assistant turns with ``weight: 0`` (context only, no loss)."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) == 0]
+
+
+def drop_untrained_turns(mask: list[int], messages: list[dict], first_trained: int = 0) -> list[int]:
+    """``mask`` (a template's assistant mask, one run of 1s per trained assistant turn, in order) with the
+    runs of the ``weight: 0`` turns set to 0. A mask whose runs cannot be matched to the turns is refused.
+
+    Example: turns user, assistant (weight 0), user, assistant; mask ``[0, 1, 1, 0, 0, 1]`` -> ``[0, 0, 0, 0, 0, 1]``.
+    """
+    untrained = set(untrained_turns(messages))
+    if not untrained:
+        return mask
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
+    starts = [j for j, v in enumerate(mask) if v and (j == 0 or not mask[j - 1])]
+    ends = [j + 1 for j, v in enumerate(mask) if v and (j + 1 == len(mask) or not mask[j + 1])]
+    if len(starts) != len(turns):
+        raise RecordError(f"the chat template's assistant mask has {len(starts)} spans for {len(turns)} assistant "
+                          "turns, so the weight: 0 turns cannot be found; drop the weights or use a template that "
+                          "renders every assistant turn apart", "template_refused")
+    out = list(mask)
+    for start, end, turn in zip(starts, ends, turns):
+        if turn in untrained:
+            out[start:end] = [0] * (end - start)
+    return out
+
+
+def plain_messages(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates take them (``{role, content}``, no weights)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _message_list(record: dict, key: str, schema: SampleSchema, allow_empty: bool = False) -> list[dict]:
     if key not in record:
         raise RecordError(f"missing key {key!r} (keys present: {sorted(record)}); set data.messages_key "
-                          "(or data.format=sharegpt for ShareGPT 'conversations')")
+                          "(or data.format=sharegpt for ShareGPT 'conversations')", "empty_conversation")
     messages = record[key]
     if not isinstance(messages, list) or (not messages and not allow_empty):
         raise RecordError(f"key {key!r} must be a non-empty list of {{role, content}}, got {type(messages).__name__} "
-                          f"({messages!r:.40}); write the conversation as a list of messages or remove the record")
+                          f"({messages!r:.40}); write the conversation as a list of messages or remove the record",
+                          "empty_conversation")
     aliases = dict(schema.role_aliases)
     return [_message(m, f"{key}[{i}]", schema, aliases) for i, m in enumerate(messages)]
 
 
+WEIGHT_KEY = "weight"
+"""A message's loss weight (ShareGPT / Axolotl): 0 keeps an assistant turn as context only."""
+
+
 def _message(message: Any, where: str, schema: SampleSchema, aliases: dict[str, str]) -> dict:
     rk, ck = schema.role_key, schema.content_key
-    if not isinstance(message, dict) or ck not in message:
+    if not isinstance(message, dict):
         raise RecordError(f"{where} must be a dict with a {ck!r} (string or text parts), got {message!r:.80}; write "
                           f"each message as {{{rk!r}: ..., {ck!r}: \"text\"}} or set data.role_key / data.content_key")
     raw_role = message.get(rk)
@@ -137,8 +193,21 @@ def _message(message: Any, where: str, schema: SampleSchema, aliases: dict[str, 
         hint = ("map it with data.role_aliases={" + f"{raw_role}: user" + "} or data.format=sharegpt"
                 if isinstance(raw_role, str) else f"set data.role_key (messages have keys {sorted(message)})")
         raise RecordError(f"{where}.{rk} ({raw_role!r}) must be one of {list(ROLES)}; {hint}, or rename the role "
-                          "in the data")
-    return {"role": role, "content": _content(message[ck], f"{where}.{ck}")}
+                          "in the data", "unknown_role")
+    content = _content(message[ck], f"{where}.{ck}") if message.get(ck) is not None else None
+    if role != "system" and not content:  # a turn of nothing: nothing to read or learn
+        shown = "no" if content is None else "an empty"
+        raise RecordError(f"{where} ({role}) has no content ({shown} {ck!r}); fill it in or remove the record "
+                          f"(set data.content_key if the text is under another key; messages have keys "
+                          f"{sorted(message)})", "turn_without_content")
+    out = {"role": role, "content": content or ""}
+    weight = message.get(WEIGHT_KEY, 1)
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise RecordError(f"{where}.{WEIGHT_KEY} ({weight!r}) must be 0 or 1 (0: the turn is context, no loss); "
+                          "fix the record", "bad_weight")
+    if weight == 0 and role == "assistant":
+        out[WEIGHT_KEY] = 0
+    return out
 
 
 def _content(content: Any, where: str) -> str:
@@ -147,14 +216,14 @@ def _content(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise RecordError(f"{where} must hold a string 'content' or a list of {{type: text, text}} parts, got "
-                          f"{type(content).__name__} ({content!r:.40}); store the message text there")
+                          f"{type(content).__name__} ({content!r:.40}); store the message text there", "wrong_type")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise RecordError(f"{where}[{j}] is a {kind or type(part).__name__!r} part; only text parts "
                               "({\"type\": \"text\", \"text\": \"...\"}) can be trained on: remove the non-text part or "
-                              "the record")
+                              "the record", "non_text_part")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -173,7 +242,8 @@ def _check_role_order(messages: list[dict], key: str) -> None:
             after = f"after {previous!r}" if previous else "as the first message"
             raise RecordError(f"{key}[{i}].role ({role!r}) is out of order {after} (allowed: "
                               f"{list(_ALLOWED_NEXT[previous])}); a chat is an optional system message, then user "
-                              "and assistant turns alternating (tool only after assistant): fix the record's order")
+                              "and assistant turns alternating (tool only after assistant): fix the record's order",
+                              "wrong_role_order")
         previous = role
 
 

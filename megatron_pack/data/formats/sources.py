@@ -19,7 +19,13 @@ SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "
 
 
 class DataError(ValueError):
-    """Bad input data; the message names the file and line (or row) and the fix."""
+    """Bad input data; the message names the file and line (or row) and the fix. ``reason`` is set when the
+    error is one bad record (``megatron_pack.data.formats.chat.BAD_RECORD_REASONS``), which
+    ``data.on_bad_record=skip`` may skip, counted."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,10 @@ def _parquet_chunks(index: int, path: Path, chunk_size: int) -> Iterator[Chunk]:
         row += batch.num_rows
 
 
-def parse_chunk(chunk: Chunk) -> Iterator[tuple[int, dict]]:
-    """``(line or row, record)`` for every record of a JSONL or Parquet chunk; blank lines are skipped."""
+def parse_chunk(chunk: Chunk, *, keep_errors: bool = False) -> Iterator[tuple[int, dict | DataError]]:
+    """``(line or row, record)`` for every record of a JSONL or Parquet chunk; blank lines are skipped.
+    A line that is not a record raises its ``DataError``, or with ``keep_errors`` takes the record's place
+    (so a later check can report the first bad line in file order, or skip it)."""
     if chunk.kind == "records":
         for offset, record in enumerate(chunk.items):
             yield chunk.first + offset, record
@@ -107,7 +115,12 @@ def parse_chunk(chunk: Chunk) -> Iterator[tuple[int, dict]]:
         line_no = chunk.first + offset
         if not raw.strip():
             continue
-        yield line_no, parse_line(raw, chunk.path, line_no)
+        try:
+            yield line_no, parse_line(raw, chunk.path, line_no)
+        except DataError as exc:
+            if not keep_errors:
+                raise
+            yield line_no, exc
 
 
 def parse_line(raw: bytes, path: str, line_no: int) -> dict:
@@ -116,13 +129,13 @@ def parse_line(raw: bytes, path: str, line_no: int) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: line {line_no}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                        f"{exc.start + 1}); re-encode the file as UTF-8.") from None
+                        f"{exc.start + 1}); re-encode the file as UTF-8.", "not_utf8") from None
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: line {line_no}: malformed JSON ({exc.msg} at column {exc.colno}); "
-                        "each line must be one JSON object.") from None
+                        "each line must be one JSON object.", "malformed_json") from None
     if not isinstance(record, dict):
         raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(record).__name__}; write one "
-                        "record object per line (JSONL), not a JSON array or a bare value.")
+                        "record object per line (JSONL), not a JSON array or a bare value.", "not_an_object")
     return record

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_pack.data.formats.chat import (ROLES, RecordError, SampleSchema, chat_messages,  # noqa: F401
-                                             read_chat_template, record_kind)
+                                             drop_untrained_turns, plain_messages, read_chat_template, record_kind,
+                                             untrained_turns)
 
 BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
 
@@ -32,11 +33,12 @@ BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assista
 def _text(record: dict, key: str) -> str:
     if key not in record:
         raise RecordError(f"missing key {key!r} (keys present: {sorted(record)}); "
-                          f"set data.prompt_key / data.completion_key / data.messages_key to the right column")
+                          f"set data.prompt_key / data.completion_key / data.messages_key to the right column",
+                          "missing_key")
     value = record[key]
     if not isinstance(value, str):
         raise RecordError(f"key {key!r} must be a string, got {type(value).__name__} ({value!r:.40}); store text "
-                          f"there, or point data.prompt_key / data.completion_key at the text columns")
+                          f"there, or point data.prompt_key / data.completion_key at the text columns", "wrong_type")
     return value
 
 
@@ -45,7 +47,7 @@ def _prompt_completion(record: dict, schema: SampleSchema) -> tuple[str, str]:
     prompt, completion = _text(record, schema.prompt_key), _text(record, schema.completion_key)
     if not prompt and not completion:
         raise RecordError(f"the sample is empty: {schema.prompt_key!r} and {schema.completion_key!r} are both "
-                          "empty strings; remove the record or fill it in")
+                          "empty strings; remove the record or fill it in", "empty_sample")
     return prompt, completion
 
 
@@ -90,7 +92,7 @@ class ByteTokenizer:
             pieces = [([self.bos_id], 0)]
             messages, first_trained = chat_messages(record, schema)
             for i, message in enumerate(messages):
-                answer = int(message["role"] == "assistant" and i >= first_trained)
+                answer = int(message["role"] == "assistant" and i >= first_trained and message.get("weight", 1) != 0)
                 pieces += [([self.role_ids[message["role"]]], 0), (message["content"].encode("utf-8"), answer),
                            ([self.eos_id], answer)]
         return _join(pieces, answer_only_loss)
@@ -221,17 +223,20 @@ class HFTokenizer:
         if not self.tok.chat_template:
             raise RecordError(f"data.tokenizer ({self.path}) has no chat template, so chat records cannot be "
                               "rendered; set data.chat_template=/path/to/template.jinja (e.g. ChatML) or use a "
-                              "tokenizer that ships one")
+                              "tokenizer that ships one", "template_refused", fatal=True)
         from jinja2 import TemplateError
 
+        plain = plain_messages(messages)
         try:
-            ids, mask = self.chat_ids_and_mask(messages)
+            ids, mask = self.chat_ids_and_mask(plain)
             if first_trained:  # TRL conversational: assistant turns inside the prompt are context
-                num_context = min(len(mask), len(self._template(messages[:first_trained], add_generation_prompt=True)))
+                num_context = min(len(mask), len(self._template(plain[:first_trained], add_generation_prompt=True)))
                 mask[:num_context] = [0] * num_context
         except TemplateError as exc:  # e.g. a template that raises for a system message
             raise RecordError(f"the chat template of {self.path} refuses this conversation ({exc}); change the "
-                              "record's roles to what the template accepts, or use another data.tokenizer") from None
+                              "record's roles to what the template accepts, or use another data.tokenizer",
+                              "template_refused") from None
+        mask = drop_untrained_turns(mask, messages, first_trained)  # weight: 0 turns are context only
         ids, mask = self._end_with_eos(ids, mask)
         ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
         return ids, (mask if answer_only_loss else np.ones_like(mask))
@@ -254,7 +259,7 @@ class HFTokenizer:
             try:
                 if fast and record_kind(record, schema) == "chat":
                     messages, first_trained = chat_messages(record, schema)
-                    if first_trained == 0:
+                    if first_trained == 0 and not untrained_turns(messages):
                         batch.append(i)
                         conversations.append(messages)
                         continue
@@ -339,7 +344,8 @@ class HFTokenizer:
             start = len(prefix)
             if ids[:len(end_ids)] != end_ids or end_ids[:start] != prefix:
                 raise RecordError(f"chat template of {self.path} is not prefix-stable at message {i}, so "
-                                  "assistant spans cannot be found; add {% generation %} markers to the template")
+                                  "assistant spans cannot be found; add {% generation %} markers to the template",
+                                  "template_refused")
             mask[start:len(end_ids)] = [1] * (len(end_ids) - start)
         return ids, mask
 

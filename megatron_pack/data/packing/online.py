@@ -150,9 +150,10 @@ class RecordStream:
     """
 
     def __init__(self, records, tokenizer, schema, settings: PlanSettings, *, shard: int, num_shards: int,
-                 answer_only_loss: bool = True):
+                 answer_only_loss: bool = True, on_bad_record: str = "error"):
         self.records, self.tokenizer, self.schema, self.settings = records, tokenizer, schema, settings
         self.shard, self.num_shards, self.answer_only_loss = shard, num_shards, answer_only_loss
+        self.skip_bad = on_bad_record == "skip"  # data.on_bad_record: counted as dropped "bad_record"
         self.epoch, self.cursor = 0, 0
         self._held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._it: Optional[Iterator] = None
@@ -178,7 +179,15 @@ class RecordStream:
                 break
             got.append(item)
         self.cursor += len(got)
-        encoded = [self._encode(record, where) for _, record, where in got]
+        encoded, good = [], []
+        for item in got:
+            try:
+                encoded.append(self._encode(item[1], item[2]))
+                good.append(item)
+            except DataError as exc:
+                if not (self.skip_bad and exc.reason):
+                    raise
+        num_bad, got = len(got) - len(good), good
         ids = np.array([i for i, _, _ in got], dtype=np.int64)
         num_ids = np.array([len(x) for x, _ in encoded], dtype=np.int64)
         targets = np.array([int(m[1:].sum()) for _, m in encoded], dtype=np.int64)
@@ -186,13 +195,24 @@ class RecordStream:
                         answer_after_truncation=lambda i, t: bool(encoded[i][1][1:t].any()), where=lambda i: got[i][2])
         for j in np.flatnonzero(chosen.keep):
             self._held[int(ids[j])] = encoded[j]
-        return _chunk(ids, chosen, self.settings, end)
+        chunk = _chunk(ids, chosen, self.settings, end)
+        if self.skip_bad:  # data.on_bad_record=skip: the bad records were read, and dropped as "bad_record"
+            chunk.num_read += num_bad
+            chunk.dropped["bad_record"] = num_bad
+        return chunk
 
-    def _encode(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
+    def _encode(self, record, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, mask)`` of one record; a bad one raises ``DataError`` with its reason (None: not skippable)."""
+        if isinstance(record, DataError):  # a line that did not parse
+            raise record
         try:
             ids, mask = self.tokenizer.encode_sample(record, self.schema, answer_only_loss=self.answer_only_loss)
         except ValueError as exc:
-            raise DataError(f"{where}: {exc}") from None
+            reason = getattr(exc, "reason", None) if not getattr(exc, "fatal", False) else None
+            raise DataError(f"{where}: {exc}", reason) from None
+        except UnicodeEncodeError:
+            raise DataError(f"{where}: the text holds an unpaired surrogate, which is not valid Unicode; fix the "
+                            "\\uXXXX escapes or drop the record.", "invalid_unicode") from None
         return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int64)
 
     def sample(self, sample_id: int, num_ids: int) -> dict:
@@ -389,7 +409,7 @@ class OnlinePackStream:
         a.num_read += chunk.num_read
         a.num_truncated += chunk.num_truncated
         for key, value in chunk.dropped.items():
-            a.dropped[key] += value
+            a.dropped[key] = a.dropped.get(key, 0) + value
 
     def _finish_epoch(self) -> None:
         a = self.accounting

@@ -11,9 +11,9 @@ A plan directory sits under ``<store>/plans/`` and holds (``B`` packs, ``K`` pac
     sample_source.npy   int32 [K]    (data.sources only) source index of each entry (metadata source_names)
     metadata.json                    settings, Megatron-Bridge fields, accounting, sha256 of the arrays
 
-Its name carries the settings and a fingerprint of (store, pack size, pad multiple, algorithm,
-seed, overflow policy, max length), so several plans share one store and re-planning never
-re-tokenizes.
+Its ``metadata.json`` records the manifest (``megatron_pack.data.store.manifest``: every setting that
+shaped the plan), and its name carries the main settings and a fingerprint of (store, manifest), so
+several plans share one store and re-planning never re-tokenizes.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from megatron_pack.data.packing.algorithms import PackingPlan, lower_bound_bins,
 from megatron_pack.data.packing.buckets import assign_buckets, bucket_boundaries, bucket_statistics, plan_buckets
 from megatron_pack.data.packing.mixing import mix_selection
 from megatron_pack.data.packing.rules import select
-from megatron_pack.data.packing.split import split_entries
+from megatron_pack.data.packing.split import piece_loss_mask, split_entries
 from megatron_pack.data.packing.wrapped import wrapped_entries
 from megatron_pack.data.formats.sources import DataError
+from megatron_pack.data.store import manifest as manifests
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
                                                held_out_mask)
 from megatron_pack.data.store.token_store import TokenStore
@@ -89,6 +90,53 @@ def select_samples(store: TokenStore, settings: PlanSettings, include=None) -> S
     return Selection(kept, chosen.num_ids[kept].astype(np.int32), chosen.dropped, chosen.num_truncated)
 
 
+def lost_data(store: TokenStore, settings: PlanSettings, include: np.ndarray, entries: Selection,
+              selected: np.ndarray | None = None) -> dict:
+    """Positions (THD tokens: ``n - 1`` per sample of ``n`` ids) and answer targets of the plan's samples:
+    read, kept in its packs (each once: repeated context and mixing repeats count once), lost to the
+    overflow policy (truncated tails, pieces without an answer, over-long samples dropped) and lost with
+    dropped records (no answer tokens, not selected by the mixture); ``read = kept + both losses``.
+
+    ``selected`` are the samples the overflow policy kept (before mixing; default: those packed): a sample
+    it did not keep is lost to it (or, without targets, a dropped record), one it kept that is not packed
+    was left out by the mixture (a dropped record).
+
+    Example (pack 16, truncate): a sample of 22 ids with targets on its last 11 keeps 17 ids, so 16 of its
+    21 positions and 6 of its 11 targets; 5 positions and 5 targets are lost to the policy."""
+    num_ids, num_targets = store.num_ids().astype(np.int64), np.asarray(store.num_targets, dtype=np.int64)
+    domain = np.flatnonzero(include)
+    starts = entries.starts if entries.starts is not None else np.zeros(len(entries.kept), np.int64)
+    pieces = entries.pieces if entries.pieces is not None else np.zeros(len(entries.kept), np.int32)
+    pairs, first = np.unique(np.stack([entries.kept, starts]), axis=1, return_index=True)
+    sample, start = pairs
+    num, piece = entries.num_ids[first].astype(np.int64), pieces[first]
+    overlap = np.where(piece > 0, settings.split_overlap, 0)
+    kept_tokens = int((num - 1 - overlap).sum())
+    whole = (start == 0) & (num == num_ids[sample])
+    kept_targets = int(num_targets[sample[whole]].sum())
+    for i in np.flatnonzero(~whole):  # truncated samples and pieces: their own slice of the answer mask
+        lo = int(store.offsets[sample[i]] + start[i])
+        mask = piece_loss_mask(store.answer_mask[lo:lo + num[i]], int(piece[i]), settings.split_overlap)
+        kept_targets += int(mask[1:].sum())
+    selected = np.unique(sample) if selected is None else np.unique(selected)
+    by_policy = np.setdiff1d(domain, selected)  # the policy's drops: records without targets are not its
+    by_records = np.concatenate([by_policy[num_targets[by_policy] == 0], np.setdiff1d(selected, sample)])
+    read = (int((num_ids[domain] - 1).sum()), int(num_targets[domain].sum()))
+    lost_records = (int((num_ids[by_records] - 1).sum()), int(num_targets[by_records].sum()))
+    return {"tokens": _kept_and_lost(read[0], kept_tokens, lost_records[0]),
+            "answer_targets": _kept_and_lost(read[1], kept_targets, lost_records[1]),
+            "on_overflow": settings.on_overflow,
+            "num_records_skipped": int((store.metadata.get("bad_records") or {}).get("num_skipped", 0))}
+
+
+def _kept_and_lost(read: int, kept: int, lost_records: int) -> dict:
+    by_policy = read - kept - lost_records
+    if by_policy < 0:
+        raise AssertionError(f"lost-data accounting broken: read {read} < kept {kept} + lost with dropped records "
+                             f"{lost_records}")
+    return {"read": read, "kept": kept, "lost_to_overflow": by_policy, "lost_to_dropped_records": lost_records}
+
+
 def _split_selection(store: TokenStore, settings: PlanSettings, whole: np.ndarray, over: np.ndarray,
                      num_ids: np.ndarray, dropped: dict) -> Selection:
     """Whole samples that fit, plus the pieces (``split.split_entries``) of the over-long ones."""
@@ -143,9 +191,10 @@ def _wrapped_layout(selection: Selection, settings: PlanSettings) -> Layout:
 
 
 def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selection, layout: Layout,
-                  num_held_out: int = 0) -> dict:
+                  num_held_out: int = 0, include: np.ndarray | None = None, selected: np.ndarray | None = None) -> dict:
     """Megatron-Bridge fields, our settings and the accounting of every sample read
-    (``num_held_out``: samples of the store this plan leaves to another, e.g. validation)."""
+    (``num_held_out``: samples of the store this plan leaves to another, e.g. validation; ``include``:
+    the samples this plan was made from, default all) and of their tokens and targets (``lost_data``)."""
     plan, entries = layout.plan, layout.entries
     thd = entries.num_ids.astype(np.int64) - 1
     loads = plan.bin_loads()
@@ -178,20 +227,25 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
                        "num_samples_split": entries.num_split or selection.num_split,
                        "num_packed_entries": len(thd),
                        "num_pieces_without_answer": selection.num_pieces_without_answer,
-                       "num_samples_held_out": num_held_out, "balanced": True},
+                       "num_samples_held_out": num_held_out, "balanced": True,
+                       # bad records data.on_bad_record=skip left out of the store (never tokenized), by reason
+                       "num_records_skipped": int((meta.get("bad_records") or {}).get("num_skipped", 0))},
     }
+    out["lost_data"] = lost_data(store, settings, np.ones(num_read, bool) if include is None else include, entries,
+                                 selected)
     out.update(layout.extra or {})
     return out
 
 
-def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
+def write_plan(store: TokenStore, settings: PlanSettings, manifest: dict) -> Path:
     """Plan ``store`` under ``settings`` into ``<store>/plans/<name>`` (atomically); return the directory.
+    ``manifest`` (``manifest.build_manifest`` of the same config) is recorded and names the plan.
 
     With ``settings.validation_fraction`` > 0 the held-out samples (``held_out_mask``, chosen
     before packing) are packed into their own plan ``<name>/validation`` with the same settings;
     the training plan never holds them, and both metadata files record the split. Nothing is
     written when either plan cannot be made."""
-    target = store.path / "plans" / settings.dirname(store.metadata["fingerprint"])
+    target = store.path / "plans" / manifests.dirname(manifest, store.metadata["fingerprint"])
     held = (held_out_mask(len(store), settings.validation_fraction, settings.validation_seed)
             if settings.validation_fraction else np.zeros(len(store), dtype=bool))
     if settings.validation_fraction and not held.any():
@@ -205,12 +259,13 @@ def write_plan(store: TokenStore, settings: PlanSettings) -> Path:
     with atomic_directory(target, replace=True) as tmp:
         for subdir, arrays in plans:
             (tmp / subdir).mkdir(exist_ok=True)
-            _write_plan_arrays(tmp / subdir, store, settings, *arrays)
+            _write_plan_arrays(tmp / subdir, store, manifest, *arrays)
     return target
 
 
 def _make_plan(store: TokenStore, settings: PlanSettings, include: np.ndarray, split: dict):
     selection = select_samples(store, settings, include)
+    selected = selection.kept  # before mixing: what the overflow policy kept
     if selection.kept.size == 0:
         raise DataError(f"no sample of {store.path} is left to pack (dropped: {selection.dropped}); check "
                         "data.answer_only_loss, data.schema, packing.on_overflow and data.validation_fraction.")
@@ -221,7 +276,8 @@ def _make_plan(store: TokenStore, settings: PlanSettings, include: np.ndarray, s
     if settings.mixture is not None and split.get("role") != "validation":
         selection, mixture = _mix(store, settings, selection)
     layout = lay_out(selection, settings)
-    metadata = plan_metadata(store, settings, selection, layout, num_held_out=int((~include).sum()))
+    metadata = plan_metadata(store, settings, selection, layout, num_held_out=int((~include).sum()), include=include,
+                             selected=selected)
     metadata["split"] = split
     if mixture is not None:
         metadata["mixture"] = mixture
@@ -241,13 +297,12 @@ def _make_plan(store: TokenStore, settings: PlanSettings, include: np.ndarray, s
     return arrays, metadata
 
 
-def _write_plan_arrays(directory: Path, store: TokenStore, settings: PlanSettings, arrays: dict,
-                       metadata: dict) -> None:
+def _write_plan_arrays(directory: Path, store: TokenStore, manifest: dict, arrays: dict, metadata: dict) -> None:
     for name, array in arrays.items():
         np.save(directory / f"{name}.npy", array, allow_pickle=False)
     metadata.update(format=PLAN_FORMAT, format_version=PLAN_FORMAT_VERSION,
-                    store_fingerprint=store.metadata["fingerprint"],
-                    fingerprint=settings.fingerprint(store.metadata["fingerprint"]),
+                    store_fingerprint=store.metadata["fingerprint"], manifest=manifest,
+                    fingerprint=manifests.fingerprint(manifest, store.metadata["fingerprint"]),
                     files={f"{name}.npy": {"sha256": sha256_file(directory / f"{name}.npy"),
                                            "size": (directory / f"{name}.npy").stat().st_size} for name in arrays})
     write_json(directory / "metadata.json", metadata)

@@ -4,28 +4,28 @@ A prepared dataset directory holds a token store (``metadata.json`` with ``forma
 ``megatron_pack.token_store``) and, under ``plans/``, one directory per packing plan (``format``
 ``megatron_pack.packing_plan``). Each ``metadata.json`` lists its array files with size and sha256::
 
-    {"format": "megatron_pack.packing_plan", "format_version": 1, "fingerprint": "9f3c...",
-     "files": {"bin_offsets.npy": {"size": 1096, "sha256": "..."}, ...}, "pack_size": 512, ...}
+    {"format": "megatron_pack.packing_plan", "format_version": 2, "fingerprint": "9f3c...",
+     "files": {"bin_offsets.npy": {"size": 1096, "sha256": "..."}, ...}, "manifest": {...}, "pack_size": 512, ...}
 
-A plan's directory name and fingerprint come from its ``PlanSettings`` (pack size, pad multiple,
-algorithm, seed, overflow policy, max length) and the store's fingerprint, so the writer
-(``megatron_pack.data.prepare``) and the readers (``megatron_pack.data.batches.dataset``,
-``megatron-pack inspect``) agree on one name. Both import this module; it imports neither.
+A plan's directory name and fingerprint come from its manifest (``megatron_pack.data.store.manifest``:
+every setting that shaped it) and the store's fingerprint, so the writer (``megatron_pack.data.prepare``)
+and the readers (``megatron_pack.data.batches.dataset``, ``megatron-pack inspect``) agree on one name.
+``PlanSettings`` is what the packing code runs with. Both import this module; it imports neither.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_pack.config.layout import effective_pack_multiple, effective_pad_multiple
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.atomic import read_json, sha256_file
+from megatron_pack.data.store.manifest import MANIFEST_VERSION
 
 PLAN_FORMAT = "megatron_pack.packing_plan"
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = MANIFEST_VERSION
+"""2: plans carry a manifest (version 1 plans, written before it, are refused with `re-run prepare`)."""
 
 
 @dataclass(frozen=True)
@@ -54,29 +54,10 @@ class PlanSettings:
     """Multiple each pack's token count is padded to by a tail (model.fp8 with the layout:
     ``config.layout.pack_multiple``); 1 or pad_multiple: no tail rule beyond the pad multiple."""
 
-    def fingerprint(self, store_fingerprint: str) -> str:
-        # settings at their defaults are left out, so plans made before they existed keep their names
-        settings = {k: v for k, v in asdict(self).items() if k not in _NEWER_DEFAULTS or v != _NEWER_DEFAULTS[k]}
-        if self.pack_multiple in (1, self.pad_multiple):  # no FP8 rule: the name plans had before it
-            del settings["pack_multiple"]
-        if not self.validation_fraction:  # plans without a held-out share keep their fingerprint
-            del settings["validation_fraction"], settings["validation_seed"]
-        blob = json.dumps({"store": store_fingerprint, **settings, "format_version": PLAN_FORMAT_VERSION},
-                          sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()
-
-    def dirname(self, store_fingerprint: str) -> str:
-        held_out = f"val{self.validation_fraction:g}s{self.validation_seed}_" if self.validation_fraction else ""
-        return (f"pack{self.pack_size}_mult{self.pad_multiple}_{self.algorithm}_seed{self.seed}_"
-                f"{self.on_overflow}_{held_out}{self.fingerprint(store_fingerprint)[:12]}")
-
     @property
     def truncate_to(self) -> int:
         """THD length a truncated sample is cut to: fits the pack after padding."""
         return min(self.max_length, self.pack_size // self.pad_multiple * self.pad_multiple)
-
-
-_NEWER_DEFAULTS = {"split_overlap": 0, "buckets": None, "wrapped_attention": "document", "mixture": None}
 
 
 def plan_settings(cfg) -> PlanSettings:
@@ -105,18 +86,6 @@ def _mixture(sources):
 
 def _buckets(spec):
     return spec if spec is None or spec == "auto" else tuple(int(b) for b in spec)
-
-
-def describe_settings(settings: PlanSettings) -> str:
-    """One line naming every setting, for messages."""
-    text = (f"pack size {settings.pack_size}, pad multiple {settings.pad_multiple}, algorithm {settings.algorithm}, "
-            f"seed {settings.seed}, on_overflow {settings.on_overflow}, max length {settings.max_length}")
-    extras = {k: getattr(settings, k) for k, v in _NEWER_DEFAULTS.items() if getattr(settings, k) != v}
-    held_out = (f", validation fraction {settings.validation_fraction:g} (seed {settings.validation_seed})"
-                if settings.validation_fraction else "")
-    if settings.pack_multiple not in (1, settings.pad_multiple):
-        held_out += f", packs padded to a multiple of {settings.pack_multiple}"
-    return text + "".join(f", {k.replace('_', ' ')} {v}" for k, v in extras.items()) + held_out
 
 
 VALIDATION_DIRNAME = "validation"
@@ -192,8 +161,10 @@ def check_tokenizer(identity: dict, expected, where: str) -> None:
         raise DataError(f"{where} was tokenized with tokenizer {identity.get('name')!r} (vocab {identity.get('vocab_size')}, "
                         f"hash {str(identity.get('vocab_hash'))[:12]}, special ids {identity.get('special_ids')}), but "
                         f"training uses {want.get('name')!r} (vocab {want.get('vocab_size')}, hash "
-                        f"{str(want.get('vocab_hash'))[:12]}, special ids {want.get('special_ids')}); set data.tokenizer to "
-                        "the tokenizer the dataset was prepared with, or re-run `megatron-pack prepare` with this one.")
+                        f"{str(want.get('vocab_hash'))[:12]}, special ids {want.get('special_ids')}; a Hugging Face vocabulary "
+                        "hash covers its chat template, data.chat_template included); set data.tokenizer (and "
+                        "data.chat_template) to what the dataset was prepared with, or leave them unset (train reads "
+                        "them from the dataset), or re-run `megatron-pack prepare` with this one.")
 
 
 def list_plans(dataset_dir: Path) -> list[Path]:

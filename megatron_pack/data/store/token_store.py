@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -69,25 +69,38 @@ class ChunkResult:
     file_index: int
     positions: np.ndarray
     num_blank: int
+    bad: list = field(default_factory=list)
+    """``(where, reason, message)`` of every bad record skipped (``data.on_bad_record=skip``), in file order."""
 
 
 _WORKER: dict = {}
 
 
 def init_worker(tokenizer: str, schema: SampleSchema | tuple, answer_only_loss: bool,
-                chat_template: str | None = None) -> None:
+                chat_template: str | None = None, on_bad_record: str = "error") -> None:
     """Per-process state: each worker builds its own tokenizer from its name (the object is never sent).
     ``schema`` is one ``SampleSchema``, or a tuple of them indexed by the chunk's file (data.sources)."""
     _WORKER.update(tokenizer=build_tokenizer(tokenizer, chat_template), schema=schema,
-                   answer_only_loss=answer_only_loss)
+                   answer_only_loss=answer_only_loss, on_bad_record=on_bad_record)
 
 
-def _records(chunk: Chunk) -> Iterator[tuple[int, dict]]:
+def _records(chunk: Chunk) -> Iterator[tuple[int, dict | DataError]]:
     if chunk.kind == "synthetic":
         seed, start, stop, max_length = chunk.items
         yield from zip(range(start, stop), synthetic_records(seed, start, stop, max_length))
     else:
-        yield from parse_chunk(chunk)
+        yield from parse_chunk(chunk, keep_errors=True)
+
+
+def bad_record(error: Exception, where: str) -> tuple[str, str, bool]:
+    """``(reason, message, fatal)`` of the record at ``where`` (``file: line N``): the one line ``prepare`` prints."""
+    if isinstance(error, DataError):  # read, not parsed: the message already names the file and line
+        return error.reason or "malformed_json", str(error), False
+    if isinstance(error, UnicodeEncodeError):  # JSON "\ud800" escapes decode to text that is not valid Unicode
+        return "invalid_unicode", (f"{where}: the text holds an unpaired surrogate ({error.object[error.start]!r}), "
+                                   "which is not valid Unicode; fix the \\uXXXX escapes (surrogates must come in "
+                                   "pairs) or drop the record."), False
+    return error.reason, f"{where}: {error}.", error.fatal
 
 
 def _encode_one(tok, record: dict, schema: SampleSchema, answer_only: bool):
@@ -99,24 +112,29 @@ def _encode_one(tok, record: dict, schema: SampleSchema, answer_only: bool):
 
 
 def tokenize_chunk(chunk: Chunk) -> ChunkResult:
-    """Tokenize one chunk in a worker; a bad record raises ``DataError`` naming file and line."""
+    """Tokenize one chunk in a worker. A bad record (unreadable or refused, in file order) raises
+    ``DataError`` naming file and line; with ``data.on_bad_record=skip`` it is left out and listed."""
     tok, schema, answer_only = _WORKER["tokenizer"], _WORKER["schema"], _WORKER["answer_only_loss"]
+    skip = _WORKER.get("on_bad_record", "error") == "skip"
     if isinstance(schema, (tuple, list)):  # data.sources: one schema per input file
         schema = schema[chunk.file_index]
-    ids, masks, positions = [], [], []
+    ids, masks, positions, bad = [], [], [], []
     where = "line" if chunk.kind == "jsonl" else "row"
     records = list(_records(chunk))
+    readable = [r for _, r in records if not isinstance(r, DataError)]
     if hasattr(tok, "encode_samples"):  # a batch at once (HF chat: one render + one encode per chunk)
-        results = tok.encode_samples([r for _, r in records], schema, answer_only_loss=answer_only)
+        encoded = iter(tok.encode_samples(readable, schema, answer_only_loss=answer_only))
     else:
-        results = [_encode_one(tok, record, schema, answer_only) for _, record in records]
-    for (position, _), result in zip(records, results):
-        if isinstance(result, RecordError):
-            raise DataError(f"{chunk.path}: {where} {position}: {result}.") from None
-        if isinstance(result, UnicodeEncodeError):  # JSON "\ud800" escapes decode to text that is not valid Unicode
-            raise DataError(f"{chunk.path}: {where} {position}: the text holds an unpaired surrogate "
-                            f"({result.object[result.start]!r}), which is not valid Unicode; fix the \\uXXXX escapes "
-                            "(surrogates must come in pairs) or drop the record.") from None
+        encoded = iter([_encode_one(tok, record, schema, answer_only) for record in readable])
+    for position, record in records:
+        result = record if isinstance(record, DataError) else next(encoded)
+        if isinstance(result, (DataError, RecordError, UnicodeEncodeError)):  # the first bad one in file order
+            place = f"{chunk.path}: {where} {position}"
+            reason, message, fatal = bad_record(result, place)
+            if not skip or fatal:
+                raise DataError(message, reason) from None
+            bad.append((place, reason, message))
+            continue
         sample_ids, mask = result
         ids.append(sample_ids)
         masks.append(mask)
@@ -127,13 +145,14 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     num_targets = np.zeros(0, np.int64)
     if ids:  # loss_mask = answer_mask[1:]: the first id of a sample is never a target
         num_targets = np.add.reduceat(flat_mask, starts, dtype=np.int64) - flat_mask[starts]
-    num_blank = len(chunk.items) - len(positions) if chunk.kind == "jsonl" else 0
+    num_blank = len(chunk.items) - len(positions) - len(bad) if chunk.kind == "jsonl" else 0
     return ChunkResult(np.concatenate(ids) if ids else np.zeros(0, np.int32), flat_mask, num_ids, num_targets,
-                       chunk.file_index, np.array(positions, dtype=np.int64), num_blank)
+                       chunk.file_index, np.array(positions, dtype=np.int64), num_blank, bad)
 
 
 def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSchema, answer_only_loss: bool,
-                    num_workers: int, chat_template: str | None = None) -> Iterator[ChunkResult]:
+                    num_workers: int, chat_template: str | None = None,
+                    on_bad_record: str = "error") -> Iterator[ChunkResult]:
     """Results in input order, from ``num_workers`` processes (inline when it is 1).
 
     Workers are forked where the platform can (Linux): each starts in milliseconds with the
@@ -143,7 +162,7 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
     way, so the parent, which only reads lines and appends arrays, keeps 64 workers busy; at
     most ``2 * num_workers`` chunks are in flight, so memory is flat in the input size.
     """
-    init_worker(tokenizer, schema, answer_only_loss, chat_template)  # build_tokenizer's cache: built once
+    init_worker(tokenizer, schema, answer_only_loss, chat_template, on_bad_record)  # built once (cached), forked
     if num_workers <= 1:
         yield from map(tokenize_chunk, chunks)
         return
@@ -154,7 +173,8 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     try:
         with mp.get_context(method).Pool(num_workers, initializer=init_worker,
-                                         initargs=(tokenizer, schema, answer_only_loss, chat_template)) as pool:
+                                         initargs=(tokenizer, schema, answer_only_loss, chat_template,
+                                                   on_bad_record)) as pool:
             pending: deque = deque()
             for chunk in chunks:
                 pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
@@ -187,6 +207,7 @@ def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, t
         ("source_file", np.int32), ("source_line", np.int64))}
     files["offsets"].append([0])
     num_tokens, num_blank, num_samples = 0, 0, 0
+    bad = BadRecords()
     bar = tqdm(total=total, unit="samples", desc="tokenize", disable=not progress, mininterval=1.0)
     start = time.perf_counter()
     for result in results:
@@ -199,12 +220,35 @@ def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, t
         num_tokens += int(result.num_ids.sum())
         num_samples += len(result.num_ids)
         num_blank += result.num_blank
+        bad.add(result.bad)
         bar.update(len(result.num_ids))
         bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s", refresh=False)
     bar.close()
     for f in files.values():
         f.close()
-    return {"num_samples": num_samples, "num_tokens": num_tokens, "num_blank_lines_skipped": num_blank}
+    return {"num_samples": num_samples, "num_tokens": num_tokens, "num_blank_lines_skipped": num_blank,
+            "bad_records": bad.record()}
+
+
+NUM_BAD_RECORDS_LISTED = 10
+
+
+class BadRecords:
+    """The bad records ``data.on_bad_record=skip`` left out: counts by reason, the first few in file order."""
+
+    def __init__(self):
+        self.by_reason: dict[str, int] = {}
+        self.first: list[dict] = []
+
+    def add(self, bad: Iterable[tuple[str, str, str]]) -> None:
+        for where, reason, message in bad:
+            self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+            if len(self.first) < NUM_BAD_RECORDS_LISTED:
+                self.first.append({"where": where, "reason": reason, "message": message})
+
+    def record(self) -> dict:
+        return {"num_skipped": sum(self.by_reason.values()), "by_reason": dict(sorted(self.by_reason.items())),
+                "first": self.first}
 
 
 def token_dtype_for(vocab_size: int):

@@ -39,19 +39,43 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def save_hf_source(pretrained: str | Path, save_dir: str | Path) -> Path:
-    """Copy config.json, generation_config.json and the tokenizer files of ``pretrained`` into
-    ``save_dir/hf_source`` with ``source.json`` (its path and tensor dtype); returns that folder."""
+def save_hf_source(pretrained: str | Path, save_dir: str | Path, *, tokenizer: Optional[str | Path] = None,
+                   chat_template: Optional[str] = None) -> Path:
+    """Copy config.json, generation_config.json and the tokenizer files of ``pretrained`` (those of
+    ``tokenizer``, the folder the training data was tokenized with, when given) into ``save_dir/hf_source``
+    with ``source.json`` (its path and tensor dtype); ``chat_template`` (the template the data was
+    rendered with, ``data.chat_template``) replaces the tokenizer's. Returns that folder."""
     src, dst = Path(pretrained), Path(save_dir) / HF_SOURCE
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json") + TOKENIZER_FILES:
+    for name in ("config.json", "generation_config.json"):
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
+    tok = Path(tokenizer) if tokenizer is not None and Path(tokenizer).is_dir() else src
+    for name in TOKENIZER_FILES:
+        if (tok / name).is_file():
+            shutil.copyfile(tok / name, dst / name)
+    if chat_template is not None:
+        set_chat_template(dst, chat_template)
     with SafetensorsFolder(src) as folder:
         dtype = folder.dtype(next(iter(folder.weight_map)))
     (dst / SOURCE_JSON).write_text(json.dumps({"pretrained": str(src.resolve()), "dtype": DTYPE_NAMES[dtype]},
                                               indent=2), encoding="utf-8")
     return dst
+
+
+def set_chat_template(folder: str | Path, text: str) -> bool:
+    """Make ``text`` the chat template of the tokenizer in ``folder``: ``tokenizer_config.json``'s
+    ``chat_template`` and ``chat_template.jinja`` (which transformers reads first) both hold it.
+    False (nothing written) when ``folder`` holds no tokenizer_config.json."""
+    folder = Path(folder)
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return False
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = text
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(text, encoding="utf-8")
+    return True
 
 
 def source_dtype(folder: str | Path) -> torch.dtype:

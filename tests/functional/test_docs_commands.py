@@ -1,0 +1,326 @@
+"""Every shell command in README.md and docs/*.md runs (issue 21 item 3), at tiny sizes, from a fresh copy
+of the repository, in the order the documents give them (README first).
+
+The commands are read from the documents' ``bash`` / ``console`` code blocks, so the documents cannot
+drift from what works; an untagged block that holds a command fails the test (tag it), and so does a
+command that no row of ``RULES`` covers, or a row that covers nothing. Two tables say, reviewed, what the
+test changes and why:
+
+* ``STAND_INS``: text replaced in a command before it runs (a tiny tokenizer, model or file for the
+  documents' placeholders, a smaller pack for a 1B model's recipe, two steps instead of fifty).
+* ``RULES``: how each command runs (the first row whose pattern matches it):
+  ``run`` as written (``megatron-pack`` through the console script's function, in this process);
+  ``train``: a training run whose checkpoint a later command reads, run for real in a 2-process torchrun
+  world (tests/functional/_train_cases.py: the train entry torchrun starts; consecutive ones share one
+  world), then the commands that read them (``after``), before the next command of another kind; ``check``: a launch (torchrun, the
+  launch scripts, sbatch) checked as a run of its world size would be (``megatron-pack train --check``,
+  what the launch scripts run before torchrun; the launch scripts themselves run for real in
+  tests/functional/test_launch.py and test_slurm.py); ``cfg``: a GPU-sized recipe printed with
+  ``--cfg job``; ``covered``: run by the test named (checked to exist and to run it); ``synopsis``: a
+  usage line with placeholders, not a command. A command a document repeats from another (the same text)
+  runs once.
+
+``console`` blocks show a command (``$ ...``) and its output: the output lines must appear in what it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _user_path import copy_tree, run_cli, write_jsonl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+SHELL = ("bash", "sh", "shell", "console")
+LOOKS_LIKE_A_COMMAND = re.compile(r"^\s*(\$ |megatron-pack |bash (launch|scripts)/|torchrun |sbatch |python3? -m )")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STAND_INS = [  # (text in a document, what runs instead, why)
+    ("/path/to/hf_tokenizer", "tok", "a local Hugging Face tokenizer: the tiny BPE one (tests/_hf.py) with a chat template"),
+    ("/models/llama3-tokenizer", "tok", "the same tiny tokenizer"),
+    ("/models/llama3", "tok", "the same tiny tokenizer"),
+    ("/models/tok", "tok", "the same tiny tokenizer"),
+    ("/models/Llama-3.2-1B-Instruct", "tiny-model", "a tiny random Llama folder with that tokenizer (tests/_hf.py)"),
+    ("/data/train.jsonl", "train.jsonl", "a small JSONL file written here"),
+    ("/team/configs", "team_configs", "a preset folder written here ($HOME is the work folder)"),
+    ("packing.packed_sequence_size=4096 model.seq_length=4096 parallel=cp2",
+     "packing.packed_sequence_size=256 model.seq_length=256 parallel=cp2", "a 1B model's pack, for the tiny Llama"),
+    ("[export=bridge]", "export=bridge", "the optional argument, run"),
+    (" [verify.checkpoint=runs/x/checkpoints] [verify.attention=thd|pack_causal]", "",
+     "optional arguments left out (no runs/x here; pack_causal is run in tests/functional/test_model_verify.py)"),
+]
+TRAIN_STEPS = ["train.train_iters=2", "train.global_batch_size=2", "checkpoint.save_interval=0"]
+"""Appended to a real training run without its own short schedule (the documents' runs train 50+ steps)."""
+
+WORLD = r"(?P<world>\d+)"
+RULES = [  # (id, pattern, how it runs, why)
+    ("ci-suite", r"^bash scripts/test\.sh$", "covered:.ci/run", "the test suite itself: CI runs it"),
+    ("quickstart-script", r"^bash scripts/quickstart\.sh$",
+     "covered:tests/functional/test_train_resume_quickstart.py::test_quickstart_script_shortened",
+     "50 steps on 2 processes; run there shortened to 3 steps"),
+    ("synopsis", r"^.*(NPROC_PER_NODE|NNODES NODE_RANK)", "synopsis", "a usage line: placeholders, not a command"),
+    ("sbatch-gpu", r"^sbatch (--nodes (?P<nodes>\d+) )?(--gpus-per-node (?P<gpus>\d+) )?launch/slurm\.sbatch (?P<args>.*)$",
+     "check", "a GPU cluster job (default 2 nodes x 8 GPUs): checked for its world size"),
+    ("sbatch-cpu", r"^sbatch --wait --nodes (?P<nodes>\d+) --gpus-per-node=0 --cpus-per-task=(?P<gpus>\d+) "
+                   r"launch/slurm\.sbatch (?P<args>.*)$",
+     "check", "submitted to a real slurmctld by tests/functional/test_slurm.py; checked here"),
+    ("multi-node", r"^bash launch/multi_node\.sh (?P<nodes>\d+) \d+ \S+ (?P<gpus>\d+) (?P<args>.*?)( &)?$", "check",
+     "one node's agent of a multi-node world (both nodes run in tests/functional/test_launch.py): checked"),
+    ("train-for-export", rf"^bash launch/single_node\.sh {WORLD} (?P<args>(model=pretrained|experiment=pretrained_tiny "
+                         r"peft=lora).*)$", "train", "later commands export and verify its checkpoint"),
+    ("torchrun-same-run", rf"^torchrun --nproc-per-node {WORLD} -m megatron_pack\.train "
+                          r"(?P<args>experiment=pretrained_tiny peft=lora)$", "check",
+     "README.md's `bash launch/single_node.sh 2 experiment=pretrained_tiny peft=lora`, trained above into the same "
+     "output folder (torchrun would resume it, finished); checked, and its checkpoint is there"),
+    ("single-node", rf"^bash launch/single_node\.sh {WORLD} (?P<args>.*)$", "check",
+     "a training launch: checked for its world size (trained for real in the tests of each feature)"),
+    ("torchrun", rf"^torchrun (--standalone )?--nproc-per-node {WORLD} -m megatron_pack\.train (?P<args>.*)$", "check",
+     "a training launch: checked for its world size"),
+    ("gpu-verify-torchrun", rf"^torchrun --nproc-per-node {WORLD} -m megatron_pack\.cli\.main (?P<args>verify .*)$",
+     "cfg", "an 8B bfloat16 CUDA recipe at TP=2 x CP=2 (the same verify runs at every layout on a tiny model in "
+            "tests/functional/test_hf_models.py)"),
+    ("gpu-verify", r"^megatron-pack (?P<args>verify experiment=llama3_8b_sft .*)$", "cfg",
+     "an 8B bfloat16 CUDA recipe (train.device=cuda)"),
+    ("gpu-export", r"^megatron-pack (?P<args>export checkpoint=runs/llama3_8b_sft/.*)$", "cfg",
+     "the checkpoint of an 8-GPU run"),
+    ("export-trained", r"^megatron-pack (?P<args>export checkpoint=runs/.*)$", "after",
+     "reads a checkpoint of a run above; docs/peft.md repeats the README's two LoRA exports into the same folders "
+     "(export never overwrites), so a repeat is checked to have run already"),
+    ("verify-trained", r"^megatron-pack (?P<args>verify .*verify\.checkpoint=runs/.*)$", "after",
+     "reads a checkpoint of a run above"),
+    ("config-dir", r"^MEGATRON_PACK_CONFIG_DIR=(?P<env>\S+) megatron-pack (?P<args>.*)$", "run", "as written"),
+    ("megatron-pack", r"^megatron-pack (?P<args>(prepare|inspect|verify|export|train --cfg job) .*)$", "run", "as written"),
+    ("megatron-pack-console", r"^\$ megatron-pack (?P<args>.*)$", "console", "as written; its output is compared"),
+]
+
+
+@dataclass
+class Command:
+    document: str
+    line: int
+    text: str
+    """The command as the document writes it (continuation lines joined, comment dropped)."""
+    expected: list[str] = field(default_factory=list)
+    """console blocks: the output lines shown after it."""
+
+
+def code_blocks(document: str) -> list[tuple[int, str, str]]:
+    """``(line, language, body)`` of every fenced code block."""
+    blocks, text = [], (ROOT / document).read_text(encoding="utf-8")
+    for match in re.finditer(r"^```([\w+-]*)[ \t]*\n(.*?)^```", text, re.S | re.M):
+        blocks.append((text[:match.start()].count("\n") + 1, match.group(1), match.group(2)))
+    return blocks
+
+
+def _strip_comment(line: str) -> str:
+    """The line without its shell comment (a ``#`` after whitespace, outside quotes)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def _shell_lines(body: str) -> list[str]:
+    """Command lines of a bash block: backslash continuations joined, and lines joined while a quote is open
+    (a quoted list written over several lines)."""
+    lines, pending = [], ""
+    for ln in re.sub(r"\\\n\s*", " ", body).splitlines():
+        pending = f"{pending} {ln.strip()}" if pending else _strip_comment(ln.strip())  # no comment inside a quote
+        if pending.count("'") % 2 == 0 and pending.count('"') % 2 == 0:
+            lines.append(pending)
+            pending = ""
+    assert not pending, f"an unclosed quote in {pending!r}"
+    return lines
+
+
+def document_commands() -> list[Command]:
+    """Every command of every shell block, in document order; an untagged block holding one fails."""
+    commands = []
+    for document in DOCUMENTS:
+        for line, language, body in code_blocks(document):
+            if language not in SHELL:
+                offenders = [ln for ln in body.splitlines() if LOOKS_LIKE_A_COMMAND.match(ln)]
+                assert not offenders or language not in ("", "text"), (
+                    f"{document}:{line}: an untagged code block holds commands ({offenders[0]!r}); tag it ```bash "
+                    "(or ```console with $ and its output) so this test runs it")
+                continue
+            if language == "console":
+                for ln in body.splitlines():
+                    if ln.startswith("$ "):
+                        commands.append(Command(document, line, ln.strip()))
+                    elif ln.strip() and commands and commands[-1].document == document:
+                        commands[-1].expected.append(ln.strip())
+                continue
+            for text in _shell_lines(body):
+                if text:
+                    commands.append(Command(document, line, re.sub(r"\s+", " ", text)))
+    return commands
+
+
+def substituted(text: str) -> str:
+    for placeholder, stand_in, _ in STAND_INS:
+        text = text.replace(placeholder, stand_in)
+    return text
+
+
+def rule_for(text: str) -> tuple[str, re.Match, str]:
+    for rule_id, pattern, how, _ in RULES:
+        match = re.match(pattern, text)
+        if match:
+            return rule_id, match, how
+    raise AssertionError(f"no row of RULES covers the command {text!r}; add one (say how it runs and why)")
+
+
+def test_every_command_is_covered_and_every_rule_and_stand_in_is_used():
+    """The tables are reviewed, not silent: each command has its row, each row and stand-in its commands."""
+    commands = document_commands()
+    assert len(commands) > 40 and {c.document for c in commands} >= {"README.md", "docs/data.md", "docs/peft.md"}
+    used = {rule_for(substituted(c.text))[0] for c in commands}
+    assert used == {r[0] for r in RULES}, f"rows that cover no command: {sorted({r[0] for r in RULES} - used)}"
+    texts = " ".join(c.text for c in commands)
+    assert all(placeholder in texts for placeholder, _, _ in STAND_INS), [p for p, _, _ in STAND_INS if p not in texts]
+    for _, _, how, _ in RULES:
+        if how.startswith("covered:"):
+            path, _, name = how.split(":", 1)[1].partition("::")
+            assert (ROOT / path).is_file() and (not name or f"def {name}(" in (ROOT / path).read_text())
+
+
+# ----- the work folder ------------------------------------------------------------------------------
+
+def _stand_in_files(work: Path) -> None:
+    """The files and folders the stand-ins and the recipes name."""
+    import shutil
+
+    from _hf import make_family, save_tokenizer
+
+    save_tokenizer(work / "tok")
+    model = make_family(work, "llama_tied", name="tiny-model")
+    for recipe_path in ("models/tiny-llama", "models/Llama-3.1-8B-Instruct"):  # pretrained_tiny, llama3_8b_sft
+        shutil.copytree(model, work / recipe_path)
+    records = [{"prompt": f"what is {i} plus {i}", "completion": f"{2 * i}"} for i in range(200)]
+    for name in ("train.jsonl", "big.jsonl", "data/sft.jsonl", "code/code.jsonl"):
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(work / name, records)
+    write_jsonl(work / "chat.jsonl", [{"conversations": [{"from": "human", "value": f"hi {i}"},
+                                                         {"from": "gpt", "value": "hello"}]} for i in range(60)])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records[:60]), work / "math.parquet")
+    run = "# @package _global_\ndefaults:\n  - override /model: tiny\ntrain:\n  train_iters: 3\n"
+    (work / "my_configs" / "experiment").mkdir(parents=True)
+    (work / "my_configs" / "experiment" / "my_run.yaml").write_text(run)
+    (work / "my_run.yaml").write_text(run)
+    (work / "team_configs" / "model").mkdir(parents=True)
+    (work / "configs" / "model").mkdir(parents=True)
+    (work / "configs" / "model" / "my_model.yaml").write_text("name: my_model\nnum_layers: 3\n")
+
+
+# ----- running --------------------------------------------------------------------------------------
+
+def _check(work: Path, args: str, world: int) -> tuple[int, str]:
+    return run_cli(work, "train", "--check", *shlex.split(args), env={"WORLD_SIZE": str(world), "RANK": "0"})
+
+
+def _run(work: Path, command: Command, log: list[str], deferred: list, trained: list, *, now: bool = False) -> None:
+    """Run ``command`` by its rule; a training run and what reads its checkpoint wait in ``trained`` /
+    ``deferred`` (``now``: run a deferred one)."""
+    text = substituted(command.text)
+    rule_id, match, how = rule_for(text)
+    how = "run" if now and how == "after" else how
+    if how == "run" and rule_id == "export-trained" and any(line.startswith(f"$ {text}  ") for line in log):
+        log.append(f"[{rule_id}] {text}: ran above (the same command, the same output folder)")
+        return
+    groups = match.groupdict()
+    args = groups.get("args") or ""
+    if how in ("covered", "synopsis") or how.startswith("covered:"):
+        log.append(f"[{rule_id}] {text}: not run here ({how})")
+        return
+    if how == "train":
+        trained.append((f"{command.document}:{command.line}", shlex.split(args)))
+        return
+    if how == "after":
+        deferred.append(command)
+        return
+    if how == "check":
+        world = int(groups.get("world") or 0) or int(groups.get("nodes") or 2) * int(groups.get("gpus") or 8)
+        status, out = _check(work, args, world)
+    elif how == "cfg":
+        command_name, *rest = shlex.split(args)
+        env = {"WORLD_SIZE": groups["world"], "RANK": "0"} if groups.get("world") else None
+        status, out = run_cli(work, command_name, "--cfg", "job", *rest, env=env)
+    elif how == "console":
+        status, out = run_cli(work, *shlex.split(args))
+        missing = [line for line in command.expected if line not in out]
+        assert not missing, f"{command.document}:{command.line}: `{text}` printed\n{out}\nnot\n{missing}"
+        log.append(f"$ {text}  [{rule_id}]\n{out}")
+        return
+    else:  # run
+        env = {"MEGATRON_PACK_CONFIG_DIR": groups["env"].replace("$HOME", str(work))} if groups.get("env") else None
+        status, out = run_cli(work, *shlex.split(args), env=env)
+    log.append(f"$ {text}  [{rule_id}, {how}]\n{out}")
+    assert status == 0, f"{command.document}:{command.line}: `{text}` ({rule_id}) exited {status}:\n{out[-6000:]}"
+
+
+def _train_for_real(work: Path, trained: list, log: list[str]) -> None:
+    cases = [[name, argv if any(a.startswith("experiment=pretrained_tiny") for a in argv) else argv + TRAIN_STEPS]
+             for name, argv in trained]
+    (work / "docs_cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": str(work)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "tests/functional/_train_cases.py", "docs_cases.json"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log.append(f"$ torchrun ... _train_cases.py ({[c[0] for c in cases]})\n{proc.stdout}{proc.stderr}")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
+def test_every_documented_command_runs(tmp_path):
+    work = copy_tree(tmp_path / "megatron_pack", ROOT)
+    _stand_in_files(work)
+    log: list[str] = []
+    trained: list = []
+    deferred: list[Command] = []
+    worlds = 0
+    for command in document_commands():
+        how = rule_for(substituted(command.text))[2]
+        if how not in ("train", "after") and (trained or deferred):  # the runs, then what reads them
+            worlds += _flush(work, trained, deferred, log)
+        _run(work, command, log, deferred, trained)
+    worlds += _flush(work, trained, deferred, log)
+    assert worlds == 2, worlds  # the README's fine-tune (read by its export) and its LoRA run (by 4 commands)
+    text = "\n".join(log)
+    # what the documents promise, seen in what ran
+    assert "verify: 4/4 packs PASS" in text and "packing.pad_seq_to_mult=4 (was null)" in text
+    assert list((work / "data" / "mine" / "plans").glob("*/training_4096.idx.parquet"))  # export=bridge ran
+    assert (work / "exports" / "lora" / "adapter_config.json").is_file()
+    assert (work / "exports" / "llama-sft" / "config.json").is_file()
+    assert (work / "exports" / "roundtrip" / "config.json").is_file()
+    assert (work / "runs" / "pretrained_tiny" / "checkpoints" / "latest").is_file()  # the run peft.md checks
+
+
+def _flush(work: Path, trained: list, deferred: list, log: list[str]) -> int:
+    """Train the queued runs in one torchrun world, then run the deferred commands; the worlds started."""
+    started = 0
+    if trained:
+        _train_for_real(work, trained, log)
+        started = 1
+    for command in deferred:
+        _run(work, command, log, [], [], now=True)
+    trained.clear()
+    deferred.clear()
+    return started

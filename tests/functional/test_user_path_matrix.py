@@ -1,0 +1,170 @@
+"""Every data feature composes on the command line (issue 21 item 2), run as a user types the commands.
+
+The matrix: {plain BFD, length buckets, split with overlap, wrapped (document), mixing of 3 sources}
+x {no validation, ``data.validation_fraction``, ``data.validation=FILE``} x {the tokenizer's chat
+template, ``data.chat_template=FILE``}: 30 cases on a tiny random Llama folder (its own tiny BPE tokenizer
+and template) and chat files, CP=2.
+
+* Cheap steps, every case: ``prepare`` (several plans share a dataset folder: one folder per template
+  and input kind), then ``inspect``, ``verify``, ``train --check`` (world size 2) and ``export`` (a round
+  trip of the model folder) with only ``data.dataset_dir`` and ``data.plan`` (the folders hold several
+  plans), the model, and the layout. Run through the console script's function in this process
+  (tests/_user_path.py), which shares the imports; a refused command fails the test.
+* Training, pairwise: 15 cases cover every pair of factors (the template alternates with strategy +
+  validation), each trained 2 steps with CP=2 on 2 real processes, validated at the end when it has a
+  validation set, all in one torchrun world (``_train_cases.py``: each case is ``megatron-pack train``'s
+  entry, process groups made and destroyed per case). Each checkpoint is then exported and loaded with
+  transformers; its tokenizer carries the template the data was rendered with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _hf import CHAT_TEMPLATE, make_family  # noqa: E402
+from _user_path import CUSTOM_TEMPLATE, chat, ok, write_jsonl  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SOURCES = ("data.sources=[{name: chat, input: a.jsonl, weight: 0.5}, {name: pc, input: b.jsonl, weight: 0.3}, "
+           "{name: share, input: c.jsonl, weight: 0.2, format: sharegpt}]")
+STRATEGIES = {
+    "bfd": ["data.input=train.jsonl", "packing.on_overflow=drop"],
+    "buckets": ["data.input=train.jsonl", "packing.on_overflow=drop", "packing.buckets=[48,96]"],
+    "split": ["data.input=train.jsonl", "packing.on_overflow=split", "packing.split_overlap=8"],
+    "wrapped": ["data.input=train.jsonl", "packing.algorithm=wrapped", "packing.on_overflow=split"],
+    "mixing": [SOURCES, "packing.on_overflow=truncate"],
+}
+VALIDATIONS = {"none": [], "fraction": ["data.validation_fraction=0.2"], "file": ["data.validation=valid.jsonl"]}
+TEMPLATES = {"own": [], "file": ["data.chat_template=custom.jinja"]}
+CASES = [(s, v, t) for s in STRATEGIES for v in VALIDATIONS for t in TEMPLATES]
+TRAINED = [(s, v, list(TEMPLATES)[(i + j) % 2]) for i, s in enumerate(STRATEGIES) for j, v in enumerate(VALIDATIONS)]
+"""15 cases holding every pair of factors: (strategy, validation) all 15, and the template alternating makes
+every (strategy, template) and (validation, template) pair appear."""
+RUN = ["model.pretrained=model", "parallel=cp2"]
+TRAIN = ["train.train_iters=2", "train.global_batch_size=2", "train.lr_warmup_iters=1", "logging.tensorboard=false",
+         "train.device=cpu", "model.attention_backend=torch"]
+
+
+def _id(case) -> str:
+    return "-".join(case)
+
+
+def _dataset(case) -> str:
+    strategy, _, template = case
+    return f"ds_{template}_{'mix' if strategy == 'mixing' else 'single'}"
+
+
+def _write_data(root: Path) -> None:
+    long_chats = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}"},
+                                {"role": "assistant", "content": "the answer is four " * (12 + i % 9)}]}
+                  for i in range(6)]  # longer than a 128-token pack: split, truncated or dropped
+    write_jsonl(root / "train.jsonl", [chat(i, 12, system=i % 4 == 0) for i in range(44)] + long_chats)
+    write_jsonl(root / "a.jsonl", [chat(i, 10) for i in range(30)])
+    write_jsonl(root / "b.jsonl", [{"prompt": f"hello world {i}", "completion": "four " * (1 + i % 7)}
+                                   for i in range(30)])
+    write_jsonl(root / "c.jsonl", [{"conversations": [
+        {"from": "human", "value": "what is two plus two"}, {"from": "gpt", "value": "five", "weight": 0},
+        {"from": "human", "value": f"and {i}?"}, {"from": "gpt", "value": "four " * (1 + i % 5)}]} for i in range(30)])
+    write_jsonl(root / "valid.jsonl", [chat(i, 6) for i in range(12)])
+    (root / "custom.jinja").write_text(CUSTOM_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The model, the files and every case prepared: ``(root, {case: plan name})``."""
+    root = tmp_path_factory.mktemp("user_path")
+    make_family(root, "llama_tied", name="model")
+    _write_data(root)
+    plans = {}
+    for case in CASES:
+        strategy, validation, template = case
+        source = ["data.source=files"] if strategy == "mixing" else ["data=files"]
+        out = ok(root, "prepare", *RUN, *source, *STRATEGIES[strategy], *VALIDATIONS[validation], *TEMPLATES[template],
+                 f"data.dataset_dir={_dataset(case)}", "packing.packed_sequence_size=128", "data.tokenize_workers=1")
+        plans[case] = Path(next(ln for ln in out.splitlines() if ln.startswith("plan:")).split()[1]).name
+    assert len(set(plans.values())) == len(CASES)  # 30 plans, several in each folder
+    return root, plans
+
+
+def _expected_template(template: str) -> str:
+    return CUSTOM_TEMPLATE if template == "file" else CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_every_case_inspects_verifies_checks_and_exports_with_only_its_folder(world, case):
+    from transformers import AutoTokenizer
+
+    root, plans = world
+    strategy, validation, template = case
+    ds, plan = _dataset(case), plans[case]
+    where = [f"data.dataset_dir={ds}", f"data.plan={plan}"]
+    shown = ok(root, "inspect", *where)
+    assert plan in shown and "settings (manifest):" in shown and "kept " in shown
+    manifest = json.loads((root / ds / "plans" / plan / "metadata.json").read_text())["manifest"]
+    assert (manifest["data.chat_template"] or {}).get("text") == (CUSTOM_TEMPLATE if template == "file" else None)
+    assert "1/1 packs PASS" in ok(root, "verify", *where, *RUN[:1], "verify.num_packs=1")
+    check = ok(root, "train", "--check", *where, *RUN, env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert "config ok for 2 rank(s)" in check and plan in check
+    assert ("validation" in check) == (validation != "none")
+    if validation == "file":
+        assert "valid.jsonl" in check
+    out = root / "exports" / f"roundtrip-{_id(case)}"
+    ok(root, "export", *where, *RUN[:1], f"output={out}")
+    assert AutoTokenizer.from_pretrained(out).chat_template == _expected_template(template)
+
+
+def test_pairwise_training_then_export(world, tmp_path):
+    """15 cases trained (CP=2, 2 processes, 2 steps, validation when present), each exported and loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, plans = world
+    cases = [[_id(c), [f"data.dataset_dir={_dataset(c)}", f"data.plan={plans[c]}", *RUN, *TRAIN,
+                       f"train.output_dir=runs/{_id(c)}"]] for c in TRAINED]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("_train_cases.py")), str(tmp_path / "cases.json")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    for case in TRAINED:
+        strategy, validation, template = case
+        run = root / "runs" / _id(case)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2] and all(r["lm_loss"] > 0 for r in records), _id(case)
+        assert (records[-1].get("val_loss") is not None) == (validation != "none"), _id(case)
+        if strategy == "mixing":
+            assert set(records[-1]["source_loss"]) == {"chat", "pc", "share"}
+            assert ("val_source_loss" in records[-1]) == (validation == "fraction")  # one file has no sources
+        assert "context_parallel_size: 2" in (run / "config.yaml").read_text()
+        out = root / "exports" / f"trained-{_id(case)}"
+        ok(root, "export", f"checkpoint=runs/{_id(case)}/checkpoints", f"output={out}")
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        assert tokenizer.chat_template == _expected_template(template), _id(case)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, return_dict=True)
+        logits = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(
+            torch.tensor([ids["input_ids"]])).logits
+        assert torch.isfinite(logits).all()
+    _check_console(log)
+
+
+def _check_console(log: str) -> None:
+    """One summary line per run, no config dump, each warning once and only from rank 0 (one process runs
+    15 trainings, so a warning repeated per run or per rank shows up as a count above 1)."""
+    assert log.count("\nrun runs/") + log.startswith("run runs/") == len(TRAINED)
+    assert "resolved config:\n" not in log and "\nmodel:\n" not in log
+    warned = [ln for ln in log.splitlines() if "Warning: " in ln]
+    assert warned and all(warned.count(ln) == 1 for ln in warned), warned  # the TE/Apex notices at least
+    assert sum("Apex is not installed" in ln for ln in warned) == 1
+    assert "[rank 1]" not in log
+    steps = [ln for ln in log.splitlines() if " | loss " in ln]
+    assert len(steps) == 2 * len(TRAINED) and max(len(ln.split(" INFO ", 1)[-1]) for ln in steps) <= 160
