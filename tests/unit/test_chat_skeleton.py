@@ -1,9 +1,9 @@
 """Chat templates as fixed patterns, and the batched chat paths built on them, against code we did
 not write: transformers' ``render_jinja_template`` (text and generation spans) and
 ``apply_chat_template`` (ids and masks, directly for marked templates, through the per-record
-prefix rule for unmarked ones), on every record kind: system prompts, multi-turn, empty turns,
-content parts, tool turns, contents that look like template text, each template style, and two
-tokenizer kinds (byte-level BPE, SentencePiece-style BPE with byte fallback) built offline."""
+prefix rule for unmarked ones), on every record kind: system prompts, multi-turn, empty turns (bad
+records since issue 21: refused alike by both paths), content parts, tool turns, contents that look like
+template text, each template style, and two tokenizer kinds (byte-level BPE, SentencePiece-style BPE with byte fallback) built offline."""
 
 from __future__ import annotations
 
@@ -180,13 +180,27 @@ def test_skeleton_render_equals_transformers(tokenizers_, case):
     tok = build_tokenizer(tokenizers_[case]).tok
     renderer = renderer_for(tok)
     assert renderer.shape.fixed  # guard: the pattern path, not Jinja, is under test
-    num_spans = 0
+    num_spans, num_refused = 0, 0
     for record in records(40, seed=1):
-        messages, _ = chat_messages(record, AUTO)
+        messages = _conversation(record)
+        if messages is None:  # an empty user or assistant turn: a bad record, never rendered
+            num_refused += 1
+            continue
         for gen in (False, True):
             assert renderer.render(messages, gen) == _render_reference(tok, messages, gen)
         num_spans += len(renderer.render(messages)[1])
     assert num_spans > 40 and any(s is not None for s in renderer._skeletons.values())
+    assert 0 < num_refused < 20  # guard: both kinds were met
+
+
+def _conversation(record: dict) -> list[dict] | None:
+    """The record's messages, or None when it is a bad record for an empty turn (data.on_bad_record's
+    ``turn_without_content``: only a system prompt may be empty)."""
+    try:
+        return chat_messages(record, AUTO)[0]
+    except RecordError as exc:
+        assert exc.reason == "turn_without_content", exc
+        return None
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -198,9 +212,9 @@ def test_batched_ids_and_masks_equal_per_record(tokenizers_, case):
 
     tok = build_tokenizer(tokenizers_[case])
     batch = records(50, seed=2)
-    conversations = [chat_messages(r, AUTO)[0] for r in batch]
+    conversations = [_conversation(r) for r in batch]
     if not case[2]:
-        fast = fast_chat.encode_by_prefixes(tok.tok, conversations)
+        fast = fast_chat.encode_by_prefixes(tok.tok, [c for c in conversations if c is not None])
         accepted = sum(not isinstance(tok._encode_or_error(r, AUTO, True), RecordError) for r in batch)
         assert accepted >= 15 and sum(f is not None for f in fast) >= accepted - 2  # guard: the batch rule decides
         assert fast_chat.space_cuts(tok.tok) == (case[0] == "sentencepiece")

@@ -60,7 +60,7 @@ def _write_input(path: Path, lengths: list[tuple[int, int]], chat_every: int) ->
     lines = []
     for i, (num_prompt, num_completion) in enumerate(lengths):
         prompt, completion = "p" * num_prompt, "".join(chr(97 + (i + k) % 26) for k in range(num_completion))
-        if i % chat_every == 0 and num_prompt:
+        if i % chat_every == 0 and num_prompt and num_completion:  # an empty turn is a bad record (test_bad_records)
             record = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]}
         else:
             record = {"prompt": prompt, "completion": completion}
