@@ -73,7 +73,9 @@ def main(argv: list[str]) -> int:
             return print_resolved(cfg)
         check_prepare(cfg)  # the tokenizer and model folders, one line each, before anything is read
         plan_dir = unchanged_plan(cfg) if world_size == 1 else None  # proved unchanged: no tokenizer is built
-        if plan_dir is None:
+        if plan_dir is not None:  # what the run that wrote it warned, said again
+            _warn_lost(Path(cfg.data.dataset_dir), plan_dir)
+        else:
             from megatron_pack.data.prepare import prepare
 
             barrier = _barrier() if world_size > 1 else None
@@ -88,6 +90,15 @@ def main(argv: list[str]) -> int:
         print("\n".join(summary_lines(cfg, plan_dir, read_json(Path(cfg.data.dataset_dir) / "metadata.json"),
                                        read_json(plan_dir / "metadata.json"))))
     return 0
+
+
+def _warn_lost(dataset_dir: Path, plan_dir: Path) -> None:
+    from megatron_pack.data.packing.report import plan_lost_warning
+    from megatron_pack.data.store.atomic import read_json
+
+    warning = plan_lost_warning(read_json(dataset_dir / "metadata.json"), read_json(plan_dir / "metadata.json"))
+    if warning:
+        logging.getLogger("megatron_pack.data.prepare").warning(warning)
 
 
 def bad_record_lines(store_meta: dict) -> list[str]:

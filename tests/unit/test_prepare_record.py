@@ -88,3 +88,50 @@ def test_tokenizer_files_are_hashed_weights_are_not(tmp_path):
     assert inputs_key(cfg) == before
     (folder / "tokenizer.json").write_text('{"changed": 1}')
     assert inputs_key(cfg) != before
+
+
+def _sources(weight_a: float) -> str:
+    return (f"data.sources=[{{name: a, input: a.jsonl, weight: {weight_a}}}, "
+            f"{{name: b, input: b.jsonl, weight: {round(1 - weight_a, 2)}}}]")
+
+
+def test_what_issue_21_records_is_in_the_record(tmp_path, monkeypatch, caplog):
+    """The settings a plan's manifest records since issue 21 (data.sources, data.on_bad_record, a source file's
+    contents): the same command is a no-op, each change runs the full prepare."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{name}{i}", "completion": "x"}) + "\n"
+                                                        for i in range(20)) + "{bad\n")
+    args = ["data.source=files", "tokenizer=byte", "output=ds", "packing.packed_sequence_size=128",
+            "data.tokenize_workers=1", "data.on_bad_record=skip"]
+    assert prepare_main(args + [_sources(0.5)]) == 0
+    caplog.set_level(logging.INFO)
+    calls = _built_tokenizer(monkeypatch)
+    assert prepare_main(args + [_sources(0.5)]) == 0 and calls == [] and "nothing changed" in caplog.text
+    runs = [(args + [_sources(0.7)], 0),  # a source's weight
+            ([*args[:-1], "data.on_bad_record=error", _sources(0.5)], 2)]  # the policy (error: the bad line stops it)
+    for changed, expected in runs:
+        caplog.clear()
+        assert prepare_main(changed) == expected
+        assert calls and "nothing changed" not in caplog.text, changed
+        calls.clear()
+    (tmp_path / "b.jsonl").write_text((tmp_path / "b.jsonl").read_text() + json.dumps({"prompt": "new", "completion": "y"}) + "\n")
+    caplog.clear()
+    assert prepare_main(args + [_sources(0.7)]) == 0 and calls and "nothing changed" not in caplog.text
+
+
+def test_a_no_op_prepare_warns_of_lost_data_again(tmp_path, monkeypatch, caplog):
+    """The >5% lost answer targets warning is said by the no-op run too (read from the metadata, no arrays)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"prompt": "q" * 20, "completion": "a" * 30}) + "\n"
+                                              for _ in range(10)))
+    args = ["input=t.jsonl", "tokenizer=byte", "output=ds", "packing.packed_sequence_size=32",
+            "packing.on_overflow=truncate", "data.tokenize_workers=1"]
+    caplog.set_level(logging.INFO)
+    assert prepare_main(args) == 0
+    first = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "answer targets" in r.getMessage()]
+    caplog.clear()
+    calls = _built_tokenizer(monkeypatch)
+    assert prepare_main(args) == 0 and calls == [] and "nothing changed" in caplog.text
+    again = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "answer targets" in r.getMessage()]
+    assert len(first) == 1 and again == first and "packing.on_overflow=split" in first[0]
