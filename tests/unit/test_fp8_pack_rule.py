@@ -224,7 +224,10 @@ def test_a_bf16_plan_is_refused_for_an_fp8_run_and_the_fix_works(bf16_plan):
     batch = make_collate_fn(run.dataset.metadata, pack_multiple=effective_pack_multiple(run.cfg))(run.dataset[0])
     assert batch["tokens"].shape[1] % 32 == 0
     bf16_run = load_run_config([f"data.dataset_dir={target}", "parallel=cp2"], world_size=2)
-    assert bf16_run.dataset.plan_dir == bf16  # both fit a bf16 run; the one its config describes is taken
+    assert bf16_run.dataset.plan_dir == bf16  # both fit a bf16 run; the one padded as it needs is taken
+    assert bf16_run.cfg.model.fp8 == "none"  # a plan's recipe is never taken from the dataset
+    manifests = {p: read_json(p / "metadata.json")["manifest"]["model.fp8"] for p in (bf16, fp8)}
+    assert manifests == {bf16: {"recipe": "none", "pack_multiple": 4}, fp8: {"recipe": "delayed", "pack_multiple": 32}}
 
 
 def test_train_check_refuses_fp8_on_cpu_in_one_line(bf16_plan):
