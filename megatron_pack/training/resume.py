@@ -51,11 +51,11 @@ def planned_train_iters(cfg: Config, dataset, world_size: int) -> int:
     """The run's steps (``resolve_train_iters``) for the opened ``dataset`` on ``world_size`` ranks,
     counted before any process group starts, so ``train.num_epochs`` is refused (``ConfigError``,
     one line) before ``build_trainer``. Online packing has ``train.train_iters`` (validate())."""
+    if cfg.train.train_iters is not None:  # before the loader's import: `train --check` imports no torch
+        return cfg.train.train_iters
     from megatron_pack.data.batches import loader as loader_lib
     from megatron_pack.parallel.dims import ParallelDims
 
-    if cfg.train.train_iters is not None:
-        return cfg.train.train_iters
     dp_size = ParallelDims.from_config(cfg, world_size).dp
     return resolve_train_iters(cfg, loader_lib.step_planner(cfg, dataset, dp_size))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -51,6 +52,22 @@ def test_help_and_version_do_not_import_torch():
             "assert all(main([c, '--help']) == 0 for c in ('train', 'prepare', 'inspect', 'export', 'verify')) and main(['--version']) == 0; "
             "assert 'torch' not in sys.modules, 'help imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def test_train_check_does_not_import_torch(tmp_path):
+    """What the launch scripts run before torchrun stays fast (docs/benchmarks.md, start-up): on a prepared dataset,
+    with a fixed step count, `train --check` opens the plan and its validation without torch."""
+    from megatron_pack.cli.main import main as cli
+
+    data = [f"data.dataset_dir={tmp_path / 'ds'}", "data.synthetic_num_samples=60", "packing.packed_sequence_size=128",
+            "model.seq_length=128", "data.validation_fraction=0.2"]
+    assert cli(["prepare", *data]) == 0
+    code = ("import sys; from megatron_pack.cli.main import main; "
+            f"assert main(['train', '--check', 'model=tiny', 'train.train_iters=2', *{data!r}]) == 0; "
+            "assert 'torch' not in sys.modules, 'train --check imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "WORLD_SIZE": "1"})
+    assert out.returncode == 0 and "config ok for 1 rank(s)" in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["train", "--version"], ["prepare", "--version"]])
