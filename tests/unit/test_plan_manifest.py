@@ -125,6 +125,22 @@ def test_several_plans_are_listed_with_the_keys_that_tell_them_apart(work, tmp_p
     ok(work, "train", "--check", f"data.dataset_dir={ds}", "packing.seed=3")
 
 
+def test_a_plan_folder_without_a_readable_manifest_is_listed_not_a_crash(work, tmp_path):
+    """A folder under plans/ whose metadata.json does not parse stands beside a good plan: the message lists both
+    (its rows as null), one line, no traceback; naming the good plan trains."""
+    from megatron_pack.data.store.manifest import ENTRIES
+
+    assert all(e.text(None) == f"{e.key}=null" for e in ENTRIES)  # every row prints a missing value
+    ds = tmp_path / "ds"
+    ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=a.jsonl")
+    (good,) = plan_names(ds)
+    (ds / "plans" / "pack128_broken").mkdir()
+    (ds / "plans" / "pack128_broken" / "metadata.json").write_text("{not json")
+    out = refused(work, "train", "--check", f"data.dataset_dir={ds}")
+    assert good in out and "pack128_broken" in out and "data.plan=" in out and len(out.strip().splitlines()) == 1
+    ok(work, "train", "--check", f"data.dataset_dir={ds}", f"data.plan={good}")
+
+
 def test_a_plan_is_damaged_only_when_its_checksums_fail(work, tmp_path):
     ds = tmp_path / "ds"
     ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=a.jsonl")

@@ -102,7 +102,8 @@ class Entry:
         return self.applies(recorded, manifest) if self.applies is not None else {self.key: recorded}
 
     def text(self, recorded: Any) -> str:
-        return f"{self.key}={self.show(recorded) if self.show is not None else override_value(recorded)}"
+        shown = self.show(recorded) if self.show is not None and recorded is not None else override_value(recorded)
+        return f"{self.key}={shown}"
 
 
 def same(a: Any, b: Any) -> bool:
