@@ -17,8 +17,14 @@ test changes and why:
   what the launch scripts run before torchrun; the launch scripts themselves run for real in
   tests/functional/test_launch.py and test_slurm.py); ``cfg``: a GPU-sized recipe printed with
   ``--cfg job``; ``covered``: run by the test named (checked to exist and to run it); ``synopsis``: a
-  usage line with placeholders, not a command. A command a document repeats from another (the same text)
-  runs once.
+  usage line with placeholders, not a command; ``bench``: a benchmark, run for real with the interpreter
+  running the tests (``.venv/bin/python`` of the documents) at the stand-in size; ``flags``: a benchmark that
+  needs packages CI never installs, its command line checked against the script's ``--help``; ``network``: a
+  script that downloads from PyPI (CI must not depend on downloads), checked to parse (``bash -n``);
+  ``history``: a command that needs the repository's git history, which the fresh copy has none of. A
+  command a document repeats from another (the same text) runs once.
+
+A command in an indented (four-space) code block fails the test too: fence it, so it is run.
 
 ``console`` blocks show a command (``$ ...``) and its output: the output lines must appear in what it prints.
 """
@@ -42,7 +48,9 @@ from _user_path import copy_tree, run_cli, write_jsonl  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 SHELL = ("bash", "sh", "shell", "console")
-LOOKS_LIKE_A_COMMAND = re.compile(r"^\s*(\$ |megatron-pack |bash (launch|scripts)/|torchrun |sbatch |python3? -m )")
+LOOKS_LIKE_A_COMMAND = re.compile(r"^\s*(\$ |megatron-pack (?!\w+: )|bash (launch|scripts|tests)/|torchrun |sbatch |"
+                                  r"(python3?|\.venv/bin/python) (-m |bench/))")
+"""A line of a command; ``megatron-pack train: stopped by ...`` (a command's own message, shown as output) is not."""
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STAND_INS = [  # (text in a document, what runs instead, why)
@@ -52,13 +60,21 @@ STAND_INS = [  # (text in a document, what runs instead, why)
     ("/models/tok", "tok", "the same tiny tokenizer"),
     ("/models/Llama-3.2-1B-Instruct", "tiny-model", "a tiny random Llama folder with that tokenizer (tests/_hf.py)"),
     ("/data/train.jsonl", "train.jsonl", "a small JSONL file written here"),
-    ("/team/configs", "team_configs", "a preset folder written here ($HOME is the work folder)"),
+    ("/team/configs", "team_configs", "a preset folder written here ($HOME is home/ in the work folder: the copy's "
+                                      "own configs/ are the shipped presets)"),
     ("packing.packed_sequence_size=4096 model.seq_length=4096 parallel=cp2",
      "packing.packed_sequence_size=256 model.seq_length=256 parallel=cp2", "a 1B model's pack, for the tiny Llama"),
     ("[export=bridge]", "export=bridge", "the optional argument, run"),
+    ("--repeats 4 --compare /tmp/before", "--repeats 1 --workdir startup_work",
+     "one round of the start-up benchmark, without a past commit's tree to compare (the bench-baseline-tree row), "
+     "its files in the work folder"),
+    ("--gigabytes 1 --repeats 3", "--gigabytes 0.25 --repeats 1",
+     "the smallest state bench/checkpoint_manifest.py writes (two 128 MB tensors), one round"),
     (" [verify.checkpoint=runs/x/checkpoints] [verify.attention=thd|pack_causal]", "",
      "optional arguments left out (no runs/x here; pack_causal is run in tests/functional/test_model_verify.py)"),
 ]
+HOME = "home"
+"""What ``$HOME`` stands for, under the work folder (whose configs/ is the repository's, the shipped presets)."""
 TRAIN_STEPS = ["train.train_iters=2", "train.global_batch_size=2", "checkpoint.save_interval=0"]
 """Appended to a real training run without its own short schedule (the documents' runs train 50+ steps)."""
 
@@ -71,9 +87,10 @@ RULES = [  # (id, pattern, how it runs, why)
     ("synopsis", r"^.*(NPROC_PER_NODE|NNODES NODE_RANK)", "synopsis", "a usage line: placeholders, not a command"),
     ("sbatch-gpu", r"^sbatch (--nodes (?P<nodes>\d+) )?(--gpus-per-node (?P<gpus>\d+) )?launch/slurm\.sbatch (?P<args>.*)$",
      "check", "a GPU cluster job (default 2 nodes x 8 GPUs): checked for its world size"),
-    ("sbatch-cpu", r"^sbatch --wait --nodes (?P<nodes>\d+) --gpus-per-node=0 --cpus-per-task=(?P<gpus>\d+) "
-                   r"launch/slurm\.sbatch (?P<args>.*)$",
-     "check", "submitted to a real slurmctld by tests/functional/test_slurm.py; checked here"),
+    ("sbatch-cpu", r"^sbatch (--signal=USR1@\d+ )?--wait --nodes (?P<nodes>\d+) --gpus-per-node=0 "
+                   r"--cpus-per-task=(?P<gpus>\d+) launch/slurm\.sbatch (?P<args>.*)$",
+     "check", "submitted to a real slurmctld by tests/functional/test_slurm.py (the --signal=USR1@120 one too, "
+              "signalled there); checked here"),
     ("multi-node", r"^bash launch/multi_node\.sh (?P<nodes>\d+) \d+ \S+ (?P<gpus>\d+) (?P<args>.*?)( &)?$", "check",
      "one node's agent of a multi-node world (both nodes run in tests/functional/test_launch.py): checked"),
     ("train-for-export", rf"^bash launch/single_node\.sh {WORLD} (?P<args>(model=pretrained|experiment=pretrained_tiny "
@@ -101,6 +118,20 @@ RULES = [  # (id, pattern, how it runs, why)
     ("config-dir", r"^MEGATRON_PACK_CONFIG_DIR=(?P<env>\S+) megatron-pack (?P<args>.*)$", "run", "as written"),
     ("megatron-pack", r"^megatron-pack (?P<args>(prepare|inspect|verify|export|train --cfg job) .*)$", "run", "as written"),
     ("megatron-pack-console", r"^\$ megatron-pack (?P<args>.*)$", "console", "as written; its output is compared"),
+    ("gpu-checks", r"^bash tests/gpu/run\.sh$",
+     "covered:tests/unit/test_gpu_run_script.py::test_run_sh_on_cpu_skips_every_check_and_exits_0",
+     "the GPU checks: on a CPU every one is skipped with its reason and the script exits 0, as CI runs it there"),
+    ("gpu-wheels", r"^bash (?P<args>tests/gpu/download_wheels\.sh)$", "network",
+     "downloads megatron-core and Hydra wheels from PyPI for a GPU machine without network; CI must not depend "
+     "on a download, so only its syntax is checked here (run where a GPU is lent: tests/gpu/run.sh installs them)"),
+    ("bench-baseline-tree", r"^mkdir -p /tmp/before && git archive \w+ \| tar -x -C /tmp/before$", "history",
+     "exports a past commit (git archive) for bench/startup.py --compare; the fresh copy has no git history, so "
+     "the start-up benchmark below runs without --compare"),
+    ("bench-real", r"^\.venv/bin/python (?P<args>bench/prepare\.py --real .*)$", "flags",
+     "needs the bench extra (pip install -e '.[bench]': trl, datasets, mistral-common from PyPI, never in CI) "
+     "and minutes a round: its command line is checked against the script's --help"),
+    ("bench", r"^\.venv/bin/python (?P<args>bench/\S+\.py.*)$", "bench",
+     "a benchmark, run for real (one round, the stand-in size) with the interpreter running the tests"),
 ]
 
 
@@ -148,10 +179,25 @@ def _shell_lines(body: str) -> list[str]:
     return lines
 
 
+def _indented_commands(document: str) -> list[str]:
+    """Command lines of indented (four-space) code blocks, outside fenced blocks: they must be fenced."""
+    found, fenced, blank = [], False, True
+    for line in (ROOT / document).read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("    ") and LOOKS_LIKE_A_COMMAND.match(line) and blank:
+            found.append(line.strip())
+        blank = not line.strip() or (blank and line.startswith("    "))
+    return found
+
+
 def document_commands() -> list[Command]:
-    """Every command of every shell block, in document order; an untagged block holding one fails."""
+    """Every command of every shell block, in document order; an untagged or indented block holding one fails."""
     commands = []
     for document in DOCUMENTS:
+        indented = _indented_commands(document)
+        assert not indented, (f"{document}: an indented code block holds a command ({indented[0]!r}); fence it "
+                              "with ```bash so this test runs it")
         for line, language, body in code_blocks(document):
             if language not in SHELL:
                 offenders = [ln for ln in body.splitlines() if LOOKS_LIKE_A_COMMAND.match(ln)]
@@ -227,8 +273,8 @@ def _stand_in_files(work: Path) -> None:
     (work / "my_configs" / "experiment" / "my_run.yaml").write_text(run)
     (work / "my_run.yaml").write_text(run)
     (work / "team_configs" / "model").mkdir(parents=True)
-    (work / "configs" / "model").mkdir(parents=True)
-    (work / "configs" / "model" / "my_model.yaml").write_text("name: my_model\nnum_layers: 3\n")
+    (work / HOME / "configs" / "model").mkdir(parents=True)
+    (work / HOME / "configs" / "model" / "my_model.yaml").write_text("name: my_model\nnum_layers: 3\n")
 
 
 # ----- running --------------------------------------------------------------------------------------
@@ -248,7 +294,7 @@ def _run(work: Path, command: Command, log: list[str], deferred: list, trained: 
         return
     groups = match.groupdict()
     args = groups.get("args") or ""
-    if how in ("covered", "synopsis") or how.startswith("covered:"):
+    if how in ("covered", "synopsis", "history") or how.startswith("covered:"):
         log.append(f"[{rule_id}] {text}: not run here ({how})")
         return
     if how == "train":
@@ -264,6 +310,12 @@ def _run(work: Path, command: Command, log: list[str], deferred: list, trained: 
         command_name, *rest = shlex.split(args)
         env = {"WORLD_SIZE": groups["world"], "RANK": "0"} if groups.get("world") else None
         status, out = run_cli(work, command_name, "--cfg", "job", *rest, env=env)
+    elif how == "network":  # a download: parsed, never run (CI depends on no download)
+        status, out = _process(work, ["bash", "-n", *shlex.split(args)])
+    elif how == "bench":
+        status, out = _process(work, [sys.executable, *shlex.split(args)], timeout=300)
+    elif how == "flags":
+        status, out = _bench_flags(work, shlex.split(args))
     elif how == "console":
         status, out = run_cli(work, *shlex.split(args))
         missing = [line for line in command.expected if line not in out]
@@ -271,10 +323,29 @@ def _run(work: Path, command: Command, log: list[str], deferred: list, trained: 
         log.append(f"$ {text}  [{rule_id}]\n{out}")
         return
     else:  # run
-        env = {"MEGATRON_PACK_CONFIG_DIR": groups["env"].replace("$HOME", str(work))} if groups.get("env") else None
+        env = {"MEGATRON_PACK_CONFIG_DIR": groups["env"].replace("$HOME", str(work / HOME))} if groups.get("env") else None
         status, out = run_cli(work, *shlex.split(args), env=env)
     log.append(f"$ {text}  [{rule_id}, {how}]\n{out}")
     assert status == 0, f"{command.document}:{command.line}: `{text}` ({rule_id}) exited {status}:\n{out[-6000:]}"
+
+
+def _process(work: Path, argv: list[str], *, timeout: float = 120) -> tuple[int, str]:
+    """A command in its own process, from the work folder (the fresh copy), with its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": str(work), "PYTHON": sys.executable}
+    proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _bench_flags(work: Path, argv: list[str]) -> tuple[int, str]:
+    """``SCRIPT --help`` after the options the script dispatches on (``"--real" in sys.argv``): exit 0, and
+    every other option of the command listed in that help."""
+    script, options = argv[0], [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")]
+    source = (work / script).read_text(encoding="utf-8")
+    dispatch = [o for o in options if f'"{o}" in sys.argv' in source]
+    status, out = _process(work, [sys.executable, script, *dispatch, "--help"])
+    missing = [o for o in options if o not in dispatch and o not in out]
+    assert dispatch and not missing, f"{' '.join(argv)}: options {missing} are not in its --help:\n{out}"
+    return status, out
 
 
 def _train_for_real(work: Path, trained: list, log: list[str]) -> None:
