@@ -92,6 +92,34 @@ def test_skip_lists_the_first_ten_and_counts_all(tmp_path):
     assert plan["accounting"]["num_records_skipped"] == 13  # read = packed + dropped, and the skipped beside them
 
 
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_forked_workers_keep_the_policy_and_the_file_order(tmp_path, policy):
+    """Two forked tokenize workers (chunks of 512 lines) decide as one process does: skip gives the same store and
+    the same bad records in file order; error names the first bad line although a later chunk also holds one."""
+    lines = [GOOD] * 1200
+    for i, at in enumerate((70, 600, 1100)):  # one bad record in each of the three chunks
+        lines[at] = REASONS[3 * i][1]
+    write_jsonl(tmp_path / "t.jsonl", lines)
+    stores = {}
+    for workers in (1, 2):
+        args = ["prepare", "data=files", "data.input=t.jsonl", "packing.packed_sequence_size=64", "data.schema=chat",
+                f"data.tokenize_workers={workers}", f"data.dataset_dir=ds{workers}", f"data.on_bad_record={policy}"]
+        if policy == "error":
+            out = refused(tmp_path, *args)
+            assert "t.jsonl: line 71:" in out and "line 601" not in out and "line 1101" not in out
+            continue
+        ok(tmp_path, *args)
+        meta = json.loads((tmp_path / f"ds{workers}" / "metadata.json").read_text())
+        assert meta["num_tokenize_workers"] == workers
+        stores[workers] = (meta["bad_records"], np.load(tmp_path / f"ds{workers}" / "tokens.npy"),
+                           np.load(tmp_path / f"ds{workers}" / "source_line.npy"))
+    if policy == "skip":
+        (bad, tokens, where), (bad2, tokens2, where2) = stores[1], stores[2]
+        assert bad == bad2 and bad["num_skipped"] == 3 and [b["where"].rsplit(" ", 1)[1] for b in bad["first"]] == [
+            "71", "601", "1101"]
+        assert np.array_equal(tokens, tokens2) and np.array_equal(where, where2) and len(where) == 1197
+
+
 def test_skip_is_part_of_the_store_identity(tmp_path):
     """A store made with skip holds fewer samples than the file: it must not be reused as the error policy's."""
     from megatron_pack.config import load_config
