@@ -31,9 +31,10 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "rope_original_max_position_embeddings")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
 
-SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv")
+SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts")
 """Names a rule's ``shape`` may use: hidden size, FFN size, vocabulary, head dim, all query heads
-(heads x head dim) and all key/value heads (groups x head dim); ``transforms.Dims.size`` resolves them."""
+(heads x head dim), all key/value heads (groups x head dim) and the experts of a MoE layer (a
+router's rows); ``transforms.Dims.size`` resolves them."""
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ class Dims:
     def size(self, name: str) -> int:
         """A size a rule's ``shape`` names (``record.SHAPE_SIZES``)."""
         sizes = {"hidden": self.hidden, "ffn": self.ffn, "vocab": self.vocab, "head_dim": self.head_dim,
-                 "q": self.num_heads * self.head_dim, "kv": self.num_groups * self.head_dim}
+                 "q": self.num_heads * self.head_dim, "kv": self.num_groups * self.head_dim,
+                 "experts": self.num_experts or None}
         if sizes.get(name) is None:
             raise ValueError(f"Dims has no size {name!r} (set {name} for the shapes config.json implies).")
         return sizes[name]
