@@ -164,7 +164,8 @@ def test_a_family_defined_outside_the_package_loads_and_exports(toy, tmp_path):
     assert pretrained_model_keys(tmp_path / "toy") == pretrained_model_keys(llama)
     cfg = apply_pretrained(Config(model=ModelConfig(pretrained=str(tmp_path / "toy"), attention_backend="torch")), [])
     for tp in (1, 2):
-        ours, reference = shards_from_pretrained(tmp_path / "toy", cfg.model, tp), shards_from_pretrained(llama, cfg.model, tp)
+        ours = shards_from_pretrained(tmp_path / "toy", cfg.model, tp)
+        reference = shards_from_pretrained(llama, cfg.model, tp)
         assert [sorted(s) for s in ours] == [sorted(s) for s in reference]
         assert all(torch.equal(a[n], b[n]) for a, b in zip(ours, reference) for n in a)
         exported = hf_tensors(ours, "toy", cfg.model)

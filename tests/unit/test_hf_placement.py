@@ -173,7 +173,8 @@ TOY_MOE = Family(
     model_type="toy_moe", summary="a synthetic MoE record (tests only)", architectures=("ToyMoeForCausalLM",),
     rules=(Rule("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), "replicated",
                 ("experts", "hidden")),
-           Rule(_X + "linear_fc1.weight", (_H + "gate_proj.weight", _H + "up_proj.weight"), "gate_up", ("ffn", "hidden")),
+           Rule(_X + "linear_fc1.weight", (_H + "gate_proj.weight", _H + "up_proj.weight"), "gate_up",
+                ("ffn", "hidden")),
            Rule(_X + "linear_fc2.weight", (_H + "down_proj.weight",), "row", ("hidden", "ffn"))))
 MOE_DIMS = Dims(num_heads=2, num_groups=1, head_dim=2, ffn=4, vocab=8, tp=1, hidden=2, ep=2, etp=2, num_experts=4)
 

@@ -92,7 +92,8 @@ def _fill(name: str, values: dict[str, Optional[int]]) -> str:
 class Refuse:
     """A config.json key the family refuses when it is present with a value not in ``allowed``.
 
-    >>> Refuse("sliding_window", "is not supported.", allowed=(None,)).problem({"sliding_window": 4096}, "x", "mistral", "")
+    >>> window = Refuse("sliding_window", "is not supported.", allowed=(None,))
+    >>> window.problem({"sliding_window": 4096}, "x", "mistral", "")
     'x: sliding_window=4096 is not supported.'
     """
 
@@ -105,7 +106,8 @@ class Refuse:
     def problem(self, hf: dict[str, Any], where: str, model_type: str, supported: str) -> Optional[str]:
         if self.key not in hf or hf[self.key] in self.allowed:
             return None
-        return f"{where}: {self.key}={_show(hf[self.key])} {self.why.format(model_type=model_type, supported=supported)}"
+        why = self.why.format(model_type=model_type, supported=supported)
+        return f"{where}: {self.key}={_show(hf[self.key])} {why}"
 
 
 def _show(value: Any) -> str:

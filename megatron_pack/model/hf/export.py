@@ -67,7 +67,8 @@ def source_dtype(folder: str | Path) -> torch.dtype:
 def shards_from_pretrained(folder: str | Path, model_cfg, tp: int, *,
                            placement: Optional[Placement] = None) -> list[dict[str, Tensor]]:
     """Every TP rank's megatron-core state of a HF folder (of the chunk at ``placement``, by default
-    the whole model), through the load transforms."""
+    the whole model), through the load transforms; an expert's weight split alike (expert TP = TP,
+    megatron-core's default)."""
     hf = read_hf_config(folder)
     dims = Dims.from_model_config(model_cfg, tp)
     tied = not model_cfg.untie_embeddings_and_output_weights
@@ -76,7 +77,7 @@ def shards_from_pretrained(folder: str | Path, model_cfg, tp: int, *,
     with SafetensorsFolder(folder) as source:
         for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, placement=placement):
             for rank in range(tp):
-                out[rank][mcore] = load_shard(rule, hf_names, source, dims, rank)
+                out[rank][mcore] = load_shard(rule, hf_names, source, dims, rank, etp_rank=rank)
     return out
 
 

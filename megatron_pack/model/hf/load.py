@@ -7,8 +7,9 @@ own shard plus one slice in flight (``tests/functional/test_hf_memory.py`` measu
 A model chunk (a pipeline stage, an expert-parallel rank) reads only its own layers' and experts'
 tensors, named globally (``rules.Placement``; by default the one megatron-core's ``layer_number``
 and ``pre_process`` / ``post_process`` give the chunk). Nothing is dropped silently: an HF tensor
-no rule of the whole model reads, or a parameter no rule fills, is an error naming it. Only ``*.safetensors`` is read; a folder with only ``pytorch_model.bin`` (a pickle) is
-refused with the conversion command.
+no rule of the whole model reads, or a parameter no rule fills, is an error naming it. Only
+``*.safetensors`` is read; a folder with only ``pytorch_model.bin`` (a pickle) is refused with the
+conversion command.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def placement_of(model) -> Placement:
 
 
 def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp_rank: int, tp_size: int,
-                    placement: Optional[Placement] = None, etp_rank: int = 0, dims: Optional[Dims] = None) -> LoadReport:
+                    placement: Optional[Placement] = None, etp_rank: int = 0,
+                    dims: Optional[Dims] = None) -> LoadReport:
     """Fill every parameter of ``model`` (this rank's shard of its chunk) from the HF folder.
 
     ``placement`` None reads it from the model (``placement_of``); ``dims`` None builds it from

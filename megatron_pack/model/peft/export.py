@@ -185,7 +185,8 @@ class _TensorReader:
 
 
 def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, targets, *, tp_rank: int,
-                     tp_size: int, where: str = "the adapter", placement: Optional[Placement] = None) -> dict[str, Tensor]:
+                     tp_size: int, where: str = "the adapter",
+                     placement: Optional[Placement] = None) -> dict[str, Tensor]:
     """This TP rank's adapter tensors (megatron names) of the model (or of the chunk at ``placement``)
     from peft-format tensors: the inverse of ``peft_tensors``. A fused linear's parts must share
     lora_A (as our export writes them)."""
