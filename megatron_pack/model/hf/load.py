@@ -146,8 +146,8 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
     """
     start = time.perf_counter()
     hf = read_hf_config(folder)
-    dims = dims or Dims.from_model_config(model_cfg, tp_size)
-    placement = placement or placement_of(model)
+    dims = Dims.from_model_config(model_cfg, tp_size) if dims is None else dims
+    placement = placement_of(model) if placement is None else placement
     tied = not model_cfg.untie_embeddings_and_output_weights
     params = dict(model.named_parameters())
     filled: set[str] = set()

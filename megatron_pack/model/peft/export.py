@@ -2,8 +2,7 @@
 
 The mapping is the family record's rules (``model/hf/mapping.py``): an adapter's split tensor follows
 its base weight's rule (A when the base transform splits columns, B when it splits rows), the other
-one is replicated. Shapes for H=64, 4 query heads in 2 groups of
-head dim 16, FFN 96, r=8, TP=2:
+one is replicated. Shapes for H=64, 4 query heads in 2 groups of head dim 16, FFN 96, r=8, TP=2:
 
 | target     | base rule | A (linear_in)                      | B (linear_out)                                   |
 |------------|-----------|------------------------------------|--------------------------------------------------|
@@ -69,7 +68,7 @@ def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, ta
     shards = [_plain(shard) for shard in shards]
     out: dict[str, Tensor] = {}
     used: set[str] = set()
-    placement = placement or Placement(model_cfg.num_layers)
+    placement = Placement(model_cfg.num_layers) if placement is None else placement
     for rule, prefix, hf in adapter_targets(model_type, targets, placement=placement):
         missing = [r for r, s in enumerate(shards) if prefix + IN not in s or prefix + OUT not in s]
         if missing:
@@ -194,7 +193,7 @@ def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, tar
 
     reader, dims = _TensorReader(tensors), Dims.from_model_config(model_cfg, tp_size)
     out: dict[str, Tensor] = {}
-    placement = placement or Placement(model_cfg.num_layers)
+    placement = Placement(model_cfg.num_layers) if placement is None else placement
     for rule, prefix, hf in adapter_targets(model_type, targets, placement=placement):
         a_names = tuple(f"{PEFT_PREFIX}{h}.lora_A.weight" for h in hf)
         b_names = tuple(f"{PEFT_PREFIX}{h}.lora_B.weight" for h in hf)
