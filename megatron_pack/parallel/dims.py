@@ -45,6 +45,10 @@ class ParallelDims:
     """Effective pad multiple: packing.pad_seq_to_mult when set, else the lcm rule."""
     pad_multiple_explicit: bool = False
     """True when pad_multiple came from packing.pad_seq_to_mult rather than the rule."""
+    ep: int = 1
+    """Expert-parallel degree, over the data-parallel ranks (1: mixture of experts is not supported yet)."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel degree (None: tp, megatron-core's default)."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
@@ -79,6 +83,15 @@ class ParallelDims:
     @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks an expert's weight is split over."""
+        return self.tp if self.etp is None else self.etp
 
     @property
     def required_pad_multiple(self) -> int:

@@ -304,9 +304,11 @@ class Trainer:
 
         where = f"step {step}, rank {self.state.rank}"
         check_weights(self.model, where=where, device=self.state.device,
-                      source=f"the model after step {step - 1}" if step > 1 else "the loaded model",
-                      fix="the optimizer step before diverged: resume from the last checkpoint with a lower train.lr "
-                          "(or a train.clip_grad)")
+                      source=f"the model after step {step - 1}" if step > 1 else "the model the run started from",
+                      fix=("the optimizer step before diverged: resume from the last checkpoint with a lower train.lr "
+                           "(or a train.clip_grad)") if step > 1 else
+                          ("no step ran yet: check model.pretrained's safetensors or the checkpoint this run started "
+                           "from (megatron-pack train --check names the tensor)"))
         for report, batch in zip(reports, batches):
             try:
                 check_finite(report["lm loss"][0], batch)

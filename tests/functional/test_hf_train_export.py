@@ -122,14 +122,14 @@ def test_verify_against_transformers_in_one_process(trained, capsys, monkeypatch
 def test_verify_against_transformers_catches_a_wrong_mapping(trained, capsys, monkeypatch):
     """[up; gate] instead of [gate; up] in linear_fc1: the kind of slip verify exists to catch."""
     from megatron_pack.cli.verify import main as verify_main
-    from megatron_pack.model.hf import mapping
+    from megatron_pack.model.hf.transforms import GatedMLP
 
-    original = mapping.load_shard
+    original = GatedMLP.load
 
-    def swapped(rule, names, reader, dims, rank):
-        return original(rule, names[::-1] if rule.kind == "gate_up" else names, reader, dims, rank)
+    def swapped(self, names, reader, dims, rank):
+        return original(self, names[::-1], reader, dims, rank)
 
-    monkeypatch.setattr(mapping, "load_shard", swapped)  # load_shard_into fills linear_fc1 through it
+    monkeypatch.setattr(GatedMLP, "load", swapped)  # load_shard_into fills linear_fc1 through it
     monkeypatch.chdir(trained)
     assert verify_main(VERIFY) == 1
     out = capsys.readouterr().out

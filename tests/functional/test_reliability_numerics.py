@@ -198,7 +198,7 @@ def test_nan_in_the_weights_is_reported_as_weights_naming_the_tensor(ranks):
     on_load, at_step = (str(m) for m in r1["weights.errors"])
     assert on_load == (f"rank 1: weights: {WEIGHT} of model.pretrained (DIR) holds 1 NaN and 0 Inf values; the "
                        "weights are not finite (not the data): re-download the folder."), on_load
-    assert at_step.startswith(f"step 1, rank 1: weights: {WEIGHT} of the loaded model holds 1 NaN"), at_step
+    assert at_step.startswith(f"step 1, rank 1: weights: {WEIGHT} of the model the run started from holds 1 NaN"), at_step
     assert "data" not in at_step.split(":")[1] and "sample_ids" not in at_step
     for message in (str(m) for m in r0["weights.errors"]):  # rank 0 stops too, naming where to look
         assert "rank 0: weights: the shard of another rank" in message and "named in that rank's line" in message

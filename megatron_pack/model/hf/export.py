@@ -4,7 +4,8 @@ Sources (one process, whatever layout wrote them):
 
 * a training checkpoint: ``model/tp<r>/<name>`` tensors of every TP rank (DCP; CP and DP ranks
   hold replicas; read by ``megatron_pack.cli.export``, which knows the checkpoint format), merged
-  back per the family table (``mapping.export_tensors``);
+  back per the family table (``mapping.export_tensors``); a pipeline stage's chunk is written under
+  its global layer names (``hf_tensors(..., placement=)``);
 * a pretrained folder: its tensors put through the load transforms first (a round trip that
   proves the mapping on the user's own model).
 
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from megatron_pack.config.hf_config import read_hf_config
 from megatron_pack.model.hf.load import SafetensorsFolder
-from megatron_pack.model.hf.mapping import TE_ALIASES, Dims, export_tensors, load_shard, rules_for
+from megatron_pack.model.hf.mapping import OUTPUT, TE_ALIASES, Dims, Placement, export_tensors, load_shard, rules_for
 
 HF_SOURCE = "hf_source"
 SOURCE_JSON = "source.json"
@@ -87,16 +88,20 @@ def source_dtype(folder: str | Path) -> torch.dtype:
         return source.dtype(next(iter(source.weight_map)))
 
 
-def shards_from_pretrained(folder: str | Path, model_cfg, tp: int) -> list[dict[str, Tensor]]:
-    """Every TP rank's megatron-core state of a HF folder, through the load transforms."""
+def shards_from_pretrained(folder: str | Path, model_cfg, tp: int, *,
+                           placement: Optional[Placement] = None) -> list[dict[str, Tensor]]:
+    """Every TP rank's megatron-core state of a HF folder (of the chunk at ``placement``, by default
+    the whole model), through the load transforms; an expert's weight split alike (expert TP = TP,
+    megatron-core's default)."""
     hf = read_hf_config(folder)
     dims = Dims.from_model_config(model_cfg, tp)
     tied = not model_cfg.untie_embeddings_and_output_weights
+    placement = Placement(model_cfg.num_layers) if placement is None else placement
     out: list[dict[str, Tensor]] = [{} for _ in range(tp)]
     with SafetensorsFolder(folder) as source:
-        for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, num_layers=model_cfg.num_layers):
+        for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, placement=placement):
             for rank in range(tp):
-                out[rank][mcore] = load_shard(rule, hf_names, source, dims, rank)
+                out[rank][mcore] = load_shard(rule, hf_names, source, dims, rank, etp_rank=rank)
     return out
 
 
@@ -109,20 +114,26 @@ def _canonical(name: str) -> str:
     return name
 
 
-def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg) -> dict[str, Tensor]:
-    """HF name -> tensor, in table order, from every TP rank's megatron-core state."""
+def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, *,
+               placement: Optional[Placement] = None) -> dict[str, Tensor]:
+    """HF name -> tensor, in table order, from every TP rank's megatron-core state of the chunk at
+    ``placement`` (by default the whole model): a pipeline stage's tensors under their global names.
+    A last stage's copy of tied embeddings is read but not written (the first stage writes it)."""
     dims = Dims.from_model_config(model_cfg, len(shards))
     tied = not model_cfg.untie_embeddings_and_output_weights
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     shards = [{_canonical(name): tensor for name, tensor in shard.items()} for shard in shards]
-    for rule, mcore, hf_names in rules_for(model_type, tied=tied, num_layers=model_cfg.num_layers):
+    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    for rule, mcore, hf_names in rules_for(model_type, tied=tied, placement=placement):
         missing = [r for r, shard in enumerate(shards) if mcore not in shard]
         if missing:
             raise ValueError(f"the checkpoint has no {mcore} on TP rank {missing[0]}: it was not written for this "
                              "model (config.json of the export source); pass the model.pretrained it was trained from.")
-        out.update(zip(hf_names, export_tensors(rule, [shard[mcore] for shard in shards], dims)))
         used.add(mcore)
+        if tied and mcore == OUTPUT:
+            continue
+        out.update(zip(hf_names, export_tensors(rule, [shard[mcore] for shard in shards], dims)))
     extra = sorted(set(shards[0]) - used)
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:3]} have no Hugging Face name in the {model_type} table; "

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_pack.config.hf_config import derive_model_keys, read_hf_config
-from megatron_pack.model.hf.rules import IGNORED_HF, hf_shapes
+from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
+from megatron_pack.model.hf.rules import hf_shapes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -193,8 +193,9 @@ def folder_problems(folder: str | Path, *, where: Optional[str] = None, hf: Opti
                             f"({', '.join(LOADED_DTYPES)}); save the folder again in one of those (transformers: "
                             "from_pretrained(dir, dtype=torch.bfloat16).save_pretrained(dir)).")
     tied = bool(hf.get("tie_word_embeddings", False))
+    ignored = family_of(hf["model_type"]).ignored
     extra = sorted(n for n in set(tensors) - set(expected)
-                   if not n.endswith(IGNORED_HF) and not (tied and n == "lm_head.weight"))
+                   if not n.endswith(ignored) and not (tied and n == "lm_head.weight"))
     if extra:
         problems.append(f"{where}: tensors {extra[:3]} ({len(extra)} in all) map to no megatron-core parameter; the "
                         "folder holds more than its config.json describes (an unsupported variant).")

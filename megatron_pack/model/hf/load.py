@@ -4,9 +4,12 @@ Each parameter is filled from ``safe_open(...).get_slice(name)[rows, cols]``: on
 columns) this TP rank holds are read, one tensor at a time, so a rank never holds more than its
 own shard plus one slice in flight (``tests/functional/test_hf_memory.py`` measures it).
 
-Nothing is dropped silently: an HF tensor no rule reads, or a parameter no rule fills, is an error
-naming it. Only ``*.safetensors`` is read; a folder with only ``pytorch_model.bin`` (a pickle) is
-refused with the conversion command.
+A model chunk (a pipeline stage, an expert-parallel rank) reads only its own layers' and experts'
+tensors, named globally (``rules.Placement``; by default the one megatron-core's ``layer_number``
+and ``pre_process`` / ``post_process`` give the chunk). Nothing is dropped silently: an HF tensor
+no rule of the whole model reads, or a parameter no rule fills, is an error naming it. Only
+``*.safetensors`` is read; a folder with only ``pytorch_model.bin`` (a pickle) is refused with the
+conversion command.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_pack.config.hf_config import read_hf_config
+from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
 from megatron_pack.model.hf.folder_check import INDEX, SINGLE
-from megatron_pack.model.hf.mapping import IGNORED_HF, TE_ALIASES, Dims, load_shard_into, rules_for, shard_shape
+from megatron_pack.model.hf.mapping import (TE_ALIASES, Dims, Placement, load_shard_into, rule_hf_shapes, rules_for,
+                                            shard_shape)
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -108,6 +112,8 @@ class LoadReport:
     bytes_read: int
     seconds: float
     source_dtype: torch.dtype
+    hf_names: tuple[str, ...] = ()
+    """The HF tensors read, in load order (a pipeline stage's are its own layers')."""
 
 
 def find_param(params: dict[str, torch.nn.Parameter], name: str) -> tuple[str, torch.nn.Parameter]:
@@ -121,55 +127,72 @@ def find_param(params: dict[str, torch.nn.Parameter], name: str) -> tuple[str, t
     raise KeyError(name)
 
 
-def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp_rank: int, tp_size: int) -> LoadReport:
-    """Fill every parameter of ``model`` (this TP rank's shard) from the HF folder; returns what was read."""
+def placement_of(model) -> Placement:
+    """The part of the model a megatron-core ``GPTModel`` chunk holds: its layers (megatron-core's
+    ``layer_number`` is global and 1-based), the embedding on the first stage, the output on the last."""
+    layers = model.decoder.layers
+    return Placement(len(layers), layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
+                     pre_process=model.pre_process, post_process=model.post_process)
+
+
+def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp_rank: int, tp_size: int,
+                    placement: Optional[Placement] = None, etp_rank: int = 0,
+                    dims: Optional[Dims] = None) -> LoadReport:
+    """Fill every parameter of ``model`` (this rank's shard of its chunk) from the HF folder.
+
+    ``placement`` None reads it from the model (``placement_of``); ``dims`` None builds it from
+    ``model_cfg`` and ``tp_size`` (give it for expert parallelism: ``Dims(..., ep=, etp=, num_experts=)``).
+    Returns what was read.
+    """
     start = time.perf_counter()
     hf = read_hf_config(folder)
-    dims = Dims.from_model_config(model_cfg, tp_size)
+    dims = Dims.from_model_config(model_cfg, tp_size) if dims is None else dims
+    placement = placement_of(model) if placement is None else placement
     tied = not model_cfg.untie_embeddings_and_output_weights
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    used: set[str] = set()
+    used: dict[str, None] = {}  # the HF names read, in order
     with SafetensorsFolder(folder) as source, torch.no_grad():
-        for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, num_layers=model_cfg.num_layers):
+        for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, placement=placement):
             try:
                 name, param = find_param(params, mcore)
             except KeyError:
                 raise ValueError(f"model has no parameter {mcore} for {hf_names[0]} of {folder}; the model was built "
                                  "with other model.* settings than config.json gives.") from None
             _check_shapes(folder, rule, hf_names, source, dims, name, param, tp_rank)
-            load_shard_into(rule, hf_names, source, dims, tp_rank, param.data)
+            load_shard_into(rule, hf_names, source, dims, tp_rank, param.data, etp_rank=etp_rank)
             filled.add(name)
-            used.update(hf_names)
-        _check_coverage(folder, source, params, filled, used, tied)
+            used.update(dict.fromkeys(hf_names))
+        _check_coverage(folder, source, params, filled, _whole_model_names(hf, dims, tied),
+                        family_of(hf["model_type"]).ignored, tied)
         source_dtype = source.dtype(next(iter(used)))
         bytes_read = source.bytes_read
     return LoadReport(num_tensors=len(filled), bytes_read=bytes_read, seconds=time.perf_counter() - start,
-                      source_dtype=source_dtype)
+                      source_dtype=source_dtype, hf_names=tuple(used))
+
+
+def _whole_model_names(hf: dict, dims: Dims, tied: bool) -> set[str]:
+    """Every HF tensor some chunk of the model reads (a stage's folder check is the whole model's)."""
+    whole = Placement(derive_model_keys(hf)["num_layers"], num_experts=dims.num_experts)
+    return {n for _, _, names in rules_for(hf["model_type"], tied=tied, placement=whole) for n in names}
 
 
 def _check_shapes(folder, rule, hf_names, source: SafetensorsFolder, dims: Dims, name: str, param, tp_rank: int) -> None:
-    """The file's shapes must give exactly this parameter's shard (config.json and weights agree)."""
+    """The file's shapes must be the ones config.json implies and give exactly this parameter's shard."""
     shapes = [source.shape(n) for n in hf_names]
-    expected = None
-    if rule.kind == "vocab":
-        expected = [(dims.vocab,) + tuple(param.shape[1:])]
-    elif rule.kind == "row" and param.dim() == 2:
-        expected = [(param.shape[0], param.shape[1] * dims.tp)]
-    wrong = expected is not None and shapes != expected
-    if wrong or tuple(shard_shape(rule, hf_names, source, dims)) != tuple(param.shape):
+    if shapes != rule_hf_shapes(rule, dims) or tuple(shard_shape(rule, hf_names, source, dims)) != tuple(param.shape):
         raise ValueError(f"{folder}: {', '.join(f'{n} {s}' for n, s in zip(hf_names, shapes))} do not give "
                          f"{name} {tuple(param.shape)} on TP rank {tp_rank}; the safetensors do not match config.json.")
 
 
-def _check_coverage(folder, source: SafetensorsFolder, params: dict, filled: set[str], used: set[str],
-                    tied: bool) -> None:
+def _check_coverage(folder, source: SafetensorsFolder, params: dict, filled: set[str], known: set[str],
+                    ignored: tuple[str, ...], tied: bool) -> None:
     unfilled = sorted(set(params) - filled)
     if unfilled:
         raise ValueError(f"{folder}: no Hugging Face tensor maps to {unfilled[:3]} (model.* settings differ from "
                          "config.json?); nothing was left at random init silently.")
-    extra = sorted(n for n in set(source.weight_map) - used
-                   if not n.endswith(IGNORED_HF) and not (tied and n == "lm_head.weight"))
+    extra = sorted(n for n in set(source.weight_map) - known
+                   if not n.endswith(ignored) and not (tied and n == "lm_head.weight"))
     if extra:
         raise ValueError(f"{folder}: tensors {extra[:3]} ({len(extra)} in all) map to no megatron-core parameter; "
                          "the folder holds more than its config.json describes (an unsupported variant).")

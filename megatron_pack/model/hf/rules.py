@@ -1,80 +1,142 @@
-"""The Hugging Face <-> megatron-core name tables: one record per family, torch-free.
+"""A family's name rules applied to one model chunk, and the HF shapes they imply (torch-free).
 
-``mapping`` adds the transforms (torch) that load and export by these tables; the checks made
-before launch (``megatron_pack.model.hf.folder_check``) read only the tables and the shapes
-config.json gives, so they run without torch. Example (Llama, layer 0)::
+The rules themselves are the family records' (``megatron_pack.config.hf_config.families``); this
+module turns them into the (rule, megatron-core name, HF names) of what one model chunk holds:
 
-    Rule("decoder.layers.{i}.mlp.linear_fc1.weight",
-         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up")
+* a ``Placement`` says which part: layers [k, k + n) (a pipeline stage's local layer i is HF
+  layer k + i), whether it holds the embedding (first stage) and the final norm and output layer
+  (last stage), and which experts (an expert-parallel rank's local expert e is HF expert o + e);
+* ``rules_for`` lists that chunk's names, in load order;
+* ``hf_shapes`` gives every HF tensor's shape config.json implies, through each rule's transform
+  (``megatron_pack.model.hf.folder_check`` checks a folder with it before launch, without torch).
+
+Example: Llama with 4 layers, the stage holding layers [2, 4) of a 2-stage pipeline::
+
+    >>> stage = Placement(2, layer_offset=2, pre_process=False)
+    >>> [(m, h[0]) for _, m, h in rules_for("llama", tied=False, placement=stage)][:1]
+    [('decoder.layers.0.input_layernorm.weight', 'model.layers.2.input_layernorm.weight')]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any, Iterator, NamedTuple, Optional
 
-from megatron_pack.config.hf_config import derive_model_keys
+from megatron_pack.config.hf_config import FAMILIES, derive_model_keys, family_of
+from megatron_pack.config.hf_config.families import LLAMA_RULES, QK_NORM_RULES, QKV_BIAS_RULES
+from megatron_pack.config.hf_config.record import Family, Rule
+from megatron_pack.model.hf.transforms import Dims, transform
 
+__all__ = ["Binding", "FAMILY_RULES", "IGNORED_HF", "LLAMA", "Placement", "QKV_BIAS", "QK_NORM", "Rule", "TE_ALIASES",
+           "hf_shapes", "rule_hf_shapes", "rules_for", "shapes_for"]
 
-@dataclass(frozen=True)
-class Rule:
-    """One megatron-core parameter and the Hugging Face tensor(s) it maps to."""
-
-    mcore: str
-    """megatron-core name; ``{i}`` is the layer index."""
-    hf: tuple[str, ...]
-    """Hugging Face name(s), in the order the transform joins them."""
-    kind: str
-    """'replicated', 'row', 'vocab', 'qkv' or 'gate_up'."""
-
-    def names(self, layer: Optional[int]) -> tuple[str, tuple[str, ...]]:
-        fill = (lambda s: s.format(i=layer)) if layer is not None else (lambda s: s)
-        return fill(self.mcore), tuple(fill(h) for h in self.hf)
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.mcore
-
-
-_L, _A, _M = "decoder.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}."
-LLAMA = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    Rule(_L + "input_layernorm.weight", (_M + "input_layernorm.weight",), "replicated"),
-    Rule(_L + "self_attention.linear_qkv.weight", (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"),
-         "qkv"),
-    Rule(_L + "self_attention.linear_proj.weight", (_A + "o_proj.weight",), "row"),
-    Rule(_L + "pre_mlp_layernorm.weight", (_M + "post_attention_layernorm.weight",), "replicated"),
-    Rule(_L + "mlp.linear_fc1.weight", (_M + "mlp.gate_proj.weight", _M + "mlp.up_proj.weight"), "gate_up"),
-    Rule(_L + "mlp.linear_fc2.weight", (_M + "mlp.down_proj.weight",), "row"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
-    Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
-)
-QKV_BIAS = (Rule(_L + "self_attention.linear_qkv.bias", (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"),
-                 "qkv"),)
-QK_NORM = (Rule(_L + "self_attention.q_layernorm.weight", (_A + "q_norm.weight",), "replicated"),
-           Rule(_L + "self_attention.k_layernorm.weight", (_A + "k_norm.weight",), "replicated"))
-FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
-    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA + QKV_BIAS, "qwen3": LLAMA + QK_NORM,
-}
+LLAMA, QKV_BIAS, QK_NORM = LLAMA_RULES, QKV_BIAS_RULES, QK_NORM_RULES
+"""The rule tuples under their names before the family records (``families.LLAMA_RULES``, ...)."""
 TE_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 """local-spec suffix -> Transformer Engine spec suffix of the same tensor."""
 IGNORED_HF = ("rotary_emb.inv_freq",)
-"""HF tensors that are buffers recomputed from config.json (older checkpoints store them)."""
+"""HF tensors that are buffers recomputed from config.json (the records' default ``ignored``)."""
+EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+_LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
+"""megatron-core names outside the layers that only the last pipeline stage holds."""
 
 
+class _RulesOf(Mapping):
+    """model_type -> its record's rules: the old ``FAMILY_RULES`` table, a view of the registry."""
+
+    def __getitem__(self, model_type: str) -> tuple[Rule, ...]:
+        return FAMILIES[model_type].rules
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
 
 
-def rules_for(model_type: str, *, tied: bool, num_layers: int) -> list[tuple[Rule, str, tuple[str, ...]]]:
-    """Every (rule, megatron name, HF names) of a model, in layer order; no output layer when tied."""
+FAMILY_RULES = _RulesOf()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The part of the model one chunk holds, and where it sits in Hugging Face's global numbering.
+
+    A pipeline stage holding layers [k, k + n) of N is ``Placement(n, layer_offset=k,
+    pre_process=k == 0, post_process=k + n == N)``; ``with_experts`` adds an expert-parallel rank's
+    experts. The default, ``Placement(N)``, is the whole dense model.
+    """
+
+    num_layers: int
+    """Transformer layers in the chunk (megatron-core's local layers 0 .. num_layers - 1)."""
+    layer_offset: int = 0
+    """Global index of the chunk's first layer (its local layer 0)."""
+    pre_process: bool = True
+    """Holds the embedding (the first pipeline stage)."""
+    post_process: bool = True
+    """Holds the final norm and the output layer (the last pipeline stage)."""
+    num_experts: int = 0
+    """Experts of every MoE layer the chunk holds (0: a dense model)."""
+    expert_offset: int = 0
+    """Global index of the chunk's first expert (its local expert 0)."""
+
+    def with_experts(self, dims: Dims, ep_rank: int) -> "Placement":
+        """This chunk on expert-parallel rank ``ep_rank``: experts [r * E / EP, (r + 1) * E / EP) of each layer."""
+        return replace(self, num_experts=dims.num_local_experts, expert_offset=dims.expert_offset(ep_rank))
+
+
+class Binding(NamedTuple):
+    """One rule applied to one layer and expert of a chunk."""
+
+    rule: Rule
+    mcore: str
+    """megatron-core name in the chunk (local layer and expert)."""
+    hf: tuple[str, ...]
+    """Hugging Face names (global layer and expert)."""
+
+
+def _holds(rule: Rule, placement: Placement) -> bool:
+    if rule.per_layer:
+        return placement.num_layers > 0
+    if rule.mcore.startswith(_LAST_STAGE):
+        return placement.post_process
+    if rule.mcore.startswith("embedding."):
+        return placement.pre_process
+    raise ValueError(f"rule {rule.mcore}: outside embedding, decoder layers, final norm and output layer; "
+                     "no pipeline stage would hold it.")
+
+
+def rules_for(model_type: str, *, tied: bool, num_layers: Optional[int] = None,
+              placement: Optional[Placement] = None) -> list[Binding]:
+    """Every (rule, megatron-core name, HF names) of the chunk at ``placement`` (the whole model of
+    ``num_layers`` when not given), in load order. No output layer when tied, except on a last
+    stage without the embedding: there megatron-core keeps a copy, filled from the embedding's tensor."""
+    family = family_of(model_type)
+    placement = _placement(num_layers, placement)
     out = []
-    for rule in FAMILY_RULES[model_type]:
-        if tied and rule.mcore == "output_layer.weight":
+    for rule in family.rules:
+        if not _holds(rule, placement) or (tied and rule.mcore == OUTPUT):
             continue
-        for layer in (range(num_layers) if rule.per_layer else [None]):
-            mcore, hf = rule.names(layer)
-            out.append((rule, mcore, hf))
-    return sorted(out, key=lambda item: _order(item[1]))
+        if rule.per_expert and placement.num_experts == 0:
+            raise ValueError(f"rule {rule.mcore} of {model_type} is per expert, but the placement holds no experts; "
+                             "give Placement.with_experts(dims, ep_rank).")
+        for layer in (range(placement.num_layers) if rule.per_layer else [None]):
+            for expert in (range(placement.num_experts) if rule.per_expert else [None]):
+                mcore, hf = rule.names(layer, expert, layer_offset=placement.layer_offset,
+                                       expert_offset=placement.expert_offset)
+                out.append(Binding(rule, mcore, hf))
+    if tied and placement.post_process and not placement.pre_process:
+        embedding = next(rule for rule in family.rules if rule.mcore == EMBEDDING)
+        out.append(Binding(embedding, OUTPUT, embedding.hf))
+    return sorted(out, key=lambda binding: _order(binding.mcore))
+
+
+def _placement(num_layers: Optional[int], placement: Optional[Placement]) -> Placement:
+    if (num_layers is None) == (placement is None):
+        raise TypeError("rules_for needs num_layers (the whole model) or placement (one chunk), not both.")
+    return placement if placement is not None else Placement(num_layers)
 
 
 def _order(name: str) -> tuple:
@@ -85,26 +147,29 @@ def _order(name: str) -> tuple:
     return (2, name)
 
 
+def rule_hf_shapes(rule: Rule, dims: Dims) -> list[tuple[int, ...]]:
+    """The shapes of ``rule``'s HF tensors that ``dims`` implies, by its transform."""
+    if rule.shape is None:
+        raise ValueError(f"rule {rule.mcore} has no shape; give the HF tensors' shape in Dims size names.")
+    return transform(rule.kind).hf_shapes(tuple(dims.size(s) for s in rule.shape), len(rule.hf), dims)
+
+
+def shapes_for(family: Family, dims: Dims, *, tied: bool, placement: Placement) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for the chunk at ``placement``, in load order."""
+    shapes = {}
+    for rule, _, names in rules_for(family.model_type, tied=tied, placement=placement):
+        shapes.update(zip(names, rule_hf_shapes(rule, dims)))
+    return shapes
 
 
 def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for a supported config.json, in table order.
+    """HF tensor name -> shape for a supported config.json (the whole model), in load order.
 
     Example: Llama with hidden 64, 4 heads of 16 in 2 groups, FFN 96, vocabulary 301 gives
     ``model.embed_tokens.weight (301, 64)``, ``...self_attn.k_proj.weight (32, 64)``,
     ``...mlp.gate_proj.weight (96, 64)``, ``model.norm.weight (64,)``.
     """
-    m = derive_model_keys(hf)
-    h, d, f, v = m["hidden_size"], m["kv_channels"], m["ffn_hidden_size"], m["vocab_size"]
-    q, kv = m["num_attention_heads"] * d, m["num_query_groups"] * d
-    by_suffix = {"embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "q_proj.weight": (q, h),
-                 "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "q_proj.bias": (q,), "k_proj.bias": (kv,),
-                 "v_proj.bias": (kv,), "o_proj.weight": (h, q), "gate_proj.weight": (f, h), "up_proj.weight": (f, h),
-                 "down_proj.weight": (h, f), "q_norm.weight": (d,), "k_norm.weight": (d,), "layernorm.weight": (h,),
-                 "norm.weight": (h,)}
-    shapes = {}
-    tied = not m["untie_embeddings_and_output_weights"]
-    for _, _, names in rules_for(hf["model_type"], tied=tied, num_layers=m["num_layers"]):
-        for name in names:
-            shapes[name] = next(shape for suffix, shape in by_suffix.items() if name.endswith(suffix))
-    return shapes
+    keys = derive_model_keys(hf)
+    dims = Dims.from_model_config(SimpleNamespace(**keys), tp=1)
+    return shapes_for(family_of(hf["model_type"]), dims, tied=not keys["untie_embeddings_and_output_weights"],
+                      placement=Placement(keys["num_layers"]))

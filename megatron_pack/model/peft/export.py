@@ -1,8 +1,8 @@
 """LoRA adapters of a ``peft=lora`` checkpoint -> the peft format, or merged into a full HF model.
 
-The mapping is the family table of ``model/hf/mapping.py``: an adapter's split tensor follows its
-base weight's rule, the other one is replicated. Shapes for H=64, 4 query heads in 2 groups of
-head dim 16, FFN 96, r=8, TP=2:
+The mapping is the family record's rules (``model/hf/mapping.py``): an adapter's split tensor follows
+its base weight's rule (A when the base transform splits columns, B when it splits rows), the other
+one is replicated. Shapes for H=64, 4 query heads in 2 groups of head dim 16, FFN 96, r=8, TP=2:
 
 | target     | base rule | A (linear_in)                      | B (linear_out)                                   |
 |------------|-----------|------------------------------------|--------------------------------------------------|
@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_pack.model.hf.mapping import Dims, export_tensors, rules_for
-from megatron_pack.model.peft.lora import COLUMN_PARALLEL, merged_shards
+from megatron_pack.model.hf.mapping import Dims, Placement, Rule, export_tensors, rules_for, transform
+from megatron_pack.model.peft.lora import merged_shards
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -35,10 +35,12 @@ PEFT_PREFIX = "base_model.model."
 IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 
 
-def adapter_targets(model_type: str, targets, *, num_layers: int):
-    """(base rule, megatron prefix, HF prefixes) of every adapted linear, from the family table."""
+def adapter_targets(model_type: str, targets, *, num_layers: Optional[int] = None,
+                    placement: Optional[Placement] = None):
+    """(base rule, megatron prefix, HF prefixes) of every adapted linear of the model (or of the chunk
+    at ``placement``), from the family table."""
     out = []
-    for rule, mcore, hf_names in rules_for(model_type, tied=False, num_layers=num_layers):
+    for rule, mcore, hf_names in rules_for(model_type, tied=False, num_layers=num_layers, placement=placement):
         leaf = mcore.removesuffix(".weight").rsplit(".", 1)[-1]
         if mcore.endswith(".weight") and leaf in targets:
             out.append((rule, mcore.removesuffix(".weight"), tuple(h.removesuffix(".weight") for h in hf_names)))
@@ -53,22 +55,30 @@ def hf_module_names(model_type: str, targets) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, targets) -> dict[str, Tensor]:
-    """peft key -> tensor from every TP rank's adapter tensors (rank order)."""
+def _splits_a(rule: Rule) -> bool:
+    """A is split like the base weight when the base splits its columns (row-parallel), else B its rows."""
+    return transform(rule.kind).split_dim == 1
+
+
+def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, targets, *,
+                 placement: Optional[Placement] = None) -> dict[str, Tensor]:
+    """peft key -> tensor from every TP rank's adapter tensors (rank order) of the model (or of the
+    chunk at ``placement``, under global layer names)."""
     dims = Dims.from_model_config(model_cfg, len(shards))
     shards = [_plain(shard) for shard in shards]
     out: dict[str, Tensor] = {}
     used: set[str] = set()
-    for rule, prefix, hf in adapter_targets(model_type, targets, num_layers=model_cfg.num_layers):
+    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    for rule, prefix, hf in adapter_targets(model_type, targets, placement=placement):
         missing = [r for r, s in enumerate(shards) if prefix + IN not in s or prefix + OUT not in s]
         if missing:
             raise ValueError(f"the checkpoint has no adapter for {prefix} on TP rank {missing[0]}; it was written "
                              "with other peft.target_modules (or without peft=lora).")
         a_shards, b_shards = [s[prefix + IN] for s in shards], [s[prefix + OUT] for s in shards]
-        if prefix.rsplit(".", 1)[-1] in COLUMN_PARALLEL:
-            a_parts, b_parts = [a_shards[0]] * len(hf), export_tensors(rule, b_shards, dims)
-        else:
+        if _splits_a(rule):
             a_parts, b_parts = export_tensors(rule, a_shards, dims), [b_shards[0]]
+        else:
+            a_parts, b_parts = [a_shards[0]] * len(hf), export_tensors(rule, b_shards, dims)
         for name, a, b in zip(hf, a_parts, b_parts):
             out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
             out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
@@ -174,26 +184,29 @@ class _TensorReader:
 
 
 def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, targets, *, tp_rank: int,
-                     tp_size: int, where: str = "the adapter") -> dict[str, Tensor]:
-    """This TP rank's adapter tensors (megatron names) from peft-format tensors: the inverse of
-    ``peft_tensors``. A fused linear's parts must share lora_A (as our export writes them)."""
+                     tp_size: int, where: str = "the adapter",
+                     placement: Optional[Placement] = None) -> dict[str, Tensor]:
+    """This TP rank's adapter tensors (megatron names) of the model (or of the chunk at ``placement``)
+    from peft-format tensors: the inverse of ``peft_tensors``. A fused linear's parts must share
+    lora_A (as our export writes them)."""
     from megatron_pack.model.hf.mapping import load_shard
 
     reader, dims = _TensorReader(tensors), Dims.from_model_config(model_cfg, tp_size)
     out: dict[str, Tensor] = {}
-    for rule, prefix, hf in adapter_targets(model_type, targets, num_layers=model_cfg.num_layers):
+    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    for rule, prefix, hf in adapter_targets(model_type, targets, placement=placement):
         a_names = tuple(f"{PEFT_PREFIX}{h}.lora_A.weight" for h in hf)
         b_names = tuple(f"{PEFT_PREFIX}{h}.lora_B.weight" for h in hf)
         missing = [n for n in a_names + b_names if n not in tensors]
         if missing:
             raise ValueError(f"{where} has no {missing[0]}; it was not written for these peft.target_modules.")
-        if prefix.rsplit(".", 1)[-1] in COLUMN_PARALLEL:
+        if _splits_a(rule):
+            out[prefix + IN], out[prefix + OUT] = load_shard(rule, a_names, reader, dims, tp_rank), tensors[b_names[0]]
+        else:
             if any(not torch.equal(tensors[n], tensors[a_names[0]]) for n in a_names):
                 raise ValueError(f"{where}: {', '.join(a_names)} differ; the fused {prefix} has one lora_A for its "
                                  "parts, so they must be equal.")
             out[prefix + IN], out[prefix + OUT] = tensors[a_names[0]], load_shard(rule, b_names, reader, dims, tp_rank)
-        else:
-            out[prefix + IN], out[prefix + OUT] = load_shard(rule, a_names, reader, dims, tp_rank), tensors[b_names[0]]
     return out
 
 

@@ -2,7 +2,9 @@
 
 torch-free and read before anything is launched, so an unsupported folder is refused by
 ``load_config`` (this module lives in the config layer because ``load_config`` calls it; the
-weight mapping is ``megatron_pack.model.hf``, which re-exports these names).
+weight mapping is ``megatron_pack.model.hf``, which re-exports these names). Each family is one
+record (``families.py``; the record type in ``record.py``): its model type, architectures, the
+``model.*`` keys it fixes, the config.json keys it refuses and its name rules.
 
 Worked example: Llama 3.1 8B's ``config.json`` (``hidden_size 4096, num_attention_heads 32,
 num_key_value_heads 8, intermediate_size 14336, rope_theta 500000, rope_scaling {rope_type:
@@ -18,29 +20,38 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-SUPPORTED_FAMILIES: dict[str, str] = {
-    "llama": "Llama 2 / 3 / 3.1 / 3.2 (LlamaForCausalLM; rope_scaling none or llama3)",
-    "qwen2": "Qwen2 / Qwen2.5 dense (Qwen2ForCausalLM; QKV bias; no sliding window)",
-    "qwen3": "Qwen3 dense (Qwen3ForCausalLM; QK norm; no sliding window)",
-    "mistral": "Mistral (MistralForCausalLM; sliding_window null)",
-}
+import megatron_pack.config.hf_config.families  # noqa: F401  (registers the supported families)
+from megatron_pack.config.hf_config.record import ARCH_KEYS, FAMILIES, Family, Refuse, Rule, register_family
+
+__all__ = ["ARCHITECTURES", "ARCH_KEYS", "FAMILIES", "Family", "Refuse", "Rule", "SUPPORTED_FAMILIES",
+           "UnsupportedModel", "apply_pretrained", "contradictions", "derive_model_keys", "family_of",
+           "hub_id_problem", "pretrained_model_keys", "read_hf_config", "refusal", "register_family", "rope_settings"]
+
+
+class _FamilyField(Mapping):
+    """model_type -> one field of its record, always the registry's current content."""
+
+    def __init__(self, read):
+        self._read = read
+
+    def __getitem__(self, model_type: str):
+        return self._read(FAMILIES[model_type])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
+
+
+SUPPORTED_FAMILIES: Mapping[str, str] = _FamilyField(lambda family: family.summary)
 """model_type -> what is supported; the refusal messages and docs/models.md list these."""
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
-
-ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-             "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "activation",
-             "rotary_base", "norm_epsilon", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
-             "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_position_embeddings")
-"""The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
-
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
-_MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+ARCHITECTURES: Mapping[str, str] = _FamilyField(lambda family: family.architectures[0])
+"""model_type -> the architecture its config.json names."""
 
 
 class UnsupportedModel(ValueError):
@@ -94,43 +105,38 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(theta), scaling
 
 
+def family_of(model_type: str) -> Family:
+    """The record of a supported ``model_type`` (``UnsupportedModel`` naming the list otherwise)."""
+    if model_type not in FAMILIES:
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported; {_supported_text()}.")
+    return FAMILIES[model_type]
+
+
 def refusal(hf: dict[str, Any], where: str) -> str | None:
     """Why ``hf`` (a parsed config.json) is not supported, or None when it is."""
     model_type = hf.get("model_type")
     if hf.get("auto_map"):
         return (f"{where}: config.json has auto_map (custom modelling code, needs trust_remote_code, which "
                 f"megatron_pack never enables); {_supported_text()}.")
-    if model_type not in SUPPORTED_FAMILIES:
+    if model_type not in FAMILIES:
         return f"{where}: model_type {model_type!r} is not supported; {_supported_text()}."
-    archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
-    if archs != [ARCHITECTURES[model_type]]:
-        return f"{where}: architectures {archs} is not supported for {model_type}; expected [{ARCHITECTURES[model_type]!r}]."
-    for key in _MOE_KEYS:
-        if hf.get(key):
-            return f"{where}: {key}={hf[key]!r} (mixture of experts) is not supported; {_supported_text()}."
-    for key in _MTP_KEYS:
-        if hf.get(key):
-            return f"{where}: {key}={hf[key]!r} (multi-token-prediction heads) is not supported; {_supported_text()}."
-    return _attention_refusal(hf, where, model_type) or _rope_refusal(hf, where)
+    family = FAMILIES[model_type]
+    archs = hf.get("architectures") or [family.architectures[0]]
+    if len(archs) != 1 or archs[0] not in family.architectures:
+        return (f"{where}: architectures {archs} is not supported for {model_type}; "
+                f"expected {list(family.architectures)}.")
+    for refuse in family.refused:
+        problem = refuse.problem(hf, where, model_type, _supported_text())
+        if problem:
+            return problem
+    return _layer_types_refusal(hf, where) or _rope_refusal(hf, where)
 
 
-def _attention_refusal(hf: dict[str, Any], where: str, model_type: str) -> str | None:
-    if model_type == "mistral" and hf.get("sliding_window") is not None:
-        return (f"{where}: sliding_window={hf['sliding_window']} is not supported (THD attention here is full "
-                "causal); supported: Mistral with sliding_window null.")
-    if hf.get("use_sliding_window"):
-        return f"{where}: use_sliding_window=true is not supported (full causal attention only); {_supported_text()}."
+def _layer_types_refusal(hf: dict[str, Any], where: str) -> str | None:
     layer_types = hf.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
         other = sorted({t for t in layer_types if t != "full_attention"})
         return f"{where}: layer_types {other} is not supported (every layer must be full_attention)."
-    if hf.get("hidden_act", "silu") != "silu":
-        return f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu only)."
-    if hf.get("mlp_bias"):
-        return f"{where}: mlp_bias=true is not supported (MLP without bias only)."
-    if model_type in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
-        return (f"{where}: attention_bias=true for {model_type} (a bias on o_proj too) is not supported; "
-                "QKV bias is supported for qwen2 only.")
     return None
 
 
@@ -148,7 +154,8 @@ def _rope_refusal(hf: dict[str, Any], where: str) -> str | None:
 
 
 def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
-    """The ``model.*`` architecture keys (``ARCH_KEYS``) for a supported config.json."""
+    """The ``model.*`` architecture keys (``ARCH_KEYS``) for a supported config.json: the common
+    derivation, then the keys the family's record fixes."""
     theta, scaling = rope_settings(hf)
     heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
@@ -161,14 +168,14 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "normalization": "RMSNorm", "activation": "swiglu", "rotary_base": int(theta),
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "untie_embeddings_and_output_weights": not bool(hf.get("tie_word_embeddings", False)),
-        "add_qkv_bias": hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)),
-        "qk_layernorm": hf.get("model_type") == "qwen3",
+        "add_qkv_bias": bool(hf.get("attention_bias", False)), "qk_layernorm": False,
         "rope_scaling": "llama3" if llama3 else "none",
         "rope_scaling_factor": float(scaling.get("factor", 8.0)) if llama3 else 8.0,
         "rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)) if llama3 else 1.0,
         "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)) if llama3 else 4.0,
         "rope_original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 8192))
         if llama3 else 8192,
+        **family_of(hf.get("model_type")).model_keys,
     }
 
 

@@ -1,0 +1,156 @@
+"""The record of one Hugging Face model family, and the registry of records (torch-free data).
+
+A ``Family`` says everything megatron_pack knows about a family: its ``model_type`` and
+``architectures``, the ``model.*`` keys it fixes beyond the common derivation, the config.json
+keys it refuses, and its name rules (HF tensor names <-> megatron-core parameter names, each with
+the transform that joins them and the HF shape config.json implies). A rule names its transform
+by the name it is registered under in ``megatron_pack.model.hf.transforms``; this layer knows only
+the name, so ``load_config`` reads the records without torch and without the model layer.
+
+Example (Llama's fused MLP input, per layer)::
+
+    Rule("decoder.layers.{i}.mlp.linear_fc1.weight",
+         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+         "gate_up", ("ffn", "hidden"))
+
+``{i}`` is the layer and ``{e}`` the expert of a mixture-of-experts layer: local indices in the
+megatron-core name (a pipeline stage's layer 0, an expert-parallel rank's expert 0), global ones
+in the HF names (``megatron_pack.model.hf.rules.Placement`` gives the offsets).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+             "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "activation",
+             "rotary_base", "norm_epsilon", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
+             "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_position_embeddings")
+"""The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
+
+SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts")
+"""Names a rule's ``shape`` may use: hidden size, FFN size, vocabulary, head dim, all query heads
+(heads x head dim), all key/value heads (groups x head dim) and the experts of a MoE layer (a
+router's rows); ``transforms.Dims.size`` resolves them."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One megatron-core parameter and the Hugging Face tensor(s) it is made of."""
+
+    mcore: str
+    """megatron-core name in the model chunk; ``{i}`` its local layer, ``{e}`` its local expert."""
+    hf: tuple[str, ...]
+    """Hugging Face name(s), in the order the transform joins them; ``{i}`` / ``{e}`` global indices."""
+    kind: str
+    """The transform's registered name: 'replicated', 'row', 'vocab', 'qkv', 'gate_up', ..."""
+    shape: Optional[tuple[str, ...]] = None
+    """Each HF tensor's shape in ``SHAPE_SIZES`` names; for 'qkv' one head's (the transform counts the heads)."""
+
+    def __post_init__(self):
+        for placeholder in ("{i}", "{e}"):
+            if any(placeholder in h for h in self.hf) != (placeholder in self.mcore):
+                raise ValueError(f"rule {self.mcore}: {placeholder} must be in the megatron-core name and in every "
+                                 f"Hugging Face name, or in neither ({self.hf}).")
+        unknown = [s for s in self.shape or () if s not in SHAPE_SIZES]
+        if unknown:
+            raise ValueError(f"rule {self.mcore}: shape names {unknown} are not sizes; use {list(SHAPE_SIZES)}.")
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.mcore
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.mcore
+
+    def names(self, layer: Optional[int] = None, expert: Optional[int] = None, *, layer_offset: int = 0,
+              expert_offset: int = 0) -> tuple[str, tuple[str, ...]]:
+        """(megatron-core name, HF names) of local ``layer`` / ``expert``: local indices on the
+        megatron-core side, plus the offsets on the HF side.
+
+        >>> Rule("decoder.layers.{i}.x", ("model.layers.{i}.x",), "replicated").names(0, layer_offset=4)
+        ('decoder.layers.0.x', ('model.layers.4.x',))
+        """
+        local = {"i": layer, "e": expert}
+        glob = {"i": None if layer is None else layer + layer_offset,
+                "e": None if expert is None else expert + expert_offset}
+        return _fill(self.mcore, local), tuple(_fill(h, glob) for h in self.hf)
+
+
+def _fill(name: str, values: dict[str, Optional[int]]) -> str:
+    for key, value in values.items():
+        if value is not None:
+            name = name.replace("{" + key + "}", str(value))
+    return name
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """A config.json key the family refuses when it is present with a value not in ``allowed``.
+
+    >>> window = Refuse("sliding_window", "is not supported.", allowed=(None,))
+    >>> window.problem({"sliding_window": 4096}, "x", "mistral", "")
+    'x: sliding_window=4096 is not supported.'
+    """
+
+    key: str
+    why: str
+    """Completes ``<where>: <key>=<value> ``; ``{model_type}`` and ``{supported}`` are filled in."""
+    allowed: tuple = (None, False)
+    """Values that pass (by default JSON null, false and 0)."""
+
+    def problem(self, hf: dict[str, Any], where: str, model_type: str, supported: str) -> Optional[str]:
+        if self.key not in hf or hf[self.key] in self.allowed:
+            return None
+        why = self.why.format(model_type=model_type, supported=supported)
+        return f"{where}: {self.key}={_show(hf[self.key])} {why}"
+
+
+def _show(value: Any) -> str:
+    """config.json values as a user reads them: true / null / 4096 / 'gelu'."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything about one Hugging Face model family (``families.py`` holds the supported ones)."""
+
+    model_type: str
+    """config.json's ``model_type``."""
+    summary: str
+    """What is supported, for the refusal messages and docs/models.md."""
+    architectures: tuple[str, ...]
+    """config.json ``architectures`` accepted (one of them)."""
+    rules: tuple[Rule, ...]
+    """The name rules, in the order tensors are loaded and exported."""
+    model_keys: dict[str, Any] = field(default_factory=dict)
+    """``model.*`` keys this family fixes over the common derivation (Qwen2: ``add_qkv_bias=True``)."""
+    refused: tuple[Refuse, ...] = ()
+    """config.json keys refused, in order, after the checks every family shares."""
+    ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    """HF tensor name endings that are not weights (buffers recomputed from config.json)."""
+
+    def __post_init__(self):
+        unknown = sorted(set(self.model_keys) - set(ARCH_KEYS))
+        if unknown:
+            raise ValueError(f"family {self.model_type}: model_keys {unknown} are not config.json-derived model.* "
+                             f"keys ({', '.join(ARCH_KEYS)}).")
+        mcore = [r.mcore for r in self.rules]
+        if len(set(mcore)) != len(mcore):
+            raise ValueError(f"family {self.model_type}: a megatron-core name has two rules.")
+
+
+FAMILIES: dict[str, Family] = {}
+"""model_type -> record, in the order the supported list is shown."""
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to the supported list (its transforms must be registered in model/hf/transforms.py)."""
+    if family.model_type in FAMILIES:
+        raise ValueError(f"model_type {family.model_type!r} already has a family record.")
+    FAMILIES[family.model_type] = family
+    return family
