@@ -8,8 +8,9 @@ sample alone) evaluated on the weights the stages hold (gathered from every stag
 
 1. the global per-token loss and every parameter gradient, relative <= 1e-5;
 2. the step outcome (loss, target count) is the same on every rank of the world;
-3. the shape exchange runs for variable packs and is skipped with fixed shapes;
-4. the Megatron-Bridge #2952 trap: the activation a middle stage sends on for a pack equals, row
+3. the validation loss (forward only through the stages) equals the reference on every rank;
+4. the shape exchange runs for variable packs and is skipped with fixed shapes;
+5. the Megatron-Bridge #2952 trap: the activation a middle stage sends on for a pack equals, row
    for row, the activation of each of its samples run alone (and a model that attends across
    the pack's boundaries, ``pack_causal``, does not pass: the check can fail).
 
@@ -213,6 +214,12 @@ def _run_case(case, rank: int, packs) -> dict:
             out.update(trap)
     params = _whole_model({n: _full_param(p, p, state) for n, p in model.named_parameters()},
                           stage.layer_offset, state)
+    from megatron_pack.training.eval import evaluate
+    from megatron_pack.training.step import forward_step
+
+    mine = _batches(packs, fixed)[state.dp_rank::state.dp_size]
+    out["eval_loss"] = evaluate(model, mine, forward_step_func=forward_step, group=state.pg_collection.dp_cp,
+                                link=link).loss  # before the step: the reference's weights
     ddp = wrap_ddp(cfg, model, state)
     outcome = _step(cfg, state, ddp, _batches(packs, fixed), link)
     grads = _whole_model({n: _full_param(p.main_grad, p, state) for n, p in model.named_parameters()},
@@ -261,6 +268,12 @@ def test_loss_and_gradients_equal_float64_reference(world, case):
     assert int(rank0[f"{case}/num_grads"]) >= _num_params(case) - 1  # ... and compared (tied: once)
     assert abs(float(rank0[f"{case}/loss"]) - float(rank0[f"{case}/ref_loss"])) <= 1e-5 * float(rank0[f"{case}/ref_loss"])
     assert float(rank0[f"{case}/grad_rel"]) <= 1e-5
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_validation_loss_through_the_pipeline_equals_reference(world, case):
+    ref = float(world[0][f"{case}/ref_loss"])
+    assert all(abs(float(r[f"{case}/eval_loss"]) - ref) <= 1e-5 * ref for r in world)  # on every stage
 
 
 @pytest.mark.parametrize("case", CASE_IDS)
