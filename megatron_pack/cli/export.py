@@ -68,28 +68,10 @@ def _hf_source(step_dir: Path) -> Path:
 
 
 def read_model_shards(step_dir: Path) -> list[dict]:
-    """Every TP rank's model tensors of a training checkpoint, in one process: a layout-free
-    checkpoint (the trainer's) as one TP=1 shard, an older one as its ``model/tp<r>/<name>`` shards."""
-    import torch
-    import torch.distributed.checkpoint as dcp
+    """Every TP rank's model tensors of checkpoint ``step_dir`` in one process (``training.model_reader``)."""
+    from megatron_pack.training.model_reader import CheckpointModel
 
-    from megatron_pack.training.checkpoint import SHARDED_FORMAT, checkpoint_reader, read_full_model, read_meta
-
-    if read_meta(step_dir).get("format") == SHARDED_FORMAT:  # layout-free: read as one TP=1 shard
-        return [read_full_model(step_dir)]
-    tp = int(read_meta(step_dir).get("tensor_model_parallel_size", 1))
-    stored = checkpoint_reader(step_dir).read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
-             if key.startswith("model/")}
-    if not state:
-        raise ValueError(f"export.checkpoint ({step_dir}) holds no model tensors (model/tp<r>/...); it is not a "
-                         "megatron_pack training checkpoint.")
-    dcp.load(state, storage_reader=checkpoint_reader(step_dir), no_dist=True)
-    shards: list[dict] = [{} for _ in range(tp)]
-    for key, tensor in state.items():
-        _, rank, name = key.split("/", 2)
-        shards[int(rank.removeprefix("tp"))][name] = tensor
-    return shards
+    return CheckpointModel(step_dir, "export.checkpoint").shards()
 
 
 def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = None,
@@ -162,9 +144,9 @@ def _write_template(cfg, template: Optional[dict], out) -> None:
 
 def _checkpoint_peft(step_dir: Path) -> dict | None:
     """The ``peft`` block of a checkpoint's meta.json (None: a full fine-tuning checkpoint)."""
-    from megatron_pack.training.checkpoint import read_meta
+    from megatron_pack.training.model_reader import CheckpointModel
 
-    return read_meta(step_dir).get("peft")
+    return CheckpointModel(step_dir, "export.checkpoint").peft
 
 
 def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out, template: Optional[dict]) -> int:

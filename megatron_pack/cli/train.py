@@ -64,7 +64,7 @@ def run_line(cfg, state, dataset, validation) -> str:
     model = f"{m.name} ({m.num_layers} layers, hidden {m.hidden_size}"
     model += f", from {m.pretrained})" if m.pretrained else ")"
     model += " + LoRA" if cfg.peft.method == "lora" else ""
-    layout = state.describe().split(";", 1)[0]
+    layout = state.dims.describe().split(";", 1)[0]
     return (f"run {t.output_dir}: {steps} of {batch}, lr {t.lr:.2e} | model {model} | parallel layout: {layout} | "
             f"{describe_data(dataset, validation)} | resolved config: {t.output_dir}/config.yaml")
 

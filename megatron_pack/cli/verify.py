@@ -86,84 +86,22 @@ def single_process_config(cfg):
     return dataclasses.replace(cfg, parallel=ParallelConfig(backend=cfg.parallel.backend))
 
 
-def _merge_tp_shards(shards: list[torch.Tensor], param: torch.nn.Parameter) -> torch.Tensor:
-    """Full tensor from TP shards (rank order), honouring megatron's partition dim and stride."""
-    if len(shards) == 1 or not getattr(param, "tensor_model_parallel", False):
-        return shards[0]
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
-
-
 def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
-    """Load a training checkpoint's model weights (any TP size) into a TP=1 model; returns its path.
+    """Load a training checkpoint's model weights (either format, any layout) into a TP=1 model; returns
+    its path. ``checkpoint`` is a checkpoint directory (``step_00000010``) or the ``checkpoint.save``
+    root, whose newest intact checkpoint is used (``training.model_reader``, the reader train and export use)."""
+    from megatron_pack.training.model_reader import CheckpointModel
 
-    ``checkpoint`` is a checkpoint directory (``step_00000010``) or the ``checkpoint.save`` root,
-    whose ``latest`` is used. Keys are ``model/tp<r>/<parameter name>`` (megatron_pack.training).
-    """
-    import torch.distributed.checkpoint as dcp
-
-    from megatron_pack.training.checkpoint import SHARDED_FORMAT, checkpoint_reader, read_full_model, read_meta
-
-    from megatron_pack.training.checkpoint_files import verified_checkpoint
-
-    path = verified_checkpoint(checkpoint, "verify.checkpoint")  # every file against its manifest
-    meta = read_meta(path)
-    if meta.get("format") == SHARDED_FORMAT:  # layout-free (the trainer's): the TP=1 tensors
-        full = read_full_model(path)
-        with torch.no_grad():
-            for name, param in _checkpointed_params(model, meta, path):
-                if name not in full or full[name].shape != param.shape:
-                    raise ValueError(f"checkpoint {path}: {name} is missing or has another shape; it was written for "
-                                     "another model: use the same model.* settings as the training run.")
-                param.copy_(full[name])
-        return path
-    tp = int(meta.get("tensor_model_parallel_size", 1))
-    stored = checkpoint_reader(path).read_metadata().state_dict_metadata  # .metadata via the allowlist, not pickle
-    named = _checkpointed_params(model, meta, path)
-    state = {}
-    for name, param in named:
-        keys = [f"model/tp{r}/{name}" for r in range(tp)]
-        missing = [k for k in keys if k not in stored]
-        if missing:
-            raise ValueError(f"checkpoint {path} has no {missing[0]}: it was written for another model; "
-                             "use the same model.* settings as the training run.")
-        state.update({k: torch.empty(tuple(stored[k].size), dtype=param.dtype) for k in keys})
-    dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
-    with torch.no_grad():
-        for name, param in named:
-            full = _merge_tp_shards([state[f"model/tp{r}/{name}"] for r in range(tp)], param)
-            if full.shape != param.shape:
-                raise ValueError(f"checkpoint {path}: {name} has shape {tuple(full.shape)}, the model expects "
-                                 f"{tuple(param.shape)}; use the same model.* settings as the training run.")
-            param.copy_(full)
-    return path
-
-
-def _checkpointed_params(model: torch.nn.Module, meta: dict, path: Path) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters a checkpoint holds: all of them, or the LoRA adapters of a peft=lora run
-    (its base is model.pretrained, already loaded)."""
-    from megatron_pack.model.peft.lora import is_adapter_param
-
-    named = list(model.named_parameters())
-    peft = meta.get("peft")
-    has_adapters = any(is_adapter_param(n) for n, _ in named)
-    if peft and not has_adapters:
-        raise ValueError(f"checkpoint {path} holds LoRA adapters (peft=lora, dim {peft['dim']}, targets "
-                         f"{peft['target_modules']}); add peft=lora with the same peft.* and model.pretrained={peft['base_model']}.")
-    if has_adapters and not peft:
-        raise ValueError(f"checkpoint {path} is a full fine-tuning checkpoint; drop peft=lora to load it.")
-    return [(n, p) for n, p in named if is_adapter_param(n)] if peft else named
+    reader = CheckpointModel.open(checkpoint, "verify.checkpoint")
+    reader.load_into(model)
+    return reader.path
 
 
 def _logits(model, batch: dict, device: torch.device) -> torch.Tensor:
     """[T, V] float32 logits of a THD batch (TP = CP = 1)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from megatron_pack.training.step import get_packed_seq_params
 
-    params = get_packed_seq_params(batch)
-    params = PackedSeqParams(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in vars(params).items()})
+    params = get_packed_seq_params(batch, device=device)
     with torch.no_grad():
         logits = model(batch["tokens"].to(device), batch["position_ids"].to(device), None, packed_seq_params=params)
     return logits[0].float()
@@ -302,14 +240,11 @@ def _full_logits(logits: torch.Tensor, batch: dict, state) -> torch.Tensor:
 
 
 def _ours(model, batch: dict, state) -> torch.Tensor:
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from megatron_pack.parallel.cp import slice_thd_batch
     from megatron_pack.training.step import get_packed_seq_params
 
     local = slice_thd_batch(batch, state.cp_size, state.cp_rank)
-    params = get_packed_seq_params(batch)
-    params = PackedSeqParams(**{k: (v.to(state.device) if torch.is_tensor(v) else v) for k, v in vars(params).items()})
+    params = get_packed_seq_params(batch, device=state.device)
     with torch.no_grad():
         logits = model(local["tokens"].to(state.device), local["position_ids"].to(state.device), None,
                        packed_seq_params=params)

@@ -36,10 +36,11 @@ if TYPE_CHECKING:
 class ParallelState:
     """The parallel layout of this run and this process's place in it: one object, built once.
 
-    ``dims`` holds the degrees (``ParallelDims``: world = dp x cp x tp x pp, the pad multiple),
-    the same object ``megatron-pack train`` describes before groups start; the rest is what
-    only exists once ``torch.distributed`` runs: this process's ranks and its process groups,
-    expert groups included (``pg_collection.ep`` / ``.expt_dp``, for megatron-core's DDP).
+    ``dims`` holds the degrees (``ParallelDims``: world = dp x cp x tp x pp, the pad multiple,
+    sequence parallelism, ``describe()``), the same object ``megatron-pack train`` describes before
+    groups start; the sizes below read it, so each degree has one home. The rest is what only
+    exists once ``torch.distributed`` runs: this process's ranks and its process groups, expert
+    groups included (``pg_collection.ep`` / ``.expt_dp``, for megatron-core's DDP).
     """
 
     dims: ParallelDims
@@ -56,12 +57,16 @@ class ParallelState:
     """Rank inside the context-parallel group."""
     dp_rank: int
     """Rank inside the data-parallel group."""
+    pp_rank: int
+    """Rank inside the pipeline-parallel group: the stage this rank runs (0 at PP=1)."""
     tp_group: dist.ProcessGroup
     """Tensor-parallel process group."""
     cp_group: dist.ProcessGroup
     """Context-parallel process group."""
     dp_group: dist.ProcessGroup
     """Data-parallel process group (without CP)."""
+    pp_group: dist.ProcessGroup
+    """Pipeline-parallel process group: the ranks of every stage of this rank's pipeline (this rank alone at PP=1)."""
     dp_cp_group: dist.ProcessGroup
     """Data x context-parallel group: gradients and token counts are summed over it."""
     pg_collection: "ProcessGroupCollection"
@@ -89,18 +94,19 @@ class ParallelState:
         return self.dims.dp
 
     @property
-    def sequence_parallel(self) -> bool:
-        """Activations are sharded along the sequence inside TP regions."""
-        return self.dims.sp
+    def pp_size(self) -> int:
+        """Pipeline-parallel degree (stages)."""
+        return self.dims.pp
 
     @property
-    def num_dp_cp_ranks(self) -> int:
-        """Size of the DP x CP group."""
-        return self.dims.dp_cp
+    def is_first_stage(self) -> bool:
+        """This rank runs the first pipeline stage (the embedding; reads the tokens)."""
+        return self.pp_rank == 0
 
-    def describe(self) -> str:
-        """One line naming every degree and where the pad multiple comes from."""
-        return self.dims.describe()
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank runs the last pipeline stage (the output layer; computes the loss)."""
+        return self.pp_rank == self.pp_size - 1
 
 
 _MEGATRON_GROUPS = ("tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "intra_dp_cp", "tp_dp_cp", "embd", "pos_embd",
@@ -181,12 +187,14 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(_MEGATRON_GROUPS))
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
               else torch.device("cpu"))
-    sizes = {"tp": (pgs.tp.size(), dims.tp), "cp": (pgs.cp.size(), dims.cp), "dp": (pgs.dp.size(), dims.dp)}
+    sizes = {"tp": (pgs.tp.size(), dims.tp), "cp": (pgs.cp.size(), dims.cp), "dp": (pgs.dp.size(), dims.dp),
+             "pp": (pgs.pp.size(), dims.pp)}
     assert all(got == want for got, want in sizes.values()), f"megatron-core built other groups than {dims}: {sizes}"
     return ParallelState(
         dims=dims, rank=dist.get_rank(), backend=dist.get_backend(), device=device,
-        tp_rank=pgs.tp.rank(), cp_rank=pgs.cp.rank(), dp_rank=pgs.dp.rank(),
-        tp_group=pgs.tp, cp_group=pgs.cp, dp_group=pgs.dp, dp_cp_group=pgs.dp_cp, pg_collection=pgs,
+        tp_rank=pgs.tp.rank(), cp_rank=pgs.cp.rank(), dp_rank=pgs.dp.rank(), pp_rank=pgs.pp.rank(),
+        tp_group=pgs.tp, cp_group=pgs.cp, dp_group=pgs.dp, pp_group=pgs.pp, dp_cp_group=pgs.dp_cp,
+        pg_collection=pgs,
     )
 
 

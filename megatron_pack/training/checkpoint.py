@@ -20,7 +20,7 @@ complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Resum
 the newest intact one and says so (``collective_verify``). The trainer's
 checkpoints (``meta.json`` ``format``: ``SHARDED_FORMAT``) store each parameter and its AdamW
 state once, by global identity, so any layout reads them back: a run saved at TP2 x CP2 resumes at
-TP1, DP2 or any other (``load_sharded_checkpoint``; on GPU megatron-core's per-rank optimizer state
+TP1, DP2 or any other (``model_reader.CheckpointModel.read_slices``; on GPU megatron-core's per-rank optimizer state
 resumes at the same layout only, checked with a clear error). Checkpoints of the older format
 (keys ``model/tp<r>/<param>``, ``save_checkpoint`` / ``load_checkpoint`` without ``sharded_state``)
 resume only at the tensor-parallel size that wrote them.
@@ -107,7 +107,7 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     is this rank's plain state (RNG, sampler, schedule); ``meta`` is recorded in ``meta.json``
     (it must hold ``tensor_model_parallel_size`` for the resume check). ``sharded_state`` (from
     ``resharding.sharded_state``, the trainer's format) is written by global identity instead,
-    so any layout can read it back (``load_sharded_checkpoint``); then the two plain dicts are empty.
+    so any layout can read it back (``model_reader.CheckpointModel.read_slices``); then the two plain dicts are empty.
     """
     root = Path(root)
     final, tmp = root / step_dirname(step), root / f"tmp.{step_dirname(step)}"
@@ -252,26 +252,6 @@ def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
     dcp.load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
     rank_file = path / f"rank_{_rank():05d}.pt"
     return torch.load(rank_file, weights_only=True)
-
-
-
-
-
-def load_sharded_checkpoint(path: str | Path, sharded_state: dict) -> dict[str, torch.Tensor]:
-    """Read the slices ``sharded_state`` (this run's layout) asks for from checkpoint ``path``.
-
-    Any layout reads a checkpoint written by any other (see ``megatron_pack.training.resharding``).
-    Raises ``ValueError`` for a checkpoint in the older per-TP-rank format.
-    """
-    from megatron_pack.training.resharding import load_sharded
-
-    path = Path(path)
-    saved = read_meta(path)
-    if saved.get("format") != SHARDED_FORMAT:
-        raise ValueError(f"checkpoint {path} was written in the older per-tensor-parallel-rank format "
-                         f"(meta.json format {saved.get('format')!r}, expected {SHARDED_FORMAT!r}); it cannot be "
-                         "resharded: resume it with the megatron_pack version that wrote it, or start a new run.")
-    return load_sharded(sharded_state, checkpoint_reader(path))
 
 
 def read_rank_state(path: str | Path, rank: Optional[int] = None) -> Optional[dict]:

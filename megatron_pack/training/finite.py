@@ -7,11 +7,13 @@ the data. So:
   shard, and the count of non-finite tensors is summed over the world: every rank stops together,
   and a rank that holds one names it (``rank 1: weights: decoder.layers.0.mlp.linear_fc2.weight of
   model.pretrained (DIR) holds 1 NaN and 0 Inf values; ...``);
-- when a step's global loss is not finite, the same check runs first (``training.loop``): non-finite
+- when a step's global loss is not finite, the same check runs first (``training.outcome``): non-finite
   weights are reported as **weights**, otherwise the pack's samples as **data**.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,16 +23,20 @@ class NonFiniteWeights(FloatingPointError):
     """A weight holds NaN or Inf; the message (one line) names the tensor on the rank that holds it."""
 
 
-def nonfinite_parameters(model: torch.nn.Module) -> list[tuple[str, int, int]]:
-    """``(name, number of NaN, number of Inf)`` of every parameter of this rank's shard that is not finite."""
-    from megatron_pack.training.resharding import core_model
+def nonfinite_parameters(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[tuple[str, int, int]]:
+    """``(name, number of NaN, number of Inf)`` of every parameter of this rank's shard that is not finite;
+    ``model`` is one model or this rank's model chunks (names then start ``chunk<i>.`` when there are several)."""
+    from megatron_pack.training.chunks import core_model
 
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     out = []
     with torch.no_grad():
-        for name, param in core_model(model).named_parameters():
-            if not bool(torch.isfinite(param).all()):
-                num_nan = int(torch.isnan(param).sum())
-                out.append((name, num_nan, int(param.numel() - torch.isfinite(param).sum()) - num_nan))
+        for i, chunk in enumerate(chunks):
+            prefix = f"chunk{i}." if len(chunks) > 1 else ""
+            for name, param in core_model(chunk).named_parameters():
+                if not bool(torch.isfinite(param).all()):
+                    num_nan = int(torch.isnan(param).sum())
+                    out.append((prefix + name, num_nan, int(param.numel() - torch.isfinite(param).sum()) - num_nan))
     return out
 
 
@@ -43,7 +49,8 @@ def world_count(count: int, device: torch.device) -> int:
     return int(total.item())
 
 
-def check_weights(model: torch.nn.Module, *, where: str, device: torch.device, source: str, fix: str) -> None:
+def check_weights(model: torch.nn.Module | Sequence[torch.nn.Module], *, where: str, device: torch.device, source: str,
+                  fix: str) -> None:
     """Raise ``NonFiniteWeights`` on every rank when any rank's shard holds NaN or Inf (collective).
 
     ``where`` starts the line (``rank 1`` or ``step 3, rank 1``); ``source`` says where the weights

@@ -180,18 +180,25 @@ class StepCounts:
             if self.bucket_real_tokens:
                 self.bucket_real_tokens[bucket] += real_tokens
 
+    def to_vector(self) -> list[float]:
+        """``[loss sum, target tokens, real tokens, slots, samples, *bucket real tokens, *source loss]``."""
+        return [self.loss_sum, self.target_tokens, self.real_tokens, self.slots, self.samples,
+                *self.bucket_real_tokens, *self.source_loss]
+
+    @classmethod
+    def from_vector(cls, values: list[float], num_buckets: int) -> "StepCounts":
+        """The inverse of :meth:`to_vector` (``num_buckets``: the length of ``bucket_real_tokens``)."""
+        loss_sum, target, real, slots, samples = values[:5]
+        return cls(loss_sum, target, int(real), int(slots), int(samples),
+                   [int(v) for v in values[5:5 + num_buckets]], list(values[5 + num_buckets:]))
+
     def reduce(self, group: Optional[dist.ProcessGroup]) -> "StepCounts":
         """Sum over ``group`` (the DP x CP group) in one float64 all-reduce (breakdowns included:
         every rank holds lists of the same sizes, so every rank enters the same collective)."""
-        vec = torch.tensor([self.loss_sum, self.target_tokens, self.real_tokens, self.slots, self.samples,
-                            *self.bucket_real_tokens, *self.source_loss], dtype=torch.float64)
+        vec = torch.tensor(self.to_vector(), dtype=torch.float64)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(vec, group=group)
-        values = vec.tolist()
-        loss_sum, target, real, slots, samples = values[:5]
-        num_buckets = len(self.bucket_real_tokens)
-        return StepCounts(loss_sum, target, int(real), int(slots), int(samples),
-                          [int(v) for v in values[5:5 + num_buckets]], values[5 + num_buckets:])
+        return StepCounts.from_vector(vec.tolist(), len(self.bucket_real_tokens))
 
     def lm_loss(self) -> float:
         """Token-weighted mean loss; 0.0 when no token in the global batch carries loss."""

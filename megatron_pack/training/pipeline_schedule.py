@@ -33,19 +33,31 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megatron_pack.parallel.pipeline import StageLink
+from megatron_pack.training.chunks import core_model
 
-__all__ = ["forward_backward_1f1b", "set_input_tensor"]
+__all__ = ["forward_backward_1f1b", "set_input_tensor", "stage_link"]
 
 
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+def stage_link(cfg, state) -> Optional[StageLink]:
+    """This rank's ``StageLink`` for ``cfg`` (None without pipeline stages): activations in the
+    dtype the stages exchange (bfloat16 with ``train.bf16``), and without the shape exchange when
+    every pack has one shape (``model.builder.fixed_pack_shapes``)."""
+    if state.pp_size == 1:
+        return None
+    from megatron_pack.model.builder import fixed_pack_shapes
+    from megatron_pack.parallel.pipeline import fixed_activation_shape
+
+    p = cfg.parallel
+    shape = (fixed_activation_shape(cfg.packing.packed_sequence_size, cp=p.context_parallel_size,
+                                    tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
+                                    hidden_size=cfg.model.hidden_size) if fixed_pack_shapes(cfg) else None)
+    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    return StageLink(state.pp_group, dtype=dtype, fixed_shape=shape, device=state.device)
 
 
 def set_input_tensor(model: torch.nn.Module, tensor: Optional[torch.Tensor]) -> None:
     """The activation this stage starts from (None on the first stage: the embedding's)."""
-    _core(model).set_input_tensor(tensor)
+    core_model(model).set_input_tensor(tensor)
 
 
 class _Stage:

@@ -29,15 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megatron_pack.training.chunks import core_model
+
 OPTIM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 """Per-parameter AdamW state kept in checkpoints (``step`` is one scalar, stored once)."""
-
-
-def core_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def model_sharded_tensors(model: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Any]:

@@ -10,10 +10,12 @@ all-reduces them over DP x CP and scales gradients by ``1 / count`` once. Nothin
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_pack.training.chunks import core_model
 
 
 def _cu_seqlens(batch: Mapping[str, Any], key: str) -> torch.Tensor:
@@ -63,7 +65,8 @@ def _has_padding(batch: Mapping[str, Any]) -> bool:
     return not torch.equal(real, padded)
 
 
-def get_packed_seq_params(batch: Mapping[str, Any], *, force_padded: bool = False) -> PackedSeqParams:
+def get_packed_seq_params(batch: Mapping[str, Any], *, force_padded: bool = False,
+                          device: Optional[torch.device] = None) -> PackedSeqParams:
     """megatron-core ``PackedSeqParams`` for a THD batch (from ``collate_thd`` or ``pack_batch_sequences``).
 
     ``cu_seqlens_q/kv`` are the real cumulative lengths; ``cu_seqlens_q/kv_padded`` the physical
@@ -72,7 +75,7 @@ def get_packed_seq_params(batch: Mapping[str, Any], *, force_padded: bool = Fals
     every step). ``max_seqlen_q/kv`` are Python ints. A DataLoader's leading batch dimension of 1
     is squeezed (cu_seqlens [1, N+1], max_seqlen tensor([8])); several rows are refused naming the
     key (pack them into one row first). The tensors are the batch's own int32 CPU
-    tensors; the caller moves the result to the device. No device tensor is read.
+    tensors, copied to ``device`` when it is an accelerator (asynchronously: no device tensor is read).
 
     Example: ``cu_seqlens=[0,2,4]``, ``cu_seqlens_padded=[0,4,8]``, ``max_seqlen=4`` ->
     ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=[0,2,4], cu_seqlens_q_padded=[0,4,8],
@@ -84,6 +87,9 @@ def get_packed_seq_params(batch: Mapping[str, Any], *, force_padded: bool = Fals
         raise ValueError(f"batch['cu_seqlens'] has {cu_seqlens.numel()} entries but batch['cu_seqlens_padded'] has "
                          f"{padded.numel()}; both list the same N sub-sequences (N+1 entries each).")
     max_seqlen = _max_seqlen(batch)
+    if device is not None and torch.device(device).type != "cpu":
+        cu_seqlens = cu_seqlens.to(device, non_blocking=True)
+        padded = padded.to(device, non_blocking=True) if padded is not None else None
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
@@ -147,13 +153,6 @@ def check_finite(loss_sum: torch.Tensor, batch: Mapping[str, Any]) -> None:
         "that diverges, lower train.lr, or drop them from data.input.")
 
 
-def _core_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside megatron-core wrappers (DDP, Float16Module)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _check_stage_input(core: torch.nn.Module, num_local_tokens: int) -> None:
     """A later pipeline stage's received activation covers the tokens of the pack its own loader gave."""
     received = core.decoder.input_tensor
@@ -180,14 +179,11 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     from megatron_pack.parallel.cp import slice_thd_batch
 
     batch = next(data_iterator)
-    core = _core_model(model)
+    core = core_model(model)
     cp_group = core.pg_collection.cp
     local = slice_thd_batch(batch, cp_group.size(), cp_group.rank())
-    params = get_packed_seq_params(batch)
     device = next(core.parameters()).device
-    if device.type != "cpu":
-        params = PackedSeqParams(**{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
-                                    for k, v in vars(params).items()})
+    params = get_packed_seq_params(batch, device=device)
     # a pipeline stage uses the tokens only where they enter (first stage), labels and the loss
     # mask where the loss is (last stage); every stage uses the boundaries in ``params``
     tokens = local["tokens"].to(device, non_blocking=True) if core.pre_process else None

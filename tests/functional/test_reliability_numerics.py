@@ -1,6 +1,6 @@
 """Numerics on real gloo ranks (CPU, float32): NaN is reported precisely, masked ranks train normally.
 
-One spawned world of 2 ranks runs the three parts:
+One spawned world of 2 ranks runs the four parts:
 
 1. DP=2, 4 steps. A NaN put into the per-token losses of one micro-batch at *masked* positions
    (prompt, padding) on rank 0 at step 2 changes nothing: ``loss_func`` never lets a masked
@@ -15,6 +15,12 @@ One spawned world of 2 ranks runs the three parts:
    is 1e-3 there so near-zero gradients do not amplify rounding), and the loss falls. (One
    step's gradients are also checked in
    tests/functional/test_train_parallel.py::test_fully_masked_cp_rank_gives_reference_gradients.)
+4. A pipeline of 2 stages (stage = rank, DP=1), simulated with its own groups: only the last stage
+   (rank 1) holds loss reports; the step outcome it reduces reaches stage 0 by the broadcast over
+   the pipeline group (``training/outcome.py``), so both ranks hold the same counts, extra reports
+   and finalize_model_grads token count. A NaN loss on the last stage, and a NaN weight on the
+   first stage (which holds no loss), stop both ranks at once, each with its own line (a rank that
+   skipped a collective would hang the world: the deadline fails the test instead).
 """
 
 from __future__ import annotations
@@ -158,8 +164,67 @@ def _train(tmp: str, *, cp: int, packs: list[dict], global_batch: int) -> dict:
     return out
 
 
+# the pipeline case: the last stage's micro-batches (loss sum, target tokens, aux report) and packs
+PIPELINE_REPORTS = [(3.0, 6.0, 0.5), (1.0, 2.0, 0.25)]
+PIPELINE_PACKS = [([1, 2], 9, 16), ([3], 4, 16)]
+
+
+def _pipeline_micro_batches(state, *, nan: bool):
+    """(reports, packs, batches) of this rank: the last stage's, nothing on the first."""
+    from megatron_pack.training.schedule import PackInfo
+
+    if not state.is_last_stage:
+        return [], [], []
+    reports = [{"lm loss": torch.tensor([float("nan") if nan else s, n]), "aux": torch.tensor([a])}
+               for s, n, a in PIPELINE_REPORTS]
+    packs = [PackInfo(sample_ids=ids, real_tokens=real, slots=slots) for ids, real, slots in PIPELINE_PACKS]
+    batches = [{"sample_ids": torch.tensor(ids), "num_target_tokens": int(n)}
+               for (ids, _, _), (_, n, _) in zip(PIPELINE_PACKS, PIPELINE_REPORTS)]
+    return reports, packs, batches
+
+
+def _pipeline_check(outcome, state, reports, batches, chunk) -> str:
+    from megatron_pack.training.outcome import check_step_finite
+
+    try:
+        check_step_finite(outcome, step=3, model_chunks=[chunk], reports=reports, batches=batches, state=state)
+    except FloatingPointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _pipeline_case(rank: int, world_size: int) -> dict:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_pack.training.outcome import step_outcome
+
+    pp_group = dist.new_group(list(range(world_size)))
+    dp_groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    state = SimpleNamespace(rank=rank, pp_rank=rank, pp_size=world_size, is_last_stage=rank == world_size - 1,
+                            pp_group=pp_group, dp_cp_group=dp_groups[rank], cp_rank=0, device=torch.device("cpu"))
+    chunk = torch.nn.Linear(2, 2)
+    reports, packs, batches = _pipeline_micro_batches(state, nan=False)
+    outcome = step_outcome(reports, packs, state, num_buckets=0, num_sources=0)
+    c = outcome.counts
+    finite_line = _pipeline_check(outcome, state, reports, batches, chunk)
+    reports, packs, batches = _pipeline_micro_batches(state, nan=True)
+    nan_loss = step_outcome(reports, packs, state, num_buckets=0, num_sources=0)
+    nan_loss_line = _pipeline_check(nan_loss, state, reports, batches, chunk)
+    if rank == 0:
+        with torch.no_grad():
+            chunk.weight[0, 1] = float("nan")
+    nan_weight_line = _pipeline_check(nan_loss, state, reports, batches, chunk)
+    return {"pp.counts": [c.loss_sum, c.target_tokens, c.real_tokens, c.slots, c.samples],
+            "pp.local": outcome.local_target_tokens, "pp.aux": outcome.reports["aux"], "pp.finite": outcome.finite,
+            "pp.received": outcome.received, "pp.finite_line": finite_line, "pp.nan_finite": nan_loss.finite,
+            "pp.nan_loss_line": nan_loss_line, "pp.nan_weight_line": nan_weight_line}
+
+
 def _world(rank: int, world_size: int, tmp: str) -> dict:
-    out = _nan_case(rank, tmp)
+    out = _pipeline_case(rank, world_size)
+    out.update(_nan_case(rank, tmp))
     out.update(_weights_case(rank, tmp))
     packs = _packs(1, seed=3, masked_cp_rank=True) * CP_STEPS  # the same pack each step: the loss must fall
     out.update({f"cp2.{k}": v for k, v in _train(f"{tmp}/cp2", cp=2, packs=packs, global_batch=1).items()})
@@ -227,3 +292,21 @@ def test_cp_rank_without_target_tokens_trains_normally(ranks):
         assert float(np.abs(cp2[name] - dp2[name]).max()) / scale <= 1e-5, name
     for name in names:  # the masked CP rank holds the same parameters as its peer
         np.testing.assert_array_equal(ranks[1][f"cp2.{name}"], cp2[name])
+
+
+@pytest.mark.slow
+def test_every_pipeline_stage_gets_the_last_stages_outcome(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["pp.counts"].tolist() == [4.0, 8.0, 13, 32, 3], rank  # rank 1's two micro-batches
+        assert r["pp.aux"].tolist() == [0.75] and int(r["pp.local"]) == 8, rank
+        assert bool(r["pp.finite"]) and bool(r["pp.received"]) and str(r["pp.finite_line"]) == "no error", rank
+    # a NaN loss on the last stage: both stop; rank 1 names its first pack, stage 0 (no loss) defers to it
+    assert not any(bool(r["pp.nan_finite"]) for r in ranks)
+    last, first = str(ranks[1]["pp.nan_loss_line"]), str(ranks[0]["pp.nan_loss_line"])
+    assert last.startswith("FloatingPointError: step 3, rank 1: data") and "sample_ids [1, 2]" in last, last
+    assert first == ("FloatingPointError: step 3, rank 0: data (the weights are finite): the global lm loss is not "
+                     "finite; the pack that produced it is named in the error of another rank."), first
+    # a NaN weight on stage 0, which holds no loss: both report weights, rank 0 names the tensor
+    first, last = str(ranks[0]["pp.nan_weight_line"]), str(ranks[1]["pp.nan_weight_line"])
+    assert first.startswith("NonFiniteWeights: step 3, rank 0: weights: weight of the model after step 2 holds 1 NaN")
+    assert last.startswith("NonFiniteWeights: step 3, rank 1: weights: the shard of another rank"), last

@@ -105,7 +105,9 @@ def test_initialize_parallel_world_of_one(world_of_one):
     from megatron_pack.parallel.groups import initialize_parallel
 
     state = initialize_parallel(Config())
-    assert (state.world_size, state.tp_size, state.cp_size, state.dp_size, state.num_dp_cp_ranks) == (1, 1, 1, 1, 1)
+    assert (state.world_size, state.tp_size, state.cp_size, state.dp_size, state.dims.dp_cp) == (1, 1, 1, 1, 1)
+    assert (state.pp_rank, state.pp_size, state.pp_group.size(), state.is_first_stage, state.is_last_stage) == (
+        0, 1, 1, True, True)
     assert state.backend == "gloo" and state.device.type == "cpu"
     assert state.pg_collection.cp.size() == 1 and hasattr(state.pg_collection, "dp_cp")
     with pytest.raises(RuntimeError, match="destroy_parallel"):
@@ -135,7 +137,8 @@ def test_initialize_parallel_state_is_one_typed_layout(world_of_one):
 
     state = initialize_parallel(Config())
     assert isinstance(state.dims, ParallelDims) and state.dims == ParallelDims.from_config(Config(), world_size=1)
-    assert state.describe() == state.dims.describe()
+    # each degree has one home (dims); the state keeps only the public size names of DESIGN.md
+    assert not any(hasattr(state, name) for name in ("describe", "num_dp_cp_ranks", "sequence_parallel"))
     assert state.pg_collection.ep.size() == 1 and state.pg_collection.expt_dp.size() == 1
 
 

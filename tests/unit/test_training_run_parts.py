@@ -271,12 +271,11 @@ RANK_LOADER_CASES = [
 def test_another_tp_cp_layout_resumes_each_dp_ranks_own_loader_state(tmp_path, saved, run, rank_file):
     """Online loaders differ per DP rank: at another TP/CP layout with the same DP size a rank reads the
     loader state of the old rank with its DP rank (TP and CP rank 0), not rank 0's copy in meta.json."""
-    from megatron_pack.training.loop import Trainer
+    from megatron_pack.training.trainer_checkpoint import rank_loader_state
 
     tp, cp, dp = saved
     for rank in range(tp * cp * dp):
         torch.save({"loader": {"written_by": rank}}, tmp_path / f"rank_{rank:05d}.pt")
     meta = {"tensor_model_parallel_size": tp, "context_parallel_size": cp, "data_parallel_size": dp}
-    trainer = SimpleNamespace(state=SimpleNamespace(dp_size=run[0], dp_rank=run[1]))
-    got = Trainer._rank_loader_state(trainer, tmp_path, meta, None)
+    got = rank_loader_state(SimpleNamespace(dp_size=run[0], dp_rank=run[1]), tmp_path, meta, None)
     assert got == (None if rank_file is None else {"written_by": rank_file})

@@ -1,0 +1,156 @@
+"""One step's outcome, reached on the ranks that hold the loss and then known to every rank.
+
+The loss exists only where the model's last layer runs: on the last pipeline stage (every rank at
+PP=1). There each rank sums its micro-batches' reports and the packs it read, and the DP x CP group
+sums those in ONE float64 all-reduce (:func:`reduce_outcome`). The result, a :class:`StepOutcome`,
+is then broadcast from the last stage to the rest of its pipeline group
+(:meth:`StepOutcome.broadcast_from_last_stage`; nothing to send at PP=1), so every rank takes the
+same branch on the non-finite check and gives ``finalize_model_grads`` the same token count.
+
+Example (PP=2, DP=1, two micro-batches of 5 and 3 target tokens): stage 1 reduces
+``counts.target_tokens == 8`` and ``local_target_tokens == 8``; stage 0 holds no report, enters the
+broadcast with :meth:`StepOutcome.pending` and leaves it with the same outcome.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_pack.parallel.groups import ParallelState
+from megatron_pack.training.metrics import StepCounts
+
+COUNTED_REPORTS = ("lm loss", "source loss")
+"""Report keys the step counts itself (``StepCounts``); any other tensor in a report is summed under
+its name into ``StepOutcome.reports`` (e.g. a mixture-of-experts auxiliary loss)."""
+
+
+@dataclass
+class StepOutcome:
+    """What one step produced, the same on every rank once broadcast (every check branches on it)."""
+
+    counts: StepCounts
+    """Global counts: loss sum, target and real tokens, slots, samples, breakdowns, summed over DP x CP."""
+    local_target_tokens: int
+    """Target tokens of this rank's DP x CP shard (its pipeline's last stage), for ``finalize_model_grads``."""
+    finite: bool
+    """The global loss sum is finite."""
+    reports: dict[str, list[float]] = field(default_factory=dict)
+    """Every other report of the loss function, by name: summed over micro-batches and DP x CP."""
+    received: bool = True
+    """False on a placeholder (:meth:`pending`) that has not been through the broadcast yet."""
+
+    @classmethod
+    def pending(cls) -> "StepOutcome":
+        """The placeholder a rank without the loss enters the broadcast with."""
+        return cls(counts=StepCounts(), local_target_tokens=0, finite=True, received=False)
+
+    def broadcast_from_last_stage(self, state: ParallelState) -> "StepOutcome":
+        """The last pipeline stage's outcome on every rank of ``state.pp_group`` (collective: every
+        rank of the group calls it; a single-stage pipeline returns ``self``)."""
+        if state.pp_size == 1:
+            return self
+        if state.is_last_stage and not self.received:
+            raise AssertionError("the last pipeline stage must broadcast a reduced outcome, not a placeholder")
+        payload = [asdict(self) if state.is_last_stage else None]
+        src = dist.get_global_rank(state.pp_group, state.pp_size - 1)
+        dist.broadcast_object_list(payload, src=src, group=state.pp_group,
+                                   device=state.device if state.device.type == "cuda" else None)
+        return StepOutcome.from_dict(payload[0])
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepOutcome":
+        """The inverse of ``dataclasses.asdict`` (what the broadcast carries)."""
+        return cls(counts=StepCounts(**d["counts"]), local_target_tokens=int(d["local_target_tokens"]),
+                   finite=bool(d["finite"]), reports={k: list(v) for k, v in d["reports"].items()})
+
+    def num_tokens(self, device: torch.device) -> torch.Tensor:
+        """``local_target_tokens`` as the int32 tensor ``finalize_model_grads(num_tokens=...)`` sums over DP x CP."""
+        return torch.tensor(self.local_target_tokens, dtype=torch.int32, device=device)
+
+
+def _as_floats(value) -> list[float]:
+    return (value.detach().double().cpu().reshape(-1).tolist() if torch.is_tensor(value)
+            else [float(v) for v in (value if isinstance(value, (list, tuple)) else [value])])
+
+
+def local_counts(reports: Sequence[dict], packs: Sequence, *, num_buckets: int, num_sources: int,
+                 owns_packs: bool) -> tuple[StepCounts, int, dict[str, list[float]]]:
+    """This rank's counts over its micro-batches (``reports`` and ``packs``: one per micro-batch):
+    the ``StepCounts``, the target tokens, and the other reports summed by name. ``owns_packs``:
+    this rank counts the pack-level numbers (CP rank 0; the other CP ranks see slices of the same packs)."""
+    counts = StepCounts(bucket_real_tokens=[0] * num_buckets, source_loss=[0.0] * (2 * num_sources))
+    local_tokens, extra = 0, {}
+    for report, pack in zip(reports, packs):
+        loss_sum, num_tokens = _as_floats(report["lm loss"])
+        source_loss = _as_floats(report["source loss"]) if "source loss" in report else None
+        counts.add_pack(loss_sum=loss_sum, target_tokens=num_tokens, real_tokens=pack.real_tokens,
+                        slots=pack.slots, samples=len(pack.sample_ids), owns_pack=owns_packs, bucket=pack.bucket,
+                        source_loss=source_loss)
+        local_tokens += int(round(num_tokens))
+        for name in sorted(set(report) - set(COUNTED_REPORTS)):
+            values = _as_floats(report[name])
+            extra[name] = [a + b for a, b in zip(extra[name], values, strict=True)] if name in extra else values
+    return counts, local_tokens, extra
+
+
+def reduce_outcome(reports: Sequence[dict], packs: Sequence, *, num_buckets: int, num_sources: int,
+                   owns_packs: bool, group: Optional[dist.ProcessGroup]) -> StepOutcome:
+    """The step's outcome from this rank's micro-batches, summed over ``group`` (DP x CP) in one float64
+    all-reduce. Every rank of ``group`` calls it with reports of the same keys and sizes (the same
+    loss function), so every rank enters the same collective whatever its packs hold."""
+    counts, local_tokens, extra = local_counts(reports, packs, num_buckets=num_buckets, num_sources=num_sources,
+                                               owns_packs=owns_packs)
+    names = sorted(extra)
+    vec = torch.tensor(counts.to_vector() + [v for name in names for v in extra[name]], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(vec, group=group)
+    values = vec.tolist()
+    num_counts = len(counts.to_vector())
+    total = StepCounts.from_vector(values[:num_counts], num_buckets)
+    reduced, offset = {}, num_counts
+    for name in names:
+        reduced[name], offset = values[offset:offset + len(extra[name])], offset + len(extra[name])
+    return StepOutcome(counts=total, local_target_tokens=local_tokens, finite=math.isfinite(total.loss_sum),
+                       reports=reduced)
+
+
+def step_outcome(reports: Sequence[dict], packs: Sequence, state: ParallelState, *, num_buckets: int,
+                 num_sources: int) -> StepOutcome:
+    """The outcome every rank agrees on: reduced over DP x CP on the last pipeline stage, broadcast to
+    the other stages (collective over ``state.dp_cp_group`` there, then over ``state.pp_group``)."""
+    outcome = StepOutcome.pending()
+    if state.is_last_stage:
+        outcome = reduce_outcome(reports, packs, num_buckets=num_buckets, num_sources=num_sources,
+                                 owns_packs=state.cp_rank == 0, group=state.dp_cp_group)
+    return outcome.broadcast_from_last_stage(state)
+
+
+def check_step_finite(outcome: StepOutcome, *, step: int, model_chunks: Sequence[torch.nn.Module],
+                      reports: Sequence[dict], batches: Sequence[dict], state: ParallelState) -> None:
+    """Raise on every rank together when the step's global loss is not finite: non-finite weights
+    named as weights (a collective count over the world), otherwise the pack whose loss is not
+    finite named as data by the rank that holds it, and by the others as 'named by another rank'."""
+    if outcome.finite:
+        return
+    from megatron_pack.training.finite import check_weights
+    from megatron_pack.training.step import check_finite
+
+    where = f"step {step}, rank {state.rank}"
+    check_weights(list(model_chunks), where=where, device=state.device,
+                  source=f"the model after step {step - 1}" if step > 1 else "the model the run started from",
+                  fix=("the optimizer step before diverged: resume from the last checkpoint with a lower train.lr "
+                       "(or a train.clip_grad)") if step > 1 else
+                      ("no step ran yet: check model.pretrained's safetensors or the checkpoint this run started "
+                       "from (megatron-pack train --check names the tensor)"))
+    for report, batch in zip(reports, batches):
+        try:
+            check_finite(report["lm loss"][0], batch)
+        except FloatingPointError as exc:
+            raise FloatingPointError(f"{where}: data (the weights are finite): {exc}") from None
+    raise FloatingPointError(f"{where}: data (the weights are finite): the global lm loss is not finite; the "
+                             "pack that produced it is named in the error of another rank.")

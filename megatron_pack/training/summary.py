@@ -1,0 +1,51 @@
+"""The lines a training run ends with: first and last loss, totals, and where its report, logs and checkpoints are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_pack.config.schema import Config
+from megatron_pack.data.batches.dataset import PackedSFTDataset
+from megatron_pack.training.resume import save_dir
+
+
+def run_summary(cfg: Config, dataset: PackedSFTDataset) -> str:
+    """The lines a run ends with: first and last loss, and where its report, logs and checkpoints are."""
+    from megatron_pack.training.metrics import read_metrics
+
+    out = Path(cfg.train.output_dir)
+    lines = []
+    if (out / "metrics.jsonl").is_file():
+        records = read_metrics(out / "metrics.jsonl")
+        first, last = records[0], records[-1]
+        lines.append(f"lm loss: first {first['lm_loss']:.4f} (step {first['step']}) -> "
+                     f"last {last['lm_loss']:.4f} (step {last['step']})")
+        lines += _summary_totals(records)
+    if dataset.plan_dir is not None:  # online packing and in-batch packing have no plan
+        plan = Path(dataset.plan_dir)
+        lines.append(f"packing report: {plan / 'report.json'} and {plan / 'report.png'}")
+    elif cfg.packing.mode == "in_batch":
+        lines.append(f"in-batch packing: micro-batches of {cfg.train.micro_batch_size} samples packed at collate "
+                     f"(no offline plan, so no packing report)")
+    lines += [f"metrics: {out / 'metrics.jsonl'}",
+              f"TensorBoard: tensorboard --logdir {out / 'tensorboard'}"]
+    if cfg.checkpoint.enabled:
+        lines.append(f"checkpoints: {save_dir(cfg)}")
+    return "\n".join(lines)
+
+
+def _summary_totals(records: list[dict]) -> list[str]:
+    """Total time and tokens, and the best and last validation loss, from the metrics records."""
+    from megatron_pack.training.metrics import format_duration
+
+    last = records[-1]
+    lines = [f"total: {format_duration(last.get('elapsed_s') or 0.0)} training time, "
+             f"{last.get('consumed_target_tokens', 0):,} target tokens, "
+             f"{last.get('consumed_samples', 0):,} samples"
+             + (f", {last['epoch']:.2f} epochs" if last.get("epoch") is not None else "")]
+    evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if evals:
+        best = min(evals, key=lambda e: e[1])
+        lines.append(f"validation loss: best {best[1]:.4f} (step {best[0]}), last {evals[-1][1]:.4f} "
+                     f"(step {evals[-1][0]})")
+    return lines

@@ -1,0 +1,185 @@
+"""Save a Trainer, resume it, or start from a checkpoint's weights: the resume policy in action.
+
+What a checkpoint holds (``checkpoint.py`` writes the files): the model chunks' parameters and the
+optimizer's per-parameter state by global identity (``resharding.sharded_state``, so any layout
+resumes it), ``meta.json`` with the layout, the peft settings, the run's settings and its position
+(``train_state``: step, schedule, loader, consumed samples and tokens, elapsed time, validation
+history), and one small file per rank (RNG states, the optimizer's per-rank state on GPU, that DP
+rank's own loader position). :func:`start_or_resume` applies the choice of ``resume.resume_choice``
+(which checkpoint, in full or weights only); weights are read through ``model_reader.CheckpointModel``,
+the reader verify and export use too. ``trainer`` below is a ``loop.Trainer`` (not imported: the
+loop imports this module).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megatron_pack.config.schema import Config
+from megatron_pack.parallel.groups import ParallelState
+from megatron_pack.training import checkpoint as ckpt
+from megatron_pack.training.chunks import core_model
+from megatron_pack.training.model_reader import CheckpointModel
+from megatron_pack.training.resume import (DATA_SETTINGS, _check_resume_peft, check_resume_settings, layout_meta,
+                                           resume_choice, run_settings)
+
+log = logging.getLogger("megatron_pack.train")
+
+
+def should_save(cfg: Config, step: int, train_iters: int) -> bool:
+    """``checkpoint.save_interval`` steps, and the run's last step."""
+    c = cfg.checkpoint
+    return c.enabled and (step == train_iters or (c.save_interval > 0 and step % c.save_interval == 0))
+
+
+def layout(state: ParallelState) -> dict:
+    """The layout meta.json records (and a same-layout resume compares)."""
+    return layout_meta(state.world_size, state.tp_size, state.cp_size, state.dp_size)
+
+
+def _lora(cfg: Config) -> bool:
+    """peft=lora: checkpoints hold the trainable adapters only (the frozen base is re-read from
+    model.pretrained, whose path meta.json records)."""
+    return cfg.peft.method != "none"
+
+
+def settings(trainer) -> dict[str, Any]:
+    """The run's settings a resume compares (``resume.run_settings``)."""
+    return run_settings(trainer.cfg, trainer.train_iters, trainer.plan_fingerprint)
+
+
+def _chunk(trainer) -> torch.nn.Module:
+    if len(trainer.model_chunks) != 1:  # validate() refuses pipeline stages and virtual stages
+        raise NotImplementedError("checkpoints hold one model chunk per rank (parallel.pipeline_model_parallel_size=1)")
+    return trainer.model_chunks[0]
+
+
+def _sharded_state(trainer, *, with_optimizer: bool) -> dict:
+    from megatron_pack.training.resharding import sharded_state
+
+    lora = _lora(trainer.cfg)
+    if not with_optimizer:
+        return sharded_state(_chunk(trainer), {}, trainable_only=lora)
+    tensors, step = trainer.optimizer.checkpoint_tensors()
+    return sharded_state(_chunk(trainer), tensors, step, trainable_only=lora)
+
+
+def _train_state(trainer) -> dict:
+    """The run's position, the same on every rank: written once, in meta.json."""
+    elapsed = trainer.history[-1].elapsed_s if trainer.history else trainer.elapsed_before_s
+    return {"step": trainer.step, "schedule": trainer.schedule.state_dict(), "loader": trainer.loader.state_dict(),
+            "consumed_samples": trainer.consumed_samples, "consumed_target_tokens": trainer.consumed_target_tokens,
+            "elapsed_s": elapsed, "val_history": trainer.val_history}
+
+
+def save_trainer(trainer, root: str | Path) -> Path:
+    """Collectively write a checkpoint any layout can resume (see docs/training.md); returns its folder."""
+    from megatron_pack.model.peft import peft_meta
+
+    sharded = _sharded_state(trainer, with_optimizer=True)
+    meta = {**layout(trainer.state), "peft": peft_meta(trainer.cfg), "format": ckpt.SHARDED_FORMAT,
+            "train_state": _train_state(trainer), "settings": settings(trainer)}
+    # each DP rank's own loader position too (online buffers and planned steps differ per rank);
+    # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
+    rank_state = {"rng": ckpt.rng_state(), "optimizer": trainer.optimizer.rank_state(),
+                  "loader": trainer.loader.state_dict()}
+    return ckpt.save_checkpoint(root, trainer.step, model_state={}, optim_state={}, rank_state=rank_state,
+                                meta=meta, keep_last=trainer.cfg.checkpoint.keep_last, sharded_state=sharded)
+
+
+def _copy_model(trainer, loaded: dict[str, torch.Tensor]) -> None:
+    lora = _lora(trainer.cfg)
+    with torch.no_grad():
+        for name, param in core_model(_chunk(trainer)).named_parameters():
+            if param.requires_grad or not lora:
+                param.copy_(loaded[f"model.{name}"])
+
+
+def load_trainer_weights(trainer, path: str | Path) -> None:
+    """Model weights of checkpoint ``path`` (any layout); optimizer, schedule, data and step stay fresh."""
+    reader = CheckpointModel(path)
+    _copy_model(trainer, reader.read_slices(_sharded_state(trainer, with_optimizer=False)))
+
+
+def load_trainer(trainer, path: str | Path) -> list[str]:
+    """Resume from checkpoint ``path`` written at any layout; returns the settings that changed
+    (refused unless ``checkpoint.allow_changed``)."""
+    reader = CheckpointModel(path)
+    meta = reader.meta
+    _check_resume_peft(trainer.cfg, reader.path, meta)
+    changes = check_resume_settings(trainer.cfg, reader.path, settings(trainer))
+    here = layout(trainer.state)
+    same_layout = all(meta.get(k) == v for k, v in here.items())
+    if trainer.optimizer.rank_state() is not None and not same_layout:
+        raise ValueError(f"checkpoint {path} was written at layout {({k: meta.get(k) for k in here})} "
+                         f"and megatron-core's GPU optimizer state resumes only at the same layout "
+                         f"({here}); resume with that layout, or set checkpoint.load_weights_only=true.")
+    loaded = reader.read_slices(_sharded_state(trainer, with_optimizer=True))
+    _copy_model(trainer, loaded)
+    tensors, _ = trainer.optimizer.checkpoint_tensors()
+    trainer.optimizer.load_checkpoint_tensors(
+        {name: {key: loaded[f"optimizer.{key}.{name}"] for key in state} for name, state in tensors.items()},
+        loaded.get("optimizer.step", torch.zeros(())))
+    rank_state = ckpt.read_rank_state(path) if same_layout else None
+    if rank_state is not None:
+        trainer.optimizer.load_rank_state(rank_state.get("optimizer"))
+        ckpt.set_rng_state(rank_state["rng"])
+    train_state = dict(meta["train_state"])
+    loader_state = rank_loader_state(trainer.state, path, meta, rank_state)
+    if loader_state is not None:
+        train_state["loader"] = loader_state
+    _apply_train_state(trainer, train_state, changes)
+    return changes
+
+
+def rank_loader_state(state: ParallelState, path: str | Path, meta: dict, rank_state: Optional[dict]) -> Optional[dict]:
+    """This DP rank's own loader state: from its rank file at the same layout; at another TP/CP
+    layout with the same DP size, from the file of the old rank with this DP rank (TP and CP rank
+    0; megatron-core's rank order tp-cp-ep-dp-pp). None: meta.json's (rank 0's, layout-free) is used."""
+    if rank_state is not None:
+        return rank_state.get("loader")
+    if meta.get("data_parallel_size") != state.dp_size:
+        return None
+    old_rank = state.dp_rank * int(meta["tensor_model_parallel_size"]) * int(meta["context_parallel_size"])
+    old = ckpt.read_rank_state(path, old_rank)
+    return old.get("loader") if old is not None else None
+
+
+def _apply_train_state(trainer, state: dict, changes: list[str]) -> None:
+    trainer.step = int(state["step"])
+    trainer.schedule.load_state_dict(state["schedule"])
+    if any(change.split(":")[0] in DATA_SETTINGS for change in changes):
+        log.warning("the data plan or train.seed changed: the data order starts over at its first pack")
+    else:
+        trainer.loader.load_state_dict(state["loader"])
+    trainer.consumed_samples = int(state["consumed_samples"])
+    trainer.consumed_target_tokens = int(state["consumed_target_tokens"])
+    trainer.elapsed_before_s = float(state["elapsed_s"])
+    trainer.val_history = [list(v) for v in state.get("val_history", [])]
+    trainer.data_iterator = None
+
+
+def start_or_resume(cfg: Config, trainer) -> Optional[Path]:
+    """Resume from the newest intact checkpoint (any layout; its files' checksums verified over the
+    ranks, a damaged newer one passed over with a warning), or start from checkpoint.load's weights;
+    returns the checkpoint read (None: a fresh start)."""
+    choice = resume_choice(cfg, verify=ckpt.collective_verify())
+    for line in choice.skipped:
+        log.warning("%s", line)
+    resume, kind = choice.path, choice.kind
+    if kind == "fresh":
+        return None
+    if kind == "weights":
+        trainer.load_weights(resume)
+        log.info("started a new run from the weights of %s (fresh optimizer, schedule and data order)", resume)
+        return resume
+    changes = trainer.load(resume)
+    for change in changes:
+        log.warning("resumed with a changed setting (checkpoint.allow_changed=true): %s", change)
+    # samples, not step * global_batch_size packs: token budgets and online steps vary their pack count
+    log.info("resumed from %s at step %d (%d samples consumed)", resume, trainer.step, trainer.consumed_samples)
+    return resume
