@@ -197,7 +197,7 @@ def _run_case(case, rank: int, packs) -> dict:
     from megatron_pack.model.builder import build_model, fixed_pack_shapes, stage_of
     from megatron_pack.parallel.groups import initialize_parallel
     from megatron_pack.parallel.pipeline import StageLink, fixed_activation_shape
-    from megatron_pack.training.loop import wrap_ddp
+    from megatron_pack.training.chunks import wrap_ddp
 
     case_id, pp, tp, cp, sp, num_layers, fixed, tied = case
     cfg = _config(pp, tp, cp, sp, num_layers, fixed, tied)
@@ -239,7 +239,59 @@ def _run_case(case, rank: int, packs) -> dict:
     return out
 
 
-def _world_worker(rank: int, world_size: int) -> dict:
+def _hf_samples() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 300, size=n).tolist() + [2] for n in (9, 17, 6)]
+
+
+def _hf_case(rank: int, folder: str) -> dict:
+    """HF load at PP=2 x TP=2 (tied Llama, vocabulary 301 padded to 302): each stage reads its own
+    layers' tensors; the last stage's logits of one pack of 3 samples, reassembled over TP."""
+    import torch.distributed as dist
+
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import gather_full_logits, initialize_parallel
+    from megatron_pack.parallel.pipeline import StageLink
+    from megatron_pack.training.chunks import core_model
+    from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
+    from megatron_pack.training.step import get_packed_seq_params
+
+    cfg = apply_pretrained(Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=64),
+                                  parallel=ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2)),
+                           [])
+    state = initialize_parallel(cfg)
+    model = build_model(cfg, state)
+    read = list(model.pretrained_report.hf_names)
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _hf_samples()], pack_size=64,
+                        pad_multiple=8)
+    captured = []
+
+    def logits_step(data_iterator, chunk):
+        b = next(data_iterator)
+        core = core_model(chunk)
+        local = slice_thd_batch(b, 1, 0)
+        out = chunk(local["tokens"] if core.pre_process else None, local["position_ids"], None,
+                    packed_seq_params=get_packed_seq_params(b))
+        captured.append(out)
+        return out, lambda o: (o.sum() * 0, torch.zeros((), dtype=torch.int32), {"lm loss": torch.zeros(2)})
+
+    forward_backward_1f1b(forward_step_func=logits_step, data_iterator=iter([batch]), model=model,
+                          num_microbatches=1, link=StageLink(state.pp_group), forward_only=True)
+    out = {"hf/pp_rank": state.pp_rank, "hf/read": " ".join(read)}
+    if state.is_last_stage:
+        logits = gather_full_logits(captured[0], batch["cu_seqlens_padded"], state)[0]
+        cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+        for i in range(len(cu) - 1):
+            out[f"hf/logits{i}"] = logits[cu_pad[i]:cu_pad[i] + cu[i + 1] - cu[i], :301].numpy()
+    dist.barrier()
+    return out
+
+
+def _world_worker(rank: int, world_size: int, hf_folder: str) -> dict:
     from megatron_pack.parallel.groups import destroy_parallel
 
     packs = _samples()
@@ -248,12 +300,44 @@ def _world_worker(rank: int, world_size: int) -> dict:
         for key, value in _run_case(case, rank, packs).items():
             out[f"{case[0]}/{key}"] = value
         destroy_parallel()
+    out.update(_hf_case(rank, hf_folder))
+    destroy_parallel()
     return out
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> list[dict]:
-    return spawn_world(_world_worker, WORLD_SIZE, tmp_path_factory.mktemp("pipeline_parallel"))
+def hf_folder(tmp_path_factory) -> str:
+    from _hf import make_family
+
+    return str(make_family(tmp_path_factory.mktemp("hf"), "llama_tied"))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, hf_folder) -> list[dict]:
+    return spawn_world(_world_worker, WORLD_SIZE, tmp_path_factory.mktemp("pipeline_parallel"), hf_folder)
+
+
+def test_hf_load_streams_only_the_stage_layers(world):
+    for r in world:
+        read = str(r["hf/read"]).split()
+        stage = int(r["hf/pp_rank"])
+        assert f"model.layers.{stage}.self_attn.q_proj.weight" in read
+        assert not any(name.startswith(f"model.layers.{1 - stage}.") for name in read)
+        assert "model.embed_tokens.weight" in read  # tied: the last stage's output layer is filled from it
+        assert ("model.norm.weight" in read) == (stage == 1)
+
+
+def test_hf_load_at_pp2_tp2_equals_transformers_logits(world, hf_folder):
+    from _hf import hf_logits
+
+    last = [r for r in world if int(r["hf/pp_rank"]) == 1]
+    assert len(last) == 2  # both TP ranks of the last stage
+    want = hf_logits(hf_folder, [ids[:-1] for ids in _hf_samples()])
+    for r in last:
+        for i, ref in enumerate(want):
+            got = torch.from_numpy(r[f"hf/logits{i}"])
+            assert got.shape == ref.shape and got.shape[0] > 4
+            assert float((got - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
 
 
 def _num_params(case: str) -> int:
