@@ -33,7 +33,7 @@ PACK_SIZE = 96
 CASES = [  # (id, pp, tp, cp, sequence_parallel, num_layers, fixed shapes, tied embeddings); dp = 4 / (pp*tp*cp)
     ("pp2", 2, 1, 1, False, 2, False, False),
     ("pp2_fixed_tied", 2, 1, 1, False, 2, True, True),
-    ("pp2_cp2", 2, 1, 2, False, 2, False, False),
+    ("pp2_cp2_recompute", 2, 1, 2, False, 2, False, False),
     ("pp2_tp2_sp", 2, 2, 1, True, 2, False, False),
     ("pp4", 4, 1, 1, False, 4, False, False),
 ]
@@ -62,12 +62,13 @@ def _samples(seed: int = 11) -> list[list[dict]]:
     return packs
 
 
-def _config(pp: int, tp: int, cp: int, sp: bool, num_layers: int, fixed: bool, tied: bool):
+def _config(pp: int, tp: int, cp: int, sp: bool, num_layers: int, fixed: bool, tied: bool, recompute: bool = False):
     from megatron_pack.config.schema import (Config, DataConfig, ModelConfig, PackingConfig, ParallelConfig,
                                              TrainConfig)
 
     return Config(model=ModelConfig(attention_backend="torch", num_layers=num_layers,
-                                    untie_embeddings_and_output_weights=not tied),
+                                    untie_embeddings_and_output_weights=not tied,
+                                    recompute_granularity="full" if recompute else None),
                   train=TrainConfig(seed=1234), data=DataConfig(pad_to_max_length=fixed),
                   packing=PackingConfig(packed_sequence_size=PACK_SIZE, pad_cu_seqlens=fixed),
                   parallel=ParallelConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
@@ -200,7 +201,7 @@ def _run_case(case, rank: int, packs) -> dict:
     from megatron_pack.training.chunks import wrap_ddp
 
     case_id, pp, tp, cp, sp, num_layers, fixed, tied = case
-    cfg = _config(pp, tp, cp, sp, num_layers, fixed, tied)
+    cfg = _config(pp, tp, cp, sp, num_layers, fixed, tied, recompute="recompute" in case_id)
     state = initialize_parallel(cfg)
     stage = stage_of(cfg, state)
     model = build_model(cfg, state)

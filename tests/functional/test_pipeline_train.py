@@ -3,8 +3,8 @@
 One spawned world of 2 CPU processes runs three trainers (``build_trainer``, AdamW, clipping) over
 the same 12 packs, 4 per step (DP=1 in every layout, so the packs of each step are the same):
 
-* A, PP=1 x TP=2: saves a checkpoint before its first step, then runs 3 steps uninterrupted;
-* B, PP=2: resumes A's step-0 checkpoint (PP=1 -> PP=2), runs 2 steps, saves;
+* A, PP=1 x TP=2: saves a checkpoint before its first step and after its second, runs 3 steps;
+* B, PP=2 with the distributed optimizer: resumes A's step-0 checkpoint (PP=1 -> PP=2), runs 2 steps, saves;
 * C, PP=1 x TP=2: resumes B's step-2 checkpoint (PP=2 -> PP=1), runs the last step.
 
 B's and C's losses and gradient norms equal A's (relative 1e-5), every rank of B reports the same
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from _dist import ListLoader, spawn_world
 
@@ -39,20 +40,20 @@ def _packs(seed: int = 5) -> list[dict]:
     return packs
 
 
-def _config(pp: int, tp: int):
-    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
+def _config(pp: int, tp: int, distributed_optimizer: bool = False):
+    from megatron_pack.config.schema import Config, DDPConfig, ModelConfig, ParallelConfig, TrainConfig
 
-    return Config(model=ModelConfig(attention_backend="torch"),
+    return Config(model=ModelConfig(attention_backend="torch"), ddp=DDPConfig(use_distributed_optimizer=distributed_optimizer),
                   train=TrainConfig(seed=1234, lr=3e-3, global_batch_size=PACKS_PER_STEP, train_iters=NUM_STEPS,
                                     lr_warmup_iters=0, clip_grad=0.05),
                   parallel=ParallelConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp))
 
 
-def _trainer(pp: int, tp: int, packs):
+def _trainer(pp: int, tp: int, packs, **kwargs):
     from megatron_pack.parallel.groups import initialize_parallel
     from megatron_pack.training.loop import build_trainer
 
-    cfg = _config(pp, tp)
+    cfg = _config(pp, tp, **kwargs)
     return build_trainer(cfg, initialize_parallel(cfg), ListLoader(packs))
 
 
@@ -69,8 +70,9 @@ def _world_worker(rank: int, world_size: int, root: str) -> dict:
     run_a = _steps(a, NUM_STEPS)
     destroy_parallel()
 
-    b = _trainer(2, 1, packs)
+    b = _trainer(2, 1, packs, distributed_optimizer=True)
     b.load(start)
+    b_start = b.save(f"{root}/b")  # A's step-0 weights, written by the two stages
     run_b = _steps(b, 2)
     middle = b.save(f"{root}/b")
     exchanges = b.link.num_shape_exchanges if getattr(b, "link", None) is not None else -1
@@ -80,8 +82,16 @@ def _world_worker(rank: int, world_size: int, root: str) -> dict:
     c.load(middle)
     run_c = _steps(c, 1)
     destroy_parallel()
-    return {"a": np.array(run_a), "b": np.array(run_b), "c": np.array(run_c), "b_exchanges": exchanges,
-            "b_step": b.step, "c_step": c.step}
+    out = {"a": np.array(run_a), "b": np.array(run_b), "c": np.array(run_c), "b_exchanges": exchanges,
+           "b_step": b.step, "c_step": c.step}
+    if rank == 0:  # what export reads: the whole model of the PP=2 checkpoint against the PP=1 one
+        from megatron_pack.training.checkpoint import read_full_model
+
+        pp1, pp2 = read_full_model(start), read_full_model(b_start)
+        out["export_same_names"] = sorted(pp1) == sorted(pp2)
+        out["export_num_tensors"] = len(pp1)
+        out["export_equal"] = all(torch.equal(pp1[n], pp2[n]) for n in pp1)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +116,13 @@ def test_pp1_resumed_from_pp2_takes_the_same_last_step(world):
     for r in world:
         assert int(r["c_step"]) == NUM_STEPS
         assert _rel(r["c"], r["a"][2:]) <= 1e-5
+
+
+def test_pp2_checkpoint_holds_the_pp1_model_for_export(world):
+    """Export reads a checkpoint's whole model (``checkpoint.read_full_model``): the same weights saved
+    by the two stages at PP=2 and by PP=1 x TP=2 give every tensor under the same name, bit for bit."""
+    assert bool(world[0]["export_same_names"]) and int(world[0]["export_num_tensors"]) == 15
+    assert bool(world[0]["export_equal"])
 
 
 def test_every_rank_reports_the_same_pipelined_steps(world):
