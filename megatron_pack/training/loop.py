@@ -38,7 +38,7 @@ import torch
 
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches import loader as loader_lib
-from megatron_pack.data.batches.dataset import PackedSFTDataset  # noqa: F401  (re-exported)
+from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.online import single_rank
 from megatron_pack.data.batches.protocol import BatchLoader, StepInfo

@@ -44,6 +44,21 @@ def test_force_padded_keeps_arguments_fixed_for_cuda_graphs():
     assert params.cu_seqlens_q_padded.tolist() == [0, 4, 8]
 
 
+@pytest.mark.parametrize("padded", [[0, 4, 8], [0, 2, 4]], ids=["padded", "unpadded"])
+def test_params_move_to_an_accelerator_in_the_one_place_they_are_built(padded):
+    """``device=`` moves the cu_seqlens (the meta device stands in for a GPU: not cpu, no data); a CPU
+    device keeps the batch's own tensors. forward_step and both verify paths call it this way."""
+    batch = _batch([0, 2, 4], padded, 4)
+    moved = get_packed_seq_params(batch, device=torch.device("meta"))
+    kept = get_packed_seq_params(batch, device=torch.device("cpu"))
+    assert moved.cu_seqlens_q.device.type == "meta" and moved.cu_seqlens_kv.device.type == "meta"
+    assert (moved.cu_seqlens_q_padded is None) == (padded == [0, 2, 4])
+    if moved.cu_seqlens_q_padded is not None:
+        assert moved.cu_seqlens_q_padded.device.type == moved.cu_seqlens_kv_padded.device.type == "meta"
+    assert type(moved.max_seqlen_q) is int and moved.max_seqlen_q == 4
+    assert kept.cu_seqlens_q is batch["cu_seqlens"] and batch["cu_seqlens"].device.type == "cpu"
+
+
 def test_device_tensors_without_count_are_refused():
     batch = _batch([0, 3], [0, 4], 4)
     batch["cu_seqlens"] = batch["cu_seqlens"].to("meta")
