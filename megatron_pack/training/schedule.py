@@ -81,6 +81,21 @@ def forward_backward_cpu(*, forward_step_func: Callable, data_iterator: Iterator
     return reports
 
 
+def agree_on_microbatches(num_microbatches: int, state: ParallelState) -> None:
+    """Every stage of the pipeline plans the same number of micro-batches this step (each reads its own
+    loader): one small all-reduce over ``state.pp_group``; a mismatch stops every stage at once instead
+    of leaving one waiting for an activation that never comes."""
+    import torch.distributed as dist
+
+    bounds = torch.tensor([num_microbatches, -num_microbatches], dtype=torch.int64,
+                          device=state.device if state.device.type == "cuda" else "cpu")
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=state.pp_group)
+    most, least = int(bounds[0]), -int(bounds[1])
+    if most != least:
+        raise ValueError(f"the pipeline stages planned {least} to {most} micro-batches for this step; every stage of a "
+                         "DP rank must read the same packs (the same dataset, plan, train.seed and DP rank).")
+
+
 def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, model_chunks: list[torch.nn.Module],
                      num_microbatches: int, state: ParallelState, seq_length: int, link=None) -> list[dict]:
     """Run one step's micro-batches over this rank's model chunks; returns the loss reports, one per
@@ -94,6 +109,8 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
     if len(model_chunks) != 1:  # validate() refuses virtual pipeline stages
         raise NotImplementedError("the schedules run one model chunk per rank (no virtual pipeline stages)")
     model = model_chunks[0]
+    if state.pp_size > 1:
+        agree_on_microbatches(num_microbatches, state)
     if state.device.type != "cuda":
         if state.pp_size > 1:
             from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
