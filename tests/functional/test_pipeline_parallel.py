@@ -31,7 +31,6 @@ WORLD_SIZE = 4
 PAD_MULTIPLE = 8
 PACK_SIZE = 96
 CASES = [  # (id, pp, tp, cp, sequence_parallel, num_layers, fixed shapes, tied embeddings); dp = 4 / (pp*tp*cp)
-    ("pp2", 2, 1, 1, False, 2, False, False),
     ("pp2_fixed_tied", 2, 1, 1, False, 2, True, True),
     ("pp2_cp2_recompute", 2, 1, 2, False, 2, False, False),
     ("pp2_tp2_sp", 2, 2, 1, True, 2, False, False),
