@@ -83,17 +83,17 @@ def _batches(packs, fixed: bool) -> list[dict]:
 
 
 def _full_param(tensor, param, state):
-    """A TP-sharded parameter (or its grad) gathered into the full tensor, honouring megatron's stride."""
+    """A TP-sharded parameter (or its grad) gathered into the full tensor (``model_reader.merge_tp_shards``)."""
     import torch.distributed as dist
+
+    from megatron_pack.training.model_reader import merge_tp_shards
 
     tensor = tensor.detach().contiguous()
     if state.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor
     shards = [torch.empty_like(tensor) for _ in range(state.tp_size)]
     dist.all_gather(shards, tensor, group=state.tp_group)
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[r][s] for s in range(stride) for r in range(state.tp_size)], dim=dim)
+    return merge_tp_shards(shards, param)
 
 
 def _global_name(name: str, offset: int) -> str:
