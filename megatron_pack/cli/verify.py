@@ -346,7 +346,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError([f"parallel.pipeline_model_parallel_size ({run.cfg.parallel.pipeline_model_parallel_size}) "
                                "> 1: verify runs the whole model on every rank (its comparison needs every layer's "
                                "logits in one place); launch it with parallel.pipeline_model_parallel_size=1 "
-                               "(verify needs no pipeline: the stages hold the same weights)."])
+                               "(tensor and context parallel layouts run)."])
         check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists
         for note in run.notes:
             print(note)

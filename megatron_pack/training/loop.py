@@ -224,7 +224,7 @@ def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -
     Online steps are decided over ``state.dp_group`` (every CP/TP rank's DP group decides the same)."""
     announce = state.rank == 0
     if cfg.packing.mode == "online":
-        announce = state.tp_rank == 0 and state.cp_rank == 0
+        announce = state.tp_rank == 0 and state.cp_rank == 0 and state.pp_rank == 0  # every stage reads the same packs
     return loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
                                    pin_memory=state.device.type == "cuda", announce=announce,
                                    gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
@@ -297,7 +297,7 @@ def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
             if _should_evaluate(cfg, trainer):
                 metrics.add_validation(trainer.evaluate())
             writer.write(metrics)
-            if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0:
+            if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0 and state.pp_rank == 0:
                 sample_log.info("step %d rank %d dp_rank %d packs %s", trainer.step, state.rank, state.dp_rank,
                                 trainer.pack_log[-1])
             path = None
