@@ -29,6 +29,7 @@ Example (pp=2, the activation of a pack of T=24 tokens at CP=2, hidden 64)::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -121,6 +122,8 @@ class StageLink:
         self.next_rank = ranks[self.pp_rank + 1] if self.pp_rank < self.pp_size - 1 else None
         self.num_shape_exchanges = 0
         """Shape headers this stage sent or received (0 with fixed shapes)."""
+        self.seconds_waiting = 0.0
+        """Time spent blocked in sends and receives (the pipeline bubble, plus the transfers)."""
 
     @property
     def is_first(self) -> bool:
@@ -138,13 +141,12 @@ class StageLink:
             return None
         shape = self.fixed_shape or self._recv_shape()
         tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.recv(tensor, src=self.prev_rank, group=self.group, tag=_TAG_FORWARD)
+        self._timed(dist.recv, tensor, src=self.prev_rank, group=self.group, tag=_TAG_FORWARD)
         return tensor.requires_grad_(True)
 
     def send_forward(self, output: torch.Tensor) -> None:
         """This stage's activation to the next stage (nothing on the last stage)."""
-        for work in self._isend_forward(output):
-            work.wait()
+        self._wait(self._isend_forward(output))
 
     def send_forward_recv_backward(self, output: torch.Tensor, grad_of: torch.Tensor) -> Optional[torch.Tensor]:
         """Send ``output`` forward and receive the gradient of ``grad_of`` (the oldest activation still
@@ -154,8 +156,7 @@ class StageLink:
         works = self._isend_forward(output)
         grad = torch.empty(grad_of.shape, dtype=self.dtype, device=self.device)
         works.append(dist.irecv(grad, src=self.next_rank, group=self.group, tag=_TAG_BACKWARD))
-        for work in works:
-            work.wait()
+        self._wait(works)
         return grad
 
     # ----- backward --------------------------------------------------------------------------
@@ -165,14 +166,14 @@ class StageLink:
         if self.is_last:
             return None
         grad = torch.empty(output.shape, dtype=self.dtype, device=self.device)
-        dist.recv(grad, src=self.next_rank, group=self.group, tag=_TAG_BACKWARD)
+        self._timed(dist.recv, grad, src=self.next_rank, group=self.group, tag=_TAG_BACKWARD)
         return grad
 
     def send_backward(self, input_grad: Optional[torch.Tensor]) -> None:
         """The gradient of this stage's input to the previous stage (nothing on the first stage)."""
         if self.is_first:
             return
-        dist.isend(self._wire(input_grad), dst=self.prev_rank, group=self.group, tag=_TAG_BACKWARD).wait()
+        self._wait([dist.isend(self._wire(input_grad), dst=self.prev_rank, group=self.group, tag=_TAG_BACKWARD)])
 
     def send_backward_recv_forward(self, input_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Send ``input_grad`` back and receive the next micro-batch's activation (None on the first stage)."""
@@ -180,10 +181,20 @@ class StageLink:
             return None
         work = dist.isend(self._wire(input_grad), dst=self.prev_rank, group=self.group, tag=_TAG_BACKWARD)
         tensor = self.recv_forward()
-        work.wait()
+        self._wait([work])
         return tensor
 
     # ----- pieces ----------------------------------------------------------------------------
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds_waiting += time.perf_counter() - start
+
+    def _wait(self, works: list) -> None:
+        self._timed(lambda: [work.wait() for work in works])
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to(self.dtype).contiguous()
@@ -209,7 +220,7 @@ class StageLink:
 
     def _recv_shape(self) -> tuple[int, ...]:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, src=self.prev_rank, group=self.group, tag=_TAG_SHAPE)
+        self._timed(dist.recv, header, src=self.prev_rank, group=self.group, tag=_TAG_SHAPE)
         self.num_shape_exchanges += 1
         ndim = int(header[0])
         return tuple(int(d) for d in header[1:1 + ndim])
