@@ -102,7 +102,8 @@ def reduce_outcome(reports: Sequence[dict], packs: Sequence, *, num_buckets: int
                    owns_packs: bool, group: Optional[dist.ProcessGroup]) -> StepOutcome:
     """The step's outcome from this rank's micro-batches, summed over ``group`` (DP x CP) in one float64
     all-reduce. Every rank of ``group`` calls it with reports of the same keys and sizes (the same
-    loss function), so every rank enters the same collective whatever its packs hold."""
+    loss function, and at least one micro-batch per rank, which every step planner guarantees), so
+    every rank enters the same collective whatever its packs hold: only padding or masked tokens."""
     counts, local_tokens, extra = local_counts(reports, packs, num_buckets=num_buckets, num_sources=num_sources,
                                                owns_packs=owns_packs)
     names = sorted(extra)

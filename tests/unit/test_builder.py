@@ -154,6 +154,7 @@ def test_build_trainer_distributed_optimizer_on_cpu(world_of_one):
     trainer = build_trainer(cfg, state=initialize_parallel(cfg), loader=BatchList([]))
     assert isinstance(trainer.optimizer, ShardedTrainOptimizer)
     assert trainer.model.ddp_config.use_distributed_optimizer is False
+    assert trainer.model_chunks == [trainer.model]  # one chunk per rank at PP=1; .model is the first
 
 
 def test_build_model_local_spec_and_thd_forward(world_of_one):
