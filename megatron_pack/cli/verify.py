@@ -342,6 +342,11 @@ def main(argv: list[str]) -> int:
                               world_size=int(os.environ["WORLD_SIZE"]) if launched else None)
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
+        if launched and run.cfg.parallel.pipeline_model_parallel_size > 1:
+            raise ConfigError([f"parallel.pipeline_model_parallel_size ({run.cfg.parallel.pipeline_model_parallel_size}) "
+                               "> 1: verify runs the whole model on every rank (its comparison needs every layer's "
+                               "logits in one place); launch it with parallel.pipeline_model_parallel_size=1 "
+                               "(tensor and context parallel layouts run)."])
         check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists
         for note in run.notes:
             print(note)

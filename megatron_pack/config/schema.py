@@ -463,7 +463,7 @@ class ParallelConfig(_Group):
     context_parallel_size: int = 1
     """Context-parallel degree (CP)."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel degree (PP); only 1 is supported."""
+    """Pipeline-parallel degree (PP): stages of model.num_layers / PP layers each, run by the 1F1B schedule."""
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (needs TP > 1)."""
     cp_comm_type: str = "p2p"

@@ -36,6 +36,7 @@ from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
 from megatron_pack.model.fp8 import fp8_config_kwargs, te_recipe_problem, zero_padding_rows
 from megatron_pack.model.norms import SequenceParallelNorm
 from megatron_pack.parallel.groups import ParallelState
+from megatron_pack.parallel.pipeline import StageLayout, stage_layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _TE_CP_COMM_SPELLING = {"allgather": "all_gather"}
@@ -101,7 +102,7 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
     fused = backend == "te"
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
@@ -111,7 +112,7 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16, pipeline_dtype=_DTYPES[m.params_dtype],
         tensor_model_parallel_size=p.tensor_model_parallel_size,
-        context_parallel_size=p.context_parallel_size, pipeline_model_parallel_size=1,
+        context_parallel_size=p.context_parallel_size, pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel, cp_comm_type=te_cp_comm_type(p.cp_comm_type) if fused else None,
         calculate_per_token_loss=m.calculate_per_token_loss,
         # CPU init builds each full weight from the default generator and slices it, so a model
@@ -125,6 +126,16 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
         **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
     )
+    # megatron-core's GPU pipeline schedules exchange activation shapes unless every pack has one
+    # shape; set after __post_init__, whose check of it concerns the MoE allgather dispatcher only
+    config.variable_seq_lengths = p.pipeline_model_parallel_size > 1 and not fixed_pack_shapes(cfg)
+    return config
+
+
+def fixed_pack_shapes(cfg: Config) -> bool:
+    """Every pack has the same token count and cu_seqlens length (``data.pad_to_max_length`` with
+    ``packing.pad_cu_seqlens``): pipeline stages then skip the shape exchange (CUDA graphs)."""
+    return cfg.data.pad_to_max_length and cfg.packing.pad_cu_seqlens
 
 
 def recompute_kwargs(cfg: Config) -> dict:
@@ -235,6 +246,13 @@ def _check_divisibility(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
+def stage_of(cfg: Config, pg: ParallelState) -> StageLayout:
+    """This rank's pipeline stage (its layers, and whether it holds the embedding / the output layer)."""
+    pp_group = getattr(pg.pg_collection, "pp", None)
+    pp_rank = pp_group.rank() if pp_group is not None else 0
+    return stage_layout(cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size, pp_rank)
+
+
 def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mode: str = "thd"):
     """megatron-core ``GPTModel`` for ``cfg`` on this process's groups (``ParallelState``).
 
@@ -264,12 +282,13 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     torch.manual_seed(cfg.train.seed)
     # megatron's named RNG streams (CPU generator states under cpu_compat)
     model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
+    stage = stage_of(cfg, pg)
     spec = (te_layer_spec(cfg.model.qk_layernorm) if backend == "te" else
-            local_block_spec(cfg.model.num_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm))
+            local_block_spec(stage.num_local_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
-        pre_process=True, post_process=True, parallel_output=True,
+        pre_process=stage.is_first, post_process=stage.is_last, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
         pg_collection=pg.pg_collection,

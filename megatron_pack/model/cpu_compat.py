@@ -22,6 +22,11 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
    before megatron-core is first imported, makes ``jit_fuser`` the no-op decorator megatron-core
    itself has (``megatron.core.jit.noop_decorator``).
 
+5. With pipeline stages and tied embeddings, the last stage's copy of the embedding is filled from
+   the first stage's by ``LanguageModule.setup_embeddings_and_output_layer``, which moves it with
+   ``weight.data.cuda()`` before the all-reduce. On CPU that move is the identity (the weight stays
+   where the model is built); the all-reduce itself runs on gloo unchanged.
+
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
 
@@ -85,6 +90,21 @@ def _set_no_cuda_rng_state(*args, **kwargs) -> None:
     return None
 
 
+def _without_cuda_moves(method):
+    """``method`` with ``Tensor.cuda`` the identity while it runs (item 5)."""
+
+    def wrapped(self, *args, **kwargs):
+        move = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = move
+
+    wrapped.__wrapped__ = method
+    return wrapped
+
+
 def enable_cpu_compat() -> None:
     """Install the CPU answers to megatron-core's CUDA assumptions (hosts without CUDA only)."""
     global _ENABLED
@@ -99,6 +119,10 @@ def enable_cpu_compat() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom._get_cuda_rng_state = _no_cuda_rng_state
     mrandom._set_cuda_rng_state = _set_no_cuda_rng_state
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _without_cuda_moves(
+        LanguageModule.setup_embeddings_and_output_layer)
     _ENABLED = True
 
 

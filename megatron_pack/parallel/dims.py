@@ -36,7 +36,7 @@ class ParallelDims:
     cp: int
     """Context-parallel degree."""
     pp: int
-    """Pipeline-parallel degree (1: pipelines are not supported)."""
+    """Pipeline-parallel degree (stages; 1: no pipeline)."""
     dp: int
     """Data-parallel degree, derived: world_size / (tp * cp * pp)."""
     sp: bool

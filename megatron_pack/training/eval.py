@@ -137,6 +137,21 @@ def build_validation_loader(cfg, state, dataset) -> Optional[ValidationLoader]:
     return ValidationLoader(dataset, collate, num_packs=num, dp_rank=state.dp_rank, dp_size=state.dp_size)
 
 
+def _reports(model: torch.nn.Module, forward_step_func: Callable, batches: Iterable[dict], link):
+    """(batch, report) of every batch whose loss this rank holds (every batch without a pipeline;
+    on the last stage with one, none on the others)."""
+    if link is None or link.pp_size == 1:
+        for batch in batches:
+            yield batch, _forward_report(model, forward_step_func, batch)
+        return
+    from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
+
+    batches = list(batches)
+    reports, _ = forward_backward_1f1b(forward_step_func=forward_step_func, data_iterator=iter(batches), model=model,
+                                       num_microbatches=len(batches), link=link, forward_only=True)
+    yield from zip(batches, reports)
+
+
 def _forward_report(model: torch.nn.Module, forward_step_func: Callable, batch: dict) -> dict:
     output, loss_fn = forward_step_func(iter([batch]), model)
     _, _, report = loss_fn(output)
@@ -145,12 +160,16 @@ def _forward_report(model: torch.nn.Module, forward_step_func: Callable, batch: 
 
 def evaluate(model: torch.nn.Module, batches: Iterable[dict], *, forward_step_func: Callable,
              group: Optional[dist.ProcessGroup], num_packs: int = 0,
-             source_names: Sequence[str] = ()) -> EvalResult:
+             source_names: Sequence[str] = (), link=None) -> EvalResult:
     """Token-weighted validation loss of ``batches`` (this rank's packs), reduced over ``group`` (DP x CP).
 
     With ``source_names`` (the dataset's data.sources names, the same list on every rank) each
     batch's report must carry ``"source loss"`` (``forward_step`` adds it for batches with
     ``token_source``), and the result holds each source's loss and target count.
+
+    ``link`` (a ``parallel.pipeline.StageLink`` of more than one stage): the packs run forward
+    through the pipeline (``pipeline_schedule.forward_backward_1f1b(forward_only=True)``), the
+    last stage's sums are reduced over ``group`` and broadcast to every stage.
     """
     from megatron_pack.training.breakdown import source_metrics
 
@@ -161,8 +180,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], *, forward_step_fu
     model.eval()
     try:
         with torch.no_grad():
-            for batch in batches:
-                report = _forward_report(model, forward_step_func, batch)
+            for batch, report in _reports(model, forward_step_func, batches, link):
                 sums[:2] += report["lm loss"].double().cpu()
                 if names:
                     if "source loss" not in report:
@@ -174,6 +192,8 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], *, forward_step_fu
         model.train(was_training)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, group=group)
+    if link is not None and link.pp_size > 1:  # the last stage's sums, on every stage
+        dist.broadcast(sums, src=dist.get_process_group_ranks(link.group)[-1], group=link.group)
     values = sums.tolist()
     loss = values[0] / values[1] if values[1] > 0 else 0.0
     source_loss, _ = source_metrics(values[2:], names)

@@ -106,6 +106,8 @@ class Trainer:
     """The signal that stopped the run after a step (``training.signals``), or None."""
     stop_checkpoint: Optional[Path] = None
     """The checkpoint saved at that stop (None: checkpoint.enabled=false)."""
+    link: Any = None
+    """This rank's ``parallel.pipeline.StageLink`` to its neighbour stages (None without pipeline stages)."""
     _start: float = field(default_factory=time.perf_counter)
     _first_step: int = 0
 
@@ -134,7 +136,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model_chunks=self.model_chunks, num_microbatches=num_microbatches,
-                                   state=self.state, seq_length=self.cfg.model.seq_length)
+                                   state=self.state, seq_length=self.cfg.model.seq_length, link=self.link)
         packs, batches = self.data_iterator.take()
         self.outcome = step_outcome(reports, packs, self.state, num_buckets=self.num_buckets,
                                     num_sources=len(self.source_names))
@@ -195,7 +197,7 @@ class Trainer:
 
         result = evaluate(self.model, self.validation, forward_step_func=self.forward_step_func,
                           group=self.state.dp_cp_group, num_packs=self.validation.packs_per_epoch,
-                          source_names=self.validation.info.source_names)
+                          source_names=self.validation.info.source_names, link=self.link)
         self.val_history.append([self.step, result.loss])
         return result
 
@@ -222,7 +224,7 @@ def build_loader(cfg: Config, state: ParallelState, dataset: PackedSFTDataset) -
     Online steps are decided over ``state.dp_group`` (every CP/TP rank's DP group decides the same)."""
     announce = state.rank == 0
     if cfg.packing.mode == "online":
-        announce = state.tp_rank == 0 and state.cp_rank == 0
+        announce = state.tp_rank == 0 and state.cp_rank == 0 and state.pp_rank == 0  # every stage reads the same packs
     return loader_lib.build_loader(cfg, dataset, dp_rank=state.dp_rank, dp_size=state.dp_size,
                                    pin_memory=state.device.type == "cuda", announce=announce,
                                    gather=gather_objects(state.dp_group) if state.dp_size > 1 else single_rank)
@@ -235,20 +237,22 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     plans each step, ``state_dict()`` / ``load_state_dict()`` resume at the next one); ``validation``
     is this DP rank's ``eval.ValidationLoader`` (or None)."""
     from megatron_pack.training.chunks import build_model_chunks
+    from megatron_pack.training.pipeline_schedule import stage_link
     from megatron_pack.training.step import forward_step
 
     train_iters = resolve_train_iters(cfg, loader)
     chunks = build_model_chunks(cfg, state)
-    if len(chunks) != 1:  # validate() refuses pipeline stages: the optimizer takes one chunk today
-        raise NotImplementedError("the optimizer steps one model chunk (parallel.pipeline_model_parallel_size=1)")
+    if len(chunks) != 1:  # validate() refuses virtual pipeline stages: the optimizer takes one chunk today
+        raise NotImplementedError("the optimizer steps one model chunk (no virtual pipeline stages)")
     optimizer = build_optimizer(cfg, list(chunks[0].module.named_parameters()), state.tp_group,
-                                ddp_model=chunks[0], device=state.device.type, dp_group=state.dp_group)
+                                ddp_model=chunks[0], device=state.device.type, dp_group=state.dp_group,
+                                pp_group=state.pp_group)
     info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model_chunks=chunks, optimizer=optimizer,
                    schedule=LRSchedule(cfg, train_iters), loader=loader,
                    forward_step_func=forward_step_func or forward_step, train_iters=train_iters,
                    validation=validation, plan_fingerprint=info.fingerprint, num_buckets=info.num_buckets,
-                   source_names=list(info.source_names))
+                   source_names=list(info.source_names), link=stage_link(cfg, state))
 
 
 def _should_evaluate(cfg: Config, trainer: Trainer) -> bool:
@@ -293,7 +297,7 @@ def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
             if _should_evaluate(cfg, trainer):
                 metrics.add_validation(trainer.evaluate())
             writer.write(metrics)
-            if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0:
+            if cfg.logging.log_sample_ids and state.tp_rank == 0 and state.cp_rank == 0 and state.pp_rank == 0:
                 sample_log.info("step %d rank %d dp_rank %d packs %s", trainer.step, state.rank, state.dp_rank,
                                 trainer.pack_log[-1])
             path = None

@@ -105,14 +105,18 @@ def _counts_for_norm(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessG
     return tp_group is None or dist.get_rank(tp_group) == 0
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Optional[dist.ProcessGroup] = None) -> float:
-    """Global L2 norm of ``param.grad`` over the model, counting each parameter once across TP."""
+def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Optional[dist.ProcessGroup] = None,
+              pp_group: Optional[dist.ProcessGroup] = None) -> float:
+    """Global L2 norm of ``param.grad`` over the model, counting each parameter once across TP and
+    summing the stages of ``pp_group`` (a tied embedding's last-stage copy, ``shared``, is left out)."""
     total = torch.zeros((), dtype=torch.float64)
     for param in params:
         if param.grad is not None and _counts_for_norm(param, tp_group):
             total += param.grad.detach().double().pow(2).sum().cpu()
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(total, group=tp_group)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
     return float(total.sqrt())
 
 
@@ -131,10 +135,10 @@ class TrainOptimizer:
     """torch AdamW over ``main_grad`` (CPU path); see the module docstring."""
 
     def __init__(self, cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
-                 tp_group: Optional[dist.ProcessGroup] = None):
+                 tp_group: Optional[dist.ProcessGroup] = None, pp_group: Optional[dist.ProcessGroup] = None):
         t = cfg.train
         self.clip_grad = t.clip_grad
-        self.tp_group = tp_group
+        self.tp_group, self.pp_group = tp_group, pp_group
         self.params = [p for _, p in named_params if p.requires_grad]
         self.names = {p: n for n, p in named_params}
         self.optimizer = torch.optim.AdamW(param_groups(named_params, t.weight_decay), lr=t.lr,
@@ -146,7 +150,7 @@ class TrainOptimizer:
         for param in self.params:
             main_grad = getattr(param, "main_grad", None)
             param.grad = main_grad if main_grad is not None else param.grad
-        norm = grad_norm(self.params, self.tp_group)
+        norm = grad_norm(self.params, self.tp_group, self.pp_group)
         clip_grads_(self.params, self.clip_grad, norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -235,9 +239,10 @@ class ShardedTrainOptimizer:
     """
 
     def __init__(self, cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
-                 tp_group: Optional[dist.ProcessGroup], dp_group: Optional[dist.ProcessGroup]):
+                 tp_group: Optional[dist.ProcessGroup], dp_group: Optional[dist.ProcessGroup],
+                 pp_group: Optional[dist.ProcessGroup] = None):
         t = cfg.train
-        self.clip_grad, self.tp_group, self.dp_group = t.clip_grad, tp_group, dp_group
+        self.clip_grad, self.tp_group, self.dp_group, self.pp_group = t.clip_grad, tp_group, dp_group, pp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         named = [(n, p) for n, p in named_params if p.requires_grad]
@@ -267,7 +272,7 @@ class ShardedTrainOptimizer:
                  for p in self.params]
         for param, grad in zip(self.params, grads):
             param.grad = grad
-        norm = grad_norm(self.params, self.tp_group)
+        norm = grad_norm(self.params, self.tp_group, self.pp_group)
         factor = clip_grads_([], self.clip_grad, norm)  # the factor only: gradients stay untouched
         for param, start, stop, piece in self.pieces:
             # the parameter is the source of truth (a checkpoint load or weights-only start writes it)
@@ -395,14 +400,16 @@ class MegatronTrainOptimizer:
 
 def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
                     tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model: Optional[torch.nn.Module] = None,
-                    device: str = "cpu", dp_group: Optional[dist.ProcessGroup] = None):
+                    device: str = "cpu", dp_group: Optional[dist.ProcessGroup] = None,
+                    pp_group: Optional[dist.ProcessGroup] = None):
     """torch AdamW over DDP's ``main_grad`` with TP-aware clipping on CPU (state sharded over
-    ``dp_group`` with ``ddp.use_distributed_optimizer``); megatron-core's optimizer (its
+    ``dp_group`` with ``ddp.use_distributed_optimizer``; the norm summed over the stages of
+    ``pp_group``); megatron-core's optimizer (its
     distributed optimizer when asked) over ``ddp_model`` on CUDA."""
     if device == "cuda":
         if ddp_model is None:
             raise ValueError("build_optimizer(device='cuda') needs ddp_model (the megatron-core DDP-wrapped model).")
         return MegatronTrainOptimizer(cfg, [ddp_model])
     if cfg.ddp.use_distributed_optimizer:
-        return ShardedTrainOptimizer(cfg, named_params, tp_group, dp_group)
-    return TrainOptimizer(cfg, named_params, tp_group)
+        return ShardedTrainOptimizer(cfg, named_params, tp_group, dp_group, pp_group)
+    return TrainOptimizer(cfg, named_params, tp_group, pp_group)

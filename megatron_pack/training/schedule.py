@@ -81,21 +81,57 @@ def forward_backward_cpu(*, forward_step_func: Callable, data_iterator: Iterator
     return reports
 
 
+def agree_on_microbatches(num_microbatches: int, state: ParallelState) -> None:
+    """Every stage of the pipeline plans the same number of micro-batches this step (each reads its own
+    loader): one small all-reduce over ``state.pp_group``; a mismatch stops every stage at once instead
+    of leaving one waiting for an activation that never comes."""
+    import torch.distributed as dist
+
+    bounds = torch.tensor([num_microbatches, -num_microbatches], dtype=torch.int64,
+                          device=state.device if state.device.type == "cuda" else "cpu")
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=state.pp_group)
+    most, least = int(bounds[0]), -int(bounds[1])
+    if most != least:
+        raise ValueError(f"the pipeline stages planned {least} to {most} micro-batches for this step; every stage of a "
+                         "DP rank must read the same packs (the same dataset, plan, train.seed and DP rank).")
+
+
 def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, model_chunks: list[torch.nn.Module],
-                     num_microbatches: int, state: ParallelState, seq_length: int) -> list[dict]:
+                     num_microbatches: int, state: ParallelState, seq_length: int, link=None) -> list[dict]:
     """Run one step's micro-batches over this rank's model chunks; returns the loss reports, one per
     micro-batch on the ranks that hold the loss (the last pipeline stage; every rank at PP=1) and
-    none elsewhere (megatron-core's schedules return an empty list there)."""
+    none elsewhere (megatron-core's schedules return an empty list there).
+
+    With pipeline stages (``state.pp_size > 1``): on CPU the 1F1B schedule of ``pipeline_schedule``
+    over ``link`` (a ``parallel.pipeline.StageLink``, ``pipeline_schedule.stage_link``); on GPU
+    megatron-core's, with its point-to-point communicator over ``state.pp_group``.
+    """
+    if len(model_chunks) != 1:  # validate() refuses virtual pipeline stages
+        raise NotImplementedError("the schedules run one model chunk per rank (no virtual pipeline stages)")
+    model = model_chunks[0]
+    if state.pp_size > 1:
+        agree_on_microbatches(num_microbatches, state)
     if state.device.type != "cuda":
-        if len(model_chunks) != 1 or state.pp_size != 1:  # validate() refuses pipeline stages
-            raise NotImplementedError("the CPU schedule runs one model chunk (parallel.pipeline_model_parallel_size=1)")
-        model = model_chunks[0]
+        if state.pp_size > 1:
+            from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
+
+            if link is None:
+                raise ValueError("forward_backward with pipeline stages needs link (pipeline_schedule.stage_link)")
+            reports, _ = forward_backward_1f1b(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                               model=model, num_microbatches=num_microbatches, link=link,
+                                               per_token_loss=model.config.calculate_per_token_loss)
+            return reports
         return forward_backward_cpu(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                     model=model, num_microbatches=num_microbatches,
                                     per_token_loss=model.config.calculate_per_token_loss)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    extra = {}
+    if state.pp_size > 1:  # with pg_collection given, megatron-core's pipelined schedule needs its communicator too
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        extra["p2p_communicator"] = P2PCommunicator(pp_group=state.pp_group, config=model.config)
     return get_forward_backward_func(pp_size=state.pp_size)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model_chunks,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=1, forward_only=False,
-        pg_collection=state.pg_collection)
+        pg_collection=state.pg_collection, **extra)

@@ -153,6 +153,19 @@ def check_finite(loss_sum: torch.Tensor, batch: Mapping[str, Any]) -> None:
         "that diverges, lower train.lr, or drop them from data.input.")
 
 
+def _check_stage_input(core: torch.nn.Module, num_local_tokens: int) -> None:
+    """A later pipeline stage's received activation covers the tokens of the pack its own loader gave."""
+    received = core.decoder.input_tensor
+    expected = num_local_tokens
+    if core.config.sequence_parallel:
+        expected //= core.config.tensor_model_parallel_size
+    if received is None or received.shape[0] != expected:
+        got = None if received is None else list(received.shape)
+        raise ValueError(f"pipeline stage received an activation of shape {got} for a pack of {expected} local tokens; "
+                         "the stages' loaders drew different packs (every stage of one DP rank must read the same "
+                         "data: same dataset, plan, seed and DP rank).")
+
+
 def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module):
     """megatron-core's ``forward_step_func``: next pack, this CP rank's slice, per-token losses.
 
@@ -171,8 +184,13 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     local = slice_thd_batch(batch, cp_group.size(), cp_group.rank())
     device = next(core.parameters()).device
     params = get_packed_seq_params(batch, device=device)
-    tokens, labels, position_ids, loss_mask = (local[k].to(device, non_blocking=True)
-                                               for k in ("tokens", "labels", "position_ids", "loss_mask"))
+    # a pipeline stage uses the tokens only where they enter (first stage), labels and the loss
+    # mask where the loss is (last stage); every stage uses the boundaries in ``params``
+    tokens = local["tokens"].to(device, non_blocking=True) if core.pre_process else None
+    labels = local["labels"].to(device, non_blocking=True) if core.post_process else None
+    position_ids, loss_mask = (local[k].to(device, non_blocking=True) for k in ("position_ids", "loss_mask"))
+    if not core.pre_process:
+        _check_stage_input(core, local["tokens"].shape[-1])
     output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params)
     if "token_source" in local:  # data.sources: the report also carries the per-source loss
         return output, partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))

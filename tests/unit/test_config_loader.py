@@ -110,6 +110,8 @@ PRESETS = [  # (overrides, world size, tp, cp, sp, dp, pad multiple)
     (["+experiment=quickstart"], 4, 1, 2, False, 2, 4),
     (["experiment=quickstart", "parallel=tp2_cp2_sp"], 4, 2, 2, True, 1, 4),
     (["experiment=llama3_8b_tp2_cp2", "data.input=/data/train.jsonl"], 16, 2, 2, True, 4, 4),
+    (["experiment=quickstart", "parallel=pp2"], 4, 1, 1, False, 2, 1),
+    (["experiment=quickstart", "parallel=pp2_tp2"], 8, 2, 1, False, 2, 1),
 ]
 
 

@@ -59,8 +59,19 @@ CASES = [
      dict(world_size=6), ("world size (6)", "2*2*1 = 4", "launch 4 or 8 ranks")),
     ("world_size", {}, dict(world_size=None), ()),
     ("pipeline_parallel", {}, {}, ()),
-    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2), {},
-     ("parallel.pipeline_model_parallel_size (2)", "not supported yet", "set parallel.pipeline_model_parallel_size=1")),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2), {}, ()),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=4, model__num_layers=4), {}, ()),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=3), {},
+     ("model.num_layers (2) must be a multiple of parallel.pipeline_model_parallel_size (3)",
+      "set parallel.pipeline_model_parallel_size to one of [2]")),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2, peft__method="lora",
+                               model__pretrained="models/tiny"), {},
+     ("peft.method (lora) with parallel.pipeline_model_parallel_size (2) > 1", "set peft.method=none")),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2, **GRAPHS), {},
+     ("model.cuda_graph_impl (local) with parallel.pipeline_model_parallel_size (2) > 1",
+      "set model.cuda_graph_impl=none")),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2, model__fp8="delayed"), {},
+     ("model.fp8 (delayed) with parallel.pipeline_model_parallel_size (2) > 1", "set model.fp8=none")),
     ("context_parallel", dict(parallel__context_parallel_size=2), {}, ()),
     ("context_parallel", dict(parallel__context_parallel_size=4, packing__mode="in_batch", train__micro_batch_size=4, model__seq_length=20),
      {}, ("model.seq_length (20)", "2*parallel.context_parallel_size = 8", "set model.seq_length=24")),
@@ -316,7 +327,7 @@ def test_validate_parallel_is_validate_world_rules():
                parallel__context_parallel_size=2)
     with pytest.raises(ConfigError) as info:
         validate_module.validate_parallel(cfg.parallel, world_size=3)
-    assert len(info.value.problems) == 3
+    assert len(info.value.problems) == 2  # world size and sequence parallelism; PP itself is a whole-config rule
     with pytest.raises(ConfigError) as full:
         validate(cfg, world_size=3)
     assert set(info.value.problems) <= set(full.value.problems)

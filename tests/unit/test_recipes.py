@@ -30,7 +30,10 @@ _QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
               "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
               "torch_dtype": "bfloat16"}
-PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B}
+_LLAMA33_70B = {**_LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                "num_attention_heads": 64, "num_key_value_heads": 8}
+PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B,
+              "models/Llama-3.3-70B-Instruct": _LLAMA33_70B}
 
 RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
 
@@ -74,6 +77,15 @@ def test_recipe_validates_at_its_world_size(path, tmp_path):
     cfg = load_config([f"experiment={path.stem}", *extra], world_size=world_size)  # validate() runs inside
     par = cfg.parallel
     assert world_size % (par.tensor_model_parallel_size * par.context_parallel_size) == 0
+
+
+def test_llama3_70b_recipe_is_a_pipeline_layout(tmp_path):
+    path = config_dir() / "experiment" / "llama3_70b_sft.yaml"
+    cfg = load_config(["experiment=llama3_70b_sft", "data.input=train.jsonl",
+                       *_pretrained_folder(path, tmp_path)], world_size=_world_size(path))
+    par = cfg.parallel
+    assert (par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size) == (4, 2, 4)
+    assert cfg.model.num_layers == 80 and cfg.ddp.use_distributed_optimizer and par.sequence_parallel
 
 
 def test_llama3_recipe_uses_the_distributed_optimizer():
