@@ -86,6 +86,48 @@ def _validate_context_parallel(cfg: Config) -> list[str]:
     return []
 
 
+def _expert_parallel_problems(par: ParallelConfig) -> list[str]:
+    """Expert parallelism is not built yet: EP 1, and an expert's weights split like every other weight."""
+    problems = []
+    if par.expert_model_parallel_size != 1:
+        problems.append(f"parallel.expert_model_parallel_size ({par.expert_model_parallel_size}) is not supported "
+                        "yet (each rank holds every expert: loading, export and checkpoints of expert shards are "
+                        "not built); set parallel.expert_model_parallel_size=1.")
+    etp = par.expert_tensor_parallel_size
+    if etp is not None and etp != par.tensor_model_parallel_size:
+        problems.append(f"parallel.expert_tensor_parallel_size ({etp}) must equal parallel.tensor_model_parallel_size "
+                        f"({par.tensor_model_parallel_size}) for now (a separate expert TP is not built); set "
+                        "parallel.expert_tensor_parallel_size=null.")
+    return problems
+
+
+_MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model.num_experts)
+    (lambda c: c.parallel.tensor_model_parallel_size > 1, lambda c: f"parallel.tensor_model_parallel_size "
+     f"({c.parallel.tensor_model_parallel_size})", "tensor parallelism of MoE layers (megatron-core needs sequence "
+     "parallelism there, and the per-expert loads are not gathered over its ranks yet); set "
+     "parallel.tensor_model_parallel_size=1 and use context or data parallelism"),
+    (lambda c: c.peft.method != "none", lambda c: f"peft.method ({c.peft.method})", "LoRA on a MoE model (adapters "
+     "on the experts' linears are not built); set peft.method=none"),
+    (lambda c: c.model.recompute_granularity == "full", lambda c: "model.recompute_granularity (full)",
+     "full recompute of MoE layers (not proved against the unrecomputed step yet); set "
+     "model.recompute_granularity=selective or null"),
+    (lambda c: c.model.fp8 != "none", lambda c: f"model.fp8 ({c.model.fp8})", "FP8 experts (not built); set "
+     "model.fp8=none"),
+    (lambda c: c.model.cuda_graph_impl != "none", lambda c: f"model.cuda_graph_impl ({c.model.cuda_graph_impl})",
+     "CUDA graphs of MoE layers (the router reads per-pack metadata on the host); set model.cuda_graph_impl=none"),
+    (lambda c: c.ddp.use_distributed_optimizer, lambda c: "ddp.use_distributed_optimizer (True)",
+     "the distributed optimizer with expert parameters (not proved yet); set ddp.use_distributed_optimizer=false"),
+)
+
+
+def _validate_moe(cfg: Config) -> list[str]:
+    """What a mixture-of-experts model (``model.num_experts``) does not combine with yet, one line each."""
+    if not cfg.model.num_experts:
+        return []
+    return [f"{key(cfg)} with a MoE model (model.num_experts={cfg.model.num_experts}) is not supported: {why}."
+            for applies, key, why in _MOE_REFUSED if applies(cfg)]
+
+
 def _validate_per_token_loss(cfg: Config) -> list[str]:
     """CP>1 and packing need per-token loss; per-token loss needs summed (not averaged) gradient reduction.
 
@@ -570,13 +612,14 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_attention_backend,
     _validate_evaluation,
     _validate_fp8,
+    _validate_moe,
 )
 
 
 def collect_problems(cfg: Config, *, world_size: Optional[int] = None,
                      dataset_meta: Optional[dict[str, Any]] = None) -> list[str]:
     """Every cross-group problem of ``cfg`` (empty when it is valid)."""
-    problems = _validate_world_size(cfg, world_size)
+    problems = _validate_world_size(cfg, world_size) + _expert_parallel_problems(cfg.parallel)
     for rule in _CONFIG_RULES:
         problems += rule(cfg)
     problems += _validate_batch_size(cfg, world_size)
@@ -600,7 +643,8 @@ def validate(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Opt
 def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None:
     """The layout rules of ``validate`` alone (world size, PP, sequence parallelism), for code that
     holds only ``parallel.*``: ``initialize_parallel`` calls it before any process group starts."""
-    problems = _world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
+    problems = (_world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
+                + _expert_parallel_problems(par))
     if problems:
         raise ConfigError(problems)
 
@@ -610,7 +654,7 @@ def launch_problems(cfg: Config, *, world_size: Optional[int]) -> list[str]:
     parallelism, batch split): train checks them before it looks for the dataset."""
     par = cfg.parallel
     return (_world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
-            + _validate_batch_size(cfg, world_size))
+            + _expert_parallel_problems(par) + _validate_batch_size(cfg, world_size))
 
 
 def prepare_problems(cfg: Config) -> list[str]:

@@ -34,6 +34,7 @@ from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.config.validate import vocab_problems
 from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
 from megatron_pack.model.fp8 import fp8_config_kwargs, te_recipe_problem, zero_padding_rows
+from megatron_pack.model.moe import attach_pack_routing, moe_config_kwargs, moe_mlp_spec
 from megatron_pack.model.norms import SequenceParallelNorm
 from megatron_pack.parallel.groups import ParallelState
 
@@ -124,6 +125,9 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         persist_layer_norm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
         **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
+        **moe_config_kwargs(m, on_gpu=on_gpu),
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
     )
 
 
@@ -145,7 +149,8 @@ def recompute_kwargs(cfg: Config) -> dict:
             "recompute_num_layers": m.recompute_num_layers or default_layers}
 
 
-def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layernorm: bool = False):
+def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layernorm: bool = False,
+                     num_experts: Optional[int] = None):
     """Block spec of megatron-core local modules with our THD attention core and SP-capable norms.
 
     ``qk_layernorm`` (Qwen3) norms each query/key head; megatron-core's ``finalize_model_grads``
@@ -172,18 +177,22 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layerno
     layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=SequenceParallelNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=SequenceParallelNorm,
-        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                            linear_fc2=RowParallelLinear)),
+        mlp=moe_mlp_spec() if num_experts else ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm)
 
 
-def te_layer_spec(qk_layernorm: bool = False):
-    """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears)."""
+def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
+    """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears); a MoE model's
+    MLP is megatron-core's MoE layer with our router (``model/moe.py``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False,
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                       qk_layernorm=qk_layernorm)
+    if num_experts:
+        spec.submodules.mlp.submodules.router = moe_mlp_spec().submodules.router
+    return spec
 
 
 def _deterministic_te_env(cfg: Config, backend: str) -> None:
@@ -264,8 +273,9 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     torch.manual_seed(cfg.train.seed)
     # megatron's named RNG streams (CPU generator states under cpu_compat)
     model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
-    spec = (te_layer_spec(cfg.model.qk_layernorm) if backend == "te" else
-            local_block_spec(cfg.model.num_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm))
+    spec = (te_layer_spec(cfg.model.qk_layernorm, cfg.model.num_experts) if backend == "te" else
+            local_block_spec(cfg.model.num_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm,
+                             num_experts=cfg.model.num_experts))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
@@ -279,6 +289,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
         use_in_sequence_rope(model)
     model.attention_backend = backend
+    attach_pack_routing(model, cfg.model)
     if cfg.model.fp8 != "none":  # padding rows stay 0 at every FP8 GEMM input (model/fp8.py)
         model.fp8_padding_hooks = zero_padding_rows(
             model, cp_size=cfg.parallel.context_parallel_size, cp_rank=pg.cp_rank,

@@ -42,6 +42,7 @@ from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.online import single_rank
 from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
+from megatron_pack.model.moe import step_moe_metrics
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
@@ -193,6 +194,8 @@ class Trainer:
     """The signal that stopped the run after a step (``training.signals``), or None."""
     stop_checkpoint: Optional[Path] = None
     """The checkpoint saved at that stop (None: checkpoint.enabled=false)."""
+    moe_metrics: Optional[dict] = None
+    """The last step's MoE routing numbers (``model.moe.step_moe_metrics``), None for a dense model."""
     _start: float = field(default_factory=time.perf_counter)
     _first_step: int = 0
 
@@ -220,6 +223,7 @@ class Trainer:
         packs, batches = self.data_iterator.take()
         counts, local_tokens = self._count(reports, packs)
         total = counts.reduce(self.state.dp_cp_group)
+        self.moe_metrics = step_moe_metrics(reports, self.state.dp_cp_group, total.target_tokens)
         self._check_finite(self.step + 1, reports, batches, total)
         from megatron.core.distributed import finalize_model_grads
 
@@ -260,7 +264,7 @@ class Trainer:
                               imbalance_before=self.step_info.imbalance_before,
                               imbalance_after=self.step_info.imbalance_after,
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
-                              source_target_share=source_share)
+                              source_target_share=source_share, moe=self.moe_metrics)
         self.history.append(metrics)
         return metrics
 

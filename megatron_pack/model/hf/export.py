@@ -96,7 +96,7 @@ def shards_from_pretrained(folder: str | Path, model_cfg, tp: int, *,
     hf = read_hf_config(folder)
     dims = Dims.from_model_config(model_cfg, tp)
     tied = not model_cfg.untie_embeddings_and_output_weights
-    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    placement = Placement.whole(model_cfg) if placement is None else placement
     out: list[dict[str, Tensor]] = [{} for _ in range(tp)]
     with SafetensorsFolder(folder) as source:
         for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, placement=placement):
@@ -124,7 +124,7 @@ def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, *,
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     shards = [{_canonical(name): tensor for name, tensor in shard.items()} for shard in shards]
-    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    placement = Placement.whole(model_cfg) if placement is None else placement
     for rule, mcore, hf_names in rules_for(model_type, tied=tied, placement=placement):
         missing = [r for r, shard in enumerate(shards) if mcore not in shard]
         if missing:

@@ -1,0 +1,259 @@
+"""Mixture-of-experts models on packed THD batches, proved against transformers (tests share no code with ours).
+
+One spawned world of 2 gloo ranks runs three tiny MoE folders (2 layers, hidden 32, 4 experts, top-2):
+Qwen3-MoE with ``norm_topk_prob`` true and false (megatron-core's pre_softmax False / True) and Mixtral,
+at two layouts, DP=2 (each rank its own packs) and CP=2 (both ranks one pack, zigzag chunks):
+
+1. logits of a pack with several samples and padding equal transformers' forward of each sample
+   alone (<= 1e-4 on every real token), and so do those of each sample packed alone;
+2. a pack that is 90% padding routes exactly its real tokens: tokens per expert per layer equal
+   the experts transformers' router picks for the sample alone; at CP=2 rank 1's slice is only
+   padding and the step finishes (the world has a deadline);
+3. one training step (our forward_step: padding mask and pack boundaries from the metadata) gives
+   the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
+   transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
+   with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _dist import spawn_world
+
+FOLDERS = ("qwen3_moe", "qwen3_moe_raw", "mixtral")
+"""qwen3_moe: norm_topk_prob true; qwen3_moe_raw: false (softmax, top-k, no renormalisation)."""
+VOCAB, NUM_EXPERTS, TOPK = 97, 4, 2
+AUX, ZLOSS = 0.1, 0.01
+LENGTHS = (9, 6, 12, 7)
+PACK_SIZE, PAD_MULTIPLE = 64, 4
+
+
+def _hf_model(family: str):
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=TOPK, eos_token_id=2)
+    if family == "mixtral":
+        config = T.MixtralConfig(**common, num_local_experts=NUM_EXPERTS, sliding_window=None)
+    else:
+        config = T.Qwen3MoeConfig(**common, num_experts=NUM_EXPERTS, moe_intermediate_size=24, head_dim=8,
+                                  norm_topk_prob=family == "qwen3_moe")
+    torch.manual_seed(3)
+    model = T.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # routers and norms far from their init, so routing and q/k norms matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _samples() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, VOCAB, size=n).tolist() + [2] for n in LENGTHS]
+
+
+def _mask(ids: list[int]) -> list[int]:
+    """Answer-only style: the first two ids are prompt, so a sample's target count differs from its length."""
+    return [0, 0] + [1] * (len(ids) - 2)
+
+
+def _pack(samples, *, pack_size=PACK_SIZE, pad_multiple=PAD_MULTIPLE):
+    from megatron_pack.data.thd import collate_thd
+
+    return collate_thd([{"input_ids": s, "loss_mask": _mask(s)} for s in samples], pack_size=pack_size,
+                       pad_multiple=pad_multiple, pad_to_max_length=True)
+
+
+def _config(folder: str, cp: int):
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig
+
+    cfg = Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=PACK_SIZE,
+                                   moe_aux_loss_coeff=AUX, moe_z_loss_coeff=ZLOSS),
+                 parallel=ParallelConfig(context_parallel_size=cp))
+    return apply_pretrained(cfg, [])
+
+
+def _logit_diffs(model, pg, batch, refs) -> float:
+    from megatron_pack.model.moe import set_pack
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import gather_full_logits
+    from megatron_pack.training.step import get_packed_seq_params
+
+    local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
+    mask = set_pack(model, batch, pg.cp_size, pg.cp_rank, "cpu")
+    with torch.no_grad():
+        logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
+                       padding_mask=mask)
+    full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0]
+    starts = batch["cu_seqlens_padded"].tolist()
+    return max(float((full[starts[i]:starts[i] + len(ref)] - ref).abs().max()) for i, ref in enumerate(refs))
+
+
+def _train_step(model, pg, cfg, batch) -> dict:
+    """forward_step + backward on this rank's pack; grads summed over DP x CP, divided by the global target count."""
+    import torch.distributed as dist
+
+    from megatron_pack.model.hf.export import hf_tensors
+    from megatron_pack.model.moe import step_moe_metrics
+    from megatron_pack.training.step import forward_step
+
+    model.train()
+    model.zero_grad()
+    output, loss_fn = forward_step(iter([batch]), model)
+    loss_sum, num_tokens, report = loss_fn(output)
+    loss_sum.backward()
+    counts = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+    dist.all_reduce(counts, group=pg.dp_cp_group)
+    total = float(counts[1])
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=pg.dp_cp_group)
+        g /= total
+    moe = step_moe_metrics([report], pg.dp_cp_group, total)
+    hf_grads = hf_tensors([grads], "mixtral" if "mixtral" in cfg.model.pretrained else "qwen3_moe", cfg.model)
+    return {"lm_loss": float(counts[0]) / total, "lb": moe["load_balancing_loss"], "z": moe["z_loss"],
+            **{f"grad/{k}": v.numpy() for k, v in hf_grads.items()}}
+
+
+def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.moe import pack_routing
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    cp = 2 if layout == "cp2" else 1
+    cfg = _config(folder, cp)
+    pg = initialize_parallel(cfg)
+    try:
+        model = build_model(cfg, pg)
+        model.eval()
+        samples = _samples()
+        out = {"packed": _logit_diffs(model, pg, _pack(samples), refs["logits"]),
+               "alone": max(_logit_diffs(model, pg, _pack([s]), [r]) for s, r in zip(samples, refs["logits"]))}
+        sparse = _pack([samples[0]], pack_size=PACK_SIZE, pad_multiple=PACK_SIZE)  # 9 real of 64: rank 1 pads only
+        _logit_diffs(model, pg, sparse, refs["logits"][:1])
+        load = torch.stack([pack_routing(model).load[i] for i in sorted(pack_routing(model).load)])
+        torch.distributed.all_reduce(load, group=pg.cp_group)
+        out["sparse_load"] = load.numpy()
+        step_samples = (samples[:2] if rank == 0 else samples[2:]) if cp == 1 else samples
+        out.update(_train_step(model, pg, cfg, _pack(step_samples)))
+        return {f"{layout}/{k}": v for k, v in out.items()} if rank == 0 else {}
+    finally:
+        destroy_parallel()
+
+
+def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
+    out = {}
+    for family in FOLDERS:
+        for layout in ("dp2", "cp2"):
+            out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
+    return out
+
+
+def _reference(folder: str) -> dict:
+    """transformers in float64, each sample alone: logits, expert counts of sample 0, loss, aux losses, grads."""
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, experts_implementation="eager")
+    samples = _samples()
+    with torch.no_grad():
+        logits = [model(torch.tensor([s[:-1]])).logits[0].float() for s in samples]
+        routers = model(torch.tensor([samples[0][:-1]]), output_router_logits=True).router_logits
+    counts = [torch.bincount(r.topk(TOPK, dim=-1).indices.reshape(-1), minlength=NUM_EXPERTS) for r in routers]
+    model.train()
+    total_lm = total_lb = total_z = 0.0
+    objective = 0.0
+    num_targets = sum(sum(_mask(s)[1:]) for s in samples)
+    for ids in samples:
+        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
+        weight = torch.tensor(_mask(ids)[1:], dtype=torch.float64)
+        ce = torch.nn.functional.cross_entropy(out.logits[0], torch.tensor(ids[1:]), reduction="none")
+        lm = (ce * weight).sum()
+        m = weight.sum()
+        lb = z = 0.0
+        for r in out.router_logits:  # the sample's own Switch loss and z-loss, per layer
+            n = r.shape[0]
+            probs = torch.softmax(r, dim=-1)
+            chosen = torch.zeros_like(probs).scatter(1, r.topk(TOPK, dim=-1).indices, 1.0)
+            lb = lb + NUM_EXPERTS / (TOPK * n * n) * (chosen.sum(0) * probs.sum(0)).sum()
+            z = z + torch.logsumexp(r, dim=-1).square().mean()
+        objective = objective + (lm + AUX * m * lb + ZLOSS * m * z) / num_targets
+        total_lm += float(lm) / num_targets
+        total_lb += float(m * lb) / num_targets / len(out.router_logits)
+        total_z += float(m * z) / num_targets / len(out.router_logits)
+    objective.backward()
+    grads = _checkpoint_names({n: p.grad.float() for n, p in model.named_parameters()}, "mixtral" in folder)
+    return {"logits": logits, "counts": torch.stack(counts).numpy(), "lm": total_lm, "lb": total_lb, "z": total_z,
+            "grads": grads}
+
+
+def _checkpoint_names(grads: dict, mixtral: bool) -> dict:
+    """transformers 5 keeps experts as 3D tensors in memory (gate_up_proj [E, 2F, H], down_proj [E, H, F]);
+    name them as its checkpoints do (per expert; Mixtral: block_sparse_moe, w1 / w3 / w2)."""
+    block, gate, up, down = ("block_sparse_moe", "w1", "w3", "w2") if mixtral else ("mlp", "gate_proj", "up_proj",
+                                                                                   "down_proj")
+    out = {}
+    for name, grad in grads.items():
+        name = name.replace(".mlp.", f".{block}.")
+        if name.endswith("experts.gate_up_proj"):
+            stem = name[: -len("gate_up_proj")]
+            for e, (g, u) in enumerate(t.chunk(2, dim=0) for t in grad):
+                out[f"{stem}{e}.{gate}.weight"], out[f"{stem}{e}.{up}.weight"] = g, u
+        elif name.endswith("experts.down_proj"):
+            stem = name[: -len("down_proj")]
+            out.update({f"{stem}{e}.{down}.weight": t for e, t in enumerate(grad)})
+        else:
+            out[name] = grad
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe")
+    folders, refs = {}, {}
+    for family in FOLDERS:
+        folders[family] = str(root / family)
+        _hf_model(family).save_pretrained(folders[family], max_shard_size="40KB")
+        refs[family] = _reference(folders[family])
+    ranks = spawn_world(_worker, 2, root, folders, {f: {"logits": r["logits"]} for f, r in refs.items()},
+                        timeout_s=600)
+    return {"out": ranks[0], "refs": refs, "folders": folders}
+
+
+CASES = [f"{family}/{layout}" for family in FOLDERS for layout in ("dp2", "cp2")]
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_transformers(world, case):
+    assert float(world["out"][f"{case}/packed"]) <= 1e-4
+    assert float(world["out"][f"{case}/alone"]) <= 1e-4
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", CASES)
+def test_a_mostly_padding_pack_routes_exactly_its_real_tokens(world, case):
+    load = world["out"][f"{case}/sparse_load"]
+    want = world["refs"][case.split("/")[0]]["counts"]
+    assert load.sum() == (LENGTHS[0]) * TOPK * 2  # 9 real tokens (of 64), top-2, 2 layers
+    np.testing.assert_array_equal(load, want)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", CASES)
+def test_loss_aux_losses_and_grads_equal_a_float64_reference_run_per_sample(world, case):
+    out, ref = world["out"], world["refs"][case.split("/")[0]]
+    for key, want in (("lm_loss", ref["lm"]), ("lb", ref["lb"]), ("z", ref["z"])):
+        assert abs(float(out[f"{case}/{key}"]) - want) <= 1e-5 * abs(want), key
+    names = [k for k in out if k.startswith(f"{case}/grad/")]
+    assert len(names) == len(ref["grads"])  # every HF tensor's gradient compared
+    for key in names:
+        want = ref["grads"][key.split("/grad/")[1]]
+        got = torch.from_numpy(out[key])
+        assert float((got - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-3), key
