@@ -12,7 +12,11 @@ at two layouts, DP=2 (each rank its own packs) and CP=2 (both ranks one pack, zi
 3. one training step (our forward_step: padding mask and pack boundaries from the metadata) gives
    the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
    transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
-   with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5.
+   with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
+4. the user's path: ``prepare``, ``train`` (torchrun, CP=2) and ``export`` of a Qwen3-MoE folder as the
+   docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
+   the export has the source's per-expert layout, loads in transformers with changed weights, and an
+   export of the untrained folder is bit-identical to it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import pytest
 import torch
 
 from _dist import spawn_world
+from _hf import cli, prepare_in, save_tokenizer, torchrun_train
 
 FOLDERS = ("qwen3_moe", "qwen3_moe_raw", "mixtral")
 """qwen3_moe: norm_topk_prob true; qwen3_moe_raw: false (softmax, top-k, no renormalisation)."""
@@ -31,10 +36,10 @@ LENGTHS = (9, 6, 12, 7)
 PACK_SIZE, PAD_MULTIPLE = 64, 4
 
 
-def _hf_model(family: str):
+def _hf_model(family: str, vocab: int = VOCAB):
     import transformers as T
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=TOPK, eos_token_id=2)
     if family == "mixtral":
         config = T.MixtralConfig(**common, num_local_experts=NUM_EXPERTS, sliding_window=None)
@@ -257,3 +262,43 @@ def test_loss_aux_losses_and_grads_equal_a_float64_reference_run_per_sample(worl
         want = ref["grads"][key.split("/grad/")[1]]
         got = torch.from_numpy(out[key])
         assert float((got - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-3), key
+
+
+RUN = ["experiment=pretrained_tiny", "model.pretrained=models/tiny-moe", "data.synthetic_num_samples=8",
+       "train.train_iters=2",
+       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "logging.log_interval=1"]
+
+
+@pytest.mark.timeout(900)
+def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
+    import json
+
+    import transformers as T
+    from safetensors.torch import load_file
+
+    source = tmp_path / "models/tiny-moe"
+    _hf_model("qwen3_moe", vocab=301).save_pretrained(source)
+    save_tokenizer(source)
+    prepare_in(tmp_path, RUN)
+    out = torchrun_train(tmp_path, RUN)
+    assert "| lb " in out and "load max/mean" in out
+    records = [json.loads(line) for line in (tmp_path / "runs/pretrained_tiny/metrics.jsonl").read_text().splitlines()]
+    moe = [r["moe"] for r in records if "moe" in r]
+    assert len(moe) == 2 and all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in moe)
+    for record, m in zip([r for r in records if "moe" in r], moe):  # every real token routed top-2 in each layer
+        assert [sum(layer) for layer in m["tokens_per_expert"]] == [record["real_tokens"] * TOPK] * 2
+    rc, text = cli(tmp_path, "export", "checkpoint=runs/pretrained_tiny/checkpoints", "output=exports/moe")
+    assert rc == 0, text
+    from megatron_pack.config import load_config
+    from megatron_pack.model.hf.export import export_folder
+
+    export_folder(output=tmp_path / "exports/untrained", source=source,
+                  model_cfg=load_config([f"model.pretrained={source}"]).model)
+    before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "exports/moe/model.safetensors")
+    assert sorted(after) == sorted(before) and any("experts.3.down_proj" in k for k in after)
+    untrained = load_file(tmp_path / "exports/untrained/model.safetensors")
+    assert all(torch.equal(untrained[k], before[k]) for k in before)
+    loaded = T.AutoModelForCausalLM.from_pretrained(tmp_path / "exports/moe")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any(".experts." in k for k in changed) and any(".mlp.gate." in k for k in changed)
+    assert loaded.config.model_type == "qwen3_moe"
