@@ -219,6 +219,16 @@ CASES = [
     ("dataset_meta", dict(model__fp8="delayed", parallel__context_parallel_size=2), dict(meta=META_OK),
      ("model.fp8 (delayed): the dataset was planned with packs padded to a multiple of 4 tokens",
       "this run needs 32", "re-run `megatron-pack prepare` with this config and model.fp8=delayed")),
+    # issue 25: mixture of experts
+    ("moe", dict(model__num_experts=4, parallel__context_parallel_size=2), {}, ()),
+    ("moe", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2, parallel__sequence_parallel=True), {},
+     ("parallel.tensor_model_parallel_size (2) with a MoE model (model.num_experts=4) is not supported",
+      "set parallel.tensor_model_parallel_size=1")),
+    ("moe", dict(model__num_experts=4, peft__method="lora"), {}, ("peft.method (lora) with a MoE model",)),
+    ("moe", dict(model__num_experts=4, model__recompute_granularity="full"), {},
+     ("model.recompute_granularity (full) with a MoE model",)),
+    ("moe", dict(model__num_experts=4, ddp__use_distributed_optimizer=True), {},
+     ("ddp.use_distributed_optimizer (True) with a MoE model",)),
 ]
 
 
@@ -360,3 +370,17 @@ def test_fix_property_is_not_vacuous():
     problems = validate_module._validate_pad_multiple(bad) + validate_module._validate_packed_sizes(bad)
     assert problems == ["packing.pad_seq_to_mult (6) must be a multiple of lcm(2*cp=4) = 4 for cp=2, tp=1; "
                         "set packing.pad_seq_to_mult=8."]
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("expert_model_parallel_size", 2, "parallel.expert_model_parallel_size (2) is not supported yet"),
+    ("expert_tensor_parallel_size", 2, "parallel.expert_tensor_parallel_size (2) must equal"),
+], ids=["ep", "etp"])
+def test_expert_parallel_is_refused_before_launch(key, value, fragment):
+    from megatron_pack.config import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config([f"parallel.{key}={value}"] + (["model.num_experts=4"] if key == "expert_model_parallel_size"
+                                                   else []))
+    assert any(fragment in p for p in info.value.problems), info.value.problems
+    validate(make(parallel__expert_tensor_parallel_size=1))  # the TP degree itself is accepted
