@@ -272,7 +272,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
     torch.manual_seed(cfg.train.seed)
     # megatron's named RNG streams (CPU generator states under cpu_compat)
-    model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
+    model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=pg.ep_rank, etp_rank=pg.etp_rank)
     spec = (te_layer_spec(cfg.model.qk_layernorm, cfg.model.num_experts) if backend == "te" else
             local_block_spec(cfg.model.num_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm,
                              num_experts=cfg.model.num_experts))
@@ -300,8 +300,14 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     if cfg.model.pretrained:
         from megatron_pack.model.hf.load import load_pretrained
 
+        from megatron_pack.model.hf.mapping import Dims
+
+        p = cfg.parallel  # an expert-parallel rank reads only its own experts (the model's placement)
+        dims = Dims.from_model_config(cfg.model, p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
+                                      etp=p.expert_tensor_parallel_size)
         model.pretrained_report = load_pretrained(model, cfg.model.pretrained, cfg.model, tp_rank=pg.tp_rank,
-                                                  tp_size=cfg.parallel.tensor_model_parallel_size)
+                                                  tp_size=p.tensor_model_parallel_size, etp_rank=pg.etp_rank,
+                                                  dims=dims)
     if cfg.peft.method == "lora":  # after loading: the base is complete and then frozen
         from megatron_pack.model.peft import apply_lora
 

@@ -142,8 +142,12 @@ def _router_class():
                 logits, routing_map, seq, self.pack.seq_weight, topk=self.topk,
                 group=self.tp_cp_group if self.tp_cp_group.size() > 1 else None)
             a, zc = self.pack.aux_coeff, self.pack.z_coeff
-            self.pack.aux[self.layer_number] = torch.stack([aux.detach(), z.detach()]).double().cpu()
-            self.pack.load[self.layer_number] = load.detach().double().cpu()
+            record = torch.cat([torch.stack([aux.detach(), z.detach()]), load.detach()])
+            if self.config.sequence_parallel and self.tp_group.size() > 1:  # TP ranks hold different tokens
+                record = record.clone()
+                torch.distributed.all_reduce(record, group=self.tp_group)
+            record = record.double().cpu()
+            self.pack.aux[self.layer_number], self.pack.load[self.layer_number] = record[:2], record[2:]
             total = a * aux + zc * z
             if self.training and torch.is_grad_enabled() and (a or zc):
                 probs = MoEAuxLossAutoScaler.apply(probs, total)

@@ -221,9 +221,9 @@ CASES = [
       "this run needs 32", "re-run `megatron-pack prepare` with this config and model.fp8=delayed")),
     # issue 25: mixture of experts
     ("moe", dict(model__num_experts=4, parallel__context_parallel_size=2), {}, ()),
-    ("moe", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2, parallel__sequence_parallel=True), {},
-     ("parallel.tensor_model_parallel_size (2) with a MoE model (model.num_experts=4) is not supported",
-      "set parallel.tensor_model_parallel_size=1")),
+    ("moe", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2), {},
+     ("parallel.tensor_model_parallel_size (2) without parallel.sequence_parallel with a MoE model",
+      "set parallel.sequence_parallel=true")),
     ("moe", dict(model__num_experts=4, peft__method="lora"), {}, ("peft.method (lora) with a MoE model",)),
     ("moe", dict(model__num_experts=4, model__recompute_granularity="full"), {},
      ("model.recompute_granularity (full) with a MoE model",)),
@@ -372,15 +372,31 @@ def test_fix_property_is_not_vacuous():
                         "set packing.pad_seq_to_mult=8."]
 
 
-@pytest.mark.parametrize("key,value,fragment", [
-    ("expert_model_parallel_size", 2, "parallel.expert_model_parallel_size (2) is not supported yet"),
-    ("expert_tensor_parallel_size", 2, "parallel.expert_tensor_parallel_size (2) must equal"),
-], ids=["ep", "etp"])
-def test_expert_parallel_is_refused_before_launch(key, value, fragment):
-    from megatron_pack.config import load_config
+EP_CASES = [  # (id, overrides, world size, message fragment or None)
+    ("ep2-moe-world2", dict(model__num_experts=4, parallel__expert_model_parallel_size=2), 2, None),
+    ("ep2-cp2-world4", dict(model__num_experts=4, parallel__expert_model_parallel_size=2,
+                            parallel__context_parallel_size=2), 4, None),
+    ("ep2-dense", dict(parallel__expert_model_parallel_size=2), 2, "needs a mixture-of-experts model"),
+    ("ep2-world3", dict(model__num_experts=4, parallel__expert_model_parallel_size=2), 3, "must divide the world size"),
+    ("ep2-3-experts", dict(model__num_experts=3, model__moe_router_topk=1, parallel__expert_model_parallel_size=2), 2,
+     "must divide model.num_experts (3)"),
+    ("etp2-tp1", dict(model__num_experts=4, parallel__expert_tensor_parallel_size=2), 2,
+     "parallel.expert_tensor_parallel_size (2) must be 1 or"),
+    ("tp2-sp-etp1-ep2", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2,
+                             parallel__sequence_parallel=True, parallel__expert_tensor_parallel_size=1,
+                             parallel__expert_model_parallel_size=2), 2, None),
+    ("tp2-sp-etp1-ep1", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2,
+                             parallel__sequence_parallel=True, parallel__expert_tensor_parallel_size=1), 2,
+     "never sums their gradients over the TP ranks"),
+]
 
+
+@pytest.mark.parametrize("overrides,world_size,fragment", [c[1:] for c in EP_CASES], ids=[c[0] for c in EP_CASES])
+def test_expert_parallel_rules(overrides, world_size, fragment):
+    cfg = make(**overrides)
+    if fragment is None:
+        validate(cfg, world_size=world_size)
+        return
     with pytest.raises(ConfigError) as info:
-        load_config([f"parallel.{key}={value}"] + (["model.num_experts=4"] if key == "expert_model_parallel_size"
-                                                   else []))
-    assert any(fragment in p for p in info.value.problems), info.value.problems
-    validate(make(parallel__expert_tensor_parallel_size=1))  # the TP degree itself is accepted
+        validate(cfg, world_size=world_size)
+    assert sum(fragment in p for p in info.value.problems) == 1, info.value.problems

@@ -115,11 +115,12 @@ def _canonical(name: str) -> str:
 
 
 def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, *,
-               placement: Optional[Placement] = None) -> dict[str, Tensor]:
+               placement: Optional[Placement] = None, etp: Optional[int] = None) -> dict[str, Tensor]:
     """HF name -> tensor, in table order, from every TP rank's megatron-core state of the chunk at
     ``placement`` (by default the whole model): a pipeline stage's tensors under their global names.
-    A last stage's copy of tied embeddings is read but not written (the first stage writes it)."""
-    dims = Dims.from_model_config(model_cfg, len(shards))
+    A last stage's copy of tied embeddings is read but not written (the first stage writes it).
+    ``etp`` is the expert tensor-parallel degree the experts' shards were split over (None: TP)."""
+    dims = Dims.from_model_config(model_cfg, len(shards), etp=etp)
     tied = not model_cfg.untie_embeddings_and_output_weights
     out: dict[str, Tensor] = {}
     used: set[str] = set()
