@@ -1,8 +1,9 @@
 """Mixture-of-experts models on packed THD batches, proved against transformers (tests share no code with ours).
 
-One spawned world of 2 gloo ranks runs three tiny MoE folders (2 layers, hidden 32, 4 experts, top-2):
+One spawned gloo world of 2 ranks runs three tiny MoE folders (2 layers, hidden 32, 4 experts, top-2):
 Qwen3-MoE with ``norm_topk_prob`` true and false (megatron-core's pre_softmax False / True) and Mixtral,
-at two layouts, DP=2 (each rank its own packs) and CP=2 (both ranks one pack, zigzag chunks):
+at the layouts of ``LAYOUTS`` (DP=2, CP=2, EP=2 over DP, EP=2 over CP, TP=2 with expert TP 2, TP=2 x EP=2 with
+expert TP 1; ``WORLDS`` lists which folder runs where):
 
 1. logits of a pack with several samples and padding equal transformers' forward of each sample
    alone (<= 1e-4 on every real token), and so do those of each sample packed alone;
@@ -34,13 +35,15 @@ VOCAB, NUM_EXPERTS, TOPK = 97, 4, 2
 AUX, ZLOSS = 0.1, 0.01
 LENGTHS = (9, 6, 12, 7)
 PACK_SIZE, PAD_MULTIPLE = 64, 4
-LAYOUTS = {"dp2": (1, 1, 1, None), "cp2": (2, 1, 1, None), "ep2": (1, 2, 1, None), "tp2": (1, 1, 2, None),
-           "tp2_etp1_ep2": (1, 2, 2, 1)}
-"""layout -> (CP, EP, TP, expert TP) on 2 ranks (DP = 2 / (CP * TP)); ep2: each rank holds 2 of the 4 experts,
-tokens all-gathered; tp2: sequence parallel, experts split over TP (expert TP 2); tp2_etp1_ep2: attention TP 2, each
-rank holds 2 whole experts (expert TP 1, EP 2; validate() refuses expert TP 1 < TP at EP 1, see docs/training.md)."""
-EXTRA_LAYOUTS = ("tp2", "tp2_etp1_ep2")
-"""Run for qwen3_moe only (the router mapping does not change with the layout)."""
+LAYOUTS = {"dp2": (1, 1, 1, None), "cp2": (2, 1, 1, None), "ep2": (1, 2, 1, None), "ep2_cp2": (2, 2, 1, None),
+           "tp2": (1, 1, 2, None), "tp2_etp1_ep2": (1, 2, 2, 1)}
+"""layout -> (CP, EP, TP, expert TP) on 2 ranks; DP = 2 / (CP * TP). ep2: each rank holds 2 of the 4 experts,
+tokens all-gathered over DP; ep2_cp2: the same over the two CP ranks of one pack (rank 1 holds only padding of the
+90%-padding pack); tp2: sequence parallel, experts split over TP (expert TP 2); tp2_etp1_ep2: attention TP 2, each
+rank 2 whole experts (expert TP 1, EP 2; validate() refuses expert TP 1 < TP at EP 1, docs/training.md)."""
+WORLDS = {2: [("qwen3_moe", layout) for layout in LAYOUTS] + [("qwen3_moe_raw", "dp2")]
+          + [("mixtral", layout) for layout in ("dp2", "cp2", "ep2")]}
+"""world size -> the (folder, layout) cases it runs: the router mappings need one layout each, the layouts one family."""
 
 
 def _hf_model(family: str, vocab: int = VOCAB):
@@ -186,11 +189,8 @@ def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
 
 def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
     out = {}
-    for family in FOLDERS:
-        for layout in LAYOUTS:
-            if layout in EXTRA_LAYOUTS and family != "qwen3_moe":
-                continue
-            out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
+    for family, layout in WORLDS[world_size]:
+        out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
     return out
 
 
@@ -259,13 +259,14 @@ def world(tmp_path_factory) -> dict:
         folders[family] = str(root / family)
         _hf_model(family).save_pretrained(folders[family], max_shard_size="40KB")
         refs[family] = _reference(folders[family])
-    ranks = spawn_world(_worker, 2, root, folders, {f: {"logits": r["logits"]} for f, r in refs.items()},
-                        timeout_s=600)
-    return {"out": ranks[0], "refs": refs, "folders": folders}
+    out = {}
+    for world_size in WORLDS:
+        out.update(spawn_world(_worker, world_size, root / f"world{world_size}", folders,
+                               {f: {"logits": r["logits"]} for f, r in refs.items()}, timeout_s=600)[0])
+    return {"out": out, "refs": refs, "folders": folders}
 
 
-CASES = [f"{family}/{layout}" for family in FOLDERS for layout in LAYOUTS
-         if family == "qwen3_moe" or layout not in EXTRA_LAYOUTS]
+CASES = [f"{family}/{layout}" for cases in WORLDS.values() for family, layout in cases]
 
 
 @pytest.mark.timeout(1200)
