@@ -118,9 +118,6 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
      "(each TP rank routes its own tokens); set parallel.sequence_parallel=true"),
     (lambda c: c.peft.method != "none", lambda c: f"peft.method ({c.peft.method})", "LoRA on a MoE model (adapters "
      "on the experts' linears are not built); set peft.method=none"),
-    (lambda c: c.model.recompute_granularity == "full", lambda c: "model.recompute_granularity (full)",
-     "full recompute of MoE layers (not proved against the unrecomputed step yet); set "
-     "model.recompute_granularity=selective or null"),
     (lambda c: c.model.fp8 != "none", lambda c: f"model.fp8 ({c.model.fp8})", "FP8 experts (not built); set "
      "model.fp8=none"),
     (lambda c: c.model.cuda_graph_impl != "none", lambda c: f"model.cuda_graph_impl ({c.model.cuda_graph_impl})",

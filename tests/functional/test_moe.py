@@ -14,7 +14,8 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
    transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
    with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
-4. the user's path: ``prepare``, ``train`` (torchrun, CP=2) and ``export`` of a Qwen3-MoE folder as the
+4. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation) and
+   ``export`` of a Qwen3-MoE folder (the layout-free checkpoint read back as one EP=1 model) as the
    docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
    the export has the source's per-expert layout, loads in transformers with changed weights, and an
    export of the untrained folder is bit-identical to it.
@@ -36,11 +37,12 @@ AUX, ZLOSS = 0.1, 0.01
 LENGTHS = (9, 6, 12, 7)
 PACK_SIZE, PAD_MULTIPLE = 64, 4
 LAYOUTS = {"dp2": (1, 1, 1, None), "cp2": (2, 1, 1, None), "ep2": (1, 2, 1, None), "ep2_cp2": (2, 2, 1, None),
-           "tp2": (1, 1, 2, None), "tp2_etp1_ep2": (1, 2, 2, 1)}
+           "tp2": (1, 1, 2, None), "tp2_etp1_ep2": (1, 2, 2, 1), "ep2_cp2_recompute": (2, 2, 1, None)}
 """layout -> (CP, EP, TP, expert TP) on 2 ranks; DP = 2 / (CP * TP). ep2: each rank holds 2 of the 4 experts,
 tokens all-gathered over DP; ep2_cp2: the same over the two CP ranks of one pack (rank 1 holds only padding of the
 90%-padding pack); tp2: sequence parallel, experts split over TP (expert TP 2); tp2_etp1_ep2: attention TP 2, each
-rank 2 whole experts (expert TP 1, EP 2; validate() refuses expert TP 1 < TP at EP 1, docs/training.md)."""
+rank 2 whole experts (expert TP 1, EP 2; validate() refuses expert TP 1 < TP at EP 1, docs/training.md);
+ep2_cp2_recompute: with model.recompute_granularity=full (the aux losses attach once, in the recomputed forward)."""
 WORLDS = {2: [("qwen3_moe", layout) for layout in LAYOUTS] + [("qwen3_moe_raw", "dp2")]
           + [("mixtral", layout) for layout in ("dp2", "cp2", "ep2")]}
 """world size -> the (folder, layout) cases it runs: the router mappings need one layout each, the layouts one family."""
@@ -85,12 +87,12 @@ def _pack(samples, *, pack_size=PACK_SIZE, pad_multiple=PAD_MULTIPLE):
                        pad_multiple=pad_multiple, pad_to_max_length=True)
 
 
-def _config(folder: str, cp: int, ep: int, tp: int = 1, etp=None):
+def _config(folder: str, cp: int, ep: int, tp: int = 1, etp=None, recompute=None):
     from megatron_pack.config.hf_config import apply_pretrained
     from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig
 
     cfg = Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=PACK_SIZE,
-                                   moe_aux_loss_coeff=AUX, moe_z_loss_coeff=ZLOSS),
+                                   moe_aux_loss_coeff=AUX, moe_z_loss_coeff=ZLOSS, recompute_granularity=recompute),
                  parallel=ParallelConfig(context_parallel_size=cp, expert_model_parallel_size=ep,
                                          tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                          expert_tensor_parallel_size=etp))
@@ -165,7 +167,7 @@ def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
     cp, ep, tp, etp = LAYOUTS[layout]
-    cfg = _config(folder, cp, ep, tp, etp)
+    cfg = _config(folder, cp, ep, tp, etp, "full" if layout.endswith("_recompute") else None)
     pg = initialize_parallel(cfg)
     try:
         model = build_model(cfg, pg)
@@ -301,8 +303,9 @@ def test_loss_aux_losses_and_grads_equal_a_float64_reference_run_per_sample(worl
         assert float((got - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-3), key
 
 
-RUN = ["experiment=pretrained_tiny", "model.pretrained=models/tiny-moe", "data.synthetic_num_samples=8",
-       "train.train_iters=2",
+RUN = ["experiment=pretrained_tiny", "model.pretrained=models/tiny-moe", "data.synthetic_num_samples=12",
+       "train.train_iters=2", "parallel.expert_model_parallel_size=2", "data.validation_fraction=0.25",
+       "train.eval_interval=2",
        "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "logging.log_interval=1"]
 
 
@@ -318,7 +321,7 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
     save_tokenizer(source)
     prepare_in(tmp_path, RUN)
     out = torchrun_train(tmp_path, RUN)
-    assert "| lb " in out and "load max/mean" in out
+    assert "| lb " in out and "load max/mean" in out and "val loss" in out
     records = [json.loads(line) for line in (tmp_path / "runs/pretrained_tiny/metrics.jsonl").read_text().splitlines()]
     moe = [r["moe"] for r in records if "moe" in r]
     assert len(moe) == 2 and all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in moe)

@@ -225,8 +225,6 @@ CASES = [
      ("parallel.tensor_model_parallel_size (2) without parallel.sequence_parallel with a MoE model",
       "set parallel.sequence_parallel=true")),
     ("moe", dict(model__num_experts=4, peft__method="lora"), {}, ("peft.method (lora) with a MoE model",)),
-    ("moe", dict(model__num_experts=4, model__recompute_granularity="full"), {},
-     ("model.recompute_granularity (full) with a MoE model",)),
     ("moe", dict(model__num_experts=4, ddp__use_distributed_optimizer=True), {},
      ("ddp.use_distributed_optimizer (True) with a MoE model",)),
 ]
