@@ -284,6 +284,8 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
         pg_collection=pg.pg_collection,
     )
+    if not config.perform_initialization:
+        mark_tensor_parallel(model)
     if backend == "torch":  # TE's fused RoPE already rotates by in-sequence position
         from megatron_pack.model.rope import use_in_sequence_rope
 
@@ -315,6 +317,31 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
                                         tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
                                         sequence_parallel=cfg.parallel.sequence_parallel)
     return model.to(pg.device)
+
+
+def mark_tensor_parallel(model) -> int:
+    """Give the TP-split weights megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes.
+
+    megatron-core 0.16.1 sets them only inside its weight initialisation, which a pretrained model
+    skips (``perform_initialization=False``): without them the gradient norm counted a TP-split
+    weight on TP rank 0 only (clipping under TP, and with it every update, depended on the layout).
+    Column-parallel linears and the vocabulary split dim 0 (and their bias), row-parallel linears dim 1.
+    Returns the number of tensors marked."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    marked = 0
+    for module in model.modules():
+        dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else (
+            1 if isinstance(module, RowParallelLinear) else None)
+        if dim is None:
+            continue
+        tensors = [module.weight] + ([module.bias] if dim == 0 and getattr(module, "bias", None) is not None else [])
+        for tensor in tensors:
+            if tensor is not None and not hasattr(tensor, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(tensor, True, dim, 1)
+                marked += 1
+    return marked
 
 
 def _apply_rope_scaling(model, cfg: Config) -> None:

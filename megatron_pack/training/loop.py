@@ -466,7 +466,8 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     _log_parameter_counts(model, state)
     ddp = wrap_ddp(cfg, model, state)
     optimizer = build_optimizer(cfg, list(model.named_parameters()), state.tp_group, ddp_model=ddp,
-                                device=state.device.type, dp_group=state.dp_group)
+                                device=state.device.type, dp_group=state.dp_group,
+                                expert_group=state.pg_collection.tp_ep)
     info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model=ddp, optimizer=optimizer, schedule=LRSchedule(cfg, train_iters),
                    loader=loader, forward_step_func=forward_step_func or forward_step, train_iters=train_iters,

@@ -150,6 +150,11 @@ def _train_step(model, pg, cfg, batch) -> dict:
     counts = torch.stack([loss_sum.detach().double(), num_tokens.double()])
     dist.all_reduce(counts, group=pg.dp_cp_group)
     finalize_model_grads([ddp], num_tokens=num_tokens.clone(), pg_collection=pg.pg_collection)
+    from megatron_pack.training.optim import grad_norm
+
+    for p in model.parameters():  # the trainer's norm (clipping): every EP rank's experts, each once
+        p.grad = p.main_grad
+    norm = grad_norm(list(model.parameters()), pg.tp_group, expert_group=pg.pg_collection.tp_ep)
     grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
     grads.update(_gather_experts(grads, pg.pg_collection.ep))
     shards = [None] * pg.tp_size
@@ -158,6 +163,7 @@ def _train_step(model, pg, cfg, batch) -> dict:
     hf_grads = hf_tensors(shards, model_type, cfg.model, etp=cfg.parallel.expert_tensor_parallel_size)
     moe = step_moe_metrics([report], pg.dp_cp_group, float(counts[1]))
     return {"lm_loss": float(counts[0] / counts[1]), "lb": moe["load_balancing_loss"], "z": moe["z_loss"],
+            "grad_norm": norm,
             **{f"grad/{k}": v.numpy() for k, v in hf_grads.items()}}
 
 
@@ -293,7 +299,8 @@ def test_a_mostly_padding_pack_routes_exactly_its_real_tokens(world, case):
 @pytest.mark.parametrize("case", CASES)
 def test_loss_aux_losses_and_grads_equal_a_float64_reference_run_per_sample(world, case):
     out, ref = world["out"], world["refs"][case.split("/")[0]]
-    for key, want in (("lm_loss", ref["lm"]), ("lb", ref["lb"]), ("z", ref["z"])):
+    norm = float(torch.sqrt(sum(g.double().square().sum() for g in ref["grads"].values())))
+    for key, want in (("lm_loss", ref["lm"]), ("lb", ref["lb"]), ("z", ref["z"]), ("grad_norm", norm)):
         assert abs(float(out[f"{case}/{key}"]) - want) <= 1e-5 * abs(want), key
     names = [k for k in out if k.startswith(f"{case}/grad/")]
     assert len(names) == len(ref["grads"])  # every HF tensor's gradient compared
