@@ -325,7 +325,7 @@ class Trainer:
 
     def _layout(self) -> dict:
         s = self.state
-        return layout_meta(s.world_size, s.tp_size, s.cp_size, s.dp_size)
+        return layout_meta(s.world_size, s.tp_size, s.cp_size, s.dp_size, s.dims.ep)
 
     def _meta(self) -> dict:
         """The layout plus the peft settings and base model (None for full fine-tuning)."""

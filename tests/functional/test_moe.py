@@ -14,8 +14,9 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
    transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
    with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
-4. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation) and
-   ``export`` of a Qwen3-MoE folder (the layout-free checkpoint read back as one EP=1 model) as the
+4. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
+   of its checkpoint at EP=1 (the layout-free checkpoint reshards the experts), and ``export`` of a Qwen3-MoE
+   folder as the
    docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
    the export has the source's per-expert layout, loads in transformers with changed weights, and an
    export of the untrained folder is bit-identical to it.
@@ -311,8 +312,7 @@ def test_loss_aux_losses_and_grads_equal_a_float64_reference_run_per_sample(worl
 
 
 RUN = ["experiment=pretrained_tiny", "model.pretrained=models/tiny-moe", "data.synthetic_num_samples=12",
-       "train.train_iters=2", "parallel.expert_model_parallel_size=2", "data.validation_fraction=0.25",
-       "train.eval_interval=2",
+       "train.train_iters=3", "data.validation_fraction=0.25", "train.eval_interval=2",
        "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "logging.log_interval=1"]
 
 
@@ -327,11 +327,13 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
     _hf_model("qwen3_moe", vocab=301).save_pretrained(source)
     save_tokenizer(source)
     prepare_in(tmp_path, RUN)
-    out = torchrun_train(tmp_path, RUN)
-    assert "| lb " in out and "load max/mean" in out and "val loss" in out
+    first = torchrun_train(tmp_path, RUN + ["parallel.expert_model_parallel_size=2", "train.exit_after_iters=2",
+                                            "checkpoint.save_interval=2"])
+    out = torchrun_train(tmp_path, RUN)  # resumes the EP=2 checkpoint at EP=1
+    assert "resumed from" in out and "| lb " in first and "load max/mean" in out and "val loss" in first
     records = [json.loads(line) for line in (tmp_path / "runs/pretrained_tiny/metrics.jsonl").read_text().splitlines()]
     moe = [r["moe"] for r in records if "moe" in r]
-    assert len(moe) == 2 and all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in moe)
+    assert len(moe) == 3 and all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in moe)
     for record, m in zip([r for r in records if "moe" in r], moe):  # every real token routed top-2 in each layer
         assert [sum(layer) for layer in m["tokens_per_expert"]] == [record["real_tokens"] * TOPK] * 2
     rc, text = cli(tmp_path, "export", "checkpoint=runs/pretrained_tiny/checkpoints", "output=exports/moe")
