@@ -116,8 +116,10 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
      lambda c: f"parallel.tensor_model_parallel_size ({c.parallel.tensor_model_parallel_size}) without "
      "parallel.sequence_parallel", "megatron-core's MoE layer trains under TP only with sequence parallelism "
      "(each TP rank routes its own tokens); set parallel.sequence_parallel=true"),
-    (lambda c: c.peft.method != "none", lambda c: f"peft.method ({c.peft.method})", "LoRA on a MoE model (adapters "
-     "on the experts' linears are not built); set peft.method=none"),
+    (lambda c: c.peft.method != "none" and set(c.peft.target_modules) - {"linear_qkv", "linear_proj"},
+     lambda c: f"peft.target_modules ({list(c.peft.target_modules)})", "LoRA on the experts' linears (linear_fc1 / "
+     "linear_fc2: not built; transformers 5 keeps a MoE block's experts as 3D parameters, which peft's LoRA does not "
+     "target as Linear layers); set peft.target_modules=[linear_qkv,linear_proj] (attention)"),
     (lambda c: c.model.fp8 != "none", lambda c: f"model.fp8 ({c.model.fp8})", "FP8 experts (not built); set "
      "model.fp8=none"),
     (lambda c: c.model.cuda_graph_impl != "none", lambda c: f"model.cuda_graph_impl ({c.model.cuda_graph_impl})",

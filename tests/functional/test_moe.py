@@ -14,7 +14,9 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
    transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
    with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
-4. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
+4. LoRA on the attention of a MoE model: our logits with (random, non-zero) adapters equal peft's on the
+   transformers model after export in the peft format;
+5. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
    of its checkpoint at EP=1 (the layout-free checkpoint reshards the experts), and ``export`` of a Qwen3-MoE
    folder as the
    docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
@@ -351,3 +353,50 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert any(".experts." in k for k in changed) and any(".mlp.gate." in k for k in changed)
     assert loaded.config.model_type == "qwen3_moe"
+
+
+@pytest.mark.timeout(600)
+def test_lora_on_attention_exports_in_peft_format(tmp_path):
+    import transformers as T
+    from peft import PeftModel
+
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import Config, ModelConfig, PeftConfig
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.moe import set_pack
+    from megatron_pack.model.peft.export import adapter_config, peft_tensors, write_adapter_folder
+    from megatron_pack.parallel.groups import destroy_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    folder = tmp_path / "qwen3_moe"
+    _hf_model("qwen3_moe").save_pretrained(folder)
+    targets = ["linear_qkv", "linear_proj"]
+    cfg = apply_pretrained(Config(model=ModelConfig(pretrained=str(folder), attention_backend="torch",
+                                                    seq_length=PACK_SIZE),
+                                  peft=PeftConfig(method="lora", dim=4, alpha=8.0, target_modules=targets)), [])
+    try:
+        model = build_model(cfg).eval()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # B starts at 0: random adapters so the check cannot pass on the base alone
+            for name, p in model.named_parameters():
+                if ".adapter." in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        shard = {n: p.detach() for n, p in model.named_parameters() if ".adapter." in n}
+        meta = {"dim": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": targets}
+        write_adapter_folder(tmp_path / "adapter", peft_tensors([shard], "qwen3_moe", cfg.model, targets),
+                             adapter_config(meta, "qwen3_moe", str(folder)), dtype=torch.float32)
+        samples, batch = _samples(), _pack(_samples())
+        with torch.no_grad():
+            logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
+                           padding_mask=set_pack(model, batch, 1, 0, "cpu"))[0]
+    finally:
+        destroy_parallel()
+    peft_model = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                           tmp_path / "adapter").eval()
+    starts = batch["cu_seqlens_padded"].tolist()
+    with torch.no_grad():
+        for i, ids in enumerate(samples):
+            ours = logits[starts[i]:starts[i] + len(ids) - 1, :VOCAB]
+            assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) <= 1e-4
+            with peft_model.disable_adapter():  # the adapters matter
+                assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) > 1e-2

@@ -224,7 +224,11 @@ CASES = [
     ("moe", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2), {},
      ("parallel.tensor_model_parallel_size (2) without parallel.sequence_parallel with a MoE model",
       "set parallel.sequence_parallel=true")),
-    ("moe", dict(model__num_experts=4, peft__method="lora"), {}, ("peft.method (lora) with a MoE model",)),
+    ("moe", dict(model__num_experts=4, peft__method="lora"), {},
+     ("peft.target_modules (['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2']) with a MoE model",
+      "set peft.target_modules=[linear_qkv,linear_proj]")),
+    ("moe", dict(model__num_experts=4, peft__method="lora", peft__target_modules=["linear_qkv", "linear_proj"]), {},
+     ()),
     ("moe", dict(model__num_experts=4, ddp__use_distributed_optimizer=True), {},
      ("ddp.use_distributed_optimizer (True) with a MoE model",)),
 ]
