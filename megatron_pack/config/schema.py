@@ -160,6 +160,19 @@ class ModelConfig(_Group):
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per recompute unit ('uniform') or layers recomputed ('block'); None means 1 ('uniform')
     or every layer ('block')."""
+    num_experts: Optional[int] = None
+    """Routed experts of every MoE layer (config.json num_experts / num_local_experts); None: a dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (config.json num_experts_per_tok)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """One expert's MLP inner width (config.json moe_intermediate_size; Mixtral: intermediate_size)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then top-k, no renormalisation (Qwen3-MoE with norm_topk_prob false);
+    false: top-k of the logits, then softmax over those k (Mixtral; Qwen3-MoE with norm_topk_prob true)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (per sample, over its real tokens; docs/training.md); 0: off."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (mean over real tokens of logsumexp(router logits)^2); 0: off."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
@@ -179,6 +192,7 @@ class ModelConfig(_Group):
         for name in ("normalization", "activation", "attention_backend", "params_dtype", "cuda_graph_impl", "fp8"):
             problems += _choice(g, self, name)
         problems += _recompute_problems(self)
+        problems += _moe_problems(self)
         for scope in self.cuda_graph_scope:
             if scope not in CUDA_GRAPH_SCOPES:
                 problems.append(f"model.cuda_graph_scope entry {scope!r} must be "
@@ -219,6 +233,17 @@ def _recompute_problems(m: "ModelConfig") -> list[str]:
     elif m.recompute_num_layers is not None and m.recompute_num_layers > m.num_layers:
         problems.append(f"model.recompute_num_layers ({m.recompute_num_layers}) must be <= model.num_layers "
                         f"({m.num_layers}); set model.recompute_num_layers={m.num_layers}.")
+    return problems
+
+
+def _moe_problems(m: "ModelConfig") -> list[str]:
+    problems = _positive("model", m, ("num_experts", "moe_ffn_hidden_size"))
+    if m.num_experts is not None and not 1 <= m.moe_router_topk <= m.num_experts:
+        problems.append(f"model.moe_router_topk ({m.moe_router_topk}) must be in [1, model.num_experts "
+                        f"({m.num_experts})]; set model.moe_router_topk=2 (config.json num_experts_per_tok).")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if not getattr(m, key) >= 0:
+            problems.append(f"model.{key} ({getattr(m, key)}) must be >= 0; set model.{key}=0 to turn it off.")
     return problems
 
 
@@ -470,11 +495,16 @@ class ParallelConfig(_Group):
     """Transformer Engine CP communication: 'p2p', 'a2a', 'allgather' or 'a2a+p2p'."""
     backend: str = "auto"
     """torch.distributed backend: 'auto' (nccl with CUDA, else gloo), 'nccl' or 'gloo'."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel degree (EP), over the data-parallel ranks: each holds num_experts / EP experts."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks one expert's weights are split over (expert TP); None: tensor_model_parallel_size."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
         problems = _positive(g, self, ("tensor_model_parallel_size", "context_parallel_size",
-                                       "pipeline_model_parallel_size"))
+                                       "pipeline_model_parallel_size", "expert_model_parallel_size",
+                                       "expert_tensor_parallel_size"))
         problems += _choice(g, self, "cp_comm_type") + _choice(g, self, "backend")
         return problems
 

@@ -73,6 +73,10 @@ _PIPELINE_REFUSED: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
     ("model.cuda_graph_impl", lambda cfg: cfg.model.cuda_graph_impl != "none",
      "CUDA graphs with pipeline stages are not tested yet (megatron-core captures per stage and micro-batch); set "
      "model.cuda_graph_impl=none or parallel.pipeline_model_parallel_size=1"),
+    ("model.num_experts", lambda cfg: bool(cfg.model.num_experts),
+     "mixture-of-experts layers are not run with pipeline stages yet (expert loads and auxiliary losses are "
+     "reported by the last stage's layers only, and experts over stages are not tested); set "
+     "parallel.pipeline_model_parallel_size=1"),
 )
 """(key, refused when, reason and fix): what does not run with pipeline stages yet."""
 
@@ -118,6 +122,65 @@ def _validate_context_parallel(cfg: Config) -> list[str]:
         return [f"model.seq_length ({seq}) must be divisible by 2*parallel.context_parallel_size = {2 * cp} "
                 f"(each sequence is cut into 2*CP chunks); set model.seq_length={_ceil_to(seq, 2 * cp)}."]
     return []
+
+
+def _expert_parallel_problems(par: ParallelConfig, world_size: Optional[int] = None) -> list[str]:
+    """EP spans the data- and context-parallel ranks: world = etp * ep * expert-DP * pp (megatron-core's expert
+    grid); an expert's weights split like every other weight (expert TP = TP)."""
+    problems = []
+    ep, etp_size = par.expert_model_parallel_size, par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+    grid = ep * etp_size * par.pipeline_model_parallel_size
+    if world_size is not None and ep > 1 and world_size % grid:
+        problems.append(f"parallel.expert_model_parallel_size ({ep}) x expert tensor parallel ({etp_size}) x "
+                        f"pipeline ({par.pipeline_model_parallel_size}) = {grid} must divide the world size "
+                        f"({world_size}); set parallel.expert_model_parallel_size to a divisor of "
+                        f"{world_size // (etp_size * par.pipeline_model_parallel_size)}.")
+    etp = par.expert_tensor_parallel_size
+    if etp is not None and etp not in (1, par.tensor_model_parallel_size):
+        problems.append(f"parallel.expert_tensor_parallel_size ({etp}) must be 1 or parallel.tensor_model_parallel_size "
+                        f"({par.tensor_model_parallel_size}) (experts split like the dense weights, or whole on every "
+                        "rank); set parallel.expert_tensor_parallel_size=null.")
+    elif etp == 1 and par.tensor_model_parallel_size > 1 and ep == 1:
+        problems.append(f"parallel.expert_tensor_parallel_size (1) below parallel.tensor_model_parallel_size "
+                        f"({par.tensor_model_parallel_size}) needs parallel.expert_model_parallel_size > 1: at EP 1 "
+                        "megatron-core 0.16.1 treats the experts as dense weights and never sums their gradients over "
+                        "the TP ranks (each routes its own tokens); set parallel.expert_model_parallel_size="
+                        f"{par.tensor_model_parallel_size} or parallel.expert_tensor_parallel_size=null.")
+    return problems
+
+
+_MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model.num_experts)
+    (lambda c: c.parallel.tensor_model_parallel_size > 1 and not c.parallel.sequence_parallel,
+     lambda c: f"parallel.tensor_model_parallel_size ({c.parallel.tensor_model_parallel_size}) without "
+     "parallel.sequence_parallel", "megatron-core's MoE layer trains under TP only with sequence parallelism "
+     "(each TP rank routes its own tokens); set parallel.sequence_parallel=true"),
+    (lambda c: c.peft.method != "none" and set(c.peft.target_modules) - {"linear_qkv", "linear_proj"},
+     lambda c: f"peft.target_modules ({list(c.peft.target_modules)})", "LoRA on the experts' linears (linear_fc1 / "
+     "linear_fc2: not built; transformers 5 keeps a MoE block's experts as 3D parameters, which peft's LoRA does not "
+     "target as Linear layers); set peft.target_modules=[linear_qkv,linear_proj] (attention)"),
+    (lambda c: c.model.fp8 != "none", lambda c: f"model.fp8 ({c.model.fp8})", "FP8 experts (not built); set "
+     "model.fp8=none"),
+    (lambda c: c.model.cuda_graph_impl != "none", lambda c: f"model.cuda_graph_impl ({c.model.cuda_graph_impl})",
+     "CUDA graphs of MoE layers (the router reads per-pack metadata on the host); set model.cuda_graph_impl=none"),
+    (lambda c: c.ddp.use_distributed_optimizer, lambda c: "ddp.use_distributed_optimizer (True)",
+     "the distributed optimizer with expert parameters (not proved yet); set ddp.use_distributed_optimizer=false"),
+)
+
+
+def _validate_moe(cfg: Config) -> list[str]:
+    """What a mixture-of-experts model (``model.num_experts``) does not combine with yet, one line each."""
+    experts, ep = cfg.model.num_experts, cfg.parallel.expert_model_parallel_size
+    if not experts:
+        return [] if ep == 1 else [f"parallel.expert_model_parallel_size ({ep}) needs a mixture-of-experts model "
+                                   "(model.num_experts, from a qwen3_moe / mixtral model.pretrained); set "
+                                   "parallel.expert_model_parallel_size=1."]
+    problems = [f"{key(cfg)} with a MoE model (model.num_experts={experts}) is not supported: {why}."
+                for applies, key, why in _MOE_REFUSED if applies(cfg)]
+    if experts % ep:
+        problems.append(f"parallel.expert_model_parallel_size ({ep}) must divide model.num_experts ({experts}) "
+                        "(each EP rank holds num_experts / EP experts); set it to a divisor of {experts}."
+                        .replace("{experts}", str(experts)))
+    return problems
 
 
 def _validate_per_token_loss(cfg: Config) -> list[str]:
@@ -604,13 +667,14 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
     _validate_attention_backend,
     _validate_evaluation,
     _validate_fp8,
+    _validate_moe,
 )
 
 
 def collect_problems(cfg: Config, *, world_size: Optional[int] = None,
                      dataset_meta: Optional[dict[str, Any]] = None) -> list[str]:
     """Every cross-group problem of ``cfg`` (empty when it is valid)."""
-    problems = _validate_world_size(cfg, world_size)
+    problems = _validate_world_size(cfg, world_size) + _expert_parallel_problems(cfg.parallel, world_size)
     for rule in _CONFIG_RULES:
         problems += rule(cfg)
     problems += _validate_batch_size(cfg, world_size)
@@ -634,7 +698,8 @@ def validate(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Opt
 def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None:
     """The layout rules of ``validate`` alone (world size, PP, sequence parallelism), for code that
     holds only ``parallel.*``: ``initialize_parallel`` calls it before any process group starts."""
-    problems = _world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
+    problems = (_world_size_problems(par, world_size) + _pipeline_problems(par) + _sequence_parallel_problems(par)
+                + _expert_parallel_problems(par, world_size))
     if problems:
         raise ConfigError(problems)
 
@@ -644,7 +709,7 @@ def launch_problems(cfg: Config, *, world_size: Optional[int]) -> list[str]:
     parallelism, batch split): train checks them before it looks for the dataset."""
     par = cfg.parallel
     return (_world_size_problems(par, world_size) + _validate_pipeline_parallel(cfg) + _sequence_parallel_problems(par)
-            + _validate_batch_size(cfg, world_size))
+            + _expert_parallel_problems(par, world_size) + _validate_batch_size(cfg, world_size))
 
 
 def prepare_problems(cfg: Config) -> list[str]:

@@ -34,6 +34,7 @@ from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.config.validate import vocab_problems
 from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
 from megatron_pack.model.fp8 import fp8_config_kwargs, te_recipe_problem, zero_padding_rows
+from megatron_pack.model.moe import attach_pack_routing, moe_config_kwargs, moe_mlp_spec
 from megatron_pack.model.norms import SequenceParallelNorm
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.parallel.pipeline import StageLayout, stage_layout
@@ -125,6 +126,9 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         persist_layer_norm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
         **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
+        **moe_config_kwargs(m, on_gpu=on_gpu),
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
     )
     # megatron-core's GPU pipeline schedules exchange activation shapes unless every pack has one
     # shape; set after __post_init__, whose check of it concerns the MoE allgather dispatcher only
@@ -156,7 +160,8 @@ def recompute_kwargs(cfg: Config) -> dict:
             "recompute_num_layers": m.recompute_num_layers or default_layers}
 
 
-def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layernorm: bool = False):
+def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layernorm: bool = False,
+                     num_experts: Optional[int] = None):
     """Block spec of megatron-core local modules with our THD attention core and SP-capable norms.
 
     ``qk_layernorm`` (Qwen3) norms each query/key head; megatron-core's ``finalize_model_grads``
@@ -183,18 +188,22 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layerno
     layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=SequenceParallelNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=SequenceParallelNorm,
-        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                            linear_fc2=RowParallelLinear)),
+        mlp=moe_mlp_spec() if num_experts else ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm)
 
 
-def te_layer_spec(qk_layernorm: bool = False):
-    """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears)."""
+def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
+    """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears); a MoE model's
+    MLP is megatron-core's MoE layer with our router (``model/moe.py``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False,
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                       qk_layernorm=qk_layernorm)
+    if num_experts:
+        spec.submodules.mlp.submodules.router = moe_mlp_spec().submodules.router
+    return spec
 
 
 def _deterministic_te_env(cfg: Config, backend: str) -> None:
@@ -281,10 +290,11 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
     torch.manual_seed(cfg.train.seed)
     # megatron's named RNG streams (CPU generator states under cpu_compat)
-    model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=0, etp_rank=0)
+    model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=pg.ep_rank, etp_rank=pg.etp_rank)
     stage = stage_of(cfg, pg)
-    spec = (te_layer_spec(cfg.model.qk_layernorm) if backend == "te" else
-            local_block_spec(stage.num_local_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm))
+    spec = (te_layer_spec(cfg.model.qk_layernorm, cfg.model.num_experts) if backend == "te" else
+            local_block_spec(stage.num_local_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm,
+                             num_experts=cfg.model.num_experts))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
@@ -293,11 +303,14 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
         pg_collection=pg.pg_collection,
     )
+    if not config.perform_initialization:
+        mark_tensor_parallel(model)
     if backend == "torch":  # TE's fused RoPE already rotates by in-sequence position
         from megatron_pack.model.rope import use_in_sequence_rope
 
         use_in_sequence_rope(model)
     model.attention_backend = backend
+    attach_pack_routing(model, cfg.model)
     if cfg.model.fp8 != "none":  # padding rows stay 0 at every FP8 GEMM input (model/fp8.py)
         model.fp8_padding_hooks = zero_padding_rows(
             model, cp_size=cfg.parallel.context_parallel_size, cp_rank=pg.cp_rank,
@@ -308,8 +321,14 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     if cfg.model.pretrained:
         from megatron_pack.model.hf.load import load_pretrained
 
+        from megatron_pack.model.hf.mapping import Dims
+
+        p = cfg.parallel  # an expert-parallel rank reads only its own experts (the model's placement)
+        dims = Dims.from_model_config(cfg.model, p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
+                                      etp=p.expert_tensor_parallel_size)
         model.pretrained_report = load_pretrained(model, cfg.model.pretrained, cfg.model, tp_rank=pg.tp_rank,
-                                                  tp_size=cfg.parallel.tensor_model_parallel_size)
+                                                  tp_size=p.tensor_model_parallel_size, etp_rank=pg.etp_rank,
+                                                  dims=dims)
     if cfg.peft.method == "lora":  # after loading: the base is complete and then frozen
         from megatron_pack.model.peft import apply_lora
 
@@ -317,6 +336,31 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
                                         tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
                                         sequence_parallel=cfg.parallel.sequence_parallel)
     return model.to(pg.device)
+
+
+def mark_tensor_parallel(model) -> int:
+    """Give the TP-split weights megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes.
+
+    megatron-core 0.16.1 sets them only inside its weight initialisation, which a pretrained model
+    skips (``perform_initialization=False``): without them the gradient norm counted a TP-split
+    weight on TP rank 0 only (clipping under TP, and with it every update, depended on the layout).
+    Column-parallel linears and the vocabulary split dim 0 (and their bias), row-parallel linears dim 1.
+    Returns the number of tensors marked."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    marked = 0
+    for module in model.modules():
+        dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else (
+            1 if isinstance(module, RowParallelLinear) else None)
+        if dim is None:
+            continue
+        tensors = [module.weight] + ([module.bias] if dim == 0 and getattr(module, "bias", None) is not None else [])
+        for tensor in tensors:
+            if tensor is not None and not hasattr(tensor, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(tensor, True, dim, 1)
+                marked += 1
+    return marked
 
 
 def _apply_rope_scaling(model, cfg: Config) -> None:

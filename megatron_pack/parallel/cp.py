@@ -165,9 +165,20 @@ def thd_real_token_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded, num_local: 
     ``[T, T, T, F, T, T, F, F]``; CP=2 rank 0 (global rows [0, 3, 4, 7]) -> ``[T, F, T, F]``,
     rank 1 (rows [1, 2, 5, 6]) -> ``[T, T, T, F]``.
     """
-    cu = cu_seqlens.to(torch.int64).reshape(-1)
     if cu_seqlens_padded is None:
-        return torch.ones(num_local, dtype=torch.bool, device=cu.device)
+        return torch.ones(num_local, dtype=torch.bool, device=cu_seqlens.device)
+    return thd_local_segments(cu_seqlens, cu_seqlens_padded, num_local, cp_size, cp_rank)[1]
+
+
+def thd_local_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, num_local: int, cp_size: int,
+                       cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sub-sequence index [num_local], real-token mask [num_local]) of CP rank ``cp_rank``'s local rows.
+
+    The rule of ``thd_real_token_mask`` (which returns the mask); the index of a padding row is the
+    sub-sequence whose padding it is. Example, ``cu_seqlens=[0, 3, 5]``, ``cu_seqlens_padded=[0, 4, 8]``,
+    CP=1 -> ``([0, 0, 0, 0, 1, 1, 1, 1], [T, T, T, F, T, T, F, F])``.
+    """
+    cu = cu_seqlens.to(torch.int64).reshape(-1)
     cu_pad = cu_seqlens_padded.to(device=cu.device, dtype=torch.int64).reshape(-1)
     row = torch.arange(num_local, device=cu.device)
     local_start = cu_pad // cp_size
@@ -177,4 +188,4 @@ def thd_real_token_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded, num_local: 
     if cp_size > 1:
         chunk = (cu_pad[seq + 1] - cu_pad[seq]) // (2 * cp_size)
         offset = torch.where(offset < chunk, offset + cp_rank * chunk, offset - chunk + (2 * cp_size - 1 - cp_rank) * chunk)
-    return offset < (cu[seq + 1] - cu[seq])
+    return seq, offset < (cu[seq + 1] - cu[seq])

@@ -46,7 +46,7 @@ class ParallelDims:
     pad_multiple_explicit: bool = False
     """True when pad_multiple came from packing.pad_seq_to_mult rather than the rule."""
     ep: int = 1
-    """Expert-parallel degree, over the data-parallel ranks (1: mixture of experts is not supported yet)."""
+    """Expert-parallel degree, over the data- and context-parallel ranks (parallel.expert_model_parallel_size)."""
     etp: Optional[int] = None
     """Expert tensor-parallel degree (None: tp, megatron-core's default)."""
 
@@ -66,7 +66,8 @@ class ParallelDims:
         rule = required_pad_multiple(cp, tp, par.sequence_parallel)
         return cls(world_size=world_size, tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp),
                    sp=par.sequence_parallel, pad_multiple=rule if pad_seq_to_mult is None else pad_seq_to_mult,
-                   pad_multiple_explicit=pad_seq_to_mult is not None)
+                   pad_multiple_explicit=pad_seq_to_mult is not None, ep=par.expert_model_parallel_size,
+                   etp=par.expert_tensor_parallel_size)
 
     @property
     def tp_enabled(self) -> bool:
@@ -108,5 +109,6 @@ class ParallelDims:
         rule = pad_rule_text(self.cp, self.tp, self.sp)
         source = (f"packing.pad_seq_to_mult; the rule {rule} requires a multiple of {self.required_pad_multiple}"
                   if self.pad_multiple_explicit else f"derived: {rule}")
-        return (f"world {self.world_size} = dp {self.dp} x cp {self.cp} x tp {self.tp} x pp {self.pp}; "
+        experts = f"; experts: ep {self.ep} x expert tp {self.expert_tp}" if self.ep_enabled else ""
+        return (f"world {self.world_size} = dp {self.dp} x cp {self.cp} x tp {self.tp} x pp {self.pp}{experts}; "
                 f"sequence_parallel {'on' if self.sp else 'off'}; pad multiple {self.pad_multiple} ({source})")

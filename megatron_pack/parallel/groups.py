@@ -108,6 +108,16 @@ class ParallelState:
         """This rank runs the last pipeline stage (the output layer; computes the loss)."""
         return self.pp_rank == self.pp_size - 1
 
+    @property
+    def ep_rank(self) -> int:
+        """Rank inside the expert-parallel group (0 without expert parallelism)."""
+        return self.pg_collection.ep.rank()
+
+    @property
+    def etp_rank(self) -> int:
+        """Rank inside the expert tensor-parallel group."""
+        return self.pg_collection.expt_tp.rank()
+
 
 _MEGATRON_GROUPS = ("tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "intra_dp_cp", "tp_dp_cp", "embd", "pos_embd",
                     "ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp", "intra_expt_dp", "intra_dist_opt")
@@ -182,13 +192,16 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
         tensor_model_parallel_size=pcfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=pcfg.pipeline_model_parallel_size,
         context_parallel_size=pcfg.context_parallel_size,
+        expert_model_parallel_size=pcfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=pcfg.expert_tensor_parallel_size,
         create_gloo_process_groups=False,
     )
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(_MEGATRON_GROUPS))
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
               else torch.device("cpu"))
     sizes = {"tp": (pgs.tp.size(), dims.tp), "cp": (pgs.cp.size(), dims.cp), "dp": (pgs.dp.size(), dims.dp),
-             "pp": (pgs.pp.size(), dims.pp)}
+             "pp": (pgs.pp.size(), dims.pp), "ep": (pgs.ep.size(), dims.ep),
+             "expt_tp": (pgs.expt_tp.size(), dims.expert_tp)}
     assert all(got == want for got, want in sizes.values()), f"megatron-core built other groups than {dims}: {sizes}"
     return ParallelState(
         dims=dims, rank=dist.get_rank(), backend=dist.get_backend(), device=device,

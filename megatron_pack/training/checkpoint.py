@@ -282,10 +282,22 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
         if key.startswith("decoder.layers."):
             rest = key[len("decoder.layers."):]
             for i, layer in enumerate(tensor.unbind(0)):
-                out[f"decoder.layers.{i}.{rest}"] = layer.clone()
+                out.update(_unstack_experts(f"decoder.layers.{i}.{rest}", layer))
         else:
             out[key] = tensor
     return out
+
+
+_STACKED_EXPERTS = "mlp.experts.experts."
+"""megatron-core's SequentialMLP stores expert e's ``local_experts.<e>.<linear>`` along an expert axis."""
+
+
+def _unstack_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: tensor}``, a MoE layer's stacked experts split into ``mlp.experts.local_experts.<e>.<rest>``."""
+    if _STACKED_EXPERTS not in name:
+        return {name: tensor.clone()}
+    head, rest = name.split(_STACKED_EXPERTS, 1)
+    return {f"{head}mlp.experts.local_experts.{e}.{rest}": t.clone() for e, t in enumerate(tensor.unbind(0))}
 
 
 def collective_verify(group: Optional[dist.ProcessGroup] = None):

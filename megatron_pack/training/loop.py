@@ -42,6 +42,7 @@ from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.online import single_rank
 from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
+from megatron_pack.model.moe import step_moe_metrics
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import trainer_checkpoint
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
@@ -108,6 +109,8 @@ class Trainer:
     """The checkpoint saved at that stop (None: checkpoint.enabled=false)."""
     link: Any = None
     """This rank's ``parallel.pipeline.StageLink`` to its neighbour stages (None without pipeline stages)."""
+    moe_metrics: Optional[dict] = None
+    """The last step's MoE routing numbers (``model.moe.step_moe_metrics``), None for a dense model."""
     _start: float = field(default_factory=time.perf_counter)
     _first_step: int = 0
 
@@ -140,6 +143,9 @@ class Trainer:
         packs, batches = self.data_iterator.take()
         self.outcome = step_outcome(reports, packs, self.state, num_buckets=self.num_buckets,
                                     num_sources=len(self.source_names))
+        # the MoE reports rode the outcome's one all-reduce (and its broadcast to the other stages)
+        self.moe_metrics = step_moe_metrics(self.outcome.reports, self.outcome.counts.target_tokens,
+                                            self.cfg.model.num_experts)
         check_step_finite(self.outcome, step=self.step + 1, model_chunks=self.model_chunks, reports=reports,
                           batches=batches, state=self.state)
         from megatron.core.distributed import finalize_model_grads
@@ -181,7 +187,7 @@ class Trainer:
                               imbalance_before=self.step_info.imbalance_before,
                               imbalance_after=self.step_info.imbalance_after,
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
-                              source_target_share=source_share)
+                              source_target_share=source_share, moe=self.moe_metrics)
         self.history.append(metrics)
         return metrics
 
@@ -246,7 +252,7 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
         raise NotImplementedError("the optimizer steps one model chunk (no virtual pipeline stages)")
     optimizer = build_optimizer(cfg, list(chunks[0].module.named_parameters()), state.tp_group,
                                 ddp_model=chunks[0], device=state.device.type, dp_group=state.dp_group,
-                                pp_group=state.pp_group)
+                                pp_group=state.pp_group, expert_group=state.pg_collection.tp_ep)
     info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model_chunks=chunks, optimizer=optimizer,
                    schedule=LRSchedule(cfg, train_iters), loader=loader,

@@ -74,6 +74,9 @@ class StepMetrics:
     """Validation target tokens per data.sources name."""
     val_source_target_share: Optional[dict] = None
     """Share of the validation target tokens per data.sources name."""
+    moe: Optional[dict] = None
+    """A MoE model's routing numbers (``model.moe.step_moe_metrics``): the auxiliary losses, tokens per
+    expert per layer and each layer's max/mean load; None for a dense model."""
 
     def add_validation(self, result) -> None:
         """Take an evaluation's numbers (``eval.EvalResult``): the loss, and per source when it has sources."""
@@ -110,6 +113,12 @@ class StepMetrics:
                 out[f"source_{name}/loss"] = value
         for name, value in (self.source_target_share or {}).items():
             out[f"source_{name}/target_share"] = value
+        if self.moe:
+            out["moe/load_balancing_loss"], out["moe/z_loss"] = self.moe["load_balancing_loss"], self.moe["z_loss"]
+            for layer, ratio in enumerate(self.moe["max_over_mean_load"]):
+                out[f"moe/layer_{layer}/max_over_mean_load"] = ratio
+                for expert, count in enumerate(self.moe["tokens_per_expert"][layer]):
+                    out[f"moe/layer_{layer}/expert_{expert}_tokens"] = float(count)
         return out
 
     def validation_scalars(self) -> dict[str, float]:
@@ -130,6 +139,9 @@ class StepMetrics:
         epoch, consumed counts, grad norm, elapsed time, DP imbalance, per-bucket and per-source numbers) is
         in metrics.jsonl and TensorBoard (``record``, ``breakdown_scalars``)."""
         val = f" | val loss {self.val_loss:.6f}" if self.val_loss is not None else ""
+        if self.moe:  # the load-balancing loss and the worst layer's max/mean expert load
+            val += (f" | lb {self.moe['load_balancing_loss']:.4f} load max/mean "
+                    f"{max(self.moe['max_over_mean_load']):.2f}")
         eta = format_duration(self.eta_s) if self.eta_s is not None else "?"
         return (f"step {self.step}/{train_iters} | loss {self.lm_loss:.6f}{val} | lr {self.lr:.2e} | "
                 f"{self.real_tokens_per_s:,.0f} tok/s | padding {100 * self.padding_share:.1f}% | "
@@ -137,7 +149,7 @@ class StepMetrics:
 
 
 _BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share", "val_source_loss",
-               "val_source_target_tokens", "val_source_target_share")
+               "val_source_target_tokens", "val_source_target_share", "moe")
 
 
 def format_duration(seconds: float) -> str:

@@ -105,16 +105,33 @@ def _counts_for_norm(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessG
     return tp_group is None or dist.get_rank(tp_group) == 0
 
 
+def _expert_parallel(param: torch.nn.Parameter) -> bool:
+    """megatron-core marks the experts' weights of an expert-parallel MoE layer ``allreduce=False``."""
+    return not getattr(param, "allreduce", True)
+
+
 def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Optional[dist.ProcessGroup] = None,
-              pp_group: Optional[dist.ProcessGroup] = None) -> float:
+              pp_group: Optional[dist.ProcessGroup] = None, *,
+              expert_group: Optional[dist.ProcessGroup] = None) -> float:
     """Global L2 norm of ``param.grad`` over the model, counting each parameter once across TP and
-    summing the stages of ``pp_group`` (a tied embedding's last-stage copy, ``shared``, is left out)."""
-    total = torch.zeros((), dtype=torch.float64)
+    summing the stages of ``pp_group`` (a tied embedding's last-stage copy, ``shared``, is left out).
+
+    With expert parallelism the experts' weights differ from rank to rank of ``expert_group``
+    (megatron-core's ``tp_ep``: the EP x expert-TP ranks, each holding its own experts or shards of them),
+    so their squares are summed over that group instead (every rank enters every all-reduce)."""
+    dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for param in params:
-        if param.grad is not None and _counts_for_norm(param, tp_group):
-            total += param.grad.detach().double().pow(2).sum().cpu()
+        if param.grad is None:
+            continue
+        if expert_group is not None and _expert_parallel(param):
+            experts += param.grad.detach().double().pow(2).sum().cpu()
+        elif _counts_for_norm(param, tp_group):
+            dense += param.grad.detach().double().pow(2).sum().cpu()
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(total, group=tp_group)
+        dist.all_reduce(dense, group=tp_group)
+    if expert_group is not None and dist.get_world_size(expert_group) > 1:
+        dist.all_reduce(experts, group=expert_group)
+    total = dense + experts
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     return float(total.sqrt())
@@ -135,10 +152,11 @@ class TrainOptimizer:
     """torch AdamW over ``main_grad`` (CPU path); see the module docstring."""
 
     def __init__(self, cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
-                 tp_group: Optional[dist.ProcessGroup] = None, pp_group: Optional[dist.ProcessGroup] = None):
+                 tp_group: Optional[dist.ProcessGroup] = None, pp_group: Optional[dist.ProcessGroup] = None,
+                 expert_group: Optional[dist.ProcessGroup] = None):
         t = cfg.train
         self.clip_grad = t.clip_grad
-        self.tp_group, self.pp_group = tp_group, pp_group
+        self.tp_group, self.pp_group, self.expert_group = tp_group, pp_group, expert_group
         self.params = [p for _, p in named_params if p.requires_grad]
         self.names = {p: n for n, p in named_params}
         self.optimizer = torch.optim.AdamW(param_groups(named_params, t.weight_decay), lr=t.lr,
@@ -150,7 +168,7 @@ class TrainOptimizer:
         for param in self.params:
             main_grad = getattr(param, "main_grad", None)
             param.grad = main_grad if main_grad is not None else param.grad
-        norm = grad_norm(self.params, self.tp_group, self.pp_group)
+        norm = grad_norm(self.params, self.tp_group, self.pp_group, expert_group=self.expert_group)
         clip_grads_(self.params, self.clip_grad, norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -401,15 +419,16 @@ class MegatronTrainOptimizer:
 def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
                     tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model: Optional[torch.nn.Module] = None,
                     device: str = "cpu", dp_group: Optional[dist.ProcessGroup] = None,
-                    pp_group: Optional[dist.ProcessGroup] = None):
+                    pp_group: Optional[dist.ProcessGroup] = None, expert_group: Optional[dist.ProcessGroup] = None):
     """torch AdamW over DDP's ``main_grad`` with TP-aware clipping on CPU (state sharded over
     ``dp_group`` with ``ddp.use_distributed_optimizer``; the norm summed over the stages of
     ``pp_group``); megatron-core's optimizer (its
-    distributed optimizer when asked) over ``ddp_model`` on CUDA."""
+    distributed optimizer when asked) over ``ddp_model`` on CUDA. ``expert_group`` (megatron-core's ``tp_ep``)
+    makes the norm count every expert-parallel rank's experts (``grad_norm``)."""
     if device == "cuda":
         if ddp_model is None:
             raise ValueError("build_optimizer(device='cuda') needs ddp_model (the megatron-core DDP-wrapped model).")
         return MegatronTrainOptimizer(cfg, [ddp_model])
     if cfg.ddp.use_distributed_optimizer:
         return ShardedTrainOptimizer(cfg, named_params, tp_group, dp_group, pp_group)
-    return TrainOptimizer(cfg, named_params, tp_group, pp_group)
+    return TrainOptimizer(cfg, named_params, tp_group, pp_group, expert_group)

@@ -150,10 +150,14 @@ def _on_gpu(cfg: Config) -> bool:
     return torch.cuda.is_available()
 
 
-def layout_meta(world_size: int, tp: int, cp: int, dp: int) -> dict:
+def layout_meta(world_size: int, tp: int, cp: int, dp: int, ep: int = 1) -> dict:
     """The parallel layout a checkpoint records in ``meta.json`` and a resume must match."""
     return {"world_size": world_size, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
-            "data_parallel_size": dp}
+            "data_parallel_size": dp, "expert_model_parallel_size": ep}
+
+
+_LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1}
+"""What a checkpoint written before a layout key existed had (no expert parallelism)."""
 
 
 def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[list[str]] = None) -> Optional[Path]:
@@ -183,8 +187,9 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
         return None
     saved = read_meta(resume)
     dims = ParallelDims.from_config(cfg, world_size)
-    mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here"
-                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp).items() if saved.get(k) != v]
+    mismatch = [f"{k} {saved.get(k, _LAYOUT_DEFAULTS.get(k))!r} there, {v!r} here"
+                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp, dims.ep).items()
+                if saved.get(k, _LAYOUT_DEFAULTS.get(k)) != v]
     layout_free = saved.get("format") == SHARDED_FORMAT
     if mismatch and (not layout_free or (kind == "resume" and _on_gpu(cfg))):
         key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"

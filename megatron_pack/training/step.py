@@ -15,6 +15,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_pack.model.moe import moe_report, set_pack
 from megatron_pack.training.chunks import core_model
 
 
@@ -191,7 +192,18 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     position_ids, loss_mask = (local[k].to(device, non_blocking=True) for k in ("position_ids", "loss_mask"))
     if not core.pre_process:
         _check_stage_input(core, local["tokens"].shape[-1])
-    output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params)
+    # a MoE model's routers read the pack's boundaries; padding (from cu_seqlens) is never routed
+    padding_mask = set_pack(core, batch, cp_group.size(), cp_group.rank(), device)
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+    output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params, **extra)
     if "token_source" in local:  # data.sources: the report also carries the per-source loss
-        return output, partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))
-    return output, partial(loss_func, loss_mask)
+        loss = partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))
+    else:
+        loss = partial(loss_func, loss_mask)
+    return output, loss if padding_mask is None else partial(_with_moe_report, core, loss)
+
+
+def _with_moe_report(core: torch.nn.Module, loss, output_tensor: torch.Tensor):
+    """``loss(output_tensor)`` with the MoE layers' auxiliary losses and expert loads in its report."""
+    loss_sum, num_tokens, report = loss(output_tensor)
+    return loss_sum, num_tokens, moe_report(core, report)

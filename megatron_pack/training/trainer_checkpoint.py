@@ -38,7 +38,7 @@ def should_save(cfg: Config, step: int, train_iters: int) -> bool:
 
 def layout(state: ParallelState) -> dict:
     """The layout meta.json records (and a same-layout resume compares)."""
-    return layout_meta(state.world_size, state.tp_size, state.cp_size, state.dp_size)
+    return layout_meta(state.world_size, state.tp_size, state.cp_size, state.dp_size, state.dims.ep)
 
 
 def _lora(cfg: Config) -> bool:

@@ -72,6 +72,9 @@ CASES = [
       "set model.cuda_graph_impl=none")),
     ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2, model__fp8="delayed"), {},
      ("model.fp8 (delayed) with parallel.pipeline_model_parallel_size (2) > 1", "set model.fp8=none")),
+    ("pipeline_parallel", dict(parallel__pipeline_model_parallel_size=2, model__num_experts=4), {},
+     ("model.num_experts (4) with parallel.pipeline_model_parallel_size (2) > 1", "mixture-of-experts layers",
+      "set parallel.pipeline_model_parallel_size=1")),
     ("context_parallel", dict(parallel__context_parallel_size=2), {}, ()),
     ("context_parallel", dict(parallel__context_parallel_size=4, packing__mode="in_batch", train__micro_batch_size=4, model__seq_length=20),
      {}, ("model.seq_length (20)", "2*parallel.context_parallel_size = 8", "set model.seq_length=24")),
@@ -230,6 +233,18 @@ CASES = [
     ("dataset_meta", dict(model__fp8="delayed", parallel__context_parallel_size=2), dict(meta=META_OK),
      ("model.fp8 (delayed): the dataset was planned with packs padded to a multiple of 4 tokens",
       "this run needs 32", "re-run `megatron-pack prepare` with this config and model.fp8=delayed")),
+    # issue 25: mixture of experts
+    ("moe", dict(model__num_experts=4, parallel__context_parallel_size=2), {}, ()),
+    ("moe", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2), {},
+     ("parallel.tensor_model_parallel_size (2) without parallel.sequence_parallel with a MoE model",
+      "set parallel.sequence_parallel=true")),
+    ("moe", dict(model__num_experts=4, peft__method="lora"), {},
+     ("peft.target_modules (['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2']) with a MoE model",
+      "set peft.target_modules=[linear_qkv,linear_proj]")),
+    ("moe", dict(model__num_experts=4, peft__method="lora", peft__target_modules=["linear_qkv", "linear_proj"]), {},
+     ()),
+    ("moe", dict(model__num_experts=4, ddp__use_distributed_optimizer=True), {},
+     ("ddp.use_distributed_optimizer (True) with a MoE model",)),
 ]
 
 
@@ -371,3 +386,33 @@ def test_fix_property_is_not_vacuous():
     problems = validate_module._validate_pad_multiple(bad) + validate_module._validate_packed_sizes(bad)
     assert problems == ["packing.pad_seq_to_mult (6) must be a multiple of lcm(2*cp=4) = 4 for cp=2, tp=1; "
                         "set packing.pad_seq_to_mult=8."]
+
+
+EP_CASES = [  # (id, overrides, world size, message fragment or None)
+    ("ep2-moe-world2", dict(model__num_experts=4, parallel__expert_model_parallel_size=2), 2, None),
+    ("ep2-cp2-world4", dict(model__num_experts=4, parallel__expert_model_parallel_size=2,
+                            parallel__context_parallel_size=2), 4, None),
+    ("ep2-dense", dict(parallel__expert_model_parallel_size=2), 2, "needs a mixture-of-experts model"),
+    ("ep2-world3", dict(model__num_experts=4, parallel__expert_model_parallel_size=2), 3, "must divide the world size"),
+    ("ep2-3-experts", dict(model__num_experts=3, model__moe_router_topk=1, parallel__expert_model_parallel_size=2), 2,
+     "must divide model.num_experts (3)"),
+    ("etp2-tp1", dict(model__num_experts=4, parallel__expert_tensor_parallel_size=2), 2,
+     "parallel.expert_tensor_parallel_size (2) must be 1 or"),
+    ("tp2-sp-etp1-ep2", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2,
+                             parallel__sequence_parallel=True, parallel__expert_tensor_parallel_size=1,
+                             parallel__expert_model_parallel_size=2), 2, None),
+    ("tp2-sp-etp1-ep1", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2,
+                             parallel__sequence_parallel=True, parallel__expert_tensor_parallel_size=1), 2,
+     "never sums their gradients over the TP ranks"),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,fragment", [c[1:] for c in EP_CASES], ids=[c[0] for c in EP_CASES])
+def test_expert_parallel_rules(overrides, world_size, fragment):
+    cfg = make(**overrides)
+    if fragment is None:
+        validate(cfg, world_size=world_size)
+        return
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=world_size)
+    assert sum(fragment in p for p in info.value.problems) == 1, info.value.problems

@@ -46,6 +46,30 @@ MISTRAL_V03 = {
     "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
     "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
     "tie_word_embeddings": False, "vocab_size": 32768}
+def _with(base: dict, **changes) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "vocab_size": 32000}
 
 DERIVED = [  # (id, config.json, expected subset of model.* keys), hand-written from the configs above
     ("llama3.1-8b", LLAMA31_8B, dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
@@ -63,6 +87,14 @@ DERIVED = [  # (id, config.json, expected subset of model.* keys), hand-written 
                                                     rope_scaling_factor=32.0,
                                                     untie_embeddings_and_output_weights=False)),
     ("mistral-v0.3", MISTRAL_V03, dict(vocab_size=32768, rotary_base=1000000, rope_scaling="none")),
+    ("dense-has-no-experts", MISTRAL_V03, dict(num_experts=None, moe_ffn_hidden_size=None)),
+    ("qwen3-30b-a3b", QWEN3_30B_A3B, dict(num_layers=48, kv_channels=128, qk_layernorm=True, num_query_groups=4,
+                                          num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                                          moe_router_pre_softmax=False)),
+    ("qwen3-moe-no-renormalisation", _with(QWEN3_30B_A3B, norm_topk_prob=False), dict(moe_router_pre_softmax=True)),
+    ("qwen3-moe-v5-spelling", _with(QWEN3_30B_A3B, num_experts=None, num_local_experts=16), dict(num_experts=16)),
+    ("mixtral-8x7b", MIXTRAL_8X7B, dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336,
+                                        moe_router_pre_softmax=False, qk_layernorm=False, rotary_base=1000000)),
 ]
 
 
@@ -75,21 +107,18 @@ def test_derivation(hf, expected):
         assert derived[key] == value, key
 
 
-def _with(base: dict, **changes) -> dict:
-    out = dict(base)
-    for key, value in changes.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = value
-    return out
-
-
 REFUSALS = [  # (id, config.json, fragments of the message)
     ("unknown-model-type", _with(LLAMA31_8B, model_type="gpt2", architectures=["GPT2LMHeadModel"]),
      ["model_type 'gpt2' is not supported", "supported: llama"]),
-    ("moe-model-type", _with(QWEN3_8B, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]),
-     ["model_type 'qwen3_moe'", "qwen3 = Qwen3 dense"]),
+    ("moe-model-type", _with(QWEN3_8B, model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"]),
+     ["model_type 'qwen3_next'", "qwen3 = Qwen3 dense", "qwen3_moe = Qwen3-MoE"]),
+    ("moe-dense-layers", _with(QWEN3_30B_A3B, mlp_only_layers=[0]), ["mlp_only_layers=[0]", "every layer"]),
+    ("moe-sparse-step", _with(QWEN3_30B_A3B, decoder_sparse_step=2), ["decoder_sparse_step=2", "every layer"]),
+    ("moe-shared-expert", _with(QWEN3_30B_A3B, shared_expert_intermediate_size=512),
+     ["shared_expert_intermediate_size=512", "shared expert"]),
+    ("mixtral-jitter", _with(MIXTRAL_8X7B, router_jitter_noise=0.1), ["router_jitter_noise=0.1"]),
+    ("mixtral-sliding-window", _with(MIXTRAL_8X7B, sliding_window=4096), ["sliding_window=4096"]),
+    ("moe-mtp", _with(QWEN3_30B_A3B, num_nextn_predict_layers=1), ["num_nextn_predict_layers=1", "multi-token"]),
     ("moe-experts-key", _with(MISTRAL_V03, num_local_experts=8), ["num_local_experts=8", "mixture of experts"]),
     ("mtp-heads", _with(QWEN3_8B, num_nextn_predict_layers=1), ["num_nextn_predict_layers=1", "multi-token"]),
     ("remote-code", _with(LLAMA31_8B, auto_map={"AutoModelForCausalLM": "modeling_x.X"}),
@@ -141,7 +170,8 @@ def test_missing_folder_names_the_key(tmp_path):
 
 
 def test_every_family_listed_is_derivable():
-    examples = {"llama": LLAMA31_8B, "qwen2": QWEN25_7B, "qwen3": QWEN3_8B, "mistral": MISTRAL_V03}
+    examples = {"llama": LLAMA31_8B, "qwen2": QWEN25_7B, "qwen3": QWEN3_8B, "mistral": MISTRAL_V03,
+                "qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B}
     assert set(examples) == set(SUPPORTED_FAMILIES)
     assert all(refusal(hf, "x") is None for hf in examples.values())
 

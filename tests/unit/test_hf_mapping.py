@@ -122,12 +122,19 @@ def test_property_was_not_vacuous():
 
 @pytest.mark.parametrize("family", sorted(FAMILY_RULES))
 def test_tables_cover_a_layer_once(family):
-    rules = rules_for(family, tied=False, num_layers=2)
+    from megatron_pack.model.hf.rules import Placement
+
+    whole = Placement(2, num_experts=4)  # a dense family's rules ignore the experts
+    rules = rules_for(family, tied=False, placement=whole)
     mcore = [m for _, m, _ in rules]
     hf = [h for _, _, names in rules for h in names]
     assert len(set(mcore)) == len(mcore) and len(set(hf)) == len(hf)
     assert "output_layer.weight" in mcore
-    assert "output_layer.weight" not in [m for _, m, _ in rules_for(family, tied=True, num_layers=2)]
+    assert "output_layer.weight" not in [m for _, m, _ in rules_for(family, tied=True, placement=whole)]
+    moe = any(rule.per_expert for rule, _, _ in rules)
+    assert moe == (family in ("qwen3_moe", "mixtral"))
+    if moe:  # 2 layers x 4 experts x (fc1, fc2), and each layer's router
+        assert sum(".local_experts." in m for m in mcore) == 16 and sum(".router." in m for m in mcore) == 2
 
 
 def test_folder_with_only_a_pickle_is_refused(tmp_path):

@@ -32,8 +32,16 @@ _QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
               "torch_dtype": "bfloat16"}
 _LLAMA33_70B = {**_LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                 "num_attention_heads": 64, "num_key_value_heads": 8}
+_QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                  "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                  "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                  "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+                  "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                  "torch_dtype": "bfloat16"}
 PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B,
-              "models/Llama-3.3-70B-Instruct": _LLAMA33_70B}
+              "models/Llama-3.3-70B-Instruct": _LLAMA33_70B, "models/Qwen3-30B-A3B": _QWEN3_30B_A3B}
 
 RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
 
@@ -91,3 +99,22 @@ def test_llama3_70b_recipe_is_a_pipeline_layout(tmp_path):
 def test_llama3_recipe_uses_the_distributed_optimizer():
     cfg = load_config(["experiment=llama3_8b_tp2_cp2", "data.input=train.jsonl"], world_size=8)
     assert cfg.ddp.use_distributed_optimizer and cfg.parallel.sequence_parallel
+
+
+def test_qwen3_moe_recipe_is_expert_parallel():
+    import json
+
+    folder_args = []
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as root:
+        folder = Path(root) / "models/Qwen3-30B-A3B"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(_QWEN3_30B_A3B))
+        folder_args = [f"model.pretrained={folder}", "data.tokenizer=byte", "data.input=train.jsonl"]
+        cfg = load_config(["experiment=qwen3_30b_a3b_sft", *folder_args], world_size=32)
+    m, p = cfg.model, cfg.parallel
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_router_pre_softmax) == (128, 8, 768, False)
+    assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.context_parallel_size) == (16, 1, 2)
+    assert p.tensor_model_parallel_size == 2 and p.sequence_parallel

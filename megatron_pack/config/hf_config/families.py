@@ -62,3 +62,78 @@ MISTRAL = register_family(Family(
     refused=DENSE_REFUSALS + (Refuse("sliding_window", "is not supported (THD attention here is full causal); "
                                      "supported: Mistral with sliding_window null.", allowed=(None,)),
                               O_PROJ_BIAS)))
+
+# Mixture-of-experts families: the attention of their dense relatives, a router and per-expert SwiGLU MLPs.
+# megatron-core's SequentialMLP names expert e's linears mlp.experts.local_experts.{e}.linear_fc1/2; the
+# router's [experts, hidden] weight is replicated over TP (every rank routes its own tokens).
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+MOE_ATTENTION_RULES = tuple(r for r in LLAMA_RULES if not r.mcore.endswith(_DENSE_MLP))
+_EXPERT = _L + "mlp.experts.local_experts.{e}."
+
+
+def expert_rules(block: str, gate: str, up: str, down: str, router: str) -> tuple[Rule, ...]:
+    """Router and experts of one HF MoE block (``block`` under ``model.layers.{i}.``, names of its linears).
+
+    Qwen3-MoE: ``expert_rules("mlp", "gate_proj", "up_proj", "down_proj", "gate")`` maps
+    ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` [moe_intermediate_size, hidden] (with up_proj)
+    to ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight`` [2 * moe_intermediate_size, hidden].
+    """
+    hf_expert = f"{_M}{block}.experts.{{e}}."
+    return (
+        Rule(_L + "mlp.router.weight", (f"{_M}{block}.{router}.weight",), "replicated", ("experts", "hidden")),
+        Rule(_EXPERT + "linear_fc1.weight", (hf_expert + f"{gate}.weight", hf_expert + f"{up}.weight"), "gate_up",
+             ("expert_ffn", "hidden")),
+        Rule(_EXPERT + "linear_fc2.weight", (hf_expert + f"{down}.weight",), "row", ("hidden", "expert_ffn")),
+    )
+
+
+def _num_experts(hf: dict) -> int:
+    """Qwen3-MoE checkpoints on the Hub spell it num_experts; transformers 5 writes num_local_experts."""
+    return int(hf.get("num_experts") or hf["num_local_experts"])
+
+
+def _qwen3_moe_keys(hf: dict) -> dict:
+    # HF: softmax over all experts, top-k, then (norm_topk_prob) divide by the k probabilities' sum,
+    # which is the softmax over the k logits: megatron-core's pre_softmax=False; without the
+    # renormalisation it is pre_softmax=True (softmax, then top-k of the probabilities).
+    return {"num_experts": _num_experts(hf), "moe_router_topk": int(hf["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+            "moe_router_pre_softmax": not bool(hf.get("norm_topk_prob", False))}
+
+
+def _mixtral_keys(hf: dict) -> dict:
+    # HF Mixtral always renormalises the top-k softmax probabilities (softmax over the k logits).
+    return {"num_experts": int(hf["num_local_experts"]), "moe_router_topk": int(hf["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(hf["intermediate_size"]), "moe_router_pre_softmax": False}
+
+
+_EVERY_LAYER = "is not supported (every layer must be a MoE layer: decoder_sparse_step 1, no mlp_only_layers)."
+MOE_REFUSALS = (
+    *(Refuse(key, _MTP) for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")),
+    Refuse("use_sliding_window", "is not supported (full causal attention only); {supported}."),
+    Refuse("hidden_act", "is not supported (SwiGLU with silu only).", allowed=("silu",)),
+    Refuse("mlp_bias", "is not supported (MLP without bias only)."),
+    Refuse("decoder_sparse_step", _EVERY_LAYER, allowed=(None, 1)),
+    Refuse("mlp_only_layers", _EVERY_LAYER, allowed=(None, [])),
+    Refuse("shared_expert_intermediate_size", "(a shared expert) is not supported for {model_type}.",
+           allowed=(None, 0)),
+    Refuse("n_shared_experts", "(shared experts) is not supported for {model_type}.", allowed=(None, 0)),
+)
+"""What a MoE family with full causal attention and SwiGLU experts in every layer refuses."""
+
+QWEN3_MOE = register_family(Family(
+    model_type="qwen3_moe", summary="Qwen3-MoE (Qwen3MoeForCausalLM; QK norm; a MoE block in every layer)",
+    architectures=("Qwen3MoeForCausalLM",),
+    rules=MOE_ATTENTION_RULES + QK_NORM_RULES + expert_rules("mlp", "gate_proj", "up_proj", "down_proj", "gate"),
+    model_keys={"qk_layernorm": True}, refused=MOE_REFUSALS + (O_PROJ_BIAS,), derive=_qwen3_moe_keys))
+MIXTRAL = register_family(Family(
+    model_type="mixtral", summary="Mixtral (MixtralForCausalLM; sliding_window null; router_jitter_noise 0)",
+    architectures=("MixtralForCausalLM",),
+    rules=MOE_ATTENTION_RULES + expert_rules("block_sparse_moe", "w1", "w3", "w2", "gate"),
+    refused=MOE_REFUSALS + (
+        Refuse("sliding_window", "is not supported (THD attention here is full causal); supported: Mixtral with "
+               "sliding_window null.", allowed=(None,)),
+        Refuse("router_jitter_noise", "is not supported (HF multiplies the experts' input by the noise, "
+               "megatron-core only the router's); set it to 0.", allowed=(None, 0, 0.0)),
+        O_PROJ_BIAS),
+    derive=_mixtral_keys))

@@ -22,19 +22,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
              "kv_channels", "vocab_size", "max_position_embeddings", "normalization", "activation",
              "rotary_base", "norm_epsilon", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
              "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_position_embeddings")
+             "rope_original_max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+             "moe_router_pre_softmax")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
 
-SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts")
+SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn")
 """Names a rule's ``shape`` may use: hidden size, FFN size, vocabulary, head dim, all query heads
-(heads x head dim), all key/value heads (groups x head dim) and the experts of a MoE layer (a
-router's rows); ``transforms.Dims.size`` resolves them."""
+(heads x head dim), all key/value heads (groups x head dim), the experts of a MoE layer (a
+router's rows) and one expert's FFN size; ``transforms.Dims.size`` resolves them."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ class Family:
     """config.json keys refused, in order, after the checks every family shares."""
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
     """HF tensor name endings that are not weights (buffers recomputed from config.json)."""
+    derive: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None
+    """config.json -> the ``model.*`` keys that depend on its values (a MoE family's experts, top-k, router
+    normalisation), applied after ``model_keys``; torch-free."""
 
     def __post_init__(self):
         unknown = sorted(set(self.model_keys) - set(ARCH_KEYS))

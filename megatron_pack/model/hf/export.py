@@ -96,7 +96,7 @@ def shards_from_pretrained(folder: str | Path, model_cfg, tp: int, *,
     hf = read_hf_config(folder)
     dims = Dims.from_model_config(model_cfg, tp)
     tied = not model_cfg.untie_embeddings_and_output_weights
-    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    placement = Placement.whole(model_cfg) if placement is None else placement
     out: list[dict[str, Tensor]] = [{} for _ in range(tp)]
     with SafetensorsFolder(folder) as source:
         for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, placement=placement):
@@ -115,16 +115,17 @@ def _canonical(name: str) -> str:
 
 
 def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, *,
-               placement: Optional[Placement] = None) -> dict[str, Tensor]:
+               placement: Optional[Placement] = None, etp: Optional[int] = None) -> dict[str, Tensor]:
     """HF name -> tensor, in table order, from every TP rank's megatron-core state of the chunk at
     ``placement`` (by default the whole model): a pipeline stage's tensors under their global names.
-    A last stage's copy of tied embeddings is read but not written (the first stage writes it)."""
-    dims = Dims.from_model_config(model_cfg, len(shards))
+    A last stage's copy of tied embeddings is read but not written (the first stage writes it).
+    ``etp`` is the expert tensor-parallel degree the experts' shards were split over (None: TP)."""
+    dims = Dims.from_model_config(model_cfg, len(shards), etp=etp)
     tied = not model_cfg.untie_embeddings_and_output_weights
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     shards = [{_canonical(name): tensor for name, tensor in shard.items()} for shard in shards]
-    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    placement = Placement.whole(model_cfg) if placement is None else placement
     for rule, mcore, hf_names in rules_for(model_type, tied=tied, placement=placement):
         missing = [r for r, shard in enumerate(shards) if mcore not in shard]
         if missing:

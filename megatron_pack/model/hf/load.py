@@ -131,8 +131,12 @@ def placement_of(model) -> Placement:
     """The part of the model a megatron-core ``GPTModel`` chunk holds: its layers (megatron-core's
     ``layer_number`` is global and 1-based), the embedding on the first stage, the output on the last."""
     layers = model.decoder.layers
+    moe = getattr(layers[0], "mlp", None) if len(layers) else None
+    moe = moe if hasattr(moe, "local_expert_indices") else None
     return Placement(len(layers), layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
-                     pre_process=model.pre_process, post_process=model.post_process)
+                     pre_process=model.pre_process, post_process=model.post_process,
+                     num_experts=moe.num_local_experts if moe is not None else 0,
+                     expert_offset=moe.local_expert_indices[0] if moe is not None else 0)
 
 
 def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp_rank: int, tp_size: int,

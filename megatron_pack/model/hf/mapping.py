@@ -56,6 +56,7 @@ def load_shard_into(rule: Rule, hf_names: tuple[str, ...], reader: Reader, dims:
 
 def export_tensors(rule: Rule, shards: list[Tensor], dims: Dims) -> list[Tensor]:
     """The HF tensor(s) of ``rule`` from every shard on its split axis (rank order): the inverse of
-    ``load_shard``. For an expert's weight, ``shards`` are the expert-TP ranks'."""
+    ``load_shard``. For an expert's weight, ``shards`` are the expert-TP ranks' (given every TP rank's,
+    with expert TP 1 they are replicas: the first is read)."""
     axis_dims, _ = split_axis(rule, dims, 0)
-    return transform(rule.kind).export(shards, axis_dims)
+    return transform(rule.kind).export(shards[:axis_dims.tp], axis_dims)

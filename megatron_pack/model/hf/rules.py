@@ -82,6 +82,11 @@ class Placement:
     expert_offset: int = 0
     """Global index of the chunk's first expert (its local expert 0)."""
 
+    @classmethod
+    def whole(cls, model_cfg) -> "Placement":
+        """The whole model of ``model.*`` (every layer, and every expert of a MoE model)."""
+        return cls(model_cfg.num_layers, num_experts=getattr(model_cfg, "num_experts", None) or 0)
+
     def with_experts(self, dims: Dims, ep_rank: int) -> "Placement":
         """This chunk on expert-parallel rank ``ep_rank``: experts [r * E / EP, (r + 1) * E / EP) of each layer."""
         return replace(self, num_experts=dims.num_local_experts, expert_offset=dims.expert_offset(ep_rank))
@@ -172,4 +177,4 @@ def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     keys = derive_model_keys(hf)
     dims = Dims.from_model_config(SimpleNamespace(**keys), tp=1)
     return shapes_for(family_of(hf["model_type"]), dims, tied=not keys["untie_embeddings_and_output_weights"],
-                      placement=Placement(keys["num_layers"]))
+                      placement=Placement.whole(SimpleNamespace(**keys)))

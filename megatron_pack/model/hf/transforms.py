@@ -63,6 +63,8 @@ class Dims:
     """Expert tensor-parallel ranks an expert's weight is split over (None: ``tp``, megatron-core's default)."""
     num_experts: int = 0
     """Experts per MoE layer (0: a dense model)."""
+    expert_ffn: Optional[int] = None
+    """One expert's FFN size (``model.moe_ffn_hidden_size``)."""
 
     def __post_init__(self):
         if self.num_experts % self.ep:
@@ -93,19 +95,21 @@ class Dims:
         """A size a rule's ``shape`` names (``record.SHAPE_SIZES``)."""
         sizes = {"hidden": self.hidden, "ffn": self.ffn, "vocab": self.vocab, "head_dim": self.head_dim,
                  "q": self.num_heads * self.head_dim, "kv": self.num_groups * self.head_dim,
-                 "experts": self.num_experts or None}
+                 "experts": self.num_experts or None, "expert_ffn": self.expert_ffn}
         if sizes.get(name) is None:
             raise ValueError(f"Dims has no size {name!r} (set {name} for the shapes config.json implies).")
         return sizes[name]
 
     @classmethod
-    def from_model_config(cls, model, tp: int, *, ep: int = 1, etp: Optional[int] = None,
-                          num_experts: int = 0) -> "Dims":
-        """From ``model.*`` (our ``ModelConfig``, or anything with its attribute names)."""
+    def from_model_config(cls, model, tp: int, *, ep: int = 1, etp: Optional[int] = None) -> "Dims":
+        """From ``model.*`` (our ``ModelConfig``, or anything with its attribute names; a MoE model's
+        ``num_experts`` and ``moe_ffn_hidden_size`` give the expert sizes)."""
         heads = model.num_attention_heads
         return cls(num_heads=heads, num_groups=model.num_query_groups or heads,
                    head_dim=model.kv_channels or model.hidden_size // heads, ffn=model.ffn_hidden_size,
-                   vocab=model.vocab_size, tp=tp, hidden=model.hidden_size, ep=ep, etp=etp, num_experts=num_experts)
+                   vocab=model.vocab_size, tp=tp, hidden=model.hidden_size, ep=ep, etp=etp,
+                   num_experts=getattr(model, "num_experts", None) or 0,
+                   expert_ffn=getattr(model, "moe_ffn_hidden_size", None))
 
 
 def _part(rank: int, per_rank: int) -> slice:

@@ -50,7 +50,7 @@ def adapter_targets(model_type: str, targets, *, num_layers: Optional[int] = Non
 def hf_module_names(model_type: str, targets) -> list[str]:
     """peft's ``target_modules`` for our megatron-core targets: linear_qkv -> q_proj, k_proj, v_proj, ..."""
     names = []
-    for _, _, hf in adapter_targets(model_type, targets, num_layers=1):
+    for _, _, hf in adapter_targets(model_type, targets, placement=Placement(1, num_experts=1)):
         names += [h.rsplit(".", 1)[-1] for h in hf]
     return list(dict.fromkeys(names))
 
@@ -68,7 +68,7 @@ def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, ta
     shards = [_plain(shard) for shard in shards]
     out: dict[str, Tensor] = {}
     used: set[str] = set()
-    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    placement = Placement.whole(model_cfg) if placement is None else placement
     for rule, prefix, hf in adapter_targets(model_type, targets, placement=placement):
         missing = [r for r, s in enumerate(shards) if prefix + IN not in s or prefix + OUT not in s]
         if missing:
@@ -193,7 +193,7 @@ def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, tar
 
     reader, dims = _TensorReader(tensors), Dims.from_model_config(model_cfg, tp_size)
     out: dict[str, Tensor] = {}
-    placement = Placement(model_cfg.num_layers) if placement is None else placement
+    placement = Placement.whole(model_cfg) if placement is None else placement
     for rule, prefix, hf in adapter_targets(model_type, targets, placement=placement):
         a_names = tuple(f"{PEFT_PREFIX}{h}.lora_A.weight" for h in hf)
         b_names = tuple(f"{PEFT_PREFIX}{h}.lora_B.weight" for h in hf)

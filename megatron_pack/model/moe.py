@@ -1,0 +1,262 @@
+"""Mixture-of-experts layers on packed THD batches: routing that never sees padding, per-sample aux losses.
+
+megatron-core's ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts) with one router
+of ours, ``PackedTopKRouter``, which reads the pack's boundaries (metadata, never token ids) from
+``PackRouting``, set by ``training.step.forward_step`` before every forward:
+
+* **padding is not routed**: a padding position (each sub-sequence's THD padding, the tail, a CP
+  rank's padding-only slice) gets no expert (its routing-map row is all False, its probabilities
+  0), so it takes no expert's compute, counts in no expert's load and in no auxiliary loss. The
+  MoE output there is 0 (its residual stream is never a target). Routing is dropless (no expert
+  capacity), so nothing real is dropped either.
+* **load-balancing loss, per sample**: sample ``s`` with ``n_s`` real tokens gets the Switch
+  loss of that sample alone, ``L_s = E / (k * n_s^2) * sum_i c_si * P_si`` (``c_si`` its tokens
+  routed to expert i, ``P_si`` the sum of its tokens' softmax probability of expert i): exactly
+  the loss the sample would get as its own unpacked batch of one sequence. ``c_si`` and ``n_s``
+  are summed over the ranks holding the sample's tokens (CP, and TP under sequence parallelism),
+  so ``L_s`` does not depend on the layout.
+* **weighted like the LM loss**: the step minimises ``(sum_t lm_t + sum_s m_s * (a * L_s + z * Z_s))
+  / M`` with ``m_s`` the sample's target tokens and ``M`` the global batch's (the one normalisation,
+  ``finalize_model_grads``): each sample's auxiliary losses weigh what its tokens weigh in the LM
+  loss, the same at every CP / DP / micro-batch layout and packed or not. ``Z_s`` is the router
+  z-loss, the mean over the sample's real tokens of ``logsumexp(router logits)^2``.
+* **metrics**: tokens routed to each expert of each layer (real tokens only) and the two auxiliary
+  losses go into the loss report (``report["moe ..."]``), summed over the step like the LM loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+AUX_REPORT, Z_REPORT, LOAD_REPORT = "moe load balancing loss", "moe z loss", "moe tokens per expert"
+"""Keys of the loss report: [sum of m_s * L_s], [sum of m_s * Z_s], [layers, experts] routed-token counts."""
+
+
+@dataclass
+class PackRouting:
+    """What the routers of one model read about the current micro-batch (set by ``set_pack``)."""
+
+    seq_index: Optional[torch.Tensor] = None
+    """int64 [T_local]: the sub-sequence of each local position, -1 on padding."""
+    seq_weight: Optional[torch.Tensor] = None
+    """float [N]: target tokens of each sub-sequence (the weight of its auxiliary losses)."""
+    aux: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer number -> this micro-batch's detached [weighted aux loss, weighted z-loss] (local part)."""
+    load: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer number -> tokens routed to each expert on this rank, real tokens only."""
+    aux_coeff: float = 0.0
+    """model.moe_aux_loss_coeff."""
+    z_coeff: float = 0.0
+    """model.moe_z_loss_coeff."""
+
+
+def sequence_layout(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sub-sequence of each of this CP rank's positions, -1 on padding; target tokens per sub-sequence).
+
+    From the pack's metadata only (``cu_seqlens``, ``cu_seqlens_padded``, ``loss_mask``). Example:
+    ``cu_seqlens=[0, 3, 5]``, ``cu_seqlens_padded=[0, 4, 8]``, loss_mask ``[0,1,1,0, 1,0,0,0]``, CP=1 ->
+    ``([0, 0, 0, -1, 1, 1, -1, -1], [2., 1.])``.
+    """
+    from megatron_pack.parallel.cp import thd_local_segments
+
+    cu = torch.as_tensor(batch["cu_seqlens"]).reshape(-1).to(torch.int64)
+    padded = torch.as_tensor(batch["cu_seqlens_padded"]).reshape(-1).to(torch.int64)
+    num_local = int(padded[-1]) // cp_size
+    seq, real = thd_local_segments(cu, padded, num_local, cp_size, cp_rank)
+    seq_index = torch.where(real, seq, torch.full_like(seq, -1))
+    mask = torch.as_tensor(batch["loss_mask"]).reshape(-1).to(torch.float64)
+    owner = torch.searchsorted(padded[1:].contiguous(), torch.arange(mask.numel()), right=True)
+    weight = torch.zeros(cu.numel() - 1, dtype=torch.float64).index_add_(0, owner.clamp(max=cu.numel() - 2), mask)
+    return seq_index, weight
+
+
+def pack_routing(model) -> Optional[PackRouting]:
+    """The ``PackRouting`` the routers of ``model`` (a GPTModel, or wrapped) read; None for a dense model."""
+    while hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "pack_routing", None)
+
+
+def set_pack(model, batch: Mapping[str, Any], cp_size: int, cp_rank: int, device) -> Optional[torch.Tensor]:
+    """Point ``model``'s routers at ``batch`` (the whole pack); returns the padding mask [1, T_local]
+    (True on padding) that megatron-core's MoE layer takes, or None for a dense model."""
+    routing = pack_routing(model)
+    if routing is None:
+        return None
+    seq_index, weight = sequence_layout(batch, cp_size, cp_rank)
+    routing.seq_index, routing.seq_weight = seq_index.to(device), weight.to(device)
+    routing.aux.clear()
+    routing.load.clear()
+    return (seq_index < 0).unsqueeze(0).to(device)
+
+
+def moe_report(model, report: dict) -> dict:
+    """``report`` plus this micro-batch's auxiliary losses and expert loads (summed over layers / stacked)."""
+    routing = pack_routing(model)
+    if routing is None or not routing.load:
+        return report
+    layers = sorted(routing.load)
+    aux = torch.stack([routing.aux[i] for i in layers]).sum(0) if routing.aux else torch.zeros(2)
+    report = dict(report)
+    report[AUX_REPORT], report[Z_REPORT] = aux[0:1].float(), aux[1:2].float()
+    report[LOAD_REPORT] = torch.stack([routing.load[i] for i in layers]).float()
+    return report
+
+
+def _router_class():
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, topk_routing_with_score_function
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class PackedTopKRouter(TopKRouter):
+        """megatron-core's top-k router, with padding unrouted and the per-sample auxiliary losses above."""
+
+        pack: Optional[PackRouting] = None
+
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            # router logits in float32 (megatron-core's router_gating_linear names a Transformer
+            # Engine GEMM that is undefined where TE is not installed)
+            return torch.nn.functional.linear(input.float(), self.weight.float())
+
+        def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+            logits = logits.view(-1, self.config.num_moe_experts)
+            pad = self._padding(logits, padding_mask)
+            probs, routing_map = topk_routing_with_score_function(
+                logits, self.topk, use_pre_softmax=self.config.moe_router_pre_softmax, score_function="softmax")
+            routing_map = routing_map & ~pad.unsqueeze(-1)
+            probs = probs * (~pad).unsqueeze(-1).to(probs.dtype)
+            if self.pack is not None and padding_mask is not None:  # a forward_step call (set_pack ran)
+                probs = self._attach_aux_losses(logits, probs, routing_map)
+            return probs, routing_map
+
+        def _padding(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+            if padding_mask is None:
+                return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            return padding_mask.reshape(-1).to(torch.bool)
+
+        def _attach_aux_losses(self, logits, probs, routing_map):
+            seq = self._local_seq_index(logits.shape[0])
+            aux, z, load = per_sample_aux_losses(
+                logits, routing_map, seq, self.pack.seq_weight, topk=self.topk,
+                group=self.tp_cp_group if self.tp_cp_group.size() > 1 else None)
+            a, zc = self.pack.aux_coeff, self.pack.z_coeff
+            record = torch.cat([torch.stack([aux.detach(), z.detach()]), load.detach()])
+            if self.config.sequence_parallel and self.tp_group.size() > 1:  # TP ranks hold different tokens
+                record = record.clone()
+                torch.distributed.all_reduce(record, group=self.tp_group)
+            record = record.double().cpu()
+            self.pack.aux[self.layer_number], self.pack.load[self.layer_number] = record[:2], record[2:]
+            total = a * aux + zc * z
+            if self.training and torch.is_grad_enabled() and (a or zc):
+                probs = MoEAuxLossAutoScaler.apply(probs, total)
+            return probs
+
+        def _local_seq_index(self, num_tokens: int) -> torch.Tensor:
+            """The pack's per-position sub-sequences on this rank (the TP rank's part under sequence parallelism)."""
+            seq = self.pack.seq_index
+            if seq.numel() == num_tokens:
+                return seq
+            tp = self.tp_group.size()
+            assert seq.numel() == num_tokens * tp, (seq.numel(), num_tokens, tp)
+            rank = self.tp_group.rank()
+            return seq[rank * num_tokens:(rank + 1) * num_tokens]
+
+    return PackedTopKRouter
+
+
+def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: torch.Tensor, weight: torch.Tensor,
+                          *, topk: int, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(this rank's part of sum_s m_s * L_s, of sum_s m_s * Z_s, tokens per expert) (module docstring).
+
+    ``logits`` [T, E] router logits, ``routing_map`` [T, E] (False on padding), ``seq`` [T] sub-sequence
+    or -1, ``weight`` [N] target tokens per sub-sequence; ``group`` the other ranks holding parts of the
+    same sub-sequences (CP, and TP with sequence parallelism): counts are summed over it (every rank
+    enters the all-reduce, whatever its slice holds).
+    """
+    num_seqs, num_experts = weight.numel(), logits.shape[-1]
+    real = seq >= 0
+    owner = seq.clamp(min=0)
+    scores = torch.softmax(logits.float(), dim=-1) * real.unsqueeze(-1)
+    routed = routing_map.to(torch.float32)
+    counts = torch.zeros(num_seqs, num_experts + 1, dtype=torch.float32, device=logits.device)
+    counts[:, :num_experts].index_add_(0, owner, routed)
+    counts[:, num_experts].index_add_(0, owner, real.to(torch.float32))
+    if group is not None:
+        torch.distributed.all_reduce(counts, group=group)
+    c_se, n_s = counts[:, :num_experts], counts[:, num_experts]
+    p_se = torch.zeros(num_seqs, num_experts, dtype=scores.dtype, device=logits.device).index_add_(0, owner, scores)
+    w = weight.to(scores.dtype)
+    safe_n = n_s.clamp(min=1)
+    aux = (w * num_experts / (topk * safe_n * safe_n) * (c_se * p_se).sum(-1)).sum()
+    lse2 = torch.logsumexp(logits.float(), dim=-1).square() * real
+    z = (w / safe_n * torch.zeros(num_seqs, dtype=lse2.dtype, device=logits.device).index_add_(0, owner, lse2)).sum()
+    return aux, z, routed.sum(0)
+
+
+def moe_config_kwargs(model_cfg, *, on_gpu: bool) -> dict:
+    """megatron-core's MoE settings for ``model.*`` ({} for a dense model).
+
+    The auxiliary losses are ours (``PackedTopKRouter``), so megatron-core's own are off
+    (load_balancing_type 'none', z-loss None); dropless (no capacity factor); the all-to-all
+    dispatcher on CUDA, all-gather on CPU (megatron-core's all-to-all dispatcher creates CUDA streams;
+    gloo itself has all_to_all).
+    """
+    m = model_cfg
+    if not m.num_experts:
+        return {}
+    return {"num_moe_experts": m.num_experts, "moe_router_topk": m.moe_router_topk,
+            "moe_ffn_hidden_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
+            "moe_router_pre_softmax": m.moe_router_pre_softmax, "moe_router_score_function": "softmax",
+            "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,
+            "moe_router_dtype": "fp32",
+            "moe_token_dispatcher_type": "alltoall" if on_gpu else "allgather", "moe_grouped_gemm": False,
+            "moe_permute_fusion": False, "moe_router_fusion": False}
+
+
+def moe_mlp_spec():
+    """megatron-core's ``MoELayer`` spec with local linears (``SequentialMLP`` experts) and our router."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                         linear_fc2=RowParallelLinear))
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, router=_router_class()))
+
+
+def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:
+    """Give every router of ``model`` one shared ``PackRouting`` (``model.pack_routing``); None when dense."""
+    routers = [m for m in model.modules() if hasattr(m, "pack") and hasattr(m, "topk")]
+    if not routers:
+        return None
+    routing = PackRouting(aux_coeff=model_cfg.moe_aux_loss_coeff, z_coeff=model_cfg.moe_z_loss_coeff)
+    for router in routers:
+        router.pack = routing
+    model.pack_routing = routing
+    return routing
+
+
+def step_moe_metrics(reports: Mapping[str, Sequence[float]], target_tokens: float,
+                     num_experts: Optional[int]) -> Optional[dict]:
+    """The step's MoE numbers over the global batch (None for a dense model), from ``reports``: the
+    loss reports summed by name over the micro-batches and DP x CP (``training.outcome.StepOutcome.reports``,
+    whose one all-reduce carries them; ``[LOAD_REPORT]`` is flattened there, [layers x experts]).
+
+    ``load_balancing_loss`` and ``z_loss`` are per layer (the mean over MoE layers) and per target token
+    (``sum_s m_s * L_s / M``, the module docstring), so the objective holds ``coeff * num_layers * value``;
+    ``tokens_per_expert`` is [layer][expert] (real tokens routed, each counted top-k times) and
+    ``max_over_mean_load`` per layer (1.0: perfectly balanced).
+    """
+    if not num_experts or LOAD_REPORT not in reports:
+        return None
+    load = torch.tensor(reports[LOAD_REPORT], dtype=torch.float64).reshape(-1, num_experts)
+    aux, z = float(reports[AUX_REPORT][0]), float(reports[Z_REPORT][0])
+    per = max(target_tokens, 1.0) * load.shape[0]
+    mean = load.mean(-1).clamp(min=1e-12)
+    return {"load_balancing_loss": aux / per, "z_loss": z / per,
+            "tokens_per_expert": load.round().long().tolist(),
+            "max_over_mean_load": (load.max(-1).values / mean).tolist()}

@@ -1,0 +1,405 @@
+"""Mixture-of-experts models on packed THD batches, proved against transformers (tests share no code with ours).
+
+One spawned gloo world of 2 ranks runs three tiny MoE folders (2 layers, hidden 32, 4 experts, top-2):
+Qwen3-MoE with ``norm_topk_prob`` true and false (megatron-core's pre_softmax False / True) and Mixtral,
+at the layouts of ``LAYOUTS`` (DP=2, CP=2, EP=2 over DP, EP=2 over CP, TP=2 with expert TP 2, TP=2 x EP=2 with
+expert TP 1; ``WORLDS`` lists which folder runs where):
+
+1. logits of a pack with several samples and padding equal transformers' forward of each sample
+   alone (<= 1e-4 on every real token), and so do those of each sample packed alone;
+2. a pack that is 90% padding routes exactly its real tokens: tokens per expert per layer equal
+   the experts transformers' router picks for the sample alone; at CP=2 rank 1's slice is only
+   padding and the step finishes (the world has a deadline);
+3. one training step (our forward_step: padding mask and pack boundaries from the metadata) gives
+   the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
+   transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
+   with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
+4. LoRA on the attention of a MoE model: our logits with (random, non-zero) adapters equal peft's on the
+   transformers model after export in the peft format;
+5. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
+   of its checkpoint at EP=1 (the layout-free checkpoint reshards the experts), and ``export`` of a Qwen3-MoE
+   folder as the
+   docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
+   the export has the source's per-expert layout, loads in transformers with changed weights, and an
+   export of the untrained folder is bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _dist import spawn_world
+from _hf import cli, prepare_in, save_tokenizer, torchrun_train
+
+FOLDERS = ("qwen3_moe", "qwen3_moe_raw", "mixtral")
+"""qwen3_moe: norm_topk_prob true; qwen3_moe_raw: false (softmax, top-k, no renormalisation)."""
+VOCAB, NUM_EXPERTS, TOPK = 97, 4, 2
+AUX, ZLOSS = 0.1, 0.01
+LENGTHS = (9, 6, 12, 7)
+PACK_SIZE, PAD_MULTIPLE = 64, 4
+LAYOUTS = {"dp2": (1, 1, 1, None), "cp2": (2, 1, 1, None), "ep2": (1, 2, 1, None), "ep2_cp2": (2, 2, 1, None),
+           "tp2": (1, 1, 2, None), "tp2_etp1_ep2": (1, 2, 2, 1), "ep2_cp2_recompute": (2, 2, 1, None)}
+"""layout -> (CP, EP, TP, expert TP) on 2 ranks; DP = 2 / (CP * TP). ep2: each rank holds 2 of the 4 experts,
+tokens all-gathered over DP; ep2_cp2: the same over the two CP ranks of one pack (rank 1 holds only padding of the
+90%-padding pack); tp2: sequence parallel, experts split over TP (expert TP 2); tp2_etp1_ep2: attention TP 2, each
+rank 2 whole experts (expert TP 1, EP 2; validate() refuses expert TP 1 < TP at EP 1, docs/training.md);
+ep2_cp2_recompute: with model.recompute_granularity=full (the aux losses attach once, in the recomputed forward)."""
+WORLDS = {2: [("qwen3_moe", layout) for layout in LAYOUTS] + [("qwen3_moe_raw", "dp2")]
+          + [("mixtral", layout) for layout in ("dp2", "cp2", "ep2")]}
+"""world size -> the (folder, layout) cases it runs: the router mappings need one layout each, the layouts one family."""
+
+
+def _hf_model(family: str, vocab: int = VOCAB):
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=TOPK, eos_token_id=2)
+    if family == "mixtral":
+        config = T.MixtralConfig(**common, num_local_experts=NUM_EXPERTS, sliding_window=None)
+    else:
+        config = T.Qwen3MoeConfig(**common, num_experts=NUM_EXPERTS, moe_intermediate_size=24, head_dim=8,
+                                  norm_topk_prob=family == "qwen3_moe")
+    torch.manual_seed(3)
+    model = T.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # routers and norms far from their init, so routing and q/k norms matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _samples() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, VOCAB, size=n).tolist() + [2] for n in LENGTHS]
+
+
+def _mask(ids: list[int]) -> list[int]:
+    """Answer-only style: the first two ids are prompt, so a sample's target count differs from its length."""
+    return [0, 0] + [1] * (len(ids) - 2)
+
+
+def _pack(samples, *, pack_size=PACK_SIZE, pad_multiple=PAD_MULTIPLE):
+    from megatron_pack.data.thd import collate_thd
+
+    return collate_thd([{"input_ids": s, "loss_mask": _mask(s)} for s in samples], pack_size=pack_size,
+                       pad_multiple=pad_multiple, pad_to_max_length=True)
+
+
+def _config(folder: str, cp: int, ep: int, tp: int = 1, etp=None, recompute=None):
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig
+
+    cfg = Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=PACK_SIZE,
+                                   moe_aux_loss_coeff=AUX, moe_z_loss_coeff=ZLOSS, recompute_granularity=recompute),
+                 parallel=ParallelConfig(context_parallel_size=cp, expert_model_parallel_size=ep,
+                                         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                         expert_tensor_parallel_size=etp))
+    return apply_pretrained(cfg, [])
+
+
+def _logit_diffs(model, pg, batch, refs) -> float:
+    from megatron_pack.model.moe import set_pack
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import gather_full_logits
+    from megatron_pack.training.step import get_packed_seq_params
+
+    local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
+    mask = set_pack(model, batch, pg.cp_size, pg.cp_rank, "cpu")
+    with torch.no_grad():
+        logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
+                       padding_mask=mask)
+    full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0]
+    starts = batch["cu_seqlens_padded"].tolist()
+    return max(float((full[starts[i]:starts[i] + len(ref), :VOCAB] - ref).abs().max()) for i, ref in enumerate(refs))
+
+
+def _gather_experts(grads: dict, ep_group) -> dict:
+    """Every EP rank's expert gradients under global expert names (rank r's local expert e is r * E / EP + e)."""
+    import torch.distributed as dist
+
+    parts = [None] * ep_group.size()
+    dist.all_gather_object(parts, {n: g for n, g in grads.items() if ".local_experts." in n}, group=ep_group)
+    out = {}
+    for rank, part in enumerate(parts):
+        for name, grad in part.items():
+            head, tail = name.split(".local_experts.")
+            local, rest = tail.split(".", 1)
+            out[f"{head}.local_experts.{rank * NUM_EXPERTS // ep_group.size() + int(local)}.{rest}"] = grad
+    return out
+
+
+def _train_step(model, pg, cfg, batch) -> dict:
+    """The trainer's step on this rank's pack: DDP, forward_step, backward, finalize_model_grads (grads summed
+    over DP x CP, experts over expert-DP, scaled by 1 / global target count); every rank's grads under HF names."""
+    import torch.distributed as dist
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_pack.model.hf.export import hf_tensors
+    from megatron_pack.model.moe import step_moe_metrics
+    from megatron_pack.training.chunks import wrap_ddp
+    from megatron_pack.training.step import forward_step
+
+    model.train()
+    ddp = wrap_ddp(cfg, model, pg)
+    ddp.zero_grad_buffer()
+    output, loss_fn = forward_step(iter([batch]), ddp)
+    loss_sum, num_tokens, report = loss_fn(output)
+    loss_sum.backward()
+    counts = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+    dist.all_reduce(counts, group=pg.dp_cp_group)
+    finalize_model_grads([ddp], num_tokens=num_tokens.clone(), pg_collection=pg.pg_collection)
+    from megatron_pack.training.optim import grad_norm
+
+    for p in model.parameters():  # the trainer's norm (clipping): every EP rank's experts, each once
+        p.grad = p.main_grad
+    norm = grad_norm(list(model.parameters()), pg.tp_group, expert_group=pg.pg_collection.tp_ep)
+    grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+    grads.update(_gather_experts(grads, pg.pg_collection.ep))
+    shards = [None] * pg.tp_size
+    dist.all_gather_object(shards, grads, group=pg.tp_group)
+    model_type = "mixtral" if "mixtral" in cfg.model.pretrained else "qwen3_moe"
+    hf_grads = hf_tensors(shards, model_type, cfg.model, etp=cfg.parallel.expert_tensor_parallel_size)
+    moe_reports = {k: v.double().reshape(-1).clone() for k, v in report.items() if k.startswith("moe ")}
+    for value in moe_reports.values():  # the sum the trainer's step outcome takes over DP x CP
+        dist.all_reduce(value, group=pg.dp_cp_group)
+    moe = step_moe_metrics({k: v.tolist() for k, v in moe_reports.items()}, float(counts[1]), NUM_EXPERTS)
+    return {"lm_loss": float(counts[0] / counts[1]), "lb": moe["load_balancing_loss"], "z": moe["z_loss"],
+            "grad_norm": norm,
+            **{f"grad/{k}": v.numpy() for k, v in hf_grads.items()}}
+
+
+def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.moe import pack_routing
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    cp, ep, tp, etp = LAYOUTS[layout]
+    cfg = _config(folder, cp, ep, tp, etp, "full" if layout.endswith("_recompute") else None)
+    pg = initialize_parallel(cfg)
+    try:
+        model = build_model(cfg, pg)
+        model.eval()
+        samples = _samples()
+        local_experts = [len(layer.mlp.experts.local_experts) for layer in model.decoder.layers]
+        out = {"local_experts": np.array(local_experts),
+               "packed": _logit_diffs(model, pg, _pack(samples), refs["logits"]),
+               "alone": max(_logit_diffs(model, pg, _pack([s]), [r]) for s, r in zip(samples, refs["logits"]))}
+        sparse = _pack([samples[0]], pack_size=PACK_SIZE, pad_multiple=PACK_SIZE)  # 9 real of 64: rank 1 pads only
+        _logit_diffs(model, pg, sparse, refs["logits"][:1])
+        load = torch.stack([pack_routing(model).load[i] for i in sorted(pack_routing(model).load)])
+        torch.distributed.all_reduce(load, group=pg.cp_group)
+        out["sparse_load"] = load.numpy()
+        step_samples = (samples[:2] if pg.dp_rank == 0 else samples[2:]) if pg.dp_size == 2 else samples
+        out.update(_train_step(model, pg, cfg, _pack(step_samples)))
+        return {f"{layout}/{k}": v for k, v in out.items()} if rank == 0 else {}
+    finally:
+        destroy_parallel()
+
+
+def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
+    out = {}
+    for family, layout in WORLDS[world_size]:
+        out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
+    return out
+
+
+def _reference(folder: str) -> dict:
+    """transformers in float64, each sample alone: logits, expert counts of sample 0, loss, aux losses, grads."""
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, experts_implementation="eager")
+    samples = _samples()
+    with torch.no_grad():
+        logits = [model(torch.tensor([s[:-1]])).logits[0].float() for s in samples]
+        routers = model(torch.tensor([samples[0][:-1]]), output_router_logits=True).router_logits
+    counts = [torch.bincount(r.topk(TOPK, dim=-1).indices.reshape(-1), minlength=NUM_EXPERTS) for r in routers]
+    model.train()
+    total_lm = total_lb = total_z = 0.0
+    objective = 0.0
+    num_targets = sum(sum(_mask(s)[1:]) for s in samples)
+    for ids in samples:
+        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
+        weight = torch.tensor(_mask(ids)[1:], dtype=torch.float64)
+        ce = torch.nn.functional.cross_entropy(out.logits[0], torch.tensor(ids[1:]), reduction="none")
+        lm = (ce * weight).sum()
+        m = weight.sum()
+        lb = z = 0.0
+        for r in out.router_logits:  # the sample's own Switch loss and z-loss, per layer
+            n = r.shape[0]
+            probs = torch.softmax(r, dim=-1)
+            chosen = torch.zeros_like(probs).scatter(1, r.topk(TOPK, dim=-1).indices, 1.0)
+            lb = lb + NUM_EXPERTS / (TOPK * n * n) * (chosen.sum(0) * probs.sum(0)).sum()
+            z = z + torch.logsumexp(r, dim=-1).square().mean()
+        objective = objective + (lm + AUX * m * lb + ZLOSS * m * z) / num_targets
+        total_lm += float(lm) / num_targets
+        total_lb += float(m * lb) / num_targets / len(out.router_logits)
+        total_z += float(m * z) / num_targets / len(out.router_logits)
+    objective.backward()
+    grads = _checkpoint_names({n: p.grad.float() for n, p in model.named_parameters()}, "mixtral" in folder)
+    return {"logits": logits, "counts": torch.stack(counts).numpy(), "lm": total_lm, "lb": total_lb, "z": total_z,
+            "grads": grads}
+
+
+def _checkpoint_names(grads: dict, mixtral: bool) -> dict:
+    """transformers 5 keeps experts as 3D tensors in memory (gate_up_proj [E, 2F, H], down_proj [E, H, F]);
+    name them as its checkpoints do (per expert; Mixtral: block_sparse_moe, w1 / w3 / w2)."""
+    block, gate, up, down = ("block_sparse_moe", "w1", "w3", "w2") if mixtral else ("mlp", "gate_proj", "up_proj",
+                                                                                   "down_proj")
+    out = {}
+    for name, grad in grads.items():
+        name = name.replace(".mlp.", f".{block}.")
+        if name.endswith("experts.gate_up_proj"):
+            stem = name[: -len("gate_up_proj")]
+            for e, (g, u) in enumerate(t.chunk(2, dim=0) for t in grad):
+                out[f"{stem}{e}.{gate}.weight"], out[f"{stem}{e}.{up}.weight"] = g, u
+        elif name.endswith("experts.down_proj"):
+            stem = name[: -len("down_proj")]
+            out.update({f"{stem}{e}.{down}.weight": t for e, t in enumerate(grad)})
+        else:
+            out[name] = grad
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe")
+    folders, refs = {}, {}
+    for family in FOLDERS:
+        folders[family] = str(root / family)
+        _hf_model(family).save_pretrained(folders[family], max_shard_size="40KB")
+        refs[family] = _reference(folders[family])
+    out = {}
+    for world_size in WORLDS:
+        out.update(spawn_world(_worker, world_size, root / f"world{world_size}", folders,
+                               {f: {"logits": r["logits"]} for f, r in refs.items()}, timeout_s=600)[0])
+    return {"out": out, "refs": refs, "folders": folders}
+
+
+CASES = [f"{family}/{layout}" for cases in WORLDS.values() for family, layout in cases]
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_transformers(world, case):
+    ep = LAYOUTS[case.split("/")[1]][1]
+    assert world["out"][f"{case}/local_experts"].tolist() == [NUM_EXPERTS // ep] * 2  # EP=2: half the experts each
+    assert float(world["out"][f"{case}/packed"]) <= 1e-4
+    assert float(world["out"][f"{case}/alone"]) <= 1e-4
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", CASES)
+def test_a_mostly_padding_pack_routes_exactly_its_real_tokens(world, case):
+    load = world["out"][f"{case}/sparse_load"]
+    want = world["refs"][case.split("/")[0]]["counts"]
+    assert load.sum() == (LENGTHS[0]) * TOPK * 2  # 9 real tokens (of 64), top-2, 2 layers
+    np.testing.assert_array_equal(load, want)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", CASES)
+def test_loss_aux_losses_and_grads_equal_a_float64_reference_run_per_sample(world, case):
+    out, ref = world["out"], world["refs"][case.split("/")[0]]
+    norm = float(torch.sqrt(sum(g.double().square().sum() for g in ref["grads"].values())))
+    for key, want in (("lm_loss", ref["lm"]), ("lb", ref["lb"]), ("z", ref["z"]), ("grad_norm", norm)):
+        assert abs(float(out[f"{case}/{key}"]) - want) <= 1e-5 * abs(want), key
+    names = [k for k in out if k.startswith(f"{case}/grad/")]
+    assert len(names) == len(ref["grads"])  # every HF tensor's gradient compared
+    for key in names:
+        want = ref["grads"][key.split("/grad/")[1]]
+        got = torch.from_numpy(out[key])
+        assert float((got - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-3), key
+
+
+RUN = ["experiment=pretrained_tiny", "model.pretrained=models/tiny-moe", "data.synthetic_num_samples=12",
+       "train.train_iters=3", "data.validation_fraction=0.25", "train.eval_interval=2",
+       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "logging.log_interval=1"]
+
+
+@pytest.mark.timeout(900)
+def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
+    import json
+
+    import transformers as T
+    from safetensors.torch import load_file
+
+    source = tmp_path / "models/tiny-moe"
+    _hf_model("qwen3_moe", vocab=301).save_pretrained(source)
+    save_tokenizer(source)
+    prepare_in(tmp_path, RUN)
+    first = torchrun_train(tmp_path, RUN + ["parallel.expert_model_parallel_size=2", "train.exit_after_iters=2",
+                                            "checkpoint.save_interval=2"])
+    out = torchrun_train(tmp_path, RUN)  # resumes the EP=2 checkpoint at EP=1
+    assert "resumed from" in out and "| lb " in first and "load max/mean" in out and "val loss" in first
+    records = [json.loads(line) for line in (tmp_path / "runs/pretrained_tiny/metrics.jsonl").read_text().splitlines()]
+    moe = [r["moe"] for r in records if "moe" in r]
+    assert len(moe) == 3 and all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in moe)
+    for record, m in zip([r for r in records if "moe" in r], moe):  # every real token routed top-2 in each layer
+        assert [sum(layer) for layer in m["tokens_per_expert"]] == [record["real_tokens"] * TOPK] * 2
+    rc, text = cli(tmp_path, "export", "checkpoint=runs/pretrained_tiny/checkpoints", "output=exports/moe")
+    assert rc == 0, text
+    from megatron_pack.config import load_config
+    from megatron_pack.model.hf.export import export_folder
+
+    export_folder(output=tmp_path / "exports/untrained", source=source,
+                  model_cfg=load_config([f"model.pretrained={source}"]).model)
+    before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "exports/moe/model.safetensors")
+    assert sorted(after) == sorted(before) and any("experts.3.down_proj" in k for k in after)
+    untrained = load_file(tmp_path / "exports/untrained/model.safetensors")
+    assert all(torch.equal(untrained[k], before[k]) for k in before)
+    loaded = T.AutoModelForCausalLM.from_pretrained(tmp_path / "exports/moe")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any(".experts." in k for k in changed) and any(".mlp.gate." in k for k in changed)
+    assert loaded.config.model_type == "qwen3_moe"
+
+
+@pytest.mark.timeout(600)
+def test_lora_on_attention_exports_in_peft_format(tmp_path):
+    import transformers as T
+    from peft import PeftModel
+
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import Config, ModelConfig, PeftConfig
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.moe import set_pack
+    from megatron_pack.model.peft.export import adapter_config, peft_tensors, write_adapter_folder
+    from megatron_pack.parallel.groups import destroy_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    folder = tmp_path / "qwen3_moe"
+    _hf_model("qwen3_moe").save_pretrained(folder)
+    targets = ["linear_qkv", "linear_proj"]
+    cfg = apply_pretrained(Config(model=ModelConfig(pretrained=str(folder), attention_backend="torch",
+                                                    seq_length=PACK_SIZE),
+                                  peft=PeftConfig(method="lora", dim=4, alpha=8.0, target_modules=targets)), [])
+    try:
+        model = build_model(cfg).eval()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # B starts at 0: random adapters so the check cannot pass on the base alone
+            for name, p in model.named_parameters():
+                if ".adapter." in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        shard = {n: p.detach() for n, p in model.named_parameters() if ".adapter." in n}
+        meta = {"dim": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": targets}
+        write_adapter_folder(tmp_path / "adapter", peft_tensors([shard], "qwen3_moe", cfg.model, targets),
+                             adapter_config(meta, "qwen3_moe", str(folder)), dtype=torch.float32)
+        samples, batch = _samples(), _pack(_samples())
+        with torch.no_grad():
+            logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
+                           padding_mask=set_pack(model, batch, 1, 0, "cpu"))[0]
+    finally:
+        destroy_parallel()
+    peft_model = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                           tmp_path / "adapter").eval()
+    starts = batch["cu_seqlens_padded"].tolist()
+    with torch.no_grad():
+        for i, ids in enumerate(samples):
+            ours = logits[starts[i]:starts[i] + len(ids) - 1, :VOCAB]
+            assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) <= 1e-4
+            with peft_model.disable_adapter():  # the adapters matter
+                assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) > 1e-2
