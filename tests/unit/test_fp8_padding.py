@@ -8,6 +8,8 @@ the same GPTModel class with the torch layers: ``model.fp8.zero_padding_rows`` i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -138,7 +140,7 @@ def test_transformer_config_carries_the_recipe_only_on_te(monkeypatch):
     cfg = Config(model=ModelConfig(fp8="current"))
     assert builder.transformer_config_from(cfg, backend="torch").fp8 is None
     seen = {}
-    monkeypatch.setattr(transformer_config, "TransformerConfig", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(transformer_config, "TransformerConfig", lambda **kwargs: seen.update(kwargs) or SimpleNamespace())
     builder.transformer_config_from(cfg, backend="te")
     assert (seen["fp8"], seen["fp8_recipe"]) == ("hybrid", "tensorwise")
 
