@@ -179,7 +179,7 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
     real = seq >= 0
     owner = seq.clamp(min=0)
     scores = torch.softmax(logits.float(), dim=-1) * real.unsqueeze(-1)
-    routed = routing_map.to(torch.float32)
+    routed = routing_map.to(torch.float32) * real.unsqueeze(-1)  # padding never counts, whatever the map says
     counts = torch.zeros(num_seqs, num_experts + 1, dtype=torch.float32, device=logits.device)
     counts[:, :num_experts].index_add_(0, owner, routed)
     counts[:, num_experts].index_add_(0, owner, real.to(torch.float32))
