@@ -166,6 +166,10 @@ class ModelConfig(_Group):
     """Experts each token is routed to (config.json num_experts_per_tok)."""
     moe_ffn_hidden_size: Optional[int] = None
     """One expert's MLP inner width (config.json moe_intermediate_size; Mixtral: intermediate_size)."""
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    """A shared expert's MLP inner width, every token through it (Qwen2-MoE shared_expert_intermediate_size); None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . gate) (Qwen2-MoE's shared_expert_gate)."""
     moe_router_pre_softmax: bool = False
     """Softmax over all experts, then top-k, no renormalisation (Qwen3-MoE with norm_topk_prob false);
     false: top-k of the logits, then softmax over those k (Mixtral; Qwen3-MoE with norm_topk_prob true)."""
@@ -237,7 +241,7 @@ def _recompute_problems(m: "ModelConfig") -> list[str]:
 
 
 def _moe_problems(m: "ModelConfig") -> list[str]:
-    problems = _positive("model", m, ("num_experts", "moe_ffn_hidden_size"))
+    problems = _positive("model", m, ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"))
     if m.num_experts is not None and not 1 <= m.moe_router_topk <= m.num_experts:
         problems.append(f"model.moe_router_topk ({m.moe_router_topk}) must be in [1, model.num_experts "
                         f"({m.num_experts})]; set model.moe_router_topk=2 (config.json num_experts_per_tok).")

@@ -179,7 +179,7 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
     real = seq >= 0
     owner = seq.clamp(min=0)
     scores = torch.softmax(logits.float(), dim=-1) * real.unsqueeze(-1)
-    routed = routing_map.to(torch.float32)
+    routed = routing_map.to(torch.float32) * real.unsqueeze(-1)  # padding never counts, whatever the map says
     counts = torch.zeros(num_seqs, num_experts + 1, dtype=torch.float32, device=logits.device)
     counts[:, :num_experts].index_add_(0, owner, routed)
     counts[:, num_experts].index_add_(0, owner, real.to(torch.float32))
@@ -212,20 +212,26 @@ def moe_config_kwargs(model_cfg, *, on_gpu: bool) -> dict:
             "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,
             "moe_router_dtype": "fp32",
             "moe_token_dispatcher_type": "alltoall" if on_gpu else "allgather", "moe_grouped_gemm": False,
-            "moe_permute_fusion": False, "moe_router_fusion": False}
+            "moe_permute_fusion": False, "moe_router_fusion": False,
+            "moe_shared_expert_intermediate_size": m.moe_shared_expert_ffn_hidden_size,
+            "moe_shared_expert_gate": m.moe_shared_expert_gate}
 
 
 def moe_mlp_spec():
-    """megatron-core's ``MoELayer`` spec with local linears (``SequentialMLP`` experts) and our router."""
+    """megatron-core's ``MoELayer`` spec with local linears (``SequentialMLP`` experts, a ``SharedExpertMLP``
+    when ``moe_shared_expert_intermediate_size`` is set) and our router."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                         linear_fc2=RowParallelLinear))
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, router=_router_class()))
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears), router=_router_class()))
 
 
 def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:

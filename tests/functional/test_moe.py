@@ -33,8 +33,9 @@ import torch
 from _dist import spawn_world
 from _hf import cli, prepare_in, save_tokenizer, torchrun_train
 
-FOLDERS = ("qwen3_moe", "qwen3_moe_raw", "mixtral")
-"""qwen3_moe: norm_topk_prob true; qwen3_moe_raw: false (softmax, top-k, no renormalisation)."""
+FOLDERS = ("qwen3_moe", "qwen3_moe_raw", "mixtral", "qwen2_moe")
+"""qwen3_moe: norm_topk_prob true; qwen3_moe_raw: false (softmax, top-k, no renormalisation); qwen2_moe: QKV bias
+and a shared expert behind a sigmoid gate."""
 VOCAB, NUM_EXPERTS, TOPK = 97, 4, 2
 AUX, ZLOSS = 0.1, 0.01
 LENGTHS = (9, 6, 12, 7)
@@ -47,7 +48,7 @@ tokens all-gathered over DP; ep2_cp2: the same over the two CP ranks of one pack
 rank 2 whole experts (expert TP 1, EP 2; validate() refuses expert TP 1 < TP at EP 1, docs/training.md);
 ep2_cp2_recompute: with model.recompute_granularity=full (the aux losses attach once, in the recomputed forward)."""
 WORLDS = {2: [("qwen3_moe", layout) for layout in LAYOUTS] + [("qwen3_moe_raw", "dp2")]
-          + [("mixtral", layout) for layout in ("dp2", "cp2", "ep2")]}
+          + [("mixtral", layout) for layout in ("dp2", "cp2", "ep2")] + [("qwen2_moe", "ep2_cp2")]}
 """world size -> the (folder, layout) cases it runs: the router mappings need one layout each, the layouts one family."""
 
 
@@ -58,6 +59,9 @@ def _hf_model(family: str, vocab: int = VOCAB):
                   num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=TOPK, eos_token_id=2)
     if family == "mixtral":
         config = T.MixtralConfig(**common, num_local_experts=NUM_EXPERTS, sliding_window=None)
+    elif family == "qwen2_moe":
+        config = T.Qwen2MoeConfig(**common, num_experts=NUM_EXPERTS, moe_intermediate_size=24,
+                                  shared_expert_intermediate_size=36, norm_topk_prob=False)
     else:
         config = T.Qwen3MoeConfig(**common, num_experts=NUM_EXPERTS, moe_intermediate_size=24, head_dim=8,
                                   norm_topk_prob=family == "qwen3_moe")
@@ -68,7 +72,7 @@ def _hf_model(family: str, vocab: int = VOCAB):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("gate.weight"):
+            elif name.endswith("gate.weight") or (name.endswith(".bias") and "proj" in name):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
     return model
 
@@ -162,7 +166,9 @@ def _train_step(model, pg, cfg, batch) -> dict:
     grads.update(_gather_experts(grads, pg.pg_collection.ep))
     shards = [None] * pg.tp_size
     dist.all_gather_object(shards, grads, group=pg.tp_group)
-    model_type = "mixtral" if "mixtral" in cfg.model.pretrained else "qwen3_moe"
+    from megatron_pack.config.hf_config import read_hf_config
+
+    model_type = read_hf_config(cfg.model.pretrained)["model_type"]
     hf_grads = hf_tensors(shards, model_type, cfg.model, etp=cfg.parallel.expert_tensor_parallel_size)
     moe_reports = {k: v.double().reshape(-1).clone() for k, v in report.items() if k.startswith("moe ")}
     for value in moe_reports.values():  # the sum the trainer's step outcome takes over DP x CP

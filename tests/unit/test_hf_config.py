@@ -71,6 +71,14 @@ MIXTRAL_8X7B = {
     "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": None,
     "tie_word_embeddings": False, "vocab_size": 32000}
 
+QWEN15_MOE_A27B = {
+    "architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe",
+    "moe_intermediate_size": 1408, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "shared_expert_intermediate_size": 5632, "sliding_window": 32768,
+    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
+
 DERIVED = [  # (id, config.json, expected subset of model.* keys), hand-written from the configs above
     ("llama3.1-8b", LLAMA31_8B, dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
                                      num_query_groups=8, kv_channels=128, vocab_size=128256, rotary_base=500000,
@@ -93,6 +101,9 @@ DERIVED = [  # (id, config.json, expected subset of model.* keys), hand-written 
                                           moe_router_pre_softmax=False)),
     ("qwen3-moe-no-renormalisation", _with(QWEN3_30B_A3B, norm_topk_prob=False), dict(moe_router_pre_softmax=True)),
     ("qwen3-moe-v5-spelling", _with(QWEN3_30B_A3B, num_experts=None, num_local_experts=16), dict(num_experts=16)),
+    ("qwen1.5-moe-a2.7b", QWEN15_MOE_A27B, dict(num_experts=60, moe_router_topk=4, moe_ffn_hidden_size=1408,
+                                                moe_router_pre_softmax=True, add_qkv_bias=True,
+                                                moe_shared_expert_ffn_hidden_size=5632, moe_shared_expert_gate=True)),
     ("mixtral-8x7b", MIXTRAL_8X7B, dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336,
                                         moe_router_pre_softmax=False, qk_layernorm=False, rotary_base=1000000)),
 ]
@@ -171,7 +182,7 @@ def test_missing_folder_names_the_key(tmp_path):
 
 def test_every_family_listed_is_derivable():
     examples = {"llama": LLAMA31_8B, "qwen2": QWEN25_7B, "qwen3": QWEN3_8B, "mistral": MISTRAL_V03,
-                "qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B}
+                "qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B, "qwen2_moe": QWEN15_MOE_A27B}
     assert set(examples) == set(SUPPORTED_FAMILIES)
     assert all(refusal(hf, "x") is None for hf in examples.values())
 

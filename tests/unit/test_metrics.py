@@ -68,3 +68,20 @@ def test_resumed_writer_cuts_a_torn_last_record(tmp_path, tail):
     records = read_metrics(path)
     assert [(r["step"], r["lm_loss"]) for r in records] == [(1, 2.0), (2, 1.5), (3, 1.0)]
     assert path.read_bytes().count(b"\n") == 3
+
+
+def test_moe_numbers_in_the_step_line_and_tensorboard_tags():
+    from megatron_pack.training.metrics import StepMetrics
+
+    moe = {"load_balancing_loss": 1.25, "z_loss": 0.5, "tokens_per_expert": [[3, 1], [2, 2]],
+           "max_over_mean_load": [1.5, 1.0]}
+    m = StepMetrics(step=1, lm_loss=2.0, target_tokens=4, real_tokens=4, slots=4, samples=1, grad_norm=1.0, lr=1e-3,
+                    step_time_s=1.0, moe=moe)
+    assert "| lb 1.2500 load max/mean 1.50 |" in m.line(10)
+    tags = m.breakdown_scalars()
+    assert tags["moe/load_balancing_loss"] == 1.25 and tags["moe/z_loss"] == 0.5
+    assert tags["moe/layer_0/max_over_mean_load"] == 1.5 and tags["moe/layer_1/expert_1_tokens"] == 2.0
+    assert m.record()["moe"] == moe
+    dense = StepMetrics(step=1, lm_loss=2.0, target_tokens=4, real_tokens=4, slots=4, samples=1, grad_norm=1.0,
+                        lr=1e-3, step_time_s=1.0)
+    assert "moe" not in dense.record() and " lb " not in dense.line(10)

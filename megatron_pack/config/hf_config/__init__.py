@@ -176,6 +176,7 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 8192))
         if llama3 else 8192,
         "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
+        "moe_shared_expert_ffn_hidden_size": None, "moe_shared_expert_gate": False,
         **family_of(hf.get("model_type")).model_keys,
         **(family.derive(hf) if (family := family_of(hf.get("model_type"))).derive else {}),
     }

@@ -137,3 +137,27 @@ MIXTRAL = register_family(Family(
                "megatron-core only the router's); set it to 0.", allowed=(None, 0, 0.0)),
         O_PROJ_BIAS),
     derive=_mixtral_keys))
+
+
+_SHARED = _L + "mlp.shared_experts."
+SHARED_EXPERT_RULES = (
+    Rule(_SHARED + "linear_fc1.weight", (_M + "mlp.shared_expert.gate_proj.weight", _M + "mlp.shared_expert.up_proj.weight"),
+         "gate_up", ("shared_ffn", "hidden")),
+    Rule(_SHARED + "linear_fc2.weight", (_M + "mlp.shared_expert.down_proj.weight",), "row", ("hidden", "shared_ffn")),
+    Rule(_SHARED + "gate_weight", (_M + "mlp.shared_expert_gate.weight",), "replicated", ("one", "hidden")),
+)
+"""Qwen2-MoE's shared expert (every token, megatron-core's SharedExpertMLP) and its sigmoid gate [1, hidden]."""
+
+
+def _qwen2_moe_keys(hf: dict) -> dict:
+    shared = int(hf.get("shared_expert_intermediate_size") or 0)
+    return {**_qwen3_moe_keys(hf), "add_qkv_bias": bool(hf.get("qkv_bias", True)),
+            "moe_shared_expert_ffn_hidden_size": shared or None, "moe_shared_expert_gate": bool(shared)}
+
+
+QWEN2_MOE = register_family(Family(
+    model_type="qwen2_moe", summary="Qwen2-MoE / Qwen1.5-MoE (Qwen2MoeForCausalLM; QKV bias; gated shared expert)",
+    architectures=("Qwen2MoeForCausalLM",),
+    rules=MOE_ATTENTION_RULES + QKV_BIAS_RULES + expert_rules("mlp", "gate_proj", "up_proj", "down_proj", "gate")
+    + SHARED_EXPERT_RULES,
+    refused=tuple(r for r in MOE_REFUSALS if r.key != "shared_expert_intermediate_size"), derive=_qwen2_moe_keys))

@@ -29,13 +29,14 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "rotary_base", "norm_epsilon", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
              "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
              "rope_original_max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-             "moe_router_pre_softmax")
+             "moe_router_pre_softmax", "moe_shared_expert_ffn_hidden_size", "moe_shared_expert_gate")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
 
-SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn")
+SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one")
 """Names a rule's ``shape`` may use: hidden size, FFN size, vocabulary, head dim, all query heads
 (heads x head dim), all key/value heads (groups x head dim), the experts of a MoE layer (a
-router's rows) and one expert's FFN size; ``transforms.Dims.size`` resolves them."""
+router's rows), one expert's FFN size, a shared expert's, and 1 (a gate's single row);
+``transforms.Dims.size`` resolves them."""
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ class Dims:
     """Experts per MoE layer (0: a dense model)."""
     expert_ffn: Optional[int] = None
     """One expert's FFN size (``model.moe_ffn_hidden_size``)."""
+    shared_ffn: Optional[int] = None
+    """A shared expert's FFN size (``model.moe_shared_expert_ffn_hidden_size``)."""
 
     def __post_init__(self):
         if self.num_experts % self.ep:
@@ -95,7 +97,7 @@ class Dims:
         """A size a rule's ``shape`` names (``record.SHAPE_SIZES``)."""
         sizes = {"hidden": self.hidden, "ffn": self.ffn, "vocab": self.vocab, "head_dim": self.head_dim,
                  "q": self.num_heads * self.head_dim, "kv": self.num_groups * self.head_dim,
-                 "experts": self.num_experts or None, "expert_ffn": self.expert_ffn}
+                 "experts": self.num_experts or None, "expert_ffn": self.expert_ffn, "shared_ffn": self.shared_ffn, "one": 1}
         if sizes.get(name) is None:
             raise ValueError(f"Dims has no size {name!r} (set {name} for the shapes config.json implies).")
         return sizes[name]
@@ -109,7 +111,8 @@ class Dims:
                    head_dim=model.kv_channels or model.hidden_size // heads, ffn=model.ffn_hidden_size,
                    vocab=model.vocab_size, tp=tp, hidden=model.hidden_size, ep=ep, etp=etp,
                    num_experts=getattr(model, "num_experts", None) or 0,
-                   expert_ffn=getattr(model, "moe_ffn_hidden_size", None))
+                   expert_ffn=getattr(model, "moe_ffn_hidden_size", None),
+                   shared_ffn=getattr(model, "moe_shared_expert_ffn_hidden_size", None))
 
 
 def _part(rank: int, per_rank: int) -> slice:
