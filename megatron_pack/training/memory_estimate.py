@@ -17,14 +17,18 @@ stage, in bytes:
 - activations: the tensors autograd keeps for backward, per token of a micro-batch (a pack of
   ``packing.packed_sequence_size`` tokens, ``/ CP`` per rank), per layer, times the micro-batches a
   stage holds under 1F1B: ``min(PP - stage, micro-batches)``. Per layer and token, without
-  recomputation: the inputs of the two norms and of the linear layers they feed (``4 h``, ``/ TP``
-  with sequence parallelism), attention's q, k, v and output (``2 q + 2 kv``, ``/ TP``; flash-style
-  attention keeps no score matrix) and the MLP's ``fc1`` output and activation (``3 ffn`` with
-  SwiGLU, ``2 ffn`` with GeLU, ``/ TP``). Full recomputation keeps one layer input per recompute
+  recomputation, with the fused GPU kernels (Transformer Engine norms, flash attention): the inputs
+  of the two norms and of the linear layers they feed (``4 h``, ``/ TP`` with sequence
+  parallelism), attention's q, k, v and output (``2 q + 2 kv``, ``/ TP``; flash attention keeps no
+  score matrix) and the MLP's ``fc1`` output and activation (``3 ffn`` with SwiGLU, ``2 ffn`` with
+  GeLU, ``/ TP``). With ``train.device=cpu`` the unfused torch kernels keep more
+  (``unfused_kernels``), among them the attention weights, ``heads x longest sample`` per token:
+  the estimate takes the worst pack, one sample as long as ``packing.max_single_sequence_length``
+  (else the pack). Full recomputation keeps one layer input per recompute
   unit and, while a unit is recomputed in backward, that unit's full working set; ``selective``
-  (core attention) keeps the same bytes as none here, because flash-style attention has no score
-  matrix for it to drop. The last stage adds its logits and the loss's fp32 softmax:
-  ``vocab / TP x tokens x (element + 4) B``.
+  (core attention) keeps the same bytes as none with flash attention (no weights to drop), and
+  drops the weights and expanded k, v (keeping q, k, v) with the unfused CPU kernels. The last stage adds the loss's fp32 softmax, ``vocab / TP x tokens x 4 B``,
+  and its final norm.
 
 The worst rank (``peak_stage``) is the stage with the largest total: the first stage holds the
 embedding and the most micro-batches in flight, the last the output layer.
@@ -61,13 +65,13 @@ class StageMemory:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations
 
-    def line(self, num_stages: int) -> str:
-        """``memory per rank (est.): params 8.2, grads 16.4, ... GiB (stage 0 of PP 4)``."""
+    def line(self, num_stages: int, kernels: str = "fused GPU kernels") -> str:
+        """``memory per rank (est.): params 8.46, grads 16.92, ... GiB (stage 0 of PP 4; ...)``."""
         gib = [f"{name} {value / GIB:.2f}" for name, value in
                (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
                 ("activations", self.activations), ("total", self.total))]
         return (f"memory per rank (est.): {', '.join(gib)} GiB (stage {self.stage} of PP {num_stages}; "
-                f"{self.num_params / 1e9:.3g}e9 parameters on this rank)")
+                f"{self.num_params / 1e9:.3g}e9 parameters on this rank; activations of {kernels})")
 
 
 def layer_params(cfg, tp: int) -> int:
@@ -107,6 +111,18 @@ def _element_bytes(cfg) -> int:
     return 2 if cfg.train.bf16 or cfg.model.params_dtype == "bfloat16" else 4
 
 
+def unfused_kernels(cfg) -> bool:
+    """True for ``train.device=cpu``: torch's unfused norms, RoPE and math-path attention (the CPU
+    path); otherwise (cuda, auto) the fused GPU kernels: Transformer Engine norms, fused RoPE, flash
+    attention."""
+    return cfg.train.device == "cpu"
+
+
+def longest_sequence(cfg) -> int:
+    """The longest sample a pack holds (packing.max_single_sequence_length, else the pack size)."""
+    return cfg.packing.max_single_sequence_length or cfg.packing.packed_sequence_size
+
+
 def layer_activation_bytes_per_token(cfg) -> int:
     """Bytes autograd keeps per token for one layer without recomputation, on one rank."""
     m, par = cfg.model, cfg.parallel
@@ -114,8 +130,27 @@ def layer_activation_bytes_per_token(cfg) -> int:
     sp = tp if par.sequence_parallel else 1
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
-    mlp = (3 if m.activation == "swiglu" else 2) * m.ffn_hidden_size
-    return _element_bytes(cfg) * (4 * m.hidden_size // sp + (2 * q + 2 * g + mlp) // tp)
+    ffn = m.ffn_hidden_size
+    if unfused_kernels(cfg):  # per norm: input, normalized, rstd + the linear's input; RoPE's cos/sin;
+        # math attention: q, k and v expanded to every head, the weights (heads x sequence), the output
+        # twice (its copy into the pack, the projection's input); SwiGLU: fc1 out, silu, gate, fc2 input
+        mlp = (5 if m.activation == "swiglu" else 2) * ffn
+        heads = m.num_attention_heads * longest_sequence(cfg)
+        attention = 5 * q + heads if m.recompute_granularity != "selective" else 3 * q + 2 * g
+        elements = (6 * m.hidden_size + 2) // sp + 4 * kv + (attention + mlp) // tp
+    else:
+        mlp = (3 if m.activation == "swiglu" else 2) * ffn
+        elements = 4 * m.hidden_size // sp + (2 * q + 2 * g + mlp) // tp
+    return _element_bytes(cfg) * elements
+
+
+def _output_bytes_per_token(cfg) -> int:
+    """The last stage: the loss's fp32 softmax over this rank's vocabulary, and the final norm."""
+    par = cfg.parallel
+    tp = par.tensor_model_parallel_size
+    sp = tp if par.sequence_parallel else 1
+    norm = (3 * cfg.model.hidden_size + 1) if unfused_kernels(cfg) else 2 * cfg.model.hidden_size
+    return _vocab(cfg, tp) // tp * 4 + _element_bytes(cfg) * norm // sp
 
 
 def _layer_input_bytes_per_token(cfg) -> int:
@@ -153,11 +188,9 @@ def stage_activation_bytes(cfg, stage: int, dp: int) -> int:
             held, working = recomputed * kept + (layers - recomputed) * full, full
     else:
         held, working = layers * full, 0
-    per_micro = held * tokens
-    if stage == par.pipeline_model_parallel_size - 1:
-        vocab = _vocab(cfg, par.tensor_model_parallel_size) // par.tensor_model_parallel_size
-        per_micro += tokens * (vocab * (_element_bytes(cfg) + 4) + _layer_input_bytes_per_token(cfg))
-    return per_micro * microbatches_in_flight(cfg, stage, dp) + working * tokens
+    output = _output_bytes_per_token(cfg) if stage == par.pipeline_model_parallel_size - 1 else 0
+    # the softmax of the loss is freed before backward reaches the layers (and any recomputation)
+    return tokens * (held * microbatches_in_flight(cfg, stage, dp) + max(output, working))
 
 
 def estimate_stage(cfg, stage: int, world_size: int) -> StageMemory:
@@ -183,4 +216,5 @@ def estimate_memory(cfg, world_size: int = 1) -> StageMemory:
 
 def memory_line(cfg, world_size: int) -> str:
     """The line ``train --check`` prints."""
-    return estimate_memory(cfg, world_size).line(cfg.parallel.pipeline_model_parallel_size)
+    kernels = "unfused CPU kernels" if unfused_kernels(cfg) else "fused GPU kernels"
+    return estimate_memory(cfg, world_size).line(cfg.parallel.pipeline_model_parallel_size, kernels)

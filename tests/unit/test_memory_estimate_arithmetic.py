@@ -16,14 +16,19 @@ from megatron_pack.training.memory_estimate import GIB, estimate_memory, estimat
 LAYER = 46_208
 PARAMS = 2 * LAYER + 2 * 24_576 + 64
 PER_TOKEN_LAYER = 4 * (4 * 64 + 2 * 64 + 2 * 32 + 3 * 176)   # 3,904 B: norm/linear inputs, q k v out, fc1 + swiglu
-LOGITS_PER_TOKEN = 384 * (4 + 4) + 4 * 64                    # logits + fp32 softmax, final norm input
+OUTPUT_PER_TOKEN = 384 * 4 + 4 * 2 * 64                      # the loss's fp32 softmax, the final norm
+# train.device=cpu (unfused): norms 6 h + 2, RoPE 4 x 16, attention 5 q + 4 heads x 512, SwiGLU 5 ffn
+CPU_PER_TOKEN_LAYER = 4 * (6 * 64 + 2 + 4 * 16 + 5 * 64 + 4 * 512 + 5 * 176)   # 14,792 B
+CPU_OUTPUT_PER_TOKEN = 384 * 4 + 4 * (3 * 64 + 1)
 
 # (id, config, world size, stage, (params, grads, optimizer, activations) in bytes)
 CASES = [
     ("fp32-world1", Config(), 1, 0,
-     (4 * PARAMS, 4 * PARAMS, 8 * PARAMS, 512 * (2 * PER_TOKEN_LAYER + LOGITS_PER_TOKEN))),
+     (4 * PARAMS, 4 * PARAMS, 8 * PARAMS, 512 * (2 * PER_TOKEN_LAYER + OUTPUT_PER_TOKEN))),
+    ("fp32-world1-cpu-kernels", Config(train=TrainConfig(device="cpu")), 1, 0,
+     (4 * PARAMS, 4 * PARAMS, 8 * PARAMS, 512 * (2 * CPU_PER_TOKEN_LAYER + CPU_OUTPUT_PER_TOKEN))),
     ("fp32-full-recompute", Config(model=ModelConfig(recompute_granularity="full")), 1, 0,
-     (4 * PARAMS, 4 * PARAMS, 8 * PARAMS, 512 * (2 * 4 * 64 + PER_TOKEN_LAYER + LOGITS_PER_TOKEN))),
+     (4 * PARAMS, 4 * PARAMS, 8 * PARAMS, 512 * (2 * 4 * 64 + max(PER_TOKEN_LAYER, OUTPUT_PER_TOKEN)))),  # softmax freed first
     # bf16 at PP=2 x DP=2 with the distributed optimizer on GPU: stage 0 = 1 layer + embedding, 2 of the
     # 4 micro-batches (global 8 / DP 2) in flight; optimizer 12 B / param over DP 2
     ("bf16-pp2-dp2-distopt-stage0",
@@ -34,7 +39,7 @@ CASES = [
      Config(parallel=ParallelConfig(pipeline_model_parallel_size=2), ddp=DDPConfig(use_distributed_optimizer=True),
             train=TrainConfig(bf16=True, device="cuda")), 4, 1,
      (2 * (LAYER + 24_576 + 64), 4 * (LAYER + 24_576 + 64), 6 * (LAYER + 24_576 + 64),
-      512 * (PER_TOKEN_LAYER // 2 + 384 * (2 + 4) + 2 * 64))),
+      512 * (PER_TOKEN_LAYER // 2 + 384 * 4 + 2 * 2 * 64))),
 ]
 
 
@@ -87,3 +92,5 @@ def test_llama3_70b_recipe_header_matches_the_estimate(tmp_path):
     expected = [est.params / 1e9, est.grads / 1e9, est.optimizer / 1e9]
     assert stated == [round(v, 1) for v in expected]
     assert f"{est.activations / 1e9:.1f} GB; total about {est.total / 1e9:.0f} GB ({est.total / GIB:.0f} GiB)" in header
+    training_md = " ".join((config_dir().parent / "docs" / "training.md").read_text().split())
+    assert f"`{memory_line(cfg, 64)}`" in training_md  # the example line of docs/training.md
