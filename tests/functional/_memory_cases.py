@@ -21,6 +21,7 @@ COMMON = ["packing.packed_sequence_size=256", "model.seq_length=256", "model.num
           "model.ffn_hidden_size=176", "train.global_batch_size=4", "train.device=cpu"]
 CASES = {"dp2": [], "dp2_distributed_optimizer_full_recompute": ["ddp.use_distributed_optimizer=true",
                                                                 "model.recompute_granularity=full"],
+         "dp2_selective_recompute": ["model.recompute_granularity=selective"],
          "pp2": ["parallel.pipeline_model_parallel_size=2"]}
 COMPONENTS = ("params", "grads", "optimizer", "activations", "total")
 
