@@ -35,8 +35,8 @@ embedding and the most micro-batches in flight, the last the output layer.
 
     >>> from megatron_pack.config.schema import Config
     >>> est = estimate_memory(Config())     # the tiny default model, one rank, float32
-    >>> est.params, est.grads, est.optimizer       # 2 layers of hidden 64: 104,512 parameters
-    (418048, 418048, 836096)
+    >>> est.num_params, est.params, est.grads, est.optimizer   # 2 layers of hidden 64
+    (141632, 566528, 566528, 1133056)
 """
 
 from __future__ import annotations
