@@ -98,6 +98,7 @@ def main(argv: list[str]) -> int:
 
         warnings.simplefilter("ignore")
     from megatron_pack.data.batches.opening import open_validation
+    from megatron_pack.training.memory_estimate import memory_line
     from megatron_pack.training.resume import check_resume  # the check imports no torch (a fast --check)
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -118,6 +119,7 @@ def main(argv: list[str]) -> int:
     if check_only:
         print(f"megatron-pack train: config ok for {world_size} rank(s); {describe_data(dataset, validation)}"
               + (f"; resumes from {resume}" if resume else ""), flush=True)
+        print(f"megatron-pack train: {memory_line(cfg, world_size)}", flush=True)
         for line in passed_over:  # damaged newer checkpoints: said once, before launch
             print(f"megatron-pack train: {line}", file=sys.stderr, flush=True)
         return 0

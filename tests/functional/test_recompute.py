@@ -4,6 +4,10 @@
 loss and every gradient of the run without recomputation (relative 1e-6: the recomputed forward
 is the same arithmetic), and lower peak activation memory, measured as the peak bytes of
 tensors alive for backward (``SavedActivationMeter``; on CPU there is no allocator peak).
+
+The same world then runs the memory-estimate cases (``_memory_cases.py``): parameters, gradients,
+optimizer state, activations and their total, measured in a real step, within 25% of what
+``train --check`` estimates for that rank's stage.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import numpy as np
 import pytest
 
 from _dist import ListLoader, spawn_world
+from _memory_cases import CHECKED, TOLERANCE, memory_cases
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,6 +56,7 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     out = {}
     for name in CASES:
         out.update(_case(tmp, name, packs))
+    out.update(memory_cases(world, tmp))
     return out
 
 
@@ -77,3 +83,12 @@ def test_recompute_lowers_peak_activation_memory(results, name):
         baseline, got = int(r["none_peak"]), int(r[f"{name}_peak"])
         assert baseline > 100_000
         assert got < baseline, f"{name}: peak {got} bytes is not below {baseline} without recompute"
+
+
+@pytest.mark.parametrize("name,component", CHECKED, ids=[f"{n}-{c}" for n, c in CHECKED])
+def test_memory_estimate_within_25_percent_of_measured(results, name, component):
+    for rank, r in enumerate(results):
+        measured, estimate = (int(v) for v in r[f"{name}.{component}"])
+        assert measured > 100_000, f"{name} rank {rank}: {component} measured only {measured} bytes"
+        assert abs(estimate - measured) <= TOLERANCE * measured, (
+            f"{name} rank {rank}: {component} estimated {estimate} bytes, measured {measured}")

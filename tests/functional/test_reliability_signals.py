@@ -247,8 +247,10 @@ def test_damaged_checkpoint_refused_by_export_passed_over_by_resume(signalled, m
     assert train_main(["--check", *TRAIN_ARGS, f"train.output_dir={run}"]) == 0
     out, err = capsys.readouterr()
     resumes = "step_00000002" if by_size else "step_00000003"
-    assert out.startswith("megatron-pack train: config ok for 2 rank(s); plan ") and out.count("\n") == 1 \
-        and out.rstrip().endswith(f"; resumes from {run}/checkpoints/{resumes}"), out + err
+    ok_line, memory = out.splitlines()  # "config ok ...", then the memory estimate
+    assert ok_line.startswith("megatron-pack train: config ok for 2 rank(s); plan ") \
+        and ok_line.endswith(f"; resumes from {run}/checkpoints/{resumes}"), out + err
+    assert memory.startswith("megatron-pack train: memory per rank (est.): params "), out
     assert (f"megatron-pack train: passed over: checkpoint {run}/checkpoints/step_00000003: " in err) == by_size, err
     weights = ["checkpoint.load_weights_only=true", f"checkpoint.load={run}/checkpoints", "train.output_dir=fresh"]
     if by_size:  # a new run from the weights does not pass over the damaged newest checkpoint

@@ -51,7 +51,7 @@ def test_every_plan_trains_and_verifies_with_only_its_folder(work, tmp_path, arg
     ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, *args)
     (name,) = plan_names(ds)
     out = ok(work, "train", "--check", f"data.dataset_dir={ds}")  # the only plan
-    assert "config ok" in out and name in out
+    assert "config ok" in out and name in out and "memory per rank (est.): params 0.00" in out
     out = ok(work, "verify", f"data.dataset_dir={ds}", "verify.num_packs=1", f"data.plan={name}")
     assert "1/1 packs PASS" in out
     assert name in ok(work, "inspect", str(ds))

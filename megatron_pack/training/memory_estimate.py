@@ -1,0 +1,220 @@
+"""Memory per rank from the config alone: parameters, gradients, optimizer state, activations.
+
+Torch-free (``train --check`` prints it before anything is built). For the rank of each pipeline
+stage, in bytes:
+
+- parameters: the stage's layers (``/ TP`` for the sharded matrices; norms replicated), plus the
+  embedding on the first stage and the final norm and output layer on the last (with tied
+  embeddings at PP > 1 the last stage holds its own copy of the embedding, as megatron-core does);
+  2 B each with ``train.bf16`` or bfloat16 parameters, else 4 B.
+- gradients: megatron-core DDP's contiguous main-grad buffer, one element per parameter, 4 B
+  (``ddp.grad_reduce_in_fp32``) or the parameter's size. The distributed optimizer reduce-scatters
+  in place: the buffer stays whole.
+- optimizer state: AdamW's two fp32 moments, plus an fp32 master copy when parameters are 16-bit;
+  sharded over the data-parallel ranks (x CP on GPU, megatron-core's ``intra_dp_cp`` group) with
+  ``ddp.use_distributed_optimizer`` (which on CPU also keeps an fp32 copy of its shard:
+  ``optim.ShardedTrainOptimizer``).
+- activations: the tensors autograd keeps for backward, per token of a micro-batch (a pack of
+  ``packing.packed_sequence_size`` tokens, ``/ CP`` per rank), per layer, times the micro-batches a
+  stage holds under 1F1B: ``min(PP - stage, micro-batches)``. Per layer and token, without
+  recomputation, with the fused GPU kernels (Transformer Engine norms, flash attention): the inputs
+  of the two norms and of the linear layers they feed (``4 h``, ``/ TP`` with sequence
+  parallelism), attention's q, k, v and output (``2 q + 2 kv``, ``/ TP``; flash attention keeps no
+  score matrix) and the MLP's ``fc1`` output and activation (``3 ffn`` with SwiGLU, ``2 ffn`` with
+  GeLU, ``/ TP``). With ``train.device=cpu`` the unfused torch kernels keep more
+  (``unfused_kernels``), among them the attention weights, ``heads x longest sample`` per token:
+  the estimate takes the worst pack, one sample as long as ``packing.max_single_sequence_length``
+  (else the pack). Full recomputation keeps one layer input per recompute
+  unit and, while a unit is recomputed in backward, that unit's full working set; ``selective``
+  (core attention) keeps the same bytes as none with flash attention (no weights to drop), and
+  drops the weights and expanded k, v (keeping q, k, v) with the unfused CPU kernels. The last stage adds the loss's fp32 softmax, ``vocab / TP x tokens x 4 B``,
+  and its final norm.
+
+The worst rank (``peak_stage``) is the stage with the largest total: the first stage holds the
+embedding and the most micro-batches in flight, the last the output layer.
+
+    >>> from megatron_pack.config.schema import Config
+    >>> est = estimate_memory(Config())     # the tiny default model, one rank, float32
+    >>> est.num_params, est.params, est.grads, est.optimizer   # 2 layers of hidden 64
+    (141632, 566528, 566528, 1133056)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024 ** 3
+ADAM_MOMENT_BYTES = 8
+"""AdamW's exp_avg and exp_avg_sq, fp32."""
+MASTER_BYTES = 4
+"""The fp32 master copy of a 16-bit parameter."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one rank of pipeline stage ``stage`` holds (see the module docstring)."""
+
+    stage: int
+    num_params: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def line(self, num_stages: int, kernels: str = "fused GPU kernels") -> str:
+        """``memory per rank (est.): params 8.46, grads 16.92, ... GiB (stage 0 of PP 4; ...)``."""
+        gib = [f"{name} {value / GIB:.2f}" for name, value in
+               (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                ("activations", self.activations), ("total", self.total))]
+        return (f"memory per rank (est.): {', '.join(gib)} GiB (stage {self.stage} of PP {num_stages}; "
+                f"{self.num_params / 1e9:.3g}e9 parameters on this rank; activations of {kernels})")
+
+
+def layer_params(cfg, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    m = cfg.model
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
+    h, ffn = m.hidden_size, m.ffn_hidden_size
+    fc1 = 2 * ffn if m.activation == "swiglu" else ffn
+    sharded = h * (q + 2 * g) + q * h + h * fc1 + ffn * h
+    sharded += (q + 2 * g) if m.add_qkv_bias else 0
+    norms = 2 * h * (2 if m.normalization == "LayerNorm" else 1) + (2 * kv if m.qk_layernorm else 0)
+    return sharded // tp + norms
+
+
+def _vocab(cfg, tp: int) -> int:
+    vocab = cfg.model.vocab_size
+    return -(-vocab // tp) * tp if cfg.model.pretrained else vocab
+
+
+def stage_params(cfg, stage: int) -> int:
+    """Parameters one rank of ``stage`` holds."""
+    m, par = cfg.model, cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    h, vocab_rows = m.hidden_size, _vocab(cfg, tp) // tp
+    total = layer_params(cfg, tp) * (m.num_layers // pp)
+    if stage == 0:
+        total += vocab_rows * h
+    if stage == pp - 1:
+        total += h * (2 if m.normalization == "LayerNorm" else 1)
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            total += vocab_rows * h
+    return total
+
+
+def _element_bytes(cfg) -> int:
+    return 2 if cfg.train.bf16 or cfg.model.params_dtype == "bfloat16" else 4
+
+
+def unfused_kernels(cfg) -> bool:
+    """True for ``train.device=cpu``: torch's unfused norms, RoPE and math-path attention (the CPU
+    path); otherwise (cuda, auto) the fused GPU kernels: Transformer Engine norms, fused RoPE, flash
+    attention."""
+    return cfg.train.device == "cpu"
+
+
+def longest_sequence(cfg) -> int:
+    """The longest sample a pack holds (packing.max_single_sequence_length, else the pack size)."""
+    return cfg.packing.max_single_sequence_length or cfg.packing.packed_sequence_size
+
+
+def layer_activation_bytes_per_token(cfg) -> int:
+    """Bytes autograd keeps per token for one layer without recomputation, on one rank."""
+    m, par = cfg.model, cfg.parallel
+    tp = par.tensor_model_parallel_size
+    sp = tp if par.sequence_parallel else 1
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
+    ffn = m.ffn_hidden_size
+    if unfused_kernels(cfg):  # per norm: input, normalized, rstd + the linear's input; RoPE's cos/sin;
+        # math attention: q, k and v expanded to every head, the weights (heads x sequence), the output
+        # twice (its copy into the pack, the projection's input); SwiGLU: fc1 out, silu, gate, fc2 input
+        mlp = (5 if m.activation == "swiglu" else 2) * ffn
+        heads = m.num_attention_heads * longest_sequence(cfg)
+        attention = 5 * q + heads if m.recompute_granularity != "selective" else 3 * q + 2 * g
+        elements = (6 * m.hidden_size + 2) // sp + 4 * kv + (attention + mlp) // tp
+    else:
+        mlp = (3 if m.activation == "swiglu" else 2) * ffn
+        elements = 4 * m.hidden_size // sp + (2 * q + 2 * g + mlp) // tp
+    return _element_bytes(cfg) * elements
+
+
+def _output_bytes_per_token(cfg) -> int:
+    """The last stage: the loss's fp32 softmax over this rank's vocabulary, and the final norm."""
+    par = cfg.parallel
+    tp = par.tensor_model_parallel_size
+    sp = tp if par.sequence_parallel else 1
+    norm = (3 * cfg.model.hidden_size + 1) if unfused_kernels(cfg) else 2 * cfg.model.hidden_size
+    return _vocab(cfg, tp) // tp * 4 + _element_bytes(cfg) * norm // sp
+
+
+def _layer_input_bytes_per_token(cfg) -> int:
+    par = cfg.parallel
+    sp = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    return _element_bytes(cfg) * cfg.model.hidden_size // sp
+
+
+def tokens_per_microbatch(cfg) -> int:
+    """Tokens of one micro-batch on one rank: a pack (or seq_length tokens in-batch), ``/ CP``."""
+    size = cfg.packing.packed_sequence_size if cfg.packing.mode != "in_batch" else cfg.model.seq_length
+    return size // cfg.parallel.context_parallel_size
+
+
+def microbatches_in_flight(cfg, stage: int, dp: int) -> int:
+    """Micro-batches whose activations ``stage`` holds at once under 1F1B: ``min(PP - stage, micro-batches)``."""
+    t = cfg.train
+    num_micro = max(1, t.global_batch_size // (dp * t.micro_batch_size)) if t.global_batch_tokens is None else \
+        cfg.parallel.pipeline_model_parallel_size
+    return min(cfg.parallel.pipeline_model_parallel_size - stage, num_micro)
+
+
+def stage_activation_bytes(cfg, stage: int, dp: int) -> int:
+    """Peak activation bytes of one rank of ``stage`` (see the module docstring)."""
+    m, par = cfg.model, cfg.parallel
+    tokens = tokens_per_microbatch(cfg)
+    layers = m.num_layers // par.pipeline_model_parallel_size
+    full, kept = layer_activation_bytes_per_token(cfg), _layer_input_bytes_per_token(cfg)
+    if m.recompute_granularity == "full":
+        n = m.recompute_num_layers or 1
+        if (m.recompute_method or "uniform") == "uniform":
+            held, working = -(-layers // n) * kept, min(n, layers) * full
+        else:  # block: the first n layers of the stage recomputed, the rest keep everything
+            recomputed = min(n, layers)
+            held, working = recomputed * kept + (layers - recomputed) * full, full
+    else:
+        held, working = layers * full, 0
+    output = _output_bytes_per_token(cfg) if stage == par.pipeline_model_parallel_size - 1 else 0
+    # the softmax of the loss is freed before backward reaches the layers (and any recomputation)
+    return tokens * (held * microbatches_in_flight(cfg, stage, dp) + max(output, working))
+
+
+def estimate_stage(cfg, stage: int, world_size: int) -> StageMemory:
+    """The bytes of one rank of ``stage`` at ``world_size`` ranks."""
+    par, dist_opt = cfg.parallel, cfg.ddp.use_distributed_optimizer
+    model_parallel = par.tensor_model_parallel_size * par.context_parallel_size * par.pipeline_model_parallel_size
+    dp = max(1, world_size // model_parallel)
+    num = stage_params(cfg, stage)
+    element = _element_bytes(cfg)
+    master = element < 4 or (dist_opt and cfg.train.device != "cuda")
+    state = ADAM_MOMENT_BYTES + (MASTER_BYTES if master else 0)
+    shards = dp * (par.context_parallel_size if cfg.train.device == "cuda" else 1) if dist_opt else 1
+    return StageMemory(stage=stage, num_params=num, params=num * element,
+                       grads=num * (4 if cfg.ddp.grad_reduce_in_fp32 else element),
+                       optimizer=-(-num * state // shards), activations=stage_activation_bytes(cfg, stage, dp))
+
+
+def estimate_memory(cfg, world_size: int = 1) -> StageMemory:
+    """The worst rank: the pipeline stage whose total is the largest."""
+    stages = [estimate_stage(cfg, s, world_size) for s in range(cfg.parallel.pipeline_model_parallel_size)]
+    return max(stages, key=lambda s: s.total)
+
+
+def memory_line(cfg, world_size: int) -> str:
+    """The line ``train --check`` prints."""
+    kernels = "unfused CPU kernels" if unfused_kernels(cfg) else "fused GPU kernels"
+    return estimate_memory(cfg, world_size).line(cfg.parallel.pipeline_model_parallel_size, kernels)
