@@ -215,6 +215,9 @@ def estimate_memory(cfg, world_size: int = 1) -> StageMemory:
 
 
 def memory_line(cfg, world_size: int) -> str:
-    """The line ``train --check`` prints."""
+    """The line ``train --check`` prints (dense models only: routed experts are not modelled)."""
+    if cfg.model.num_experts is not None:
+        return ("memory per rank (est.): not computed for MoE models (model.num_experts is set; the estimate "
+                "models dense layers only)")
     kernels = "unfused CPU kernels" if unfused_kernels(cfg) else "fused GPU kernels"
     return estimate_memory(cfg, world_size).line(cfg.parallel.pipeline_model_parallel_size, kernels)

@@ -94,3 +94,12 @@ def test_llama3_70b_recipe_header_matches_the_estimate(tmp_path):
     assert f"{est.activations / 1e9:.1f} GB; total about {est.total / 1e9:.0f} GB ({est.total / GIB:.0f} GiB)" in header
     training_md = " ".join((config_dir().parent / "docs" / "training.md").read_text().split())
     assert f"`{memory_line(cfg, 64)}`" in training_md  # the example line of docs/training.md
+
+
+def test_moe_models_are_not_estimated_as_dense():
+    """Routed experts are not modelled: a MoE config gets a line saying so, never a dense model's numbers."""
+    dense = memory_line(Config(), 1)
+    moe = memory_line(Config(model=ModelConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)), 1)
+    assert "GiB" in dense and "GiB" not in moe
+    assert moe == ("memory per rank (est.): not computed for MoE models (model.num_experts is set; the estimate "
+                   "models dense layers only)")
