@@ -398,8 +398,8 @@ def test_lora_on_attention_exports_in_peft_format(tmp_path):
         with torch.no_grad():
             logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
                            padding_mask=set_pack(model, batch, 1, 0, "cpu"))[0]
-    finally:
-        destroy_parallel()
+    finally:  # the world of one build_model started in this process: later in-process tests expect none
+        destroy_parallel(destroy_process_group=True)
     peft_model = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
                                            tmp_path / "adapter").eval()
     starts = batch["cu_seqlens_padded"].tolist()
