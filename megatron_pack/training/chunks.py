@@ -26,6 +26,16 @@ def core_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def only_chunk(model_chunks: list[torch.nn.Module], what: str) -> torch.nn.Module:
+    """The one model chunk of this rank (one per pipeline stage); ``what`` names the code that needs it.
+
+    Several chunks per rank would be virtual (interleaved) pipeline stages, which no key enables yet.
+    """
+    if len(model_chunks) != 1:
+        raise NotImplementedError(f"{what} one model chunk per rank (virtual pipeline stages are not built)")
+    return model_chunks[0]
+
+
 def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch.nn.Module:
     """megatron-core ``DistributedDataParallel`` with ``average_in_collective`` from ``cfg.ddp``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -242,16 +242,15 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     schedule; ``loader`` is this DP rank's ``protocol.BatchLoader`` of full THD packs (``begin_step()``
     plans each step, ``state_dict()`` / ``load_state_dict()`` resume at the next one); ``validation``
     is this DP rank's ``eval.ValidationLoader`` (or None)."""
-    from megatron_pack.training.chunks import build_model_chunks
+    from megatron_pack.training.chunks import build_model_chunks, only_chunk
     from megatron_pack.training.pipeline_schedule import stage_link
     from megatron_pack.training.step import forward_step
 
     train_iters = resolve_train_iters(cfg, loader)
     chunks = build_model_chunks(cfg, state)
-    if len(chunks) != 1:  # validate() refuses virtual pipeline stages: the optimizer takes one chunk today
-        raise NotImplementedError("the optimizer steps one model chunk (no virtual pipeline stages)")
-    optimizer = build_optimizer(cfg, list(chunks[0].module.named_parameters()), state.tp_group,
-                                ddp_model=chunks[0], device=state.device.type, dp_group=state.dp_group,
+    chunk = only_chunk(chunks, "the optimizer steps")
+    optimizer = build_optimizer(cfg, list(chunk.module.named_parameters()), state.tp_group,
+                                ddp_model=chunk, device=state.device.type, dp_group=state.dp_group,
                                 pp_group=state.pp_group, expert_group=state.pg_collection.tp_ep)
     info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model_chunks=chunks, optimizer=optimizer,

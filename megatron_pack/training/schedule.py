@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from megatron_pack.parallel.groups import ParallelState
+from megatron_pack.training.chunks import only_chunk
 
 
 @dataclass
@@ -106,9 +107,7 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
     over ``link`` (a ``parallel.pipeline.StageLink``, ``pipeline_schedule.stage_link``); on GPU
     megatron-core's, with its point-to-point communicator over ``state.pp_group``.
     """
-    if len(model_chunks) != 1:  # validate() refuses virtual pipeline stages
-        raise NotImplementedError("the schedules run one model chunk per rank (no virtual pipeline stages)")
-    model = model_chunks[0]
+    model = only_chunk(model_chunks, "the schedules run")
     if state.pp_size > 1:
         agree_on_microbatches(num_microbatches, state)
     if state.device.type != "cuda":

@@ -22,7 +22,7 @@ import torch
 from megatron_pack.config.schema import Config
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.training import checkpoint as ckpt
-from megatron_pack.training.chunks import core_model
+from megatron_pack.training.chunks import core_model, only_chunk
 from megatron_pack.training.model_reader import CheckpointModel
 from megatron_pack.training.resume import (DATA_SETTINGS, _check_resume_peft, check_resume_settings, layout_meta,
                                            resume_choice, run_settings)
@@ -53,9 +53,7 @@ def settings(trainer) -> dict[str, Any]:
 
 
 def _chunk(trainer) -> torch.nn.Module:
-    if len(trainer.model_chunks) != 1:  # validate() refuses pipeline stages and virtual stages
-        raise NotImplementedError("checkpoints hold one model chunk per rank (parallel.pipeline_model_parallel_size=1)")
-    return trainer.model_chunks[0]
+    return only_chunk(trainer.model_chunks, "checkpoints hold")
 
 
 def _sharded_state(trainer, *, with_optimizer: bool) -> dict:
