@@ -14,6 +14,15 @@ one is replicated. Shapes for H=64, 4 query heads in 2 groups of head dim 16, FF
 A fused linear has one A for its parts, so q, k and v (gate and up) get the same lora_A and
 their own rows of B: ``B_q A`` is exactly the q rows of ``B_qkv A``. Keys are peft's:
 ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``.
+
+Experts of a MoE layer: transformers 5 keeps them as 3D parameters, ``mlp.experts.gate_up_proj``
+[E, 2F, H] (rows [gate; up], our linear_fc1) and ``mlp.experts.down_proj`` [E, H, F] (linear_fc2), which
+peft adapts through ``target_parameters`` (its ``ParamWrapper``): one rank-r adapter per expert, laid out
+as ``lora_A`` [E r, in] (expert e's A is rows [e r, (e + 1) r)) and ``lora_B`` [out, r E] (expert e's B is
+columns e, e + E, e + 2E, ...: ``B.reshape(out, r, E)[:, :, e]``), delta ``(alpha / r) B_e A_e`` for
+expert e. E=4, r=2, H=32, F=24: gate_up_proj's lora_A [8, 32], lora_B [48, 8]; down_proj's [8, 24], [32, 8].
+peft nests one wrapper per targeted parameter in the module's parameter order, so with both targeted
+gate_up_proj's keys are ``...mlp.experts.base_layer.lora_A.weight`` and down_proj's ``...mlp.experts.lora_A.weight``.
 """
 
 from __future__ import annotations
@@ -35,15 +44,40 @@ PEFT_PREFIX = "base_model.model."
 IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 
 
+EXPERT_PARAMETERS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+"""Our expert linear -> the 3D parameter of transformers 5's experts module (``model.layers.<i>.mlp.experts``)
+that qwen3_moe, mixtral and qwen2_moe share, in the module's parameter order (peft's nesting order)."""
+EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"
+
+
 def adapter_targets(model_type: str, targets, *, num_layers: Optional[int] = None,
                     placement: Optional[Placement] = None):
-    """(base rule, megatron prefix, HF prefixes) of every adapted linear of the model (or of the chunk
-    at ``placement``), from the family table."""
+    """(base rule, megatron prefix, HF prefixes) of every adapted dense linear of the model (or of the
+    chunk at ``placement``), from the family table; the experts' are ``expert_targets``."""
     out = []
     for rule, mcore, hf_names in rules_for(model_type, tied=False, num_layers=num_layers, placement=placement):
         leaf = mcore.removesuffix(".weight").rsplit(".", 1)[-1]
-        if mcore.endswith(".weight") and leaf in targets:
+        if mcore.endswith(".weight") and leaf in targets and not rule.per_expert:
             out.append((rule, mcore.removesuffix(".weight"), tuple(h.removesuffix(".weight") for h in hf_names)))
+    return out
+
+
+def expert_targets(model_type: str, targets, placement: Placement) -> list[tuple[str, list[str]]]:
+    """(peft key stem, megatron prefixes of the chunk's local experts in order) of every adapted 3D expert
+    parameter. Example, qwen3_moe, both linears, 4 experts on 2 EP ranks, rank 1, layer 0's linear_fc1:
+    ``("base_model.model.model.layers.0.mlp.experts.base_layer.", ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1",
+    "...local_experts.1.linear_fc1"])`` (global experts 2 and 3)."""
+    adapted = [leaf for leaf in EXPERT_PARAMETERS if leaf in targets]
+    grouped: dict[tuple[int, str], list[str]] = {}
+    for rule, mcore, _ in rules_for(model_type, tied=False, placement=placement):
+        leaf = mcore.removesuffix(".weight").rsplit(".", 1)[-1]
+        if rule.per_expert and mcore.endswith(".weight") and leaf in adapted:
+            layer = int(mcore.split(".")[2]) + placement.layer_offset
+            grouped.setdefault((layer, leaf), []).append(mcore.removesuffix(".weight"))
+    out = []
+    for (layer, leaf), prefixes in sorted(grouped.items(), key=lambda kv: (kv[0][0], adapted.index(kv[0][1]))):
+        nesting = "base_layer." * (len(adapted) - 1 - adapted.index(leaf))  # wrapped first = innermost
+        out.append((f"{PEFT_PREFIX}{EXPERTS_MODULE.format(layer=layer)}.{nesting}", prefixes))
     return out
 
 
@@ -53,6 +87,24 @@ def hf_module_names(model_type: str, targets) -> list[str]:
     for _, _, hf in adapter_targets(model_type, targets, placement=Placement(1, num_experts=1)):
         names += [h.rsplit(".", 1)[-1] for h in hf]
     return list(dict.fromkeys(names))
+
+
+def hf_parameter_names(model_type: str, targets) -> list[str]:
+    """peft's ``target_parameters`` for our expert targets: linear_fc1 -> mlp.experts.gate_up_proj, ..."""
+    if not expert_targets(model_type, targets, Placement(1, num_experts=1)):
+        return []
+    return [f"mlp.experts.{EXPERT_PARAMETERS[leaf]}" for leaf in EXPERT_PARAMETERS if leaf in targets]
+
+
+def stack_experts(a_experts: list[Tensor], b_experts: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Every expert's A [r, in] and B [out, r] (global order) -> peft's lora_A [E r, in], lora_B [out, r E]."""
+    return torch.cat(a_experts, 0), torch.stack(b_experts, -1).reshape(b_experts[0].shape[0], -1)
+
+
+def unstack_expert(lora_a: Tensor, lora_b: Tensor, expert: int, num_experts: int) -> tuple[Tensor, Tensor]:
+    """Expert ``expert``'s (A [r, in], B [out, r]) of peft's lora_A [E r, in], lora_B [out, r E]."""
+    r = lora_a.shape[0] // num_experts
+    return lora_a[expert * r:(expert + 1) * r], lora_b.reshape(lora_b.shape[0], r, num_experts)[:, :, expert]
 
 
 def _splits_a(rule: Rule) -> bool:
@@ -83,6 +135,14 @@ def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, ta
             out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
             out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
         used.update({prefix + IN, prefix + OUT})
+    for stem, prefixes in expert_targets(model_type, targets, placement):
+        missing = [p for p in prefixes if p + IN not in shards[0]]
+        if missing:
+            raise ValueError(f"the checkpoint has no adapter for {missing[0]}; it was written with other "
+                             "peft.target_modules (or without peft=lora).")
+        a, b = stack_experts([shards[0][p + IN] for p in prefixes], [shards[0][p + OUT] for p in prefixes])
+        out[f"{stem}lora_A.weight"], out[f"{stem}lora_B.weight"] = a, b
+        used.update(p + suffix for p in prefixes for suffix in (IN, OUT))
     extra = sorted(set(shards[0]) - used)
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:3]} are not adapters of {list(targets)}; export.adapter reads "
@@ -95,7 +155,8 @@ def adapter_config(peft_meta: dict, model_type: str, base: Optional[str]) -> dic
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
             "r": int(peft_meta["dim"]), "lora_alpha": float(peft_meta["alpha"]),
             "lora_dropout": float(peft_meta["dropout"]), "bias": "none", "fan_in_fan_out": False,
-            "target_modules": hf_module_names(model_type, peft_meta["target_modules"]),
+            "target_modules": hf_module_names(model_type, peft_meta["target_modules"]) or None,
+            "target_parameters": hf_parameter_names(model_type, peft_meta["target_modules"]) or None,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
             "modules_to_save": None, "layers_to_transform": None}
 
@@ -207,18 +268,29 @@ def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, tar
                 raise ValueError(f"{where}: {', '.join(a_names)} differ; the fused {prefix} has one lora_A for its "
                                  "parts, so they must be equal.")
             out[prefix + IN], out[prefix + OUT] = tensors[a_names[0]], load_shard(rule, b_names, reader, dims, tp_rank)
+    for stem, prefixes in expert_targets(model_type, targets, placement):
+        a_name, b_name = f"{stem}lora_A.weight", f"{stem}lora_B.weight"
+        if a_name not in tensors or b_name not in tensors:
+            raise ValueError(f"{where} has no {a_name if a_name not in tensors else b_name}; it was not written for "
+                             "these peft.target_modules.")
+        for local, prefix in enumerate(prefixes):
+            out[prefix + IN], out[prefix + OUT] = unstack_expert(tensors[a_name], tensors[b_name],
+                                                                 placement.expert_offset + local, model_cfg.num_experts)
     return out
 
 
 def load_adapter(model: torch.nn.Module, folder: str | Path, model_type: str, model_cfg, targets, *,
-                 tp_rank: int, tp_size: int) -> int:
-    """Fill this TP rank's adapters of ``model`` (built with peft=lora) from a peft adapter folder
+                 tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> int:
+    """Fill this TP (and EP) rank's adapters of ``model`` (built with peft=lora) from a peft adapter folder
     written by ``export.adapter`` (or with the same shared lora_A); returns the number filled."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    placement = Placement.whole(model_cfg)
+    if placement.num_experts:
+        placement = placement.with_experts(Dims.from_model_config(model_cfg, tp_size, ep=ep_size), ep_rank)
     mine = shards_from_peft(tensors, model_type, model_cfg, targets, tp_rank=tp_rank, tp_size=tp_size,
-                            where=f"{folder}/{ADAPTER_WEIGHTS}")
+                            where=f"{folder}/{ADAPTER_WEIGHTS}", placement=placement)
     params = {name.removeprefix("module."): p for name, p in model.named_parameters()}
     with torch.no_grad():
         for name, tensor in mine.items():

@@ -25,6 +25,15 @@ megatron-core's ``finalize_model_grads`` all-reduces them over TP, as it does fo
 A and B start as peft starts them (A Kaiming-uniform, B zero, so the adapted model equals the
 base at step 0). A is drawn whole from ``torch.Generator().manual_seed(seed + layer)`` and then
 sliced, so every TP size starts from the same adapters.
+
+Experts of a MoE layer (``mlp.experts.local_experts.<e>.linear_fc1 / linear_fc2``, megatron-core's
+``SequentialMLP``): each expert gets its own A and B, as peft's ``ParamWrapper`` gives each expert of a
+3D ``gate_up_proj`` / ``down_proj`` its own rank-r block (``model/peft/export.py``). An expert-parallel
+rank holds the adapters of its own experts: they carry the base weight's ``allreduce = False``, so
+megatron-core's DDP reduces their gradients over the expert-data-parallel group, as the experts'. Their
+seed is the global expert's (``_seed_of``), so every EP size starts from the same adapters. Expert
+tensor parallelism is refused with expert adapters (``config/validate.py``): each expert's adapter is
+whole on its rank.
 """
 
 from __future__ import annotations
@@ -126,10 +135,42 @@ def _init_adapter(adapter: LoRAAdapter, *, seed: int, tp_rank: int) -> None:
         adapter.linear_out.weight.zero_()
 
 
+EXPERT = ".local_experts."
+"""In the name of an expert's linear: ``decoder.layers.<i>.mlp.experts.local_experts.<e>.linear_fc1``."""
+EXPERT_SEED_OFFSET = 1_000_003
+"""Expert adapters draw their A from seeds past every dense adapter's (``_seed_of``)."""
+
+
 def target_linears(model: nn.Module, targets) -> list[tuple[str, nn.Module]]:
     """(name, module) of every linear named in ``targets`` inside the decoder layers, in model order."""
     return [(name, module) for name, module in model.named_modules()
             if ".layers." in name and name.rsplit(".", 1)[-1] in targets]
+
+
+def _seed_of(name: str, modules: dict[str, nn.Module], seed: int, dense_index: int) -> int:
+    """The seed of a linear's A: ``seed + i`` for the i-th dense target (in model order, as without experts);
+    for expert e (global) of layer l's linear_fc1 / linear_fc2, ``seed + EXPERT_SEED_OFFSET + 2 (l E + e) + j``
+    (j = 0 / 1), the same whichever EP rank holds it. Example: 4 experts, EP=2, rank 1's local expert 0 of
+    layer 1's linear_fc2 is global expert 2: ``seed + EXPERT_SEED_OFFSET + 2 * (4 + 2) + 1``."""
+    if EXPERT not in name:
+        return seed + dense_index
+    head, tail = name.split(EXPERT)
+    experts = modules[head]  # megatron-core's SequentialMLP
+    local = int(tail.split(".", 1)[0])
+    num_global = experts.ep_group.size() * experts.num_local_experts
+    global_expert = experts.ep_group.rank() * experts.num_local_experts + local
+    layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+    return seed + EXPERT_SEED_OFFSET + 2 * (layer * num_global + global_expert) + int(name.endswith("linear_fc2"))
+
+
+def _as_expert_adapter(adapter: "LoRAAdapter", base: nn.Module) -> None:
+    """An expert's adapter is whole on its rank (no TP split) and reduced like the expert's weight."""
+    group = getattr(base, "tp_group", None)
+    if group is not None and group.size() != 1:  # validate() refuses expert TP with expert adapters
+        raise AssertionError(f"an expert adapter needs expert tensor parallel size 1, got {group.size()}")
+    for weight in (adapter.linear_in.weight, adapter.linear_out.weight):
+        weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = False, -1, 1
+        weight.allreduce = getattr(base.weight, "allreduce", True)
 
 
 def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int, tp_rank: int,
@@ -141,15 +182,20 @@ def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int,
     found = target_linears(model, peft_cfg.target_modules)
     if not found:
         raise ValueError(f"peft.target_modules ({list(peft_cfg.target_modules)}) match no linear of the model.")
-    for index, (name, module) in enumerate(found):
-        leaf = name.rsplit(".", 1)[-1]
+    modules = dict(model.named_modules())
+    dense_index = 0
+    for name, module in found:
+        leaf, expert = name.rsplit(".", 1)[-1], EXPERT in name
         out_local, in_local = module.weight.shape
         adapter = LoRAAdapter(in_features=in_local, out_features=out_local, dim=peft_cfg.dim, alpha=peft_cfg.alpha,
                               dropout=peft_cfg.dropout, parallel="column" if leaf in COLUMN_PARALLEL else "row",
-                              tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
-                              dtype=module.weight.dtype,
+                              tp_group=None if expert else tp_group, tp_size=1 if expert else tp_size,
+                              sequence_parallel=sequence_parallel and not expert, dtype=module.weight.dtype,
                               partition_stride=getattr(module.weight, "partition_stride", 1)).to(module.weight.device)
-        _init_adapter(adapter, seed=seed + index, tp_rank=tp_rank)
+        if expert:
+            _as_expert_adapter(adapter, module)
+        _init_adapter(adapter, seed=_seed_of(name, modules, seed, dense_index), tp_rank=0 if expert else tp_rank)
+        dense_index += not expert
         module.add_module("adapter", adapter)
         module.register_forward_hook(_adapter_hook)
     return len(found)
