@@ -154,10 +154,15 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
      lambda c: f"parallel.tensor_model_parallel_size ({c.parallel.tensor_model_parallel_size}) without "
      "parallel.sequence_parallel", "megatron-core's MoE layer trains under TP only with sequence parallelism "
      "(each TP rank routes its own tokens); set parallel.sequence_parallel=true"),
-    (lambda c: c.peft.method != "none" and set(c.peft.target_modules) - {"linear_qkv", "linear_proj"},
-     lambda c: f"peft.target_modules ({list(c.peft.target_modules)})", "LoRA on the experts' linears (linear_fc1 / "
-     "linear_fc2: not built; transformers 5 keeps a MoE block's experts as 3D parameters, which peft's LoRA does not "
-     "target as Linear layers); set peft.target_modules=[linear_qkv,linear_proj] (attention)"),
+    (lambda c: _expert_lora(c) and c.parallel.tensor_model_parallel_size > 1,
+     lambda c: f"peft.target_modules ({list(c.peft.target_modules)}) with parallel.tensor_model_parallel_size "
+     f"({c.parallel.tensor_model_parallel_size})", "LoRA on the experts' linears (linear_fc1 / linear_fc2) under "
+     "tensor parallelism (expert adapters split over expert TP are not built: each expert's adapter is whole on its "
+     "EP rank); set parallel.tensor_model_parallel_size=1 or peft.target_modules=[linear_qkv,linear_proj]"),
+    (lambda c: _expert_lora(c) and c.peft.dropout > 0, lambda c: f"peft.dropout ({c.peft.dropout}) with "
+     f"peft.target_modules ({list(c.peft.target_modules)})", "dropout on the experts' adapters (peft adapts the 3D "
+     "expert parameters of transformers 5 through target_parameters, whose ParamWrapper has no dropout, so the "
+     "export would not load); set peft.dropout=0 or peft.target_modules=[linear_qkv,linear_proj]"),
     (lambda c: c.model.fp8 != "none", lambda c: f"model.fp8 ({c.model.fp8})", "FP8 experts (not built); set "
      "model.fp8=none"),
     (lambda c: c.model.cuda_graph_impl != "none", lambda c: f"model.cuda_graph_impl ({c.model.cuda_graph_impl})",
@@ -165,6 +170,11 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
     (lambda c: c.ddp.use_distributed_optimizer, lambda c: "ddp.use_distributed_optimizer (True)",
      "the distributed optimizer with expert parameters (not proved yet); set ddp.use_distributed_optimizer=false"),
 )
+
+
+def _expert_lora(cfg: Config) -> bool:
+    """LoRA on a MoE model's expert linears (and Qwen2-MoE's shared expert): linear_fc1 / linear_fc2 targeted."""
+    return cfg.peft.method != "none" and bool({"linear_fc1", "linear_fc2"} & set(cfg.peft.target_modules))
 
 
 def _validate_moe(cfg: Config) -> list[str]:

@@ -14,8 +14,13 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
    transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
    with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
-4. LoRA on the attention of a MoE model: our logits with (random, non-zero) adapters equal peft's on the
-   transformers model after export in the peft format;
+4. LoRA on a MoE model, proved through peft (``target_parameters`` on transformers 5's 3D experts):
+   random (non-zero) adapters on the attention alone and on the attention and every expert's linear_fc1 /
+   linear_fc2 (Qwen2-MoE: and its shared expert), exported in the peft format, load with
+   ``PeftModel.from_pretrained`` with every adapter tensor equal and logits equal ours; and one training step
+   from the initial adapters at world 1 (in-process) and at EP=2 in the spawned world: the checkpoint's
+   export loads in peft with logits equal ours after the step (which differ from the base's), every exported
+   tensor is the same at world 1 and EP=2, and the EP=2 checkpoint resumes at EP=1 with every adapter equal;
 5. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
    of its checkpoint at EP=1 (the layout-free checkpoint reshards the experts), and ``export`` of a Qwen3-MoE
    folder as the
@@ -106,7 +111,8 @@ def _config(folder: str, cp: int, ep: int, tp: int = 1, etp=None, recompute=None
     return apply_pretrained(cfg, [])
 
 
-def _logit_diffs(model, pg, batch, refs) -> float:
+def _sample_logits(model, pg, batch) -> list[torch.Tensor]:
+    """Our logits [len - 1, VOCAB] of each sample of ``batch`` (the whole pack's, gathered over CP / TP)."""
     from megatron_pack.model.moe import set_pack
     from megatron_pack.parallel.cp import slice_thd_batch
     from megatron_pack.parallel.groups import gather_full_logits
@@ -118,8 +124,12 @@ def _logit_diffs(model, pg, batch, refs) -> float:
         logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
                        padding_mask=mask)
     full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0]
-    starts = batch["cu_seqlens_padded"].tolist()
-    return max(float((full[starts[i]:starts[i] + len(ref), :VOCAB] - ref).abs().max()) for i, ref in enumerate(refs))
+    starts, cu = batch["cu_seqlens_padded"].tolist(), batch["cu_seqlens"].tolist()
+    return [full[starts[i]:starts[i] + cu[i + 1] - cu[i], :VOCAB] for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+
+
+def _logit_diffs(model, pg, batch, refs) -> float:
+    return max(float((ours - ref).abs().max()) for ours, ref in zip(_sample_logits(model, pg, batch), refs, strict=True))
 
 
 def _gather_experts(grads: dict, ep_group) -> dict:
@@ -207,11 +217,88 @@ def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
         destroy_parallel()
 
 
-def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
+def _worker(rank: int, world_size: int, folders: dict, refs: dict, root: str) -> dict:
     out = {}
     for family, layout in WORLDS[world_size]:
         out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
+    out.update({f"lora_ep2/{k}": v for k, v in _lora_train(folders["qwen3_moe"], f"{root}/lora_ep2", 2).items()})
     return out
+
+
+LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_DIM, LORA_ALPHA = 4, 8.0
+
+
+def _lora_config(folder: str, tmp: str, ep: int):
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import (CheckpointConfig, Config, LoggingConfig, ModelConfig, ParallelConfig,
+                                             PeftConfig, TrainConfig)
+
+    cfg = Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=PACK_SIZE,
+                                   moe_aux_loss_coeff=AUX, moe_z_loss_coeff=ZLOSS),
+                 parallel=ParallelConfig(expert_model_parallel_size=ep),
+                 train=TrainConfig(global_batch_size=2, train_iters=1, lr=0.05, min_lr=0.05, lr_warmup_iters=0,
+                                   output_dir=tmp, adam_eps=1e-4),  # eps: step 1 of AdamW is not sign(tiny grad)
+                 checkpoint=CheckpointConfig(enabled=False), logging=LoggingConfig(tensorboard=False),
+                 peft=PeftConfig(method="lora", dim=LORA_DIM, alpha=LORA_ALPHA, target_modules=LORA_TARGETS))
+    return apply_pretrained(cfg, [])
+
+
+def _global_adapters(model, pg) -> dict[str, torch.Tensor]:
+    """Every adapter of the model under global expert names (each EP rank's experts gathered)."""
+    from megatron_pack.model.peft.lora import adapter_state
+
+    mine = {n: p.detach().clone() for n, p in adapter_state(model).items()}
+    return {**mine, **_gather_experts(mine, pg.pg_collection.ep)}
+
+
+def _lora_train(folder: str, tmp: str, ep: int) -> dict:
+    """One training step of LoRA on attention and experts (the trainer, initial adapters: B = 0) at EP=``ep``
+    over the world's ranks, a checkpoint, its export through ``megatron-pack export`` (rank 0), our logits after
+    the step; at EP=2 the checkpoint is resumed at EP=1 and every adapter compared with the saved ones."""
+    import torch.distributed as dist
+
+    from _dist import ListLoader
+
+    from megatron_pack.cli.export import run_export
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    packs = [_pack(_samples()[:2]), _pack(_samples()[2:])]  # the global batch of 2, on 1 or 2 DP ranks
+    state = initialize_parallel(_lora_config(folder, tmp, ep))
+    try:
+        trainer = build_trainer(_lora_config(folder, tmp, ep), state, ListLoader(packs[state.dp_rank::state.dp_size]))
+        model = trainer.model.module
+        initial = _global_adapters(model, state)
+        trainer.train_step()
+        path = trainer.save(f"{tmp}/checkpoints")
+        model.eval()
+        out = {"logits": torch.cat(_sample_logits(model, state, _pack(_samples()))).numpy()}
+        trained = _global_adapters(model, state)
+        local = [len(layer.mlp.experts.local_experts) for layer in model.decoder.layers]
+    finally:
+        destroy_parallel()
+    zero_b = [n for n in initial if n.endswith("linear_out.weight")]
+    checks = [len(trained) == len(initial) == 4 * 2 + 2 * 2 * 2 * NUM_EXPERTS,  # guard: attention + every expert
+              local == [NUM_EXPERTS // ep] * 2,
+              all(not initial[n].any() for n in zero_b) and all(trained[n].any() for n in zero_b)]
+    if ep > 1:  # resume the EP=2 checkpoint at EP=1 (each rank all experts): every adapter as saved
+        state = initialize_parallel(_lora_config(folder, f"{tmp}/resume", 1))
+        try:
+            trainer = build_trainer(_lora_config(folder, f"{tmp}/resume", 1), state, ListLoader(packs[:1]))
+            trainer.load(path)
+            resumed = _global_adapters(trainer.model.module, state)
+            checks.append(sorted(resumed) == sorted(trained) and all(torch.equal(resumed[n], trained[n])
+                                                                       for n in trained))
+        finally:
+            destroy_parallel()
+    rank = dist.get_rank() if dist.is_initialized() and dist.get_world_size() > 1 else 0
+    if rank == 0:
+        rc = run_export([f"checkpoint={path}", f"output={tmp}/adapter", "export.adapter=true",
+                         f"model.pretrained={folder}"], out=lambda line: None)
+        checks.append(rc == 0)
+    out["checks"] = np.array(checks, dtype=np.int64)
+    return out if rank == 0 else {}
 
 
 def _reference(folder: str) -> dict:
@@ -282,8 +369,8 @@ def world(tmp_path_factory) -> dict:
     out = {}
     for world_size in WORLDS:
         out.update(spawn_world(_worker, world_size, root / f"world{world_size}", folders,
-                               {f: {"logits": r["logits"]} for f, r in refs.items()}, timeout_s=600)[0])
-    return {"out": out, "refs": refs, "folders": folders}
+                               {f: {"logits": r["logits"]} for f, r in refs.items()}, str(root), timeout_s=600)[0])
+    return {"out": out, "refs": refs, "folders": folders, "root": root}
 
 
 CASES = [f"{family}/{layout}" for cases in WORLDS.values() for family, layout in cases]
@@ -364,48 +451,101 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
     assert loaded.config.model_type == "qwen3_moe"
 
 
-@pytest.mark.timeout(600)
-def test_lora_on_attention_exports_in_peft_format(tmp_path):
+def _peft_logits(folder, adapter, samples) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """peft's logits of each sample with the adapter folder loaded on the transformers model, without it, and
+    peft's adapter tensors as loaded."""
     import transformers as T
-    from peft import PeftModel
+    from peft import PeftModel, get_peft_model_state_dict
+
+    model = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                      adapter).eval()
+    with torch.no_grad():
+        adapted = [model(torch.tensor([ids[:-1]])).logits[0] for ids in samples]
+        with model.disable_adapter():
+            base = [model(torch.tensor([ids[:-1]])).logits[0] for ids in samples]
+    return adapted, base, get_peft_model_state_dict(model)
+
+
+LORA_CASES = [("qwen3_moe", ["linear_qkv", "linear_proj"]), ("qwen3_moe", LORA_TARGETS), ("mixtral", LORA_TARGETS),
+              ("qwen2_moe", LORA_TARGETS), ("qwen3_moe", ["linear_fc2"])]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,targets", LORA_CASES, ids=[f"{f}-{'-'.join(t)}" for f, t in LORA_CASES])
+def test_random_adapters_export_in_peft_format(tmp_path, family, targets):
+    from safetensors.torch import load_file
 
     from megatron_pack.config.hf_config import apply_pretrained
     from megatron_pack.config.schema import Config, ModelConfig, PeftConfig
     from megatron_pack.model.builder import build_model
-    from megatron_pack.model.moe import set_pack
-    from megatron_pack.model.peft.export import adapter_config, peft_tensors, write_adapter_folder
-    from megatron_pack.parallel.groups import destroy_parallel
-    from megatron_pack.training.step import get_packed_seq_params
+    from megatron_pack.model.peft.export import adapter_config, peft_tensors, shards_from_peft, write_adapter_folder
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
-    folder = tmp_path / "qwen3_moe"
-    _hf_model("qwen3_moe").save_pretrained(folder)
-    targets = ["linear_qkv", "linear_proj"]
+    folder = tmp_path / family
+    _hf_model(family).save_pretrained(folder)
     cfg = apply_pretrained(Config(model=ModelConfig(pretrained=str(folder), attention_backend="torch",
                                                     seq_length=PACK_SIZE),
-                                  peft=PeftConfig(method="lora", dim=4, alpha=8.0, target_modules=targets)), [])
+                                  peft=PeftConfig(method="lora", dim=LORA_DIM, alpha=LORA_ALPHA,
+                                                  target_modules=targets)), [])
     try:
-        model = build_model(cfg).eval()
+        pg = initialize_parallel(cfg)
+        model = build_model(cfg, pg).eval()
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():  # B starts at 0: random adapters so the check cannot pass on the base alone
             for name, p in model.named_parameters():
                 if ".adapter." in name:
                     p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        shard = {n: p.detach() for n, p in model.named_parameters() if ".adapter." in n}
-        meta = {"dim": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": targets}
-        write_adapter_folder(tmp_path / "adapter", peft_tensors([shard], "qwen3_moe", cfg.model, targets),
-                             adapter_config(meta, "qwen3_moe", str(folder)), dtype=torch.float32)
-        samples, batch = _samples(), _pack(_samples())
-        with torch.no_grad():
-            logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
-                           padding_mask=set_pack(model, batch, 1, 0, "cpu"))[0]
-    finally:  # the world of one build_model started in this process: later in-process tests expect none
+        shard = {n: p.detach().clone() for n, p in model.named_parameters() if ".adapter." in n}
+        meta = {"dim": LORA_DIM, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": targets}
+        tensors = peft_tensors([shard], family, cfg.model, targets)
+        write_adapter_folder(tmp_path / "adapter", tensors, adapter_config(meta, family, str(folder)),
+                             dtype=torch.float32)
+        ours = _sample_logits(model, pg, _pack(_samples()))
+    finally:  # the world of one started in this process: later in-process tests expect none
         destroy_parallel(destroy_process_group=True)
-    peft_model = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                                           tmp_path / "adapter").eval()
-    starts = batch["cu_seqlens_padded"].tolist()
-    with torch.no_grad():
-        for i, ids in enumerate(samples):
-            ours = logits[starts[i]:starts[i] + len(ids) - 1, :VOCAB]
-            assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) <= 1e-4
-            with peft_model.disable_adapter():  # the adapters matter
-                assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) > 1e-2
+    back = shards_from_peft(load_file(tmp_path / "adapter/adapter_model.safetensors"), family, cfg.model, targets,
+                            tp_rank=0, tp_size=1)
+    assert sorted(back) == sorted(shard) and all(torch.equal(back[n], shard[n]) for n in shard)  # the inverse
+    experts = [n for n in shard if ".local_experts." in n]
+    assert len(experts) == (2 * 2 * NUM_EXPERTS * sum(t in targets for t in ("linear_fc1", "linear_fc2")))
+    adapted, base, loaded = _peft_logits(folder, tmp_path / "adapter", _samples())
+    assert sorted(loaded) == sorted(tensors) and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    for mine, theirs, plain in zip(ours, adapted, base, strict=True):
+        assert float((mine - theirs).abs().max()) <= 1e-4
+        assert float((mine - plain).abs().max()) > 1e-2  # the adapters matter
+
+
+@pytest.fixture(scope="module")
+def lora_world1(world) -> dict:
+    """``_lora_train`` at world 1 in this process (the EP=2 run is in the spawned world)."""
+    from megatron_pack.parallel.groups import destroy_parallel
+
+    try:
+        return _lora_train(world["folders"]["qwen3_moe"], str(world["root"] / "lora_world1"), 1)
+    finally:
+        destroy_parallel(destroy_process_group=True)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("run", ["lora_world1", "lora_ep2"])
+def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run):
+    from safetensors.torch import load_file
+
+    out = lora_world1 if run == "lora_world1" else {k.split("/", 1)[1]: v for k, v in world["out"].items()
+                                                    if k.startswith("lora_ep2/")}
+    assert out["checks"].tolist() == [1] * (5 if run == "lora_ep2" else 4)
+    folder, adapter = world["folders"]["qwen3_moe"], world["root"] / run / "adapter"
+    config = __import__("json").loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    adapted, base, loaded = _peft_logits(folder, adapter, _samples())
+    assert sorted(loaded) == sorted(tensors) and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    ours = torch.from_numpy(out["logits"])
+    assert float((ours - torch.cat(adapted)).abs().max()) <= 1e-4  # ours after the step == peft's with the export
+    assert float((ours - torch.cat(base)).abs().max()) > 1e-3  # the step changed the logits (B no longer 0)
+    assert float((torch.cat(base) - torch.cat(world["refs"]["qwen3_moe"]["logits"])).abs().max()) <= 1e-4
+    if run == "lora_ep2":  # the same step at world 1 and EP=2 over 2 DP ranks: every adapter tensor equal
+        single = load_file(world["root"] / "lora_world1/adapter/adapter_model.safetensors")
+        assert sorted(single) == sorted(tensors)
+        for key, tensor in tensors.items():
+            assert float((tensor - single[key]).abs().max()) <= 1e-5 * max(float(single[key].abs().max()), 1e-3), key
