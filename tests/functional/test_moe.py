@@ -294,9 +294,10 @@ def _lora_train(folder: str, tmp: str, ep: int) -> dict:
             destroy_parallel()
     rank = dist.get_rank() if dist.is_initialized() and dist.get_world_size() > 1 else 0
     if rank == 0:
-        rc = run_export([f"checkpoint={path}", f"output={tmp}/adapter", "export.adapter=true",
-                         f"model.pretrained={folder}"], out=lambda line: None)
-        checks.append(rc == 0)
+        for kind in ("adapter", "merge"):
+            rc = run_export([f"checkpoint={path}", f"output={tmp}/{kind}", f"export.{kind}=true",
+                             f"model.pretrained={folder}"], out=lambda line: None)
+            checks.append(rc == 0)
     out["checks"] = np.array(checks, dtype=np.int64)
     return out if rank == 0 else {}
 
@@ -533,7 +534,7 @@ def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run
 
     out = lora_world1 if run == "lora_world1" else {k.split("/", 1)[1]: v for k, v in world["out"].items()
                                                     if k.startswith("lora_ep2/")}
-    assert out["checks"].tolist() == [1] * (5 if run == "lora_ep2" else 4)
+    assert out["checks"].tolist() == [1] * (6 if run == "lora_ep2" else 5)
     folder, adapter = world["folders"]["qwen3_moe"], world["root"] / run / "adapter"
     config = __import__("json").loads((adapter / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -544,6 +545,12 @@ def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run
     assert float((ours - torch.cat(adapted)).abs().max()) <= 1e-4  # ours after the step == peft's with the export
     assert float((ours - torch.cat(base)).abs().max()) > 1e-3  # the step changed the logits (B no longer 0)
     assert float((torch.cat(base) - torch.cat(world["refs"]["qwen3_moe"]["logits"])).abs().max()) <= 1e-4
+    import transformers as T
+
+    merged = T.AutoModelForCausalLM.from_pretrained(world["root"] / run / "merge", dtype=torch.float32)
+    with torch.no_grad():  # export.merge: the base with (alpha / r) B_e A_e added to each expert's weights
+        merged_logits = torch.cat([merged(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()])
+    assert float((merged_logits - torch.cat(adapted)).abs().max()) <= 1e-4
     if run == "lora_ep2":  # the same step at world 1 and EP=2 over 2 DP ranks: every adapter tensor equal
         single = load_file(world["root"] / "lora_world1/adapter/adapter_model.safetensors")
         assert sorted(single) == sorted(tensors)
