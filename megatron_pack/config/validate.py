@@ -154,11 +154,12 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
      lambda c: f"parallel.tensor_model_parallel_size ({c.parallel.tensor_model_parallel_size}) without "
      "parallel.sequence_parallel", "megatron-core's MoE layer trains under TP only with sequence parallelism "
      "(each TP rank routes its own tokens); set parallel.sequence_parallel=true"),
-    (lambda c: _expert_lora(c) and c.parallel.tensor_model_parallel_size > 1,
-     lambda c: f"peft.target_modules ({list(c.peft.target_modules)}) with parallel.tensor_model_parallel_size "
-     f"({c.parallel.tensor_model_parallel_size})", "LoRA on the experts' linears (linear_fc1 / linear_fc2) under "
-     "tensor parallelism (expert adapters split over expert TP are not built: each expert's adapter is whole on its "
-     "EP rank); set parallel.tensor_model_parallel_size=1 or peft.target_modules=[linear_qkv,linear_proj]"),
+    (lambda c: _expert_lora(c) and _expert_tp(c) > 1,
+     lambda c: f"peft.target_modules ({list(c.peft.target_modules)}) with expert tensor parallel size {_expert_tp(c)} "
+     f"(parallel.expert_tensor_parallel_size {c.parallel.expert_tensor_parallel_size}, null = "
+     "parallel.tensor_model_parallel_size)", "LoRA on the experts' linears (linear_fc1 / linear_fc2) split over "
+     "expert TP (not built: each expert's adapter is whole on its EP rank); set parallel.expert_tensor_parallel_size=1 "
+     "(whole experts, with parallel.expert_model_parallel_size > 1) or peft.target_modules=[linear_qkv,linear_proj]"),
     (lambda c: _expert_lora(c) and c.peft.dropout > 0, lambda c: f"peft.dropout ({c.peft.dropout}) with "
      f"peft.target_modules ({list(c.peft.target_modules)})", "dropout on the experts' adapters (peft adapts the 3D "
      "expert parameters of transformers 5 through target_parameters, whose ParamWrapper has no dropout, so the "
@@ -175,6 +176,11 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
 def _expert_lora(cfg: Config) -> bool:
     """LoRA on a MoE model's expert linears (and Qwen2-MoE's shared expert): linear_fc1 / linear_fc2 targeted."""
     return cfg.peft.method != "none" and bool({"linear_fc1", "linear_fc2"} & set(cfg.peft.target_modules))
+
+
+def _expert_tp(cfg: Config) -> int:
+    """The experts' tensor-parallel size (parallel.expert_tensor_parallel_size; null: the dense TP size)."""
+    return cfg.parallel.expert_tensor_parallel_size or cfg.parallel.tensor_model_parallel_size
 
 
 def _validate_moe(cfg: Config) -> list[str]:

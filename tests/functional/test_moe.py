@@ -18,9 +18,11 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    random (non-zero) adapters on the attention alone and on the attention and every expert's linear_fc1 /
    linear_fc2 (Qwen2-MoE: and its shared expert), exported in the peft format, load with
    ``PeftModel.from_pretrained`` with every adapter tensor equal and logits equal ours; and one training step
-   from the initial adapters at world 1 (in-process) and at EP=2 in the spawned world: the checkpoint's
-   export loads in peft with logits equal ours after the step (which differ from the base's), every exported
-   tensor is the same at world 1 and EP=2, and the EP=2 checkpoint resumes at EP=1 with every adapter equal;
+   from the initial adapters at world 1 (in-process) and in the spawned world at EP=2 and at TP=2 SP x EP=2
+   with whole experts (``LORA_LAYOUTS``): the checkpoint's ``export.adapter`` loads in peft with logits equal
+   ours after the step (which differ from the base's), its ``export.merge`` loads in transformers with
+   logits equal peft's, every exported tensor is the same at every layout, and each EP=2 checkpoint resumes
+   at EP=1 with every (expert) adapter equal;
 5. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
    of its checkpoint at EP=1 (the layout-free checkpoint reshards the experts), and ``export`` of a Qwen3-MoE
    folder as the
@@ -221,22 +223,27 @@ def _worker(rank: int, world_size: int, folders: dict, refs: dict, root: str) ->
     out = {}
     for family, layout in WORLDS[world_size]:
         out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
-    out.update({f"lora_ep2/{k}": v for k, v in _lora_train(folders["qwen3_moe"], f"{root}/lora_ep2", 2).items()})
+    for run, layout in LORA_LAYOUTS.items():
+        out.update({f"{run}/{k}": v for k, v in _lora_train(folders["qwen3_moe"], f"{root}/{run}", *layout).items()})
     return out
 
 
 LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA_DIM, LORA_ALPHA = 4, 8.0
+LORA_LAYOUTS = {"lora_ep2": (2,), "lora_tp2_etp1_ep2": (2, 2, 1)}
+"""The spawned world's LoRA runs: (EP, TP, expert TP): EP=2 over DP=2; TP=2 SP with whole experts, 2 per rank
+(the layout of configs/experiment/qwen3_30b_a3b_sft.yaml)."""
 
 
-def _lora_config(folder: str, tmp: str, ep: int):
+def _lora_config(folder: str, tmp: str, ep: int, tp: int = 1, etp=None):
     from megatron_pack.config.hf_config import apply_pretrained
     from megatron_pack.config.schema import (CheckpointConfig, Config, LoggingConfig, ModelConfig, ParallelConfig,
                                              PeftConfig, TrainConfig)
 
     cfg = Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=PACK_SIZE,
                                    moe_aux_loss_coeff=AUX, moe_z_loss_coeff=ZLOSS),
-                 parallel=ParallelConfig(expert_model_parallel_size=ep),
+                 parallel=ParallelConfig(expert_model_parallel_size=ep, tensor_model_parallel_size=tp,
+                                         sequence_parallel=tp > 1, expert_tensor_parallel_size=etp),
                  train=TrainConfig(global_batch_size=2, train_iters=1, lr=0.05, min_lr=0.05, lr_warmup_iters=0,
                                    output_dir=tmp, adam_eps=1e-4),  # eps: step 1 of AdamW is not sign(tiny grad)
                  checkpoint=CheckpointConfig(enabled=False), logging=LoggingConfig(tensorboard=False),
@@ -252,10 +259,11 @@ def _global_adapters(model, pg) -> dict[str, torch.Tensor]:
     return {**mine, **_gather_experts(mine, pg.pg_collection.ep)}
 
 
-def _lora_train(folder: str, tmp: str, ep: int) -> dict:
+def _lora_train(folder: str, tmp: str, ep: int, tp: int = 1, etp=None) -> dict:
     """One training step of LoRA on attention and experts (the trainer, initial adapters: B = 0) at EP=``ep``
-    over the world's ranks, a checkpoint, its export through ``megatron-pack export`` (rank 0), our logits after
-    the step; at EP=2 the checkpoint is resumed at EP=1 and every adapter compared with the saved ones."""
+    (TP=``tp``, expert TP ``etp``) over the world's ranks, a checkpoint, its export through ``megatron-pack
+    export`` (rank 0), our logits after the step; at EP=2 the checkpoint is resumed at EP=1 (TP=1) and every
+    adapter (at TP > 1 every expert's, whole on its rank) compared with the saved ones."""
     import torch.distributed as dist
 
     from _dist import ListLoader
@@ -265,9 +273,9 @@ def _lora_train(folder: str, tmp: str, ep: int) -> dict:
     from megatron_pack.training.loop import build_trainer
 
     packs = [_pack(_samples()[:2]), _pack(_samples()[2:])]  # the global batch of 2, on 1 or 2 DP ranks
-    state = initialize_parallel(_lora_config(folder, tmp, ep))
+    state = initialize_parallel(_lora_config(folder, tmp, ep, tp, etp))
     try:
-        trainer = build_trainer(_lora_config(folder, tmp, ep), state, ListLoader(packs[state.dp_rank::state.dp_size]))
+        trainer = build_trainer(_lora_config(folder, tmp, ep, tp, etp), state, ListLoader(packs[state.dp_rank::state.dp_size]))
         model = trainer.model.module
         initial = _global_adapters(model, state)
         trainer.train_step()
@@ -288,8 +296,9 @@ def _lora_train(folder: str, tmp: str, ep: int) -> dict:
             trainer = build_trainer(_lora_config(folder, f"{tmp}/resume", 1), state, ListLoader(packs[:1]))
             trainer.load(path)
             resumed = _global_adapters(trainer.model.module, state)
-            checks.append(sorted(resumed) == sorted(trained) and all(torch.equal(resumed[n], trained[n])
-                                                                       for n in trained))
+            names = [n for n in trained if tp == 1 or ".local_experts." in n]
+            checks.append(sorted(resumed) == sorted(trained) and len(names) >= 2 * 2 * 2 * NUM_EXPERTS
+                          and all(torch.equal(resumed[n], trained[n]) for n in names))
         finally:
             destroy_parallel()
     rank = dist.get_rank() if dist.is_initialized() and dist.get_world_size() > 1 else 0
@@ -528,13 +537,13 @@ def lora_world1(world) -> dict:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("run", ["lora_world1", "lora_ep2"])
+@pytest.mark.parametrize("run", ["lora_world1", *LORA_LAYOUTS])
 def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run):
     from safetensors.torch import load_file
 
     out = lora_world1 if run == "lora_world1" else {k.split("/", 1)[1]: v for k, v in world["out"].items()
-                                                    if k.startswith("lora_ep2/")}
-    assert out["checks"].tolist() == [1] * (6 if run == "lora_ep2" else 5)
+                                                    if k.startswith(f"{run}/")}
+    assert out["checks"].tolist() == [1] * (5 if run == "lora_world1" else 6)
     folder, adapter = world["folders"]["qwen3_moe"], world["root"] / run / "adapter"
     config = __import__("json").loads((adapter / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -551,8 +560,11 @@ def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run
     with torch.no_grad():  # export.merge: the base with (alpha / r) B_e A_e added to each expert's weights
         merged_logits = torch.cat([merged(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()])
     assert float((merged_logits - torch.cat(adapted)).abs().max()) <= 1e-4
-    if run == "lora_ep2":  # the same step at world 1 and EP=2 over 2 DP ranks: every adapter tensor equal
+    if run != "lora_world1":  # the same step (the same global batch) at world 1: every adapter tensor equal
         single = load_file(world["root"] / "lora_world1/adapter/adapter_model.safetensors")
         assert sorted(single) == sorted(tensors)
         for key, tensor in tensors.items():
-            assert float((tensor - single[key]).abs().max()) <= 1e-5 * max(float(single[key].abs().max()), 1e-3), key
+            # AdamW's first step is lr g / (|g| + eps): it amplifies the float32 rounding of a tiny gradient
+            # summed over TP ranks in another order (the attention's at TP=2), hence 1e-4 there
+            rel = 1e-4 if "self_attn" in key and run == "lora_tp2_etp1_ep2" else 1e-5
+            assert float((tensor - single[key]).abs().max()) <= rel * max(float(single[key].abs().max()), 1e-3), key

@@ -241,9 +241,13 @@ CASES = [
     ("moe", dict(model__num_experts=4, peft__method="lora"), {}, ()),  # LoRA on attention and every expert
     ("moe", dict(model__num_experts=4, peft__method="lora", parallel__tensor_model_parallel_size=2,
                  parallel__sequence_parallel=True), {},
-     ("peft.target_modules (['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2']) with "
-      "parallel.tensor_model_parallel_size (2) with a MoE model", "expert adapters split over expert TP are not built",
-      "set parallel.tensor_model_parallel_size=1 or peft.target_modules=[linear_qkv,linear_proj]")),
+     ("peft.target_modules (['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2']) with expert tensor parallel "
+      "size 2 (parallel.expert_tensor_parallel_size None, null = parallel.tensor_model_parallel_size) with a MoE "
+      "model", "split over expert TP (not built", "set parallel.expert_tensor_parallel_size=1 (whole experts, with "
+      "parallel.expert_model_parallel_size > 1) or peft.target_modules=[linear_qkv,linear_proj]")),
+    ("moe", dict(model__num_experts=4, peft__method="lora", parallel__tensor_model_parallel_size=2,
+                 parallel__sequence_parallel=True, parallel__expert_tensor_parallel_size=1,
+                 parallel__expert_model_parallel_size=2), {}, ()),  # whole experts: expert adapters whole too
     ("moe", dict(model__num_experts=4, peft__method="lora", peft__target_modules=["linear_fc2"], peft__dropout=0.1),
      {}, ("peft.dropout (0.1) with peft.target_modules (['linear_fc2']) with a MoE model",
           "ParamWrapper has no dropout", "set peft.dropout=0 or peft.target_modules=[linear_qkv,linear_proj]")),
