@@ -154,12 +154,12 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
      lambda c: f"parallel.tensor_model_parallel_size ({c.parallel.tensor_model_parallel_size}) without "
      "parallel.sequence_parallel", "megatron-core's MoE layer trains under TP only with sequence parallelism "
      "(each TP rank routes its own tokens); set parallel.sequence_parallel=true"),
-    (lambda c: _expert_lora(c) and _expert_tp(c) > 1,
+    (lambda c: _expert_lora(c) and _expert_tp(c) > 1 and c.parallel.expert_model_parallel_size > 1,
      lambda c: f"peft.target_modules ({list(c.peft.target_modules)}) with expert tensor parallel size {_expert_tp(c)} "
-     f"(parallel.expert_tensor_parallel_size {c.parallel.expert_tensor_parallel_size}, null = "
-     "parallel.tensor_model_parallel_size)", "LoRA on the experts' linears (linear_fc1 / linear_fc2) split over "
-     "expert TP (not built: each expert's adapter is whole on its EP rank); set parallel.expert_tensor_parallel_size=1 "
-     "(whole experts, with parallel.expert_model_parallel_size > 1) or peft.target_modules=[linear_qkv,linear_proj]"),
+     f"and parallel.expert_model_parallel_size ({c.parallel.expert_model_parallel_size})", "LoRA on the experts' "
+     "linears (linear_fc1 / linear_fc2) split over expert TP and EP at once (not run yet: the gradient norm would "
+     "count an expert adapter's replicated half once per expert-TP rank); set parallel.expert_tensor_parallel_size=1 "
+     "(whole experts) or parallel.expert_model_parallel_size=1 or peft.target_modules=[linear_qkv,linear_proj]"),
     (lambda c: _expert_lora(c) and c.peft.dropout > 0, lambda c: f"peft.dropout ({c.peft.dropout}) with "
      f"peft.target_modules ({list(c.peft.target_modules)})", "dropout on the experts' adapters (peft adapts the 3D "
      "expert parameters of transformers 5 through target_parameters, whose ParamWrapper has no dropout, so the "

@@ -69,7 +69,8 @@ def _tp_split_adapter(item: Any, gated: bool) -> Any:
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank, tp_size = getattr(data, "adapter_tp", None) or (  # an expert's adapter: its expert-TP rank
+        parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
     prepend = [(i, item.global_offset[i], item.global_shape[i]) for i in range(item.prepend_axis_num)]
     replica_id = (0, 0, item.replica_id[2] if isinstance(item.replica_id, tuple) else 0)
     axis = int(data.partition_dim)

@@ -240,11 +240,13 @@ CASES = [
       "set parallel.sequence_parallel=true")),
     ("moe", dict(model__num_experts=4, peft__method="lora"), {}, ()),  # LoRA on attention and every expert
     ("moe", dict(model__num_experts=4, peft__method="lora", parallel__tensor_model_parallel_size=2,
-                 parallel__sequence_parallel=True), {},
+                 parallel__sequence_parallel=True), {}, ()),  # expert adapters split over expert TP 2 (= TP)
+    ("moe", dict(model__num_experts=4, peft__method="lora", parallel__tensor_model_parallel_size=2,
+                 parallel__sequence_parallel=True, parallel__expert_model_parallel_size=2), {},
      ("peft.target_modules (['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2']) with expert tensor parallel "
-      "size 2 (parallel.expert_tensor_parallel_size None, null = parallel.tensor_model_parallel_size) with a MoE "
-      "model", "split over expert TP (not built", "set parallel.expert_tensor_parallel_size=1 (whole experts, with "
-      "parallel.expert_model_parallel_size > 1) or peft.target_modules=[linear_qkv,linear_proj]")),
+      "size 2 and parallel.expert_model_parallel_size (2) with a MoE model", "split over expert TP and EP at once",
+      "set parallel.expert_tensor_parallel_size=1 (whole experts) or parallel.expert_model_parallel_size=1 or "
+      "peft.target_modules=[linear_qkv,linear_proj]")),
     ("moe", dict(model__num_experts=4, peft__method="lora", parallel__tensor_model_parallel_size=2,
                  parallel__sequence_parallel=True, parallel__expert_tensor_parallel_size=1,
                  parallel__expert_model_parallel_size=2), {}, ()),  # whole experts: expert adapters whole too

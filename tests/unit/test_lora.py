@@ -155,6 +155,33 @@ def test_adapter_config_names_hf_modules():
                                                  "down_proj"]
 
 
+def test_expert_adapters_in_peft_layout_by_hand():
+    """peft's ParamWrapper layout for E=2 experts, r=2: lora_A rows [A_0; A_1], lora_B columns interleaved
+    (expert e's B is columns e, e + E), and an expert-TP rank's part like the expert's weight."""
+    from megatron_pack.model.peft.export import expert_tp_shard, stack_experts, unstack_expert
+
+    a0, a1 = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[5.0, 6.0], [7.0, 8.0]])
+    b0, b1 = torch.tensor([[10.0, 11.0]]), torch.tensor([[20.0, 21.0]])
+    lora_a, lora_b = stack_experts([a0, a1], [b0, b1])
+    assert lora_a.tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]] and lora_b.tolist() == [[10, 20, 11, 21]]
+    for e, (a, b) in enumerate([(a0, b0), (a1, b1)]):
+        got_a, got_b = unstack_expert(lora_a, lora_b, e, 2)
+        assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    b_fc1 = torch.arange(4.0).reshape(4, 1)  # [gate rows 0, 1; up rows 2, 3]
+    assert expert_tp_shard("x.linear_fc1", a0, b_fc1, 1, 2)[1].flatten().tolist() == [1, 3]  # [gate_1; up_1]
+    a_fc2 = torch.arange(8.0).reshape(2, 4)
+    assert expert_tp_shard("x.linear_fc2", a_fc2, b0, 1, 2)[0].tolist() == [[2, 3], [6, 7]]
+
+
+def test_adapter_config_names_expert_parameters():
+    meta = {"dim": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["linear_fc1", "linear_fc2"]}
+    config = adapter_config(meta, "qwen3_moe", None)
+    assert config["target_modules"] is None
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert adapter_config(meta, "qwen2_moe", None)["target_modules"] == ["gate_proj", "up_proj", "down_proj"]
+    assert adapter_config(dict(meta, target_modules=["linear_qkv"]), "mixtral", None)["target_parameters"] is None
+
+
 # ----- config -----------------------------------------------------------------------------------
 
 BAD_PEFT = [

@@ -65,8 +65,9 @@ def adapter_targets(model_type: str, targets, *, num_layers: Optional[int] = Non
 def expert_targets(model_type: str, targets, placement: Placement) -> list[tuple[str, list[str]]]:
     """(peft key stem, megatron prefixes of the chunk's local experts in order) of every adapted 3D expert
     parameter. Example, qwen3_moe, both linears, 4 experts on 2 EP ranks, rank 1, layer 0's linear_fc1:
-    ``("base_model.model.model.layers.0.mlp.experts.base_layer.", ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1",
-    "...local_experts.1.linear_fc1"])`` (global experts 2 and 3)."""
+    ``("base_model.model.model.layers.0.mlp.experts.base_layer.",
+    ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "...local_experts.1.linear_fc1"])``
+    (global experts 2 and 3)."""
     adapted = [leaf for leaf in EXPERT_PARAMETERS if leaf in targets]
     grouped: dict[tuple[int, str], list[str]] = {}
     for rule, mcore, _ in rules_for(model_type, tied=False, placement=placement):
@@ -105,6 +106,16 @@ def unstack_expert(lora_a: Tensor, lora_b: Tensor, expert: int, num_experts: int
     """Expert ``expert``'s (A [r, in], B [out, r]) of peft's lora_A [E r, in], lora_B [out, r E]."""
     r = lora_a.shape[0] // num_experts
     return lora_a[expert * r:(expert + 1) * r], lora_b.reshape(lora_b.shape[0], r, num_experts)[:, :, expert]
+
+
+def expert_tp_shard(prefix: str, a: Tensor, b: Tensor, etp_rank: int, etp_size: int) -> tuple[Tensor, Tensor]:
+    """This expert-TP rank's part of an expert's whole (A, B), split like the expert's weight: linear_fc1's B
+    rows as [gate_r; up_r] (B [2F, r] -> [2F / etp, r]), linear_fc2's A columns (A [r, F] -> [r, F / etp])."""
+    if etp_size == 1:
+        return a, b
+    if prefix.endswith("linear_fc1"):
+        return a, torch.cat([half.chunk(etp_size, 0)[etp_rank] for half in b.chunk(2, 0)], 0)
+    return a.chunk(etp_size, 1)[etp_rank], b
 
 
 def _splits_a(rule: Rule) -> bool:
@@ -245,8 +256,8 @@ class _TensorReader:
 
 
 def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, targets, *, tp_rank: int,
-                     tp_size: int, where: str = "the adapter",
-                     placement: Optional[Placement] = None) -> dict[str, Tensor]:
+                     tp_size: int, where: str = "the adapter", placement: Optional[Placement] = None,
+                     etp_rank: int = 0, etp_size: int = 1) -> dict[str, Tensor]:
     """This TP rank's adapter tensors (megatron names) of the model (or of the chunk at ``placement``)
     from peft-format tensors: the inverse of ``peft_tensors``. A fused linear's parts must share
     lora_A (as our export writes them)."""
@@ -274,13 +285,15 @@ def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, tar
             raise ValueError(f"{where} has no {a_name if a_name not in tensors else b_name}; it was not written for "
                              "these peft.target_modules.")
         for local, prefix in enumerate(prefixes):
-            out[prefix + IN], out[prefix + OUT] = unstack_expert(tensors[a_name], tensors[b_name],
-                                                                 placement.expert_offset + local, model_cfg.num_experts)
+            whole = unstack_expert(tensors[a_name], tensors[b_name], placement.expert_offset + local,
+                                   model_cfg.num_experts)
+            out[prefix + IN], out[prefix + OUT] = expert_tp_shard(prefix, *whole, etp_rank, etp_size)
     return out
 
 
 def load_adapter(model: torch.nn.Module, folder: str | Path, model_type: str, model_cfg, targets, *,
-                 tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> int:
+                 tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0,
+                 etp_size: int = 1) -> int:
     """Fill this TP (and EP) rank's adapters of ``model`` (built with peft=lora) from a peft adapter folder
     written by ``export.adapter`` (or with the same shared lora_A); returns the number filled."""
     from safetensors.torch import load_file
@@ -290,7 +303,8 @@ def load_adapter(model: torch.nn.Module, folder: str | Path, model_type: str, mo
     if placement.num_experts:
         placement = placement.with_experts(Dims.from_model_config(model_cfg, tp_size, ep=ep_size), ep_rank)
     mine = shards_from_peft(tensors, model_type, model_cfg, targets, tp_rank=tp_rank, tp_size=tp_size,
-                            where=f"{folder}/{ADAPTER_WEIGHTS}", placement=placement)
+                            where=f"{folder}/{ADAPTER_WEIGHTS}", placement=placement, etp_rank=etp_rank,
+                            etp_size=etp_size)
     params = {name.removeprefix("module."): p for name, p in model.named_parameters()}
     with torch.no_grad():
         for name, tensor in mine.items():

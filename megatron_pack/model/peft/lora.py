@@ -31,9 +31,9 @@ Experts of a MoE layer (``mlp.experts.local_experts.<e>.linear_fc1 / linear_fc2`
 3D ``gate_up_proj`` / ``down_proj`` its own rank-r block (``model/peft/export.py``). An expert-parallel
 rank holds the adapters of its own experts: they carry the base weight's ``allreduce = False``, so
 megatron-core's DDP reduces their gradients over the expert-data-parallel group, as the experts'. Their
-seed is the global expert's (``_seed_of``), so every EP size starts from the same adapters. Expert
-tensor parallelism is refused with expert adapters (``config/validate.py``): each expert's adapter is
-whole on its rank.
+seed is the global expert's (``_seed_of``), so every EP size starts from the same adapters. Under expert
+tensor parallelism they split like the dense ones (B of linear_fc1, A of linear_fc2) over the expert-TP
+group, with no communication of activations (``LoRAAdapter._expert_forward``).
 """
 
 from __future__ import annotations
@@ -71,9 +71,14 @@ class LoRAAdapter(nn.Module):
         whole.tensor_model_parallel = False
         whole.sequence_parallel = self.sequence_parallel  # a partial sum over the sequence shard
 
+    expert_comm: bool = False
+    """An expert's adapter under expert TP (``_as_expert_adapter``): the MoE dispatcher moves the activations."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
+        if self.expert_comm:
+            return self._expert_forward(x)
         h = self.linear_in(self._dropout(x))  # [s, b, r]: whole (column) or a partial sum (row)
         if self.tp_size > 1:
             if self.parallel == "column":
@@ -83,6 +88,21 @@ class LoRAAdapter(nn.Module):
                 h = (mappings.reduce_scatter_to_sequence_parallel_region(h, self.tp_group) if self.sequence_parallel
                      else mappings.reduce_from_tensor_model_parallel_region(h, self.tp_group))
         return self.linear_out(h) * self.scale
+
+    def _expert_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """An expert's linear under expert TP takes its input whole on every expert-TP rank and leaves its
+        output to the dispatcher (megatron-core's ``explicit_expert_comm``: column outputs stay split, row
+        outputs are partial sums it reduce-scatters, and it sums the input gradients over the ranks). So the
+        activations need nothing; the replicated weight (A of a column linear, B of a row one) sees only this
+        rank's part of its gradient, which ``copy_to`` (backward all-reduce over expert TP) makes whole."""
+        from megatron.core.tensor_parallel import mappings
+
+        a, b = self.linear_in.weight, self.linear_out.weight
+        if self.parallel == "column":
+            a = mappings.copy_to_tensor_model_parallel_region(a, self.tp_group)
+        else:
+            b = mappings.copy_to_tensor_model_parallel_region(b, self.tp_group)
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * self.scale
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout masks differ across TP ranks where x does (a sequence or feature shard), as megatron's do."""
@@ -163,13 +183,21 @@ def _seed_of(name: str, modules: dict[str, nn.Module], seed: int, dense_index: i
     return seed + EXPERT_SEED_OFFSET + 2 * (layer * num_global + global_expert) + int(name.endswith("linear_fc2"))
 
 
-def _as_expert_adapter(adapter: "LoRAAdapter", base: nn.Module) -> None:
-    """An expert's adapter is whole on its rank (no TP split) and reduced like the expert's weight."""
+def _expert_tp(base: nn.Module) -> tuple[object, int, int]:
+    """(group, rank, size) of an expert linear's expert tensor parallelism."""
     group = getattr(base, "tp_group", None)
-    if group is not None and group.size() != 1:  # validate() refuses expert TP with expert adapters
-        raise AssertionError(f"an expert adapter needs expert tensor parallel size 1, got {group.size()}")
+    return (group, group.rank(), group.size()) if group is not None and group.size() > 1 else (None, 0, 1)
+
+
+def _as_expert_adapter(adapter: "LoRAAdapter", base: nn.Module) -> None:
+    """An expert's adapter is reduced like the expert's weight; whole on its rank at expert TP 1, else split
+    like the expert's weight over expert TP (``adapter_tp``: the checkpoint's split axis, ``resharding.py``)."""
+    _, rank, size = _expert_tp(base)
+    adapter.expert_comm = size > 1
     for weight in (adapter.linear_in.weight, adapter.linear_out.weight):
-        weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = False, -1, 1
+        if size == 1:
+            weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = False, -1, 1
+        weight.adapter_tp = (rank, size)
         weight.allreduce = getattr(base.weight, "allreduce", True)
 
 
@@ -189,12 +217,14 @@ def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int,
         out_local, in_local = module.weight.shape
         adapter = LoRAAdapter(in_features=in_local, out_features=out_local, dim=peft_cfg.dim, alpha=peft_cfg.alpha,
                               dropout=peft_cfg.dropout, parallel="column" if leaf in COLUMN_PARALLEL else "row",
-                              tp_group=None if expert else tp_group, tp_size=1 if expert else tp_size,
+                              tp_group=_expert_tp(module)[0] if expert else tp_group,
+                              tp_size=_expert_tp(module)[2] if expert else tp_size,
                               sequence_parallel=sequence_parallel and not expert, dtype=module.weight.dtype,
                               partition_stride=getattr(module.weight, "partition_stride", 1)).to(module.weight.device)
         if expert:
             _as_expert_adapter(adapter, module)
-        _init_adapter(adapter, seed=_seed_of(name, modules, seed, dense_index), tp_rank=0 if expert else tp_rank)
+        _init_adapter(adapter, seed=_seed_of(name, modules, seed, dense_index),
+                      tp_rank=_expert_tp(module)[1] if expert else tp_rank)
         dense_index += not expert
         module.add_module("adapter", adapter)
         module.register_forward_hook(_adapter_hook)
