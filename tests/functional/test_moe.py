@@ -11,9 +11,10 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    the experts transformers' router picks for the sample alone; at CP=2 rank 1's slice is only
    padding and the step finishes (the world has a deadline);
 3. one training step (our forward_step: padding mask and pack boundaries from the metadata) gives
-   the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
-   transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
-   with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
+   the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64 transformers reference
+   that runs each sample alone: ``sum CE / M + (a sum_s n_s L_s + z sum_s n_s Z_s) / N`` with ``n_s`` a sample's
+   real tokens, ``M`` and ``N`` the global batch's target and real tokens (docs/training.md), relative 1e-5 (at
+   DP=2 the two ranks' packs differ in target per real token, so a per-rank normalisation fails);
 4. LoRA on the attention of a MoE model: our logits with (random, non-zero) adapters equal peft's on the
    transformers model after export in the peft format;
 5. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
@@ -144,13 +145,14 @@ def _train_step(model, pg, cfg, batch) -> dict:
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_pack.model.hf.export import hf_tensors
-    from megatron_pack.model.moe import step_moe_metrics
+    from megatron_pack.model.moe import set_step_tokens, step_moe_metrics
     from megatron_pack.training.chunks import wrap_ddp
     from megatron_pack.training.step import forward_step
 
     model.train()
     ddp = wrap_ddp(cfg, model, pg)
     ddp.zero_grad_buffer()
+    _, real_tokens = set_step_tokens(ddp, [batch], pg.dp_group)
     output, loss_fn = forward_step(iter([batch]), ddp)
     loss_sum, num_tokens, report = loss_fn(output)
     loss_sum.backward()
@@ -173,7 +175,7 @@ def _train_step(model, pg, cfg, batch) -> dict:
     moe_reports = {k: v.double().reshape(-1).clone() for k, v in report.items() if k.startswith("moe ")}
     for value in moe_reports.values():  # the sum the trainer's step outcome takes over DP x CP
         dist.all_reduce(value, group=pg.dp_cp_group)
-    moe = step_moe_metrics({k: v.tolist() for k, v in moe_reports.items()}, float(counts[1]), NUM_EXPERTS)
+    moe = step_moe_metrics({k: v.tolist() for k, v in moe_reports.items()}, real_tokens, NUM_EXPERTS)
     return {"lm_loss": float(counts[0] / counts[1]), "lb": moe["load_balancing_loss"], "z": moe["z_loss"],
             "grad_norm": norm,
             **{f"grad/{k}": v.numpy() for k, v in hf_grads.items()}}
@@ -207,11 +209,72 @@ def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
         destroy_parallel()
 
 
-def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
+def _worker(rank: int, world_size: int, folders: dict, refs: dict, root: str) -> dict:
     out = {}
     for family, layout in WORLDS[world_size]:
         out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
+    out.update(_distributed_optimizer(folders["qwen3_moe"], rank, root))
     return out
+
+
+def _trainer(folder: str, ep: int, packs: list, distributed_optimizer: bool):
+    import dataclasses
+
+    from _dist import ListLoader
+    from megatron_pack.config.schema import DDPConfig, TrainConfig
+    from megatron_pack.parallel.groups import initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = dataclasses.replace(_config(folder, 1, ep), ddp=DDPConfig(use_distributed_optimizer=distributed_optimizer),
+                              train=TrainConfig(seed=1234, lr=3e-3, global_batch_size=4, train_iters=3,
+                                                lr_warmup_iters=0, clip_grad=0.05))
+    return build_trainer(cfg, initialize_parallel(cfg), ListLoader(packs))
+
+
+def _distributed_optimizer(folder: str, rank: int, root: str) -> dict:
+    """Trainers at DP=2 x EP=2 (2 micro-batches per rank and step, each rank its own packs), with and without
+    ``ddp.use_distributed_optimizer``, and resumes across it: A plain, 3 steps (checkpoint after step 1); B
+    distributed, 2 steps from the start (checkpoint); C plain at EP=1 resumes B for step 3; D distributed resumes
+    A's step-1 checkpoint for step 2. Returns (lm loss, grad norm, lb) per step and B's / A's weights after step 2."""
+    from megatron_pack.parallel.groups import destroy_parallel
+    from megatron_pack.training.chunks import core_model
+
+    rng = np.random.default_rng(11 + rank)
+    samples = [rng.integers(3, VOCAB, size=int(n)).tolist() + [2] for n in rng.integers(4, 14, size=12)]
+    packs = [_pack(samples[i:i + 2]) for i in range(0, 12, 2)]
+
+    def steps(trainer, num):
+        return [[m.lm_loss, m.grad_norm, m.moe["load_balancing_loss"]] for m in (trainer.train_step() for _ in range(num))]
+
+    def weights(trainer):
+        return {n: p.detach().clone() for n, p in core_model(trainer.model).named_parameters()}
+
+    a = _trainer(folder, 2, packs, False)
+    run_a = steps(a, 1)
+    a1 = a.save(f"{root}/a")
+    run_a += steps(a, 1)
+    a_weights = weights(a)
+    run_a += steps(a, 1)
+    destroy_parallel()
+    b = _trainer(folder, 2, packs, True)
+    sharded = sum(p.numel() for *_, p in b.optimizer.pieces) < sum(p.numel() for p in b.optimizer.params)
+    run_b = steps(b, 2)
+    b_weights = weights(b)
+    b2 = b.save(f"{root}/b")
+    destroy_parallel()
+    c = _trainer(folder, 1, packs, False)
+    c.load(b2)
+    run_c = steps(c, 1)
+    destroy_parallel()
+    d = _trainer(folder, 2, packs, True)
+    d.load(a1)
+    run_d = steps(d, 1)
+    destroy_parallel()
+    diff = max(float((b_weights[n] - w).abs().max()) for n, w in a_weights.items())
+    return {f"distopt/{rank}/{k}": v for k, v in {"a": np.array(run_a), "b": np.array(run_b), "c": np.array(run_c),
+                                                  "d": np.array(run_d), "weights_diff": diff, "sharded": sharded,
+                                                  "num_experts_local": sum(".local_experts." in n for n in b_weights),
+                                                  }.items()}
 
 
 def _reference(folder: str) -> dict:
@@ -228,12 +291,12 @@ def _reference(folder: str) -> dict:
     total_lm = total_lb = total_z = 0.0
     objective = 0.0
     num_targets = sum(sum(_mask(s)[1:]) for s in samples)
+    num_real = sum(len(s) - 1 for s in samples)
     for ids in samples:
         out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
         weight = torch.tensor(_mask(ids)[1:], dtype=torch.float64)
         ce = torch.nn.functional.cross_entropy(out.logits[0], torch.tensor(ids[1:]), reduction="none")
         lm = (ce * weight).sum()
-        m = weight.sum()
         lb = z = 0.0
         for r in out.router_logits:  # the sample's own Switch loss and z-loss, per layer
             n = r.shape[0]
@@ -241,10 +304,11 @@ def _reference(folder: str) -> dict:
             chosen = torch.zeros_like(probs).scatter(1, r.topk(TOPK, dim=-1).indices, 1.0)
             lb = lb + NUM_EXPERTS / (TOPK * n * n) * (chosen.sum(0) * probs.sum(0)).sum()
             z = z + torch.logsumexp(r, dim=-1).square().mean()
-        objective = objective + (lm + AUX * m * lb + ZLOSS * m * z) / num_targets
+        n = len(ids) - 1  # the sample's real tokens: the weight of its auxiliary losses
+        objective = objective + lm / num_targets + (AUX * n * lb + ZLOSS * n * z) / num_real
         total_lm += float(lm) / num_targets
-        total_lb += float(m * lb) / num_targets / len(out.router_logits)
-        total_z += float(m * z) / num_targets / len(out.router_logits)
+        total_lb += float(n * lb) / num_real / len(out.router_logits)
+        total_z += float(n * z) / num_real / len(out.router_logits)
     objective.backward()
     grads = _checkpoint_names({n: p.grad.float() for n, p in model.named_parameters()}, "mixtral" in folder)
     return {"logits": logits, "counts": torch.stack(counts).numpy(), "lm": total_lm, "lb": total_lb, "z": total_z,
@@ -281,8 +345,10 @@ def world(tmp_path_factory) -> dict:
         refs[family] = _reference(folders[family])
     out = {}
     for world_size in WORLDS:
-        out.update(spawn_world(_worker, world_size, root / f"world{world_size}", folders,
-                               {f: {"logits": r["logits"]} for f, r in refs.items()}, timeout_s=600)[0])
+        for rank, ranks_out in enumerate(spawn_world(_worker, world_size, root / f"world{world_size}", folders,
+                                                     {f: {"logits": r["logits"]} for f, r in refs.items()},
+                                                     str(root / "checkpoints"), timeout_s=600)):
+            out.update(ranks_out if rank == 0 else {k: v for k, v in ranks_out.items() if k.startswith("distopt/")})
     return {"out": out, "refs": refs, "folders": folders}
 
 
@@ -409,3 +475,19 @@ def test_lora_on_attention_exports_in_peft_format(tmp_path):
             assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) <= 1e-4
             with peft_model.disable_adapter():  # the adapters matter
                 assert float((ours - peft_model(torch.tensor([ids[:-1]])).logits[0]).abs().max()) > 1e-2
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_distributed_optimizer_with_experts_takes_the_plain_optimizers_steps(world, rank):
+    """DP=2 x EP=2: the distributed optimizer (dense weights sharded over DP, each rank's experts over its
+    expert-DP group) gives the plain optimizer's losses, gradient norms, load-balancing losses and weights
+    (relative 1e-5), and checkpoints cross it both ways (C: distributed -> plain at EP=1; D: plain -> distributed)."""
+    out = {k.split("/", 2)[2]: v for k, v in world["out"].items() if k.startswith(f"distopt/{rank}/")}
+    a, b, c, d = out["a"], out["b"], out["c"], out["d"]
+    assert a.shape == (3, 3) and np.all(a > 0) and bool(out["sharded"]) and int(out["num_experts_local"]) > 0
+    assert not np.allclose(a[0], a[1], rtol=1e-3)  # the steps moved the model
+    np.testing.assert_allclose(b, a[:2], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(d, a[1:2], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(c, a[2:], rtol=1e-5, atol=0)
+    assert float(out["weights_diff"]) <= 1e-6
