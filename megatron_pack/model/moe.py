@@ -221,7 +221,8 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
     aux = (w * num_experts / (topk * safe_n * safe_n) * (c_se * p_se).sum(-1)).sum()
     lse2 = torch.logsumexp(logits.float(), dim=-1).square() * real
     z = (w / safe_n * torch.zeros(num_seqs, dtype=lse2.dtype, device=logits.device).index_add_(0, owner, lse2)).sum()
-    return aux, z, routed.sum(0)
+    # the load is what the map routed (padding included, were any routed): a measurement, not a filtered count
+    return aux, z, routing_map.to(torch.float32).sum(0)
 
 
 def moe_config_kwargs(model_cfg, *, on_gpu: bool) -> dict:

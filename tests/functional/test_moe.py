@@ -394,7 +394,7 @@ RUN = ["experiment=pretrained_tiny", "model.pretrained=models/tiny-moe", "data.s
 
 
 @pytest.mark.timeout(900)
-def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
+def test_train_and_export_a_moe_model_through_the_cli(tmp_path, monkeypatch, capsys):
     import json
 
     import transformers as T
@@ -404,6 +404,16 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
     _hf_model("qwen3_moe", vocab=301).save_pretrained(source)
     save_tokenizer(source)
     prepare_in(tmp_path, RUN)
+    from megatron_pack.cli.verify import main as verify_main
+
+    monkeypatch.chdir(tmp_path)  # verify against transformers routes only real tokens, as training does
+    rc = verify_main(RUN + ["verify.reference=transformers", "verify.num_packs=2"])
+    text = capsys.readouterr().out
+    routed = [line for line in text.splitlines() if line.startswith("pack ")]
+    assert rc == 0 and len(routed) == 2 and all(" routed " in line and "PASS" in line for line in routed), text
+    for line in routed:  # "pack 0: 3 samples, 70 real tokens ... routed 70/70 real tokens"
+        real = line.split(" real tokens")[0].rsplit(" ", 1)[1]
+        assert f"routed {real}/{real} real tokens" in line, line
     first = torchrun_train(tmp_path, RUN + ["parallel.expert_model_parallel_size=2", "train.exit_after_iters=2",
                                             "checkpoint.save_interval=2"])
     out = torchrun_train(tmp_path, RUN)  # resumes the EP=2 checkpoint at EP=1
