@@ -13,6 +13,10 @@ tp1_cp2, tp2_cp2_sp), loading the weights with our streamed TP-sliced loader:
    at tp2_cp2_sp (every rank calls ``save_checkpoint`` as the trainer does), exported in one
    process by ``megatron-pack export checkpoint=...``.
 
+The same world runs a Qwen3-MoE folder (test_moe.py's) at CP=2 x DP=2 with EP=2 (so the expert-data-parallel
+group has 2 ranks, which the 2-rank worlds of test_moe.py never reach): logits of a padded pack of several
+samples, and of each sample packed alone, against transformers (<= 1e-4).
+
 The reference (transformers) is computed in the parent process, which shares no code with ours.
 """
 
@@ -136,7 +140,29 @@ def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
         for layout, tp, cp, sp in LAYOUTS:
             result = _run(folders[family], tp, cp, sp, batch, refs[family], rank)
             out.update({f"{family}/{layout}/{k}": v for k, v in result.items()})
+    out.update(_moe_run(folders["moe"], refs["moe"]))
     return out
+
+
+def _moe_run(folder: str, refs: list) -> dict:
+    """A MoE model at CP=2 x DP=2, EP=2: the largest logit difference against transformers, packed and alone."""
+    from test_moe import _config, _logit_diffs, _pack
+    from test_moe import _samples as moe_samples
+
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    pg = initialize_parallel(_config(folder, cp=2, ep=2))
+    try:
+        model = build_model(_config(folder, cp=2, ep=2), pg).eval()
+        samples = moe_samples()
+        return {"moe/ep2_cp2_dp2/groups": np.array([pg.dp_size, pg.cp_size, pg.pg_collection.ep.size(),
+                                                    pg.pg_collection.expt_dp.size(),
+                                                    len(model.decoder.layers[0].mlp.experts.local_experts)]),
+                "moe/ep2_cp2_dp2/packed": _logit_diffs(model, pg, _pack(samples), refs),
+                "moe/ep2_cp2_dp2/alone": max(_logit_diffs(model, pg, _pack([s]), [r]) for s, r in zip(samples, refs))}
+    finally:
+        destroy_parallel()
 
 
 def _reference_loss(logits: list[torch.Tensor], samples: list[list[int]]) -> float:
@@ -152,6 +178,12 @@ def world(tmp_path_factory) -> dict:
     folders = {f: str(make_family(root, f, seed=i)) for i, f in enumerate(FAMILIES)}
     samples = _samples()
     refs = {f: hf_logits(folders[f], [s[:-1] for s in samples]) for f in FAMILIES}
+    from test_moe import _hf_model
+    from test_moe import _samples as moe_samples
+
+    folders["moe"] = str(root / "qwen3_moe")
+    _hf_model("qwen3_moe").save_pretrained(folders["moe"])
+    refs["moe"] = hf_logits(folders["moe"], [s[:-1] for s in moe_samples()])
     out = spawn_world(_worker, WORLD_SIZE, root, folders, refs)[0]
     out["folders"] = folders
     out["ref_loss"] = {f: _reference_loss(refs[f], samples) for f in FAMILIES}
@@ -166,6 +198,14 @@ def world(tmp_path_factory) -> dict:
 def test_logits_match_transformers(world, case):
     assert int(world[f"{case}/num_tokens"]) == sum(len(s) - 1 for s in _samples())  # every real token compared
     assert float(world[f"{case}/max_diff"]) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_moe_logits_match_transformers_at_ep2_cp2_dp2(world):
+    # DP 2, CP 2, EP 2, expert-DP 2, 2 of the 4 experts on each rank
+    assert world["moe/ep2_cp2_dp2/groups"].tolist() == [2, 2, 2, 2, 2]
+    assert float(world["moe/ep2_cp2_dp2/packed"]) <= 1e-4 and float(world["moe/ep2_cp2_dp2/alone"]) <= 1e-4
 
 
 @pytest.mark.slow

@@ -22,7 +22,10 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    folder as the
    docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
    the export has the source's per-expert layout, loads in transformers with changed weights, and an
-   export of the untrained folder is bit-identical to it.
+   export of the untrained folder is bit-identical to it; ``verify verify.reference=transformers`` on the
+   prepared packs PASSes and routes exactly each pack's real tokens in every layer;
+6. the distributed optimizer at DP=2 x EP=2 (dense state sharded over DP, experts over expert-DP) takes the plain
+   optimizer's steps (losses, gradient norms, load-balancing losses, weights), and checkpoints cross it both ways.
 """
 
 from __future__ import annotations
