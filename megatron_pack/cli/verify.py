@@ -18,6 +18,11 @@ cross documents on purpose: verify still measures the difference per piece, prin
 DESIGN (cross)`` for every pack instead of PASS, and exits 1. With ``wrapped_attention=document``
 (and split pieces) each piece is compared with itself alone, as any other sample.
 
+A mixture-of-experts model routes as training does: the pack's padding (from its boundaries, never
+token ids) is excluded from routing (``model.moe.set_pack``), and each pack line adds ``routed N/N
+real tokens``: the real tokens routed (top-k) in every MoE layer of the packed forward; a pack whose
+count differs from its real tokens in any layer FAILs.
+
 ``verify.attention=pack_causal`` builds the model with plain causal attention over the whole
 pack (samples see the samples before them): the broken setting verify exists to catch; it FAILs.
 
@@ -66,6 +71,14 @@ class PackResult:
 
     index: int
     samples: list[SampleResult] = field(default_factory=list)
+    routed_tokens: Optional[list[int]] = None
+    """A MoE model's real tokens routed in each MoE layer of the packed forward (None: dense)."""
+    real_tokens: int = 0
+    """The pack's real tokens (``cu_seqlens[-1]``)."""
+
+    @property
+    def routed_ok(self) -> bool:
+        return self.routed_tokens is None or all(n == self.real_tokens for n in self.routed_tokens)
 
     @property
     def max_logit_diff(self) -> float:
@@ -76,7 +89,7 @@ class PackResult:
         return max((s.loss_diff for s in self.samples), default=0.0)
 
     def passed(self, tolerance: float) -> bool:
-        return self.max_logit_diff <= tolerance and self.max_loss_diff <= tolerance
+        return self.max_logit_diff <= tolerance and self.max_loss_diff <= tolerance and self.routed_ok
 
 
 def single_process_config(cfg):
@@ -97,14 +110,37 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
     return reader.path
 
 
-def _logits(model, batch: dict, device: torch.device) -> torch.Tensor:
-    """[T, V] float32 logits of a THD batch (TP = CP = 1)."""
+def _forward(model, batch: dict, local: dict, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """This rank's logits of ``local`` (its CP slice of the THD ``batch``); a MoE model's routers read the
+    pack's boundaries and padding is not routed, as in training (``model.moe.set_pack``)."""
+    from megatron_pack.model.moe import set_pack
     from megatron_pack.training.step import get_packed_seq_params
 
     params = get_packed_seq_params(batch, device=device)
+    padding_mask = set_pack(model, batch, cp_size, cp_rank, device)
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
     with torch.no_grad():
-        logits = model(batch["tokens"].to(device), batch["position_ids"].to(device), None, packed_seq_params=params)
-    return logits[0].float()
+        return model(local["tokens"].to(device), local["position_ids"].to(device), None, packed_seq_params=params,
+                     **extra)
+
+
+def routed_tokens(model, cp_group=None) -> Optional[list[int]]:
+    """Real tokens routed in each MoE layer by the last forward (summed over ``cp_group``, whose ranks all call
+    it); None for a dense model."""
+    from megatron_pack.model.moe import pack_routing
+
+    routing = pack_routing(model)
+    if routing is None or not routing.load:
+        return None
+    load = torch.stack([routing.load[i] for i in sorted(routing.load)]).sum(-1)
+    if cp_group is not None and cp_group.size() > 1:
+        torch.distributed.all_reduce(load, group=cp_group)
+    return [int(round(float(n) / model.config.moe_router_topk)) for n in load]
+
+
+def _logits(model, batch: dict, device: torch.device) -> torch.Tensor:
+    """[T, V] float32 logits of a THD batch (TP = CP = 1)."""
+    return _forward(model, batch, batch, 1, 0, device)[0].float()
 
 
 def _mean_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> Optional[float]:
@@ -121,12 +157,12 @@ def compare_pack(model, samples: list[dict], collate, *, pack_size: int, pad_id:
 
     batch = collate(samples)
     packed = _logits(model, batch, device)
+    result = PackResult(index=index, routed_tokens=routed_tokens(model), real_tokens=int(batch["cu_seqlens"][-1]))
     lengths = [len(s["input_ids"]) - 1 for s in samples]
     if len(batch["cu_seqlens"]) - 1 < len(samples):  # a wrapped_attention=cross row: pieces laid end to end
         starts = [sum(lengths[:i]) for i in range(len(samples))]
     else:
         starts = batch["cu_seqlens_padded"].tolist()[:len(samples)]
-    result = PackResult(index=index)
     for i, sample in enumerate(samples):
         start, num_tokens = starts[i], lengths[i]
         alone_batch = collate_thd([sample], pack_size=pack_size, pad_id=pad_id)
@@ -144,12 +180,19 @@ def _fmt_loss(value: Optional[float]) -> str:
     return "n/a (no targets)" if value is None else f"{value:.6f}"
 
 
+def _fmt_routed(result: PackResult) -> str:
+    if result.routed_tokens is None:
+        return ""
+    worst = min(result.routed_tokens, key=lambda n: (n == result.real_tokens, n))
+    return f"  routed {worst}/{result.real_tokens} real tokens"
+
+
 def format_pack(result: PackResult, tolerance: float, *, leaks_by_design: bool = False) -> str:
     """The lines verify prints for one pack (``leaks_by_design``: a wrapped_attention=cross row)."""
     verdict = "LEAKS BY DESIGN (cross)" if leaks_by_design else "PASS" if result.passed(tolerance) else "FAIL"
     lines = [f"pack {result.index}: {len(result.samples)} samples, {sum(s.num_tokens for s in result.samples)} "
              f"real tokens  max |logit diff| {result.max_logit_diff:.3e}  max |loss diff| "
-             f"{result.max_loss_diff:.3e}  {verdict}"]
+             f"{result.max_loss_diff:.3e}{_fmt_routed(result)}  {verdict}"]
     for s in result.samples:
         lines.append(f"    sample {s.sample_id}: {s.num_tokens} tokens  max |logit diff| {s.max_logit_diff:.3e}  "
                      f"loss packed {_fmt_loss(s.loss_packed)} alone {_fmt_loss(s.loss_alone)}  "
@@ -239,23 +282,20 @@ def _full_logits(logits: torch.Tensor, batch: dict, state) -> torch.Tensor:
     return gather_full_logits(logits.float(), batch["cu_seqlens_padded"], state)[0]
 
 
-def _ours(model, batch: dict, state) -> torch.Tensor:
+def _ours(model, batch: dict, state) -> tuple[torch.Tensor, Optional[list[int]]]:
+    """Our full packed logits [T, V'] and a MoE model's routed real tokens per layer (every rank calls it)."""
     from megatron_pack.parallel.cp import slice_thd_batch
-    from megatron_pack.training.step import get_packed_seq_params
 
     local = slice_thd_batch(batch, state.cp_size, state.cp_rank)
-    params = get_packed_seq_params(batch, device=state.device)
-    with torch.no_grad():
-        logits = model(local["tokens"].to(state.device), local["position_ids"].to(state.device), None,
-                       packed_seq_params=params)
-    return _full_logits(logits.cpu(), batch, state)
+    logits = _forward(model, batch, local, state.cp_size, state.cp_rank, state.device)
+    return _full_logits(logits.cpu(), batch, state), routed_tokens(model, state.cp_group)
 
 
 def compare_with_transformers(packed: torch.Tensor, batch: dict, reference, vocab: int, index: int):
     """One pack: our packed logits [T, V'] against transformers on each sample alone."""
     cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
     ids = batch.get("sample_ids", torch.full((len(cu) - 1,), -1)).tolist()
-    result = PackResult(index=index)
+    result = PackResult(index=index, real_tokens=cu[-1])
     for i in range(len(cu) - 1):
         start, num_tokens = cu_pad[i], cu[i + 1] - cu[i]
         if num_tokens == 0:  # a pad_to_max_length tail: no sample
@@ -309,9 +349,10 @@ def run_verify_transformers(cfg, *, out=print) -> int:
         num_passed = 0
         for i in range(num_packs):
             batch = collate(dataset[i])
-            packed = _ours(model, batch, state)
+            packed, routed = _ours(model, batch, state)
             if state.rank == 0:
                 result = compare_with_transformers(packed, batch, reference, cfg.model.vocab_size, i)
+                result.routed_tokens = routed
                 out(format_pack(result, tol))
                 num_passed += result.passed(tol)
         verdict = torch.tensor([int(num_packs > 0 and num_passed == num_packs)])

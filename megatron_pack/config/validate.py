@@ -168,8 +168,6 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
      "model.fp8=none"),
     (lambda c: c.model.cuda_graph_impl != "none", lambda c: f"model.cuda_graph_impl ({c.model.cuda_graph_impl})",
      "CUDA graphs of MoE layers (the router reads per-pack metadata on the host); set model.cuda_graph_impl=none"),
-    (lambda c: c.ddp.use_distributed_optimizer, lambda c: "ddp.use_distributed_optimizer (True)",
-     "the distributed optimizer with expert parameters (not proved yet); set ddp.use_distributed_optimizer=false"),
 )
 
 

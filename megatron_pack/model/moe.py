@@ -15,11 +15,16 @@ of ours, ``PackedTopKRouter``, which reads the pack's boundaries (metadata, neve
   the loss the sample would get as its own unpacked batch of one sequence. ``c_si`` and ``n_s``
   are summed over the ranks holding the sample's tokens (CP, and TP under sequence parallelism),
   so ``L_s`` does not depend on the layout.
-* **weighted like the LM loss**: the step minimises ``(sum_t lm_t + sum_s m_s * (a * L_s + z * Z_s))
-  / M`` with ``m_s`` the sample's target tokens and ``M`` the global batch's (the one normalisation,
-  ``finalize_model_grads``): each sample's auxiliary losses weigh what its tokens weigh in the LM
-  loss, the same at every CP / DP / micro-batch layout and packed or not. ``Z_s`` is the router
-  z-loss, the mean over the sample's real tokens of ``logsumexp(router logits)^2``.
+* **per real token over the global batch**: "unpacked" is each sample of the step run alone as its
+  own sequence; the step's auxiliary losses are the real-token-weighted means over every sample of
+  the global batch (all DP ranks, CP ranks and micro-batches), ``LB = sum_s n_s * L_s / N`` and
+  ``ZL = sum_s n_s * Z_s / N`` with ``N`` the global batch's real tokens (``Z_s`` the router z-loss,
+  the mean over the sample's real tokens of ``logsumexp(router logits)^2``, so ``ZL`` is the plain
+  mean over every real token of the batch). The step minimises ``sum_t lm_t / M + a * LB + z * ZL``
+  (per MoE layer, summed over layers), ``M`` the global target tokens. The one normalisation,
+  ``finalize_model_grads``, scales every gradient by ``1 / M``, so each router attaches
+  ``(M / N) * (a * sum_s n_s L_s + z * sum_s n_s Z_s)`` (its local part): ``M`` and ``N`` come from the
+  step's boundary metadata before the forward (:func:`set_step_tokens`, one all-reduce over DP).
 * **metrics**: tokens routed to each expert of each layer (real tokens only) and the two auxiliary
   losses go into the loss report (``report["moe ..."]``), summed over the step like the LM loss.
 """
@@ -32,7 +37,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 AUX_REPORT, Z_REPORT, LOAD_REPORT = "moe load balancing loss", "moe z loss", "moe tokens per expert"
-"""Keys of the loss report: [sum of m_s * L_s], [sum of m_s * Z_s], [layers, experts] routed-token counts."""
+"""Keys of the loss report: [sum of n_s * L_s], [sum of n_s * Z_s], [layers, experts] routed-token counts."""
 
 
 @dataclass
@@ -42,7 +47,7 @@ class PackRouting:
     seq_index: Optional[torch.Tensor] = None
     """int64 [T_local]: the sub-sequence of each local position, -1 on padding."""
     seq_weight: Optional[torch.Tensor] = None
-    """float [N]: target tokens of each sub-sequence (the weight of its auxiliary losses)."""
+    """float [N]: real tokens of each sub-sequence (the weight of its auxiliary losses)."""
     aux: dict[int, torch.Tensor] = field(default_factory=dict)
     """layer number -> this micro-batch's detached [weighted aux loss, weighted z-loss] (local part)."""
     load: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -51,14 +56,17 @@ class PackRouting:
     """model.moe_aux_loss_coeff."""
     z_coeff: float = 0.0
     """model.moe_z_loss_coeff."""
+    step_scale: float = 1.0
+    """Global target tokens / global real tokens of the current step (``set_step_tokens``): what turns the
+    per-real-token auxiliary losses into the per-target-token units ``finalize_model_grads`` divides."""
 
 
 def sequence_layout(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sub-sequence of each of this CP rank's positions, -1 on padding; target tokens per sub-sequence).
+    """(sub-sequence of each of this CP rank's positions, -1 on padding; real tokens per sub-sequence).
 
-    From the pack's metadata only (``cu_seqlens``, ``cu_seqlens_padded``, ``loss_mask``). Example:
-    ``cu_seqlens=[0, 3, 5]``, ``cu_seqlens_padded=[0, 4, 8]``, loss_mask ``[0,1,1,0, 1,0,0,0]``, CP=1 ->
-    ``([0, 0, 0, -1, 1, 1, -1, -1], [2., 1.])``.
+    From the pack's metadata only (``cu_seqlens``, ``cu_seqlens_padded``). Example:
+    ``cu_seqlens=[0, 3, 5]``, ``cu_seqlens_padded=[0, 4, 8]``, CP=1 ->
+    ``([0, 0, 0, -1, 1, 1, -1, -1], [3., 2.])``.
     """
     from megatron_pack.parallel.cp import thd_local_segments
 
@@ -67,10 +75,30 @@ def sequence_layout(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> tup
     num_local = int(padded[-1]) // cp_size
     seq, real = thd_local_segments(cu, padded, num_local, cp_size, cp_rank)
     seq_index = torch.where(real, seq, torch.full_like(seq, -1))
-    mask = torch.as_tensor(batch["loss_mask"]).reshape(-1).to(torch.float64)
-    owner = torch.searchsorted(padded[1:].contiguous(), torch.arange(mask.numel()), right=True)
-    weight = torch.zeros(cu.numel() - 1, dtype=torch.float64).index_add_(0, owner.clamp(max=cu.numel() - 2), mask)
-    return seq_index, weight
+    return seq_index, (cu[1:] - cu[:-1]).to(torch.float64)
+
+
+def step_token_counts(batches: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """(target tokens, real tokens) of whole packs ``batches``, from their metadata (``loss_mask``, ``cu_seqlens``)."""
+    target = sum(float(torch.as_tensor(b["loss_mask"]).sum()) for b in batches)
+    real = sum(float(torch.as_tensor(b["cu_seqlens"]).reshape(-1)[-1]) for b in batches)
+    return target, real
+
+
+def set_step_tokens(model, batches: Sequence[Mapping[str, Any]], dp_group=None) -> Optional[tuple[float, float]]:
+    """Before a step's forward: sum the step's target and real tokens over ``dp_group`` (``batches``: this DP
+    rank's whole packs, every micro-batch; the CP ranks of a DP rank read the same packs) and give the routers
+    ``step_scale = M / N`` (module docstring). Returns the global ``(M, N)``; None (no collective) for a dense
+    model. Every rank of ``dp_group`` calls it, whatever its packs hold."""
+    routing = pack_routing(model)
+    if routing is None:
+        return None
+    counts = torch.tensor(step_token_counts(batches), dtype=torch.float64)
+    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(counts, group=dp_group)
+    target, real = float(counts[0]), float(counts[1])
+    routing.step_scale = target / real if real > 0 else 0.0
+    return target, real
 
 
 def pack_routing(model) -> Optional[PackRouting]:
@@ -148,7 +176,7 @@ def _router_class():
                 torch.distributed.all_reduce(record, group=self.tp_group)
             record = record.double().cpu()
             self.pack.aux[self.layer_number], self.pack.load[self.layer_number] = record[:2], record[2:]
-            total = a * aux + zc * z
+            total = self.pack.step_scale * (a * aux + zc * z)
             if self.training and torch.is_grad_enabled() and (a or zc):
                 probs = MoEAuxLossAutoScaler.apply(probs, total)
             return probs
@@ -168,10 +196,11 @@ def _router_class():
 
 def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: torch.Tensor, weight: torch.Tensor,
                           *, topk: int, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(this rank's part of sum_s m_s * L_s, of sum_s m_s * Z_s, tokens per expert) (module docstring).
+    """(this rank's part of sum_s w_s * L_s, of sum_s w_s * Z_s, tokens per expert) (module docstring; the
+    trainer's ``w_s`` is the sample's real tokens ``n_s``).
 
     ``logits`` [T, E] router logits, ``routing_map`` [T, E] (False on padding), ``seq`` [T] sub-sequence
-    or -1, ``weight`` [N] target tokens per sub-sequence; ``group`` the other ranks holding parts of the
+    or -1, ``weight`` [N] the weight of each sub-sequence; ``group`` the other ranks holding parts of the
     same sub-sequences (CP, and TP with sequence parallelism): counts are summed over it (every rank
     enters the all-reduce, whatever its slice holds).
     """
@@ -192,7 +221,8 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
     aux = (w * num_experts / (topk * safe_n * safe_n) * (c_se * p_se).sum(-1)).sum()
     lse2 = torch.logsumexp(logits.float(), dim=-1).square() * real
     z = (w / safe_n * torch.zeros(num_seqs, dtype=lse2.dtype, device=logits.device).index_add_(0, owner, lse2)).sum()
-    return aux, z, routed.sum(0)
+    # the load is what the map routed (padding included, were any routed): a measurement, not a filtered count
+    return aux, z, routing_map.to(torch.float32).sum(0)
 
 
 def moe_config_kwargs(model_cfg, *, on_gpu: bool) -> dict:
@@ -246,14 +276,15 @@ def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:
     return routing
 
 
-def step_moe_metrics(reports: Mapping[str, Sequence[float]], target_tokens: float,
+def step_moe_metrics(reports: Mapping[str, Sequence[float]], real_tokens: float,
                      num_experts: Optional[int]) -> Optional[dict]:
     """The step's MoE numbers over the global batch (None for a dense model), from ``reports``: the
     loss reports summed by name over the micro-batches and DP x CP (``training.outcome.StepOutcome.reports``,
-    whose one all-reduce carries them; ``[LOAD_REPORT]`` is flattened there, [layers x experts]).
+    whose one all-reduce carries them; ``[LOAD_REPORT]`` is flattened there, [layers x experts]);
+    ``real_tokens`` the global batch's (``N``).
 
-    ``load_balancing_loss`` and ``z_loss`` are per layer (the mean over MoE layers) and per target token
-    (``sum_s m_s * L_s / M``, the module docstring), so the objective holds ``coeff * num_layers * value``;
+    ``load_balancing_loss`` and ``z_loss`` are per layer (the mean over MoE layers) and per real token
+    (``sum_s n_s * L_s / N``, the module docstring), so the objective holds ``coeff * num_layers * value``;
     ``tokens_per_expert`` is [layer][expert] (real tokens routed, each counted top-k times) and
     ``max_over_mean_load`` per layer (1.0: perfectly balanced).
     """
@@ -261,7 +292,7 @@ def step_moe_metrics(reports: Mapping[str, Sequence[float]], target_tokens: floa
         return None
     load = torch.tensor(reports[LOAD_REPORT], dtype=torch.float64).reshape(-1, num_experts)
     aux, z = float(reports[AUX_REPORT][0]), float(reports[Z_REPORT][0])
-    per = max(target_tokens, 1.0) * load.shape[0]
+    per = max(real_tokens, 1.0) * load.shape[0]
     mean = load.mean(-1).clamp(min=1e-12)
     return {"load_balancing_loss": aux / per, "z_loss": z / per,
             "tokens_per_expert": load.round().long().tolist(),

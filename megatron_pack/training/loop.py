@@ -42,7 +42,7 @@ from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.online import single_rank
 from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
-from megatron_pack.model.moe import step_moe_metrics
+from megatron_pack.model.moe import pack_routing, set_step_tokens, step_moe_metrics
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import trainer_checkpoint
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
@@ -137,6 +137,9 @@ class Trainer:
             num_microbatches = self.num_microbatches
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
+        # a MoE model's auxiliary losses are per real token of the global batch: counted before the forward
+        if pack_routing(self.model) is not None:
+            set_step_tokens(self.model, self.data_iterator.peek(num_microbatches), self.state.dp_group)
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model_chunks=self.model_chunks, num_microbatches=num_microbatches,
                                    state=self.state, seq_length=self.cfg.model.seq_length, link=self.link)
@@ -144,7 +147,7 @@ class Trainer:
         self.outcome = step_outcome(reports, packs, self.state, num_buckets=self.num_buckets,
                                     num_sources=len(self.source_names))
         # the MoE reports rode the outcome's one all-reduce (and its broadcast to the other stages)
-        self.moe_metrics = step_moe_metrics(self.outcome.reports, self.outcome.counts.target_tokens,
+        self.moe_metrics = step_moe_metrics(self.outcome.reports, self.outcome.counts.real_tokens,
                                             self.cfg.model.num_experts)
         check_step_finite(self.outcome, step=self.step + 1, model_chunks=self.model_chunks, reports=reports,
                           batches=batches, state=self.state)
@@ -251,7 +254,8 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     chunk = only_chunk(chunks, "the optimizer steps")
     optimizer = build_optimizer(cfg, list(chunk.module.named_parameters()), state.tp_group,
                                 ddp_model=chunk, device=state.device.type, dp_group=state.dp_group,
-                                pp_group=state.pp_group, expert_group=state.pg_collection.tp_ep)
+                                pp_group=state.pp_group, expert_group=state.pg_collection.tp_ep,
+                                expert_dp_group=state.pg_collection.expt_dp)
     info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model_chunks=chunks, optimizer=optimizer,
                    schedule=LRSchedule(cfg, train_iters), loader=loader,

@@ -7,13 +7,16 @@ stage, in bytes:
   embedding on the first stage and the final norm and output layer on the last (with tied
   embeddings at PP > 1 the last stage holds its own copy of the embedding, as megatron-core does);
   2 B each with ``train.bf16`` or bfloat16 parameters, else 4 B.
+- a MoE layer (``model.num_experts``): its router (``[experts, hidden]``, replicated) and shared expert (``/ TP``)
+  with the layer, its routed experts apart: ``num_experts / EP`` experts per rank, each ``/ expert TP``.
 - gradients: megatron-core DDP's contiguous main-grad buffer, one element per parameter, 4 B
   (``ddp.grad_reduce_in_fp32``) or the parameter's size. The distributed optimizer reduce-scatters
   in place: the buffer stays whole.
 - optimizer state: AdamW's two fp32 moments, plus an fp32 master copy when parameters are 16-bit;
   sharded over the data-parallel ranks (x CP on GPU, megatron-core's ``intra_dp_cp`` group) with
   ``ddp.use_distributed_optimizer`` (which on CPU also keeps an fp32 copy of its shard:
-  ``optim.ShardedTrainOptimizer``).
+  ``optim.ShardedTrainOptimizer``); routed experts are replicated only over the expert-data-parallel
+  ranks (world / (expert TP x EP x PP)), so their state is sharded over those.
 - activations: the tensors autograd keeps for backward, per token of a micro-batch (a pack of
   ``packing.packed_sequence_size`` tokens, ``/ CP`` per rank), per layer, times the micro-batches a
   stage holds under 1F1B: ``min(PP - stage, micro-batches)``. Per layer and token, without
@@ -21,7 +24,9 @@ stage, in bytes:
   of the two norms and of the linear layers they feed (``4 h``, ``/ TP`` with sequence
   parallelism), attention's q, k, v and output (``2 q + 2 kv``, ``/ TP``; flash attention keeps no
   score matrix) and the MLP's ``fc1`` output and activation (``3 ffn`` with SwiGLU, ``2 ffn`` with
-  GeLU, ``/ TP``). With ``train.device=cpu`` the unfused torch kernels keep more
+  GeLU, ``/ TP``); a MoE layer's MLP part instead keeps the router's fp32 logits and probabilities and,
+  for each of a token's top-k copies (routing assumed balanced), the permuted input, the expert MLP's
+  working set (``/ expert TP``) and its output. With ``train.device=cpu`` the unfused torch kernels keep more
   (``unfused_kernels``), among them the attention weights, ``heads x longest sample`` per token:
   the estimate takes the worst pack, one sample as long as ``packing.max_single_sequence_length``
   (else the pack). Full recomputation keeps one layer input per recompute
@@ -74,17 +79,49 @@ class StageMemory:
                 f"{self.num_params / 1e9:.3g}e9 parameters on this rank; activations of {kernels})")
 
 
+def _mlp_params(cfg, ffn: int) -> int:
+    """One (unsharded) MLP of inner width ``ffn``: fc1 (``[gate; up]`` with SwiGLU) and fc2."""
+    h = cfg.model.hidden_size
+    return h * (2 * ffn if cfg.model.activation == "swiglu" else ffn) + ffn * h
+
+
 def layer_params(cfg, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank."""
+    """Parameters of one transformer layer on one TP rank, without a MoE layer's routed experts
+    (``expert_layer_params``): its MLP is then the router ([experts, hidden], replicated) and the shared
+    expert (split over TP like a dense MLP) with its gate."""
     m = cfg.model
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
-    h, ffn = m.hidden_size, m.ffn_hidden_size
-    fc1 = 2 * ffn if m.activation == "swiglu" else ffn
-    sharded = h * (q + 2 * g) + q * h + h * fc1 + ffn * h
+    h = m.hidden_size
+    sharded = h * (q + 2 * g) + q * h
     sharded += (q + 2 * g) if m.add_qkv_bias else 0
     norms = 2 * h * (2 if m.normalization == "LayerNorm" else 1) + (2 * kv if m.qk_layernorm else 0)
-    return sharded // tp + norms
+    if not m.num_experts:
+        return (sharded + _mlp_params(cfg, m.ffn_hidden_size)) // tp + norms
+    shared = _mlp_params(cfg, m.moe_shared_expert_ffn_hidden_size) if m.moe_shared_expert_ffn_hidden_size else 0
+    router = m.num_experts * h + (h if m.moe_shared_expert_gate else 0)
+    return (sharded + shared) // tp + norms + router
+
+
+def expert_tp(cfg) -> int:
+    """Expert tensor parallelism (``parallel.expert_tensor_parallel_size``; null: TP)."""
+    par = cfg.parallel
+    return par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+
+
+def expert_layer_params(cfg) -> int:
+    """A MoE layer's routed experts on one rank: ``num_experts / EP`` experts, each split over expert TP."""
+    m = cfg.model
+    if not m.num_experts:
+        return 0
+    local = m.num_experts // cfg.parallel.expert_model_parallel_size
+    return local * _mlp_params(cfg, m.moe_ffn_hidden_size or m.ffn_hidden_size) // expert_tp(cfg)
+
+
+def expert_data_parallel(cfg, world_size: int) -> int:
+    """Ranks holding the same experts (megatron-core's expert-data-parallel group): world / (expert TP x EP x PP)."""
+    par = cfg.parallel
+    return max(1, world_size // (expert_tp(cfg) * par.expert_model_parallel_size * par.pipeline_model_parallel_size))
 
 
 def _vocab(cfg, tp: int) -> int:
@@ -92,12 +129,17 @@ def _vocab(cfg, tp: int) -> int:
     return -(-vocab // tp) * tp if cfg.model.pretrained else vocab
 
 
+def stage_expert_params(cfg, stage: int) -> int:
+    """Routed-expert parameters one rank of ``stage`` holds (0 for a dense model)."""
+    return expert_layer_params(cfg) * (cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size)
+
+
 def stage_params(cfg, stage: int) -> int:
-    """Parameters one rank of ``stage`` holds."""
+    """Parameters one rank of ``stage`` holds (a MoE model's routed experts included)."""
     m, par = cfg.model, cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     h, vocab_rows = m.hidden_size, _vocab(cfg, tp) // tp
-    total = layer_params(cfg, tp) * (m.num_layers // pp)
+    total = layer_params(cfg, tp) * (m.num_layers // pp) + stage_expert_params(cfg, stage)
     if stage == 0:
         total += vocab_rows * h
     if stage == pp - 1:
@@ -130,18 +172,35 @@ def layer_activation_bytes_per_token(cfg) -> int:
     sp = tp if par.sequence_parallel else 1
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
-    ffn = m.ffn_hidden_size
-    if unfused_kernels(cfg):  # per norm: input, normalized, rstd + the linear's input; RoPE's cos/sin;
+    unfused = unfused_kernels(cfg)
+    per_ffn = (5 if unfused else 3) if m.activation == "swiglu" else 2
+    # a MoE layer's MLP part is its own (below); a dense layer's is per_ffn x ffn, / TP
+    mlp = 0 if m.num_experts else per_ffn * m.ffn_hidden_size
+    if unfused:  # per norm: input, normalized, rstd + the linear's input; RoPE's cos/sin;
         # math attention: q, k and v expanded to every head, the weights (heads x sequence), the output
         # twice (its copy into the pack, the projection's input); SwiGLU: fc1 out, silu, gate, fc2 input
-        mlp = (5 if m.activation == "swiglu" else 2) * ffn
         heads = m.num_attention_heads * longest_sequence(cfg)
         attention = 5 * q + heads if m.recompute_granularity != "selective" else 3 * q + 2 * g
         elements = (6 * m.hidden_size + 2) // sp + 4 * kv + (attention + mlp) // tp
     else:
-        mlp = (3 if m.activation == "swiglu" else 2) * ffn
         elements = 4 * m.hidden_size // sp + (2 * q + 2 * g + mlp) // tp
-    return _element_bytes(cfg) * elements
+    moe = _moe_activation_bytes_per_token(cfg, per_ffn, sp) if m.num_experts else 0
+    return _element_bytes(cfg) * elements + moe
+
+
+def _moe_activation_bytes_per_token(cfg, per_ffn: int, sp: int) -> int:
+    """A MoE layer's MLP part, per token of this rank (``/ TP`` with sequence parallelism: each TP rank routes its
+    own tokens): the router's fp32 logits and probabilities over the experts, and, for each of the token's top-k
+    copies (balanced routing: a rank's experts process top-k rows per local token on average), the permuted input
+    (``h``), the expert MLP's working set (``per_ffn x ffn``, ``/ expert TP``) and its output (``h``); a shared
+    expert keeps a dense MLP's (``/ TP``)."""
+    m = cfg.model
+    h, k = m.hidden_size, m.moe_router_topk
+    router = 3 * m.num_experts * 4
+    routed = k * (2 * h + per_ffn * (m.moe_ffn_hidden_size or m.ffn_hidden_size) // expert_tp(cfg))
+    shared = (per_ffn * m.moe_shared_expert_ffn_hidden_size // cfg.parallel.tensor_model_parallel_size
+              if m.moe_shared_expert_ffn_hidden_size else 0)
+    return (router + _element_bytes(cfg) * routed) // sp + _element_bytes(cfg) * shared
 
 
 def _output_bytes_per_token(cfg) -> int:
@@ -198,14 +257,17 @@ def estimate_stage(cfg, stage: int, world_size: int) -> StageMemory:
     par, dist_opt = cfg.parallel, cfg.ddp.use_distributed_optimizer
     model_parallel = par.tensor_model_parallel_size * par.context_parallel_size * par.pipeline_model_parallel_size
     dp = max(1, world_size // model_parallel)
-    num = stage_params(cfg, stage)
+    num, experts = stage_params(cfg, stage), stage_expert_params(cfg, stage)
     element = _element_bytes(cfg)
     master = element < 4 or (dist_opt and cfg.train.device != "cuda")
     state = ADAM_MOMENT_BYTES + (MASTER_BYTES if master else 0)
     shards = dp * (par.context_parallel_size if cfg.train.device == "cuda" else 1) if dist_opt else 1
+    # routed experts are replicated only over the expert-data-parallel ranks: their state is sharded over those
+    expert_shards = expert_data_parallel(cfg, world_size) if dist_opt else 1
+    optimizer = -(-(num - experts) * state // shards) + -(-experts * state // expert_shards)
     return StageMemory(stage=stage, num_params=num, params=num * element,
                        grads=num * (4 if cfg.ddp.grad_reduce_in_fp32 else element),
-                       optimizer=-(-num * state // shards), activations=stage_activation_bytes(cfg, stage, dp))
+                       optimizer=optimizer, activations=stage_activation_bytes(cfg, stage, dp))
 
 
 def estimate_memory(cfg, world_size: int = 1) -> StageMemory:
@@ -215,9 +277,6 @@ def estimate_memory(cfg, world_size: int = 1) -> StageMemory:
 
 
 def memory_line(cfg, world_size: int) -> str:
-    """The line ``train --check`` prints (dense models only: routed experts are not modelled)."""
-    if cfg.model.num_experts is not None:
-        return ("memory per rank (est.): not computed for MoE models (model.num_experts is set; the estimate "
-                "models dense layers only)")
+    """The line ``train --check`` prints (a MoE model's with routing assumed balanced)."""
     kernels = "unfused CPU kernels" if unfused_kernels(cfg) else "fused GPU kernels"
     return estimate_memory(cfg, world_size).line(cfg.parallel.pipeline_model_parallel_size, kernels)

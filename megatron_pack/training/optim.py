@@ -4,7 +4,7 @@ On CPU the optimizer is ``torch.optim.AdamW`` over the gradients megatron-core's
 ``DistributedDataParallel`` leaves in ``param.main_grad`` (already summed over DP x CP and
 scaled once by ``1 / global target tokens`` in ``finalize_model_grads``): :class:`TrainOptimizer`,
 or with ``ddp.use_distributed_optimizer`` :class:`ShardedTrainOptimizer` (the same AdamW, its state
-and update sharded over DP). On GPU it is megatron-core's optimizer (``get_megatron_optimizer``),
+and update sharded over DP; a MoE model's experts over expert-DP). On GPU it is megatron-core's optimizer (``get_megatron_optimizer``),
 which reads ``main_grad`` itself: :class:`MegatronTrainOptimizer`.
 
 All three answer ``step(lr) -> grad_norm`` (clip, step at ``lr``, clear the gradients). A
@@ -239,18 +239,67 @@ def _step_of(step: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(step), dtype=torch.float32)
 
 
-class ShardedTrainOptimizer:
-    """CPU distributed optimizer: AdamW state and update sharded over the data-parallel group.
+class _FlatShard:
+    """Parameters replicated over ``group``, flattened into one virtual buffer of N elements and cut into
+    ``size`` contiguous shards of ``ceil(N / size)``: rank r owns shard r (``pieces``).
 
-    Every trainable parameter is flattened into one virtual buffer of N elements, cut into
-    ``dp`` contiguous shards of ``ceil(N / dp)``; DP rank r keeps AdamW state for shard r only
-    (about 1/dp of the plain optimizer's). A step: the global gradient norm and clipping factor
-    from the full (already DP x CP-reduced) ``main_grad`` exactly as :class:`TrainOptimizer`,
-    AdamW on this rank's pieces, then one all-gather over DP of the updated pieces into every
-    parameter. AdamW is element-wise, so the trajectory is the plain optimizer's, bit for bit.
-
-    Example: parameters of 3 and 4 elements, dp=2 -> N=7, shards of 4: rank 0 owns param 0
+    Example: parameters of 3 and 4 elements, size 2 -> N=7, shards of 4: rank 0 owns param 0
     [0:3] and param 1 [0:1]; rank 1 owns param 1 [1:4] (and one padding slot).
+    """
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], group: Optional[dist.ProcessGroup]):
+        self.group, self.params = group, [p for _, p in named]
+        self.size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        total = sum(p.numel() for p in self.params)
+        self.shard_size = -(-total // self.size)
+        lo, hi = rank * self.shard_size, min(total, (rank + 1) * self.shard_size)
+        self.pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
+        """(param, start, stop, fp32 copy of param.flatten()[start:stop]) for this rank's shard."""
+        self.no_decay: list[bool] = []
+        offset = 0
+        for name, param in named:
+            start, stop = max(lo, offset) - offset, min(hi, offset + param.numel()) - offset
+            if start < stop:
+                self.pieces.append((param, start, stop, param.detach().reshape(-1)[start:stop].clone()))
+                self.no_decay.append(_no_weight_decay(name, param))
+            offset += param.numel()
+
+    def gather(self, local_of) -> torch.Tensor:
+        """The whole flat buffer: every rank's shard, ``local_of(piece)`` for each of its pieces (one all-gather)."""
+        local = torch.zeros(self.shard_size, dtype=torch.float32)
+        at = 0
+        for _, start, stop, piece in self.pieces:
+            value = local_of(piece)
+            if value is not None:
+                local[at:at + stop - start] = value
+            at += stop - start
+        if self.size == 1:
+            return local
+        full = torch.empty(self.shard_size * self.size, dtype=torch.float32)
+        dist.all_gather_into_tensor(full, local, group=self.group)
+        return full
+
+    def per_param(self, full: torch.Tensor):
+        """(param, its view of the flat buffer ``full``) for every parameter, in order."""
+        offset = 0
+        for param in self.params:
+            yield param, full[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
+
+
+class ShardedTrainOptimizer:
+    """CPU distributed optimizer: AdamW state and update sharded over the ranks holding each parameter.
+
+    A dense parameter is replicated over the data-parallel group and sharded over it; an expert of an
+    expert-parallel MoE layer (megatron-core marks it ``allreduce=False``) is replicated only over the
+    expert-data-parallel group (``pg_collection.expt_dp``: the ranks holding the same experts), so the
+    experts form a second flat buffer sharded over that group (:class:`_FlatShard` each). DP rank r keeps
+    AdamW state for its shards only (about 1/dp of the plain optimizer's; the experts' 1/expert-DP). A step:
+    the global gradient norm and clipping factor from the full (already reduced) ``main_grad`` exactly as
+    :class:`TrainOptimizer` (experts' squares summed over ``expert_group``), AdamW on this rank's pieces,
+    then one all-gather per buffer of the updated pieces into every parameter. AdamW is element-wise, so
+    the trajectory is the plain optimizer's, bit for bit.
 
     Gradients are still all-reduced by DDP (gloo has no reduce-scatter for megatron-core's grad
     buffers on CPU); what is sharded is the optimizer state, its update and its memory.
@@ -258,39 +307,41 @@ class ShardedTrainOptimizer:
 
     def __init__(self, cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
                  tp_group: Optional[dist.ProcessGroup], dp_group: Optional[dist.ProcessGroup],
-                 pp_group: Optional[dist.ProcessGroup] = None):
+                 pp_group: Optional[dist.ProcessGroup] = None, *, expert_group: Optional[dist.ProcessGroup] = None,
+                 expert_dp_group: Optional[dist.ProcessGroup] = None):
         t = cfg.train
         self.clip_grad, self.tp_group, self.dp_group, self.pp_group = t.clip_grad, tp_group, dp_group, pp_group
-        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.expert_group = expert_group
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
         self.names = {p: n for n, p in named}
-        total = sum(p.numel() for p in self.params)
-        self.shard_size = -(-total // self.dp_size)
-        lo, hi = self.dp_rank * self.shard_size, min(total, (self.dp_rank + 1) * self.shard_size)
-        self.pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
-        """(param, start, stop, fp32 copy of param.flatten()[start:stop]) for this rank's shard."""
+        experts = [(n, p) for n, p in named if _expert_parallel(p)]
+        if experts and expert_dp_group is None:
+            raise ValueError("ShardedTrainOptimizer: expert-parallel parameters need expert_dp_group "
+                             "(pg_collection.expt_dp, the ranks holding the same experts)")
+        self.shards = [_FlatShard([(n, p) for n, p in named if not _expert_parallel(p)], dp_group)]
+        if experts:
+            self.shards.append(_FlatShard(experts, expert_dp_group))
         groups = {True: [], False: []}
-        offset = 0
-        for name, param in named:
-            start, stop = max(lo, offset) - offset, min(hi, offset + param.numel()) - offset
-            if start < stop:
-                piece = param.detach().reshape(-1)[start:stop].clone()
-                self.pieces.append((param, start, stop, piece))
-                groups[_no_weight_decay(name, param)].append(piece)
-            offset += param.numel()
+        for shard in self.shards:
+            for (*_, piece), no_decay in zip(shard.pieces, shard.no_decay):
+                groups[no_decay].append(piece)
         param_groups = [{"params": groups[False], "weight_decay": t.weight_decay},
                         {"params": groups[True], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW([g for g in param_groups if g["params"]] or [{"params": []}], lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=False)
+
+    @property
+    def pieces(self) -> list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]:
+        """This rank's pieces of every buffer."""
+        return [piece for shard in self.shards for piece in shard.pieces]
 
     def step(self, lr: float) -> float:
         grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
                  for p in self.params]
         for param, grad in zip(self.params, grads):
             param.grad = grad
-        norm = grad_norm(self.params, self.tp_group, self.pp_group)
+        norm = grad_norm(self.params, self.tp_group, self.pp_group, expert_group=self.expert_group)
         factor = clip_grads_([], self.clip_grad, norm)  # the factor only: gradients stay untouched
         for param, start, stop, piece in self.pieces:
             # the parameter is the source of truth (a checkpoint load or weights-only start writes it)
@@ -308,47 +359,24 @@ class ShardedTrainOptimizer:
         return norm
 
     def _all_gather_params(self) -> None:
-        """Every DP rank's updated shard into every parameter (one all-gather of flat buffers)."""
-        local = torch.zeros(self.shard_size, dtype=torch.float32)
-        at = 0
-        for _, start, stop, piece in self.pieces:
-            local[at:at + stop - start] = piece
-            at += stop - start
-        full = local if self.dp_size == 1 else torch.empty(self.shard_size * self.dp_size, dtype=torch.float32)
-        if self.dp_size > 1:
-            dist.all_gather_into_tensor(full, local, group=self.dp_group)
-        offset = 0
+        """Every rank's updated shards into every parameter (one all-gather of flat buffers per buffer)."""
         with torch.no_grad():
-            for param in self.params:
-                param.copy_(full[offset:offset + param.numel()].view_as(param))
-                offset += param.numel()
-
-    def _state_vector(self, key: str) -> torch.Tensor:
-        """This rank's shard of one AdamW state, as the flat virtual buffer slice."""
-        local = torch.zeros(self.shard_size, dtype=torch.float32)
-        at = 0
-        for _, start, stop, piece in self.pieces:
-            state = self.optimizer.state.get(piece)
-            if state:
-                local[at:at + stop - start] = state[key]
-            at += stop - start
-        return local
+            for shard in self.shards:
+                for param, value in shard.per_param(shard.gather(lambda piece: piece)):
+                    param.copy_(value)
 
     def checkpoint_tensors(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor]:
-        """The whole per-parameter state (gathered over DP: a checkpoint is layout-free), and step."""
+        """The whole per-parameter state (gathered over each buffer's group: a checkpoint is layout-free), and step."""
         out: dict[str, dict[str, torch.Tensor]] = {self.names[p]: {} for p in self.params}
         for key in ("exp_avg", "exp_avg_sq"):
-            local = self._state_vector(key)
-            full = local if self.dp_size == 1 else torch.empty(self.shard_size * self.dp_size, dtype=torch.float32)
-            if self.dp_size > 1:
-                dist.all_gather_into_tensor(full, local, group=self.dp_group)
-            offset = 0
-            for param in self.params:
-                out[self.names[param]][key] = full[offset:offset + param.numel()].view_as(param).clone()
-                offset += param.numel()
+            for shard in self.shards:
+                full = shard.gather(lambda piece: self.optimizer.state[piece][key] if self.optimizer.state.get(piece)
+                                    else None)
+                for param, value in shard.per_param(full):
+                    out[self.names[param]][key] = value.clone()
         steps = [self.optimizer.state[piece]["step"] for *_, piece in self.pieces if self.optimizer.state.get(piece)]
         step = torch.tensor(float(steps[0]) if steps else 0.0)
-        if self.dp_size > 1:  # a rank without pieces still learns the step
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:  # a rank without pieces learns it
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.dp_group)
         return out, step
 
@@ -419,16 +447,19 @@ class MegatronTrainOptimizer:
 def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
                     tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model: Optional[torch.nn.Module] = None,
                     device: str = "cpu", dp_group: Optional[dist.ProcessGroup] = None,
-                    pp_group: Optional[dist.ProcessGroup] = None, expert_group: Optional[dist.ProcessGroup] = None):
+                    pp_group: Optional[dist.ProcessGroup] = None, expert_group: Optional[dist.ProcessGroup] = None,
+                    expert_dp_group: Optional[dist.ProcessGroup] = None):
     """torch AdamW over DDP's ``main_grad`` with TP-aware clipping on CPU (state sharded over
     ``dp_group`` with ``ddp.use_distributed_optimizer``; the norm summed over the stages of
     ``pp_group``); megatron-core's optimizer (its
     distributed optimizer when asked) over ``ddp_model`` on CUDA. ``expert_group`` (megatron-core's ``tp_ep``)
-    makes the norm count every expert-parallel rank's experts (``grad_norm``)."""
+    makes the norm count every expert-parallel rank's experts (``grad_norm``); the sharded optimizer shards
+    the experts over ``expert_dp_group`` (``pg_collection.expt_dp``)."""
     if device == "cuda":
         if ddp_model is None:
             raise ValueError("build_optimizer(device='cuda') needs ddp_model (the megatron-core DDP-wrapped model).")
         return MegatronTrainOptimizer(cfg, [ddp_model])
     if cfg.ddp.use_distributed_optimizer:
-        return ShardedTrainOptimizer(cfg, named_params, tp_group, dp_group, pp_group)
+        return ShardedTrainOptimizer(cfg, named_params, tp_group, dp_group, pp_group, expert_group=expert_group,
+                                     expert_dp_group=expert_dp_group)
     return TrainOptimizer(cfg, named_params, tp_group, pp_group, expert_group)

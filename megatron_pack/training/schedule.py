@@ -42,14 +42,22 @@ class RecordingIterator:
 
     def __init__(self, iterable: Iterable[dict]):
         self._it = iter(iterable)
+        self._ahead: list[dict] = []
         self.packs: list[PackInfo] = []
         self.batches: list[dict] = []
 
     def __iter__(self) -> "RecordingIterator":
         return self
 
+    def peek(self, num: int) -> list[dict]:
+        """The next ``num`` packs, read ahead (``__next__`` hands them out next, in order): a MoE step
+        counts its real tokens from their metadata before the forward (``model.moe.set_step_tokens``)."""
+        while len(self._ahead) < num:
+            self._ahead.append(next(self._it))
+        return self._ahead[:num]
+
     def __next__(self) -> dict:
-        batch = next(self._it)
+        batch = self._ahead.pop(0) if self._ahead else next(self._it)
         self.packs.append(pack_info(batch))
         self.batches.append(batch)
         return batch

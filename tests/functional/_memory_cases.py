@@ -22,7 +22,11 @@ COMMON = ["packing.packed_sequence_size=256", "model.seq_length=256", "model.num
 CASES = {"dp2": [], "dp2_distributed_optimizer_full_recompute": ["ddp.use_distributed_optimizer=true",
                                                                 "model.recompute_granularity=full"],
          "dp2_selective_recompute": ["model.recompute_granularity=selective"],
-         "pp2": ["parallel.pipeline_model_parallel_size=2"]}
+         "pp2": ["parallel.pipeline_model_parallel_size=2"],
+         # 4 routed experts (top-2), 2 per rank: dense state sharded over DP, each rank's experts whole (expert-DP 1)
+         "dp2_moe_ep2_distributed_optimizer": ["model.num_experts=4", "model.moe_router_topk=2",
+                                               "model.moe_ffn_hidden_size=96", "parallel.expert_model_parallel_size=2",
+                                               "model.moe_aux_loss_coeff=0.01", "ddp.use_distributed_optimizer=true"]}
 COMPONENTS = ("params", "grads", "optimizer", "activations", "total")
 
 

@@ -13,6 +13,11 @@ tp1_cp2, tp2_cp2_sp), loading the weights with our streamed TP-sliced loader:
    at tp2_cp2_sp (every rank calls ``save_checkpoint`` as the trainer does), exported in one
    process by ``megatron-pack export checkpoint=...``.
 
+The same world runs a Qwen3-MoE folder (test_moe.py's) at CP=2 x DP=2 with EP=2 (so the expert-data-parallel
+group has 2 ranks, which the 2-rank worlds of test_moe.py never reach): logits of a padded pack of several
+samples, and of each sample packed alone, against transformers (<= 1e-4); and at DP=4 x EP=2 (expert-DP 2) two
+training steps with the distributed optimizer equal the plain optimizer's.
+
 The reference (transformers) is computed in the parent process, which shares no code with ours.
 """
 
@@ -136,7 +141,56 @@ def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
         for layout, tp, cp, sp in LAYOUTS:
             result = _run(folders[family], tp, cp, sp, batch, refs[family], rank)
             out.update({f"{family}/{layout}/{k}": v for k, v in result.items()})
+    out.update(_moe_run(folders["moe"], refs["moe"]))
+    out.update(_moe_distributed_optimizer(folders["moe"], rank))
     return out
+
+
+def _moe_distributed_optimizer(folder: str, rank: int) -> dict:
+    """DP=4 x EP=2 (expert-DP 2: each rank's experts sharded over 2 ranks): 2 steps with and without
+    ``ddp.use_distributed_optimizer``, each rank its own pack per step; (loss, grad norm, lb) per step and weights."""
+    from test_moe import _pack, _trainer
+
+    from megatron_pack.parallel.groups import destroy_parallel
+    from megatron_pack.training.chunks import core_model
+
+    rng = np.random.default_rng(21 + rank)
+    packs = [_pack([rng.integers(3, 97, size=int(n)).tolist() + [2] for n in rng.integers(4, 14, size=2)])
+             for _ in range(2)]
+    out, weights = {}, {}
+    for name, flag in (("plain", False), ("distopt", True)):
+        trainer = _trainer(folder, 2, packs, flag)
+        steps = [trainer.train_step() for _ in range(2)]
+        out[f"moe/dp4_ep2/{name}"] = np.array([[m.lm_loss, m.grad_norm, m.moe["load_balancing_loss"]] for m in steps])
+        weights[name] = {n: p.detach().clone() for n, p in core_model(trainer.model).named_parameters()}
+        if flag:  # the experts' buffer is sharded over the 2 expert-DP ranks
+            out["moe/dp4_ep2/expert_shard_ranks"] = np.array([s.size for s in trainer.optimizer.shards])
+        destroy_parallel()
+    out["moe/dp4_ep2/num_expert_weights"] = sum(".local_experts." in n for n in weights["plain"])
+    out["moe/dp4_ep2/weights_diff"] = max(float((weights["distopt"][n] - w).abs().max())
+                                          for n, w in weights["plain"].items())
+    return out
+
+
+def _moe_run(folder: str, refs: list) -> dict:
+    """A MoE model at CP=2 x DP=2, EP=2: the largest logit difference against transformers, packed and alone."""
+    from test_moe import _config, _logit_diffs, _pack
+    from test_moe import _samples as moe_samples
+
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    pg = initialize_parallel(_config(folder, cp=2, ep=2))
+    try:
+        model = build_model(_config(folder, cp=2, ep=2), pg).eval()
+        samples = moe_samples()
+        return {"moe/ep2_cp2_dp2/groups": np.array([pg.dp_size, pg.cp_size, pg.pg_collection.ep.size(),
+                                                    pg.pg_collection.expt_dp.size(),
+                                                    len(model.decoder.layers[0].mlp.experts.local_experts)]),
+                "moe/ep2_cp2_dp2/packed": _logit_diffs(model, pg, _pack(samples), refs),
+                "moe/ep2_cp2_dp2/alone": max(_logit_diffs(model, pg, _pack([s]), [r]) for s, r in zip(samples, refs))}
+    finally:
+        destroy_parallel()
 
 
 def _reference_loss(logits: list[torch.Tensor], samples: list[list[int]]) -> float:
@@ -152,7 +206,15 @@ def world(tmp_path_factory) -> dict:
     folders = {f: str(make_family(root, f, seed=i)) for i, f in enumerate(FAMILIES)}
     samples = _samples()
     refs = {f: hf_logits(folders[f], [s[:-1] for s in samples]) for f in FAMILIES}
-    out = spawn_world(_worker, WORLD_SIZE, root, folders, refs)[0]
+    from test_moe import _hf_model
+    from test_moe import _samples as moe_samples
+
+    folders["moe"] = str(root / "qwen3_moe")
+    _hf_model("qwen3_moe").save_pretrained(folders["moe"])
+    refs["moe"] = hf_logits(folders["moe"], [s[:-1] for s in moe_samples()])
+    ranks = spawn_world(_worker, WORLD_SIZE, root, folders, refs)
+    out = ranks[0]
+    out["moe_distopt_ranks"] = [{k: v for k, v in r.items() if k.startswith("moe/dp4_ep2/")} for r in ranks]
     out["folders"] = folders
     out["ref_loss"] = {f: _reference_loss(refs[f], samples) for f in FAMILIES}
     for case in CASES:  # the numbers behind docs/models.md (pytest -s shows them)
@@ -166,6 +228,27 @@ def world(tmp_path_factory) -> dict:
 def test_logits_match_transformers(world, case):
     assert int(world[f"{case}/num_tokens"]) == sum(len(s) - 1 for s in _samples())  # every real token compared
     assert float(world[f"{case}/max_diff"]) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_moe_logits_match_transformers_at_ep2_cp2_dp2(world):
+    # DP 2, CP 2, EP 2, expert-DP 2, 2 of the 4 experts on each rank
+    assert world["moe/ep2_cp2_dp2/groups"].tolist() == [2, 2, 2, 2, 2]
+    assert float(world["moe/ep2_cp2_dp2/packed"]) <= 1e-4 and float(world["moe/ep2_cp2_dp2/alone"]) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_moe_distributed_optimizer_shards_experts_over_expert_dp(world):
+    """DP=4 x EP=2: the distributed optimizer (dense state over DP 4, experts over expert-DP 2) takes the plain
+    optimizer's steps on every rank: losses, gradient norms, load-balancing losses (relative 1e-5), weights."""
+    for r in world["moe_distopt_ranks"]:
+        assert r["moe/dp4_ep2/expert_shard_ranks"].tolist() == [4, 2]
+        plain, distopt = r["moe/dp4_ep2/plain"], r["moe/dp4_ep2/distopt"]
+        assert plain.shape == (2, 3) and np.all(plain > 0) and not np.allclose(plain[0], plain[1], rtol=1e-3)
+        np.testing.assert_allclose(distopt, plain, rtol=1e-5, atol=0)
+        assert int(r["moe/dp4_ep2/num_expert_weights"]) > 0 and float(r["moe/dp4_ep2/weights_diff"]) <= 1e-6
 
 
 @pytest.mark.slow

@@ -11,9 +11,10 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    the experts transformers' router picks for the sample alone; at CP=2 rank 1's slice is only
    padding and the step finishes (the world has a deadline);
 3. one training step (our forward_step: padding mask and pack boundaries from the metadata) gives
-   the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64
-   transformers reference that runs each sample alone: ``(sum CE + a sum_s m_s L_s + z sum_s m_s Z_s) / M``
-   with ``m_s`` a sample's target tokens and ``M`` the global batch's (docs/training.md), relative 1e-5;
+   the LM loss, the per-sample load-balancing and z-losses and every gradient of a float64 transformers reference
+   that runs each sample alone: ``sum CE / M + (a sum_s n_s L_s + z sum_s n_s Z_s) / N`` with ``n_s`` a sample's
+   real tokens, ``M`` and ``N`` the global batch's target and real tokens (docs/training.md), relative 1e-5 (at
+   DP=2 the two ranks' packs differ in target per real token, so a per-rank normalisation fails);
 4. LoRA on a MoE model, proved through peft (``target_parameters`` on transformers 5's 3D experts):
    random (non-zero) adapters on the attention alone and on the attention and every expert's linear_fc1 /
    linear_fc2 (Qwen2-MoE: and its shared expert), exported in the peft format, load with
@@ -28,7 +29,10 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    folder as the
    docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
    the export has the source's per-expert layout, loads in transformers with changed weights, and an
-   export of the untrained folder is bit-identical to it.
+   export of the untrained folder is bit-identical to it; ``verify verify.reference=transformers`` on the
+   prepared packs PASSes and routes exactly each pack's real tokens in every layer;
+6. the distributed optimizer at DP=2 x EP=2 (dense state sharded over DP, experts over expert-DP) takes the plain
+   optimizer's steps (losses, gradient norms, load-balancing losses, weights), and checkpoints cross it both ways.
 """
 
 from __future__ import annotations
@@ -157,13 +161,14 @@ def _train_step(model, pg, cfg, batch) -> dict:
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_pack.model.hf.export import hf_tensors
-    from megatron_pack.model.moe import step_moe_metrics
+    from megatron_pack.model.moe import set_step_tokens, step_moe_metrics
     from megatron_pack.training.chunks import wrap_ddp
     from megatron_pack.training.step import forward_step
 
     model.train()
     ddp = wrap_ddp(cfg, model, pg)
     ddp.zero_grad_buffer()
+    _, real_tokens = set_step_tokens(ddp, [batch], pg.dp_group)
     output, loss_fn = forward_step(iter([batch]), ddp)
     loss_sum, num_tokens, report = loss_fn(output)
     loss_sum.backward()
@@ -186,7 +191,7 @@ def _train_step(model, pg, cfg, batch) -> dict:
     moe_reports = {k: v.double().reshape(-1).clone() for k, v in report.items() if k.startswith("moe ")}
     for value in moe_reports.values():  # the sum the trainer's step outcome takes over DP x CP
         dist.all_reduce(value, group=pg.dp_cp_group)
-    moe = step_moe_metrics({k: v.tolist() for k, v in moe_reports.items()}, float(counts[1]), NUM_EXPERTS)
+    moe = step_moe_metrics({k: v.tolist() for k, v in moe_reports.items()}, real_tokens, NUM_EXPERTS)
     return {"lm_loss": float(counts[0] / counts[1]), "lb": moe["load_balancing_loss"], "z": moe["z_loss"],
             "grad_norm": norm,
             **{f"grad/{k}": v.numpy() for k, v in hf_grads.items()}}
@@ -226,6 +231,7 @@ def _worker(rank: int, world_size: int, folders: dict, refs: dict, root: str) ->
         out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
     for run, layout in LORA_LAYOUTS.items():
         out.update({f"{run}/{k}": v for k, v in _lora_train(folders["qwen3_moe"], f"{root}/{run}", *layout).items()})
+    out.update(_distributed_optimizer(folders["qwen3_moe"], rank, root))
     return out
 
 
@@ -318,6 +324,66 @@ def _lora_train(folder: str, tmp: str, ep: int, tp: int = 1, etp=None) -> dict:
     return out if rank == 0 else {}
 
 
+def _trainer(folder: str, ep: int, packs: list, distributed_optimizer: bool):
+    import dataclasses
+
+    from _dist import ListLoader
+    from megatron_pack.config.schema import DDPConfig, TrainConfig
+    from megatron_pack.parallel.groups import initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = dataclasses.replace(_config(folder, 1, ep), ddp=DDPConfig(use_distributed_optimizer=distributed_optimizer),
+                              train=TrainConfig(seed=1234, lr=3e-3, global_batch_size=4, train_iters=3,
+                                                lr_warmup_iters=0, clip_grad=0.05))
+    return build_trainer(cfg, initialize_parallel(cfg), ListLoader(packs))
+
+
+def _distributed_optimizer(folder: str, rank: int, root: str) -> dict:
+    """Trainers at DP=2 x EP=2 (2 micro-batches per rank and step, each rank its own packs), with and without
+    ``ddp.use_distributed_optimizer``, and resumes across it: A plain, 3 steps (checkpoint after step 1); B
+    distributed, 2 steps from the start (checkpoint); C plain at EP=1 resumes B for step 3; D distributed resumes
+    A's step-1 checkpoint for step 2. Returns (lm loss, grad norm, lb) per step and B's / A's weights after step 2."""
+    from megatron_pack.parallel.groups import destroy_parallel
+    from megatron_pack.training.chunks import core_model
+
+    rng = np.random.default_rng(11 + rank)
+    samples = [rng.integers(3, VOCAB, size=int(n)).tolist() + [2] for n in rng.integers(4, 14, size=12)]
+    packs = [_pack(samples[i:i + 2]) for i in range(0, 12, 2)]
+
+    def steps(trainer, num):
+        return [[m.lm_loss, m.grad_norm, m.moe["load_balancing_loss"]] for m in (trainer.train_step() for _ in range(num))]
+
+    def weights(trainer):
+        return {n: p.detach().clone() for n, p in core_model(trainer.model).named_parameters()}
+
+    a = _trainer(folder, 2, packs, False)
+    run_a = steps(a, 1)
+    a1 = a.save(f"{root}/a")
+    run_a += steps(a, 1)
+    a_weights = weights(a)
+    run_a += steps(a, 1)
+    destroy_parallel()
+    b = _trainer(folder, 2, packs, True)
+    sharded = sum(p.numel() for *_, p in b.optimizer.pieces) < sum(p.numel() for p in b.optimizer.params)
+    run_b = steps(b, 2)
+    b_weights = weights(b)
+    b2 = b.save(f"{root}/b")
+    destroy_parallel()
+    c = _trainer(folder, 1, packs, False)
+    c.load(b2)
+    run_c = steps(c, 1)
+    destroy_parallel()
+    d = _trainer(folder, 2, packs, True)
+    d.load(a1)
+    run_d = steps(d, 1)
+    destroy_parallel()
+    diff = max(float((b_weights[n] - w).abs().max()) for n, w in a_weights.items())
+    return {f"distopt/{rank}/{k}": v for k, v in {"a": np.array(run_a), "b": np.array(run_b), "c": np.array(run_c),
+                                                  "d": np.array(run_d), "weights_diff": diff, "sharded": sharded,
+                                                  "num_experts_local": sum(".local_experts." in n for n in b_weights),
+                                                  }.items()}
+
+
 def _reference(folder: str) -> dict:
     """transformers in float64, each sample alone: logits, expert counts of sample 0, loss, aux losses, grads."""
     import transformers as T
@@ -332,12 +398,12 @@ def _reference(folder: str) -> dict:
     total_lm = total_lb = total_z = 0.0
     objective = 0.0
     num_targets = sum(sum(_mask(s)[1:]) for s in samples)
+    num_real = sum(len(s) - 1 for s in samples)
     for ids in samples:
         out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
         weight = torch.tensor(_mask(ids)[1:], dtype=torch.float64)
         ce = torch.nn.functional.cross_entropy(out.logits[0], torch.tensor(ids[1:]), reduction="none")
         lm = (ce * weight).sum()
-        m = weight.sum()
         lb = z = 0.0
         for r in out.router_logits:  # the sample's own Switch loss and z-loss, per layer
             n = r.shape[0]
@@ -345,10 +411,11 @@ def _reference(folder: str) -> dict:
             chosen = torch.zeros_like(probs).scatter(1, r.topk(TOPK, dim=-1).indices, 1.0)
             lb = lb + NUM_EXPERTS / (TOPK * n * n) * (chosen.sum(0) * probs.sum(0)).sum()
             z = z + torch.logsumexp(r, dim=-1).square().mean()
-        objective = objective + (lm + AUX * m * lb + ZLOSS * m * z) / num_targets
+        n = len(ids) - 1  # the sample's real tokens: the weight of its auxiliary losses
+        objective = objective + lm / num_targets + (AUX * n * lb + ZLOSS * n * z) / num_real
         total_lm += float(lm) / num_targets
-        total_lb += float(m * lb) / num_targets / len(out.router_logits)
-        total_z += float(m * z) / num_targets / len(out.router_logits)
+        total_lb += float(n * lb) / num_real / len(out.router_logits)
+        total_z += float(n * z) / num_real / len(out.router_logits)
     objective.backward()
     grads = _checkpoint_names({n: p.grad.float() for n, p in model.named_parameters()}, "mixtral" in folder)
     return {"logits": logits, "counts": torch.stack(counts).numpy(), "lm": total_lm, "lb": total_lb, "z": total_z,
@@ -385,8 +452,10 @@ def world(tmp_path_factory) -> dict:
         refs[family] = _reference(folders[family])
     out = {}
     for world_size in WORLDS:
-        out.update(spawn_world(_worker, world_size, root / f"world{world_size}", folders,
-                               {f: {"logits": r["logits"]} for f, r in refs.items()}, str(root), timeout_s=600)[0])
+        for rank, ranks_out in enumerate(spawn_world(_worker, world_size, root / f"world{world_size}", folders,
+                                                     {f: {"logits": r["logits"]} for f, r in refs.items()},
+                                                     str(root), timeout_s=600)):
+            out.update(ranks_out if rank == 0 else {k: v for k, v in ranks_out.items() if k.startswith("distopt/")})
     return {"out": out, "refs": refs, "folders": folders, "root": root}
 
 
@@ -432,7 +501,7 @@ RUN = ["experiment=pretrained_tiny", "model.pretrained=models/tiny-moe", "data.s
 
 
 @pytest.mark.timeout(900)
-def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
+def test_train_and_export_a_moe_model_through_the_cli(tmp_path, monkeypatch, capsys):
     import json
 
     import transformers as T
@@ -442,6 +511,16 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path):
     _hf_model("qwen3_moe", vocab=301).save_pretrained(source)
     save_tokenizer(source)
     prepare_in(tmp_path, RUN)
+    from megatron_pack.cli.verify import main as verify_main
+
+    monkeypatch.chdir(tmp_path)  # verify against transformers routes only real tokens, as training does
+    rc = verify_main(RUN + ["verify.reference=transformers", "verify.num_packs=2"])
+    text = capsys.readouterr().out
+    routed = [line for line in text.splitlines() if line.startswith("pack ")]
+    assert rc == 0 and len(routed) == 2 and all(" routed " in line and "PASS" in line for line in routed), text
+    for line in routed:  # "pack 0: 3 samples, 70 real tokens ... routed 70/70 real tokens"
+        real = line.split(" real tokens")[0].rsplit(" ", 1)[1]
+        assert f"routed {real}/{real} real tokens" in line, line
     first = torchrun_train(tmp_path, RUN + ["parallel.expert_model_parallel_size=2", "train.exit_after_iters=2",
                                             "checkpoint.save_interval=2"])
     out = torchrun_train(tmp_path, RUN)  # resumes the EP=2 checkpoint at EP=1
@@ -572,3 +651,19 @@ def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run
         assert sorted(single) == sorted(tensors)
         for key, tensor in tensors.items():
             assert float((tensor - single[key]).abs().max()) <= 1e-5 * max(float(single[key].abs().max()), 1e-3), key
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_distributed_optimizer_with_experts_takes_the_plain_optimizers_steps(world, rank):
+    """DP=2 x EP=2: the distributed optimizer (dense weights sharded over DP, each rank's experts over its
+    expert-DP group) gives the plain optimizer's losses, gradient norms, load-balancing losses and weights
+    (relative 1e-5), and checkpoints cross it both ways (C: distributed -> plain at EP=1; D: plain -> distributed)."""
+    out = {k.split("/", 2)[2]: v for k, v in world["out"].items() if k.startswith(f"distopt/{rank}/")}
+    a, b, c, d = out["a"], out["b"], out["c"], out["d"]
+    assert a.shape == (3, 3) and np.all(a > 0) and bool(out["sharded"]) and int(out["num_experts_local"]) > 0
+    assert not np.allclose(a[0], a[1], rtol=1e-3)  # the steps moved the model
+    np.testing.assert_allclose(b, a[:2], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(d, a[1:2], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(c, a[2:], rtol=1e-5, atol=0)
+    assert float(out["weights_diff"]) <= 1e-6

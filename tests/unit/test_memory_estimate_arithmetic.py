@@ -35,6 +35,16 @@ CASES = [
      Config(parallel=ParallelConfig(pipeline_model_parallel_size=2), ddp=DDPConfig(use_distributed_optimizer=True),
             train=TrainConfig(bf16=True, device="cuda")), 4, 0,
      (2 * (LAYER + 24_576), 4 * (LAYER + 24_576), 6 * (LAYER + 24_576), 2 * 512 * PER_TOKEN_LAYER // 2)),
+    # MoE, 4 experts (ffn 32, top-2) at EP=2 on 4 ranks (DP 4, expert-DP 2), the distributed optimizer, fp32 on GPU.
+    # A layer without its experts: qkv 8,192 + proj 4,096 + norms 128 + router 4 x 64 = 12,672; its 2 local experts
+    # 2 x (64 x 64 + 32 x 64) = 12,288. Dense 2 x 12,672 + 49,216 = 74,560 (state over DP 4), experts 24,576 (over 2).
+    # Activations per layer and token: 4 h + 2 q + 2 kv = 448 elements, the router's 3 x 4 fp32, and per top-k copy
+    # 2 h + 3 x 32: 4 x 448 + 48 + 4 x 2 x 224 = 3,632 B
+    ("moe-ep2-world4-distopt",
+     Config(model=ModelConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32),
+            parallel=ParallelConfig(expert_model_parallel_size=2), ddp=DDPConfig(use_distributed_optimizer=True),
+            train=TrainConfig(device="cuda")), 4, 0,
+     (4 * 99_136, 4 * 99_136, 8 * 74_560 // 4 + 8 * 24_576 // 2, 512 * (2 * 3_632 + OUTPUT_PER_TOKEN))),
     ("bf16-pp2-dp2-distopt-stage1",
      Config(parallel=ParallelConfig(pipeline_model_parallel_size=2), ddp=DDPConfig(use_distributed_optimizer=True),
             train=TrainConfig(bf16=True, device="cuda")), 4, 1,
@@ -96,10 +106,8 @@ def test_llama3_70b_recipe_header_matches_the_estimate(tmp_path):
     assert f"`{memory_line(cfg, 64)}`" in training_md  # the example line of docs/training.md
 
 
-def test_moe_models_are_not_estimated_as_dense():
-    """Routed experts are not modelled: a MoE config gets a line saying so, never a dense model's numbers."""
+def test_moe_line_counts_the_routed_experts():
+    """A MoE config gets numbers (its routed experts modelled), never the dense model's."""
     dense = memory_line(Config(), 1)
     moe = memory_line(Config(model=ModelConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)), 1)
-    assert "GiB" in dense and "GiB" not in moe
-    assert moe == ("memory per rank (est.): not computed for MoE models (model.num_experts is set; the estimate "
-                   "models dense layers only)")
+    assert "GiB" in moe and moe != dense and "not computed" not in moe

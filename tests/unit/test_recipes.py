@@ -114,6 +114,18 @@ def test_qwen3_moe_recipe_is_expert_parallel():
         (folder / "config.json").write_text(json.dumps(_QWEN3_30B_A3B))
         folder_args = [f"model.pretrained={folder}", "data.tokenizer=byte", "data.input=train.jsonl"]
         cfg = load_config(["experiment=qwen3_30b_a3b_sft", *folder_args], world_size=32)
+        distributed = load_config(["experiment=qwen3_30b_a3b_sft", *folder_args, "ddp.use_distributed_optimizer=true"],
+                                  world_size=32)
+    from megatron_pack.training.memory_estimate import estimate_memory
+
+    # the header states what train --check estimates, with and without the distributed optimizer
+    header = " ".join(line.lstrip("# ") for line in
+                      (config_dir() / "experiment" / "qwen3_30b_a3b_sft.yaml").read_text().splitlines())
+    est, dist = estimate_memory(cfg, 32), estimate_memory(distributed, 32)
+    gib = lambda v: f"{v / 2 ** 30:.2f}"  # noqa: E731
+    assert (f"params {gib(est.params)}, grads {gib(est.grads)}, optimizer {gib(est.optimizer)}, activations "
+            f"{gib(est.activations)} (8k tokens, selective recompute), total {gib(est.total)} GiB") in header
+    assert f"brings the optimizer to {gib(dist.optimizer)} and the total to {gib(dist.total)} GiB" in header
     m, p = cfg.model, cfg.parallel
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_router_pre_softmax) == (128, 8, 768, False)
     assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.context_parallel_size) == (16, 1, 2)
