@@ -39,9 +39,9 @@ __all__ = ["forward_backward_1f1b", "set_input_tensor", "stage_link"]
 
 
 def stage_link(cfg, state) -> Optional[StageLink]:
-    """This rank's ``StageLink`` for ``cfg`` (None without pipeline stages): activations in the
-    dtype the stages exchange (bfloat16 with ``train.bf16``), and without the shape exchange when
-    every pack has one shape (``model.builder.fixed_pack_shapes``)."""
+    """This rank's ``StageLink`` for ``cfg`` (a ``RingLink`` with virtual stages; None without pipeline
+    stages): activations in the dtype the stages exchange (bfloat16 with ``train.bf16``), and without
+    the shape exchange when every pack has one shape (``model.builder.fixed_pack_shapes``)."""
     if state.pp_size == 1:
         return None
     from megatron_pack.model.builder import fixed_pack_shapes
@@ -52,6 +52,11 @@ def stage_link(cfg, state) -> Optional[StageLink]:
                                     tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
                                     hidden_size=cfg.model.hidden_size) if fixed_pack_shapes(cfg) else None)
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    if p.num_model_chunks > 1:  # virtual stages: the chunks pass activations round the ring
+        from megatron_pack.parallel.pipeline import RingLink
+
+        return RingLink(state.pp_group, num_chunks=p.num_model_chunks, dtype=dtype, fixed_shape=shape,
+                        device=state.device)
     return StageLink(state.pp_group, dtype=dtype, fixed_shape=shape, device=state.device)
 
 
