@@ -321,9 +321,11 @@ def _hf_samples() -> list[list[int]]:
     return [rng.integers(3, 300, size=n).tolist() + [2] for n in (9, 17, 6)]
 
 
-def _hf_case(rank: int, folder: str) -> dict:
+def _hf_case(rank: int, folder: str, vp=None) -> dict:
     """HF load at PP=2 x TP=2 (tied Llama, vocabulary 301 padded to 302): each stage reads its own
-    layers' tensors; the last stage's logits of one pack of 3 samples, reassembled over TP."""
+    layers' tensors; the last stage's logits of one pack of 3 samples, reassembled over TP. With ``vp``
+    (a 4-layer folder) each of the rank's chunks reads its own layers and the packs run through the
+    interleaved schedule's forwards."""
     import torch.distributed as dist
 
     from megatron_pack.config.hf_config import apply_pretrained
@@ -338,11 +340,12 @@ def _hf_case(rank: int, folder: str) -> dict:
     from megatron_pack.training.step import get_packed_seq_params
 
     cfg = apply_pretrained(Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=64),
-                                  parallel=ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2)),
+                                  parallel=ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                                          virtual_pipeline_model_parallel_size=vp)),
                            [])
     state = initialize_parallel(cfg)
-    model = build_model(cfg, state)
-    read = list(model.pretrained_report.hf_names)
+    chunks = [build_model(cfg, state, vp_stage=v) for v in range(vp or 1)]
+    read = [" ".join(chunk.pretrained_report.hf_names) for chunk in chunks]
     batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _hf_samples()], pack_size=64,
                         pad_multiple=8)
     captured = []
@@ -353,22 +356,34 @@ def _hf_case(rank: int, folder: str) -> dict:
         local = slice_thd_batch(b, 1, 0)
         out = chunk(local["tokens"] if core.pre_process else None, local["position_ids"], None,
                     packed_seq_params=get_packed_seq_params(b))
-        captured.append(out)
+        if core.post_process:
+            captured.append(out)
         return out, lambda o: (o.sum() * 0, torch.zeros((), dtype=torch.int32), {"lm loss": torch.zeros(2)})
 
-    forward_backward_1f1b(forward_step_func=logits_step, data_iterator=iter([batch]), model=model,
-                          num_microbatches=1, link=StageLink(state.pp_group), forward_only=True)
-    out = {"hf/pp_rank": state.pp_rank, "hf/read": " ".join(read)}
+    if vp:
+        from megatron_pack.parallel.pipeline import RingLink
+        from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
+
+        forward_backward_interleaved(forward_step_func=logits_step, data_iterators=chunk_iterators(iter([batch]), vp),
+                                     model_chunks=chunks, num_microbatches=1,
+                                     link=RingLink(state.pp_group, num_chunks=vp), forward_only=True)
+    else:
+        forward_backward_1f1b(forward_step_func=logits_step, data_iterator=iter([batch]), model=chunks[0],
+                              num_microbatches=1, link=StageLink(state.pp_group), forward_only=True)
+    key = "hf" if vp is None else "hfvp"
+    out = {f"{key}/pp_rank": state.pp_rank, f"{key}/read": read[0],
+           **{f"{key}/read{v}": names for v, names in enumerate(read)}}
     if state.is_last_stage:
+        assert len(captured) == 1  # the output layer's chunk
         logits = gather_full_logits(captured[0], batch["cu_seqlens_padded"], state)[0]
         cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
         for i in range(len(cu) - 1):
-            out[f"hf/logits{i}"] = logits[cu_pad[i]:cu_pad[i] + cu[i + 1] - cu[i], :301].numpy()
+            out[f"{key}/logits{i}"] = logits[cu_pad[i]:cu_pad[i] + cu[i + 1] - cu[i], :301].numpy()
     dist.barrier()
     return out
 
 
-def _world_worker(rank: int, world_size: int, hf_folder: str) -> dict:
+def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str) -> dict:
     from megatron_pack.parallel.groups import destroy_parallel
 
     packs = _samples()
@@ -383,6 +398,8 @@ def _world_worker(rank: int, world_size: int, hf_folder: str) -> dict:
         destroy_parallel()
     out.update(_hf_case(rank, hf_folder))
     destroy_parallel()
+    out.update(_hf_case(rank, hf_folder4, vp=2))
+    destroy_parallel()
     return out
 
 
@@ -394,8 +411,16 @@ def hf_folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, hf_folder) -> list[dict]:
-    return spawn_world(_world_worker, WORLD_SIZE, tmp_path_factory.mktemp("pipeline_parallel"), hf_folder)
+def hf_folder4(tmp_path_factory) -> str:
+    """The tied Llama with 4 layers (PP=2 x VP=2 chunks of one layer)."""
+    from _hf import make_family
+
+    return str(make_family(tmp_path_factory.mktemp("hf4"), "llama_tied", num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, hf_folder, hf_folder4) -> list[dict]:
+    return spawn_world(_world_worker, WORLD_SIZE, tmp_path_factory.mktemp("pipeline_parallel"), hf_folder, hf_folder4)
 
 
 def test_hf_load_streams_only_the_stage_layers(world):
@@ -490,3 +515,26 @@ def test_virtual_stages_hold_megatron_cores_interleaved_layers(world, case):
         want = [(v * pp + rank) * per + i for v in range(vp) for i in range(per)]
         assert r[f"{case}/layers"].tolist() == want
         assert int(r[f"{case}/num_reports"]) in ({len(s) for s in split} if rank == pp - 1 else {0})
+
+
+def test_hf_load_at_virtual_stages_streams_each_chunk_and_equals_transformers(world, hf_folder4):
+    """PP=2 x VP=2 x TP=2: chunk v of rank r reads HF layer v * 2 + r only; the last chunk's logits
+    (through the interleaved schedule's forwards) equal transformers'."""
+    from _hf import hf_logits
+
+    for r in world:
+        stage = int(r["hfvp/pp_rank"])
+        for v in range(2):
+            read = str(r[f"hfvp/read{v}"]).split()
+            layers = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
+            assert layers == {v * 2 + stage}
+            assert ("model.embed_tokens.weight" in read) == ((stage, v) in ((0, 0), (1, 1)))  # tied: the last too
+            assert ("model.norm.weight" in read) == ((stage, v) == (1, 1))
+    last = [r for r in world if int(r["hfvp/pp_rank"]) == 1]
+    assert len(last) == 2
+    want = hf_logits(hf_folder4, [ids[:-1] for ids in _hf_samples()])
+    for r in last:
+        for i, ref in enumerate(want):
+            got = torch.from_numpy(r[f"hfvp/logits{i}"])
+            assert got.shape == ref.shape and got.shape[0] > 4
+            assert float((got - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
