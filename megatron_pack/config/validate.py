@@ -109,7 +109,7 @@ def _validate_virtual_pipeline(cfg: Config, world_size: Optional[int] = None) ->
     problems = []
     if layers % (pp * vp):
         fits = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0] if layers % pp == 0 else []
-        problems.append(f"model.num_layers ({layers}) must be a multiple of parallel.pipeline_model_parallel_size x "
+        problems.append(f"model.num_layers ({layers}) must be a multiple of parallel.pipeline_model_parallel_size ({pp}) x "
                         f"{key} = {pp * vp} (every model chunk holds the same layers); set "
                         + (f"parallel.virtual_pipeline_model_parallel_size to one of {fits} or " if fits else "")
                         + f"model.num_layers={_ceil_to(layers, pp * vp)}.")

@@ -80,7 +80,7 @@ CASES = [
       "set parallel.pipeline_model_parallel_size=2 or parallel.virtual_pipeline_model_parallel_size=null")),
     ("virtual_pipeline", dict(parallel__pipeline_model_parallel_size=2, parallel__virtual_pipeline_model_parallel_size=2,
                               model__num_layers=6), {},
-     ("model.num_layers (6) must be a multiple of parallel.pipeline_model_parallel_size x "
+     ("model.num_layers (6) must be a multiple of parallel.pipeline_model_parallel_size (2) x "
       "parallel.virtual_pipeline_model_parallel_size (2) = 4",
       "set parallel.virtual_pipeline_model_parallel_size to one of [3] or model.num_layers=8")),
     ("virtual_pipeline", dict(parallel__pipeline_model_parallel_size=2, parallel__virtual_pipeline_model_parallel_size=2,
