@@ -252,7 +252,8 @@ class RingLink:
     block until their data is there: with megatron-core's interleaved order every receive's data
     is sent by a step its peer reaches without waiting on this rank, so the schedule cannot hang.
     Messages carry the receiving chunk in their tag, so a receive never takes another chunk's
-    tensor. Variable pack shapes travel in a 4-entry header before each forward tensor, as in
+    tensor (NCCL ignores tags: there each pair of ranks receives in the order it sends, which the
+    schedule keeps). Variable pack shapes travel in a 4-entry header before each forward tensor, as in
     :class:`StageLink`; ``fixed_shape`` skips it.
 
     Example (pp=2, vp=2: rank 1's chunk 0 output goes to rank 0's chunk 1)::
@@ -294,10 +295,9 @@ class RingLink:
             return
         to_chunk = chunk + 1 if self.pp_rank == self.pp_size - 1 else chunk
         wire = output.detach().to(self.dtype).contiguous()
-        if self.fixed_shape is None:
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-            header[0] = wire.dim()
-            header[1:1 + wire.dim()] = torch.tensor(wire.shape, dtype=torch.int64)
+        if self.fixed_shape is None:  # on the link's device: NCCL sends device tensors only
+            header = torch.tensor([wire.dim(), *wire.shape] + [0] * (_HEADER_LEN - 1 - wire.dim()),
+                                  dtype=torch.int64, device=self.device)
             self._post(header, self.next_rank, self._tag(0, to_chunk))
             self.num_shape_exchanges += 1
         elif tuple(wire.shape) != self.fixed_shape:
@@ -312,10 +312,11 @@ class RingLink:
             return None
         shape = self.fixed_shape
         if shape is None:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             self._recv(header, self.prev_rank, self._tag(0, chunk))
             self.num_shape_exchanges += 1
-            shape = tuple(int(d) for d in header[1:1 + int(header[0])])
+            header = header.tolist()
+            shape = tuple(header[1:1 + header[0]])
         tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._recv(tensor, self.prev_rank, self._tag(1, chunk))
         return tensor.requires_grad_(True)

@@ -38,6 +38,7 @@ import torch
 
 from megatron_pack.parallel.pipeline import RingLink
 from megatron_pack.training.chunks import core_model
+from megatron_pack.training.pipeline_schedule import stage_loss
 
 __all__ = ["chunk_iterators", "forward_backward_interleaved", "schedule_table", "warmup_count"]
 
@@ -109,12 +110,11 @@ class _Chunks:
         output, loss_fn = self.forward_step_func(self.data_iterators[chunk], model)
         if not core_model(model).post_process:
             return output
-        loss_sum, num_tokens, report = loss_fn(output)
+        loss, num_tokens, report = stage_loss(loss_fn, output, per_token_loss=self.per_token_loss,
+                                              num_microbatches=self.num_microbatches)
         self.reports.append(report)
-        self.num_tokens += num_tokens.detach().cpu().to(torch.int32)
-        if not self.per_token_loss:
-            loss_sum = loss_sum / torch.clamp(num_tokens, min=1) / self.num_microbatches
-        return loss_sum
+        self.num_tokens += num_tokens
+        return loss
 
 
 def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators: list[Iterator], model_chunks: list,
@@ -123,7 +123,9 @@ def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators:
     """Run this rank's part of the interleaved 1F1B schedule; returns (loss reports, target tokens), both
     from the rank holding the loss chunk (the other ranks return ``[]`` and a zero count).
 
-    ``forward_only`` runs the forwards alone, in the same order (validation; any micro-batch count).
+    ``forward_only`` runs the forwards alone (validation; any micro-batch count), one micro-batch at a
+    time through every chunk, each send waited for before the next receive: nothing is left posted, so
+    it also runs over NCCL (GPU validation), whose sends and receives with one peer share a stream.
     """
     num_chunks, pp = len(model_chunks), link.pp_size
     if not forward_only and num_microbatches % pp:
@@ -131,14 +133,15 @@ def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators:
                          f"multiple of parallel.pipeline_model_parallel_size ({pp}); set train.global_batch_size so "
                          "that every data-parallel rank runs a multiple of it (validate() checks the fixed count).")
     run = _Chunks(forward_step_func, data_iterators, model_chunks, num_microbatches, per_token_loss)
-    table = schedule_table(num_microbatches, num_chunks, pp)
-    total = len(table)
     if forward_only:
         with torch.no_grad():
-            for _, chunk in table:
-                link.send_forward(run.forward(chunk, link.recv_forward(chunk)), chunk)
-        link.finish()
+            for _ in range(num_microbatches):
+                for chunk in range(num_chunks):
+                    link.send_forward(run.forward(chunk, link.recv_forward(chunk)), chunk)
+                    link.finish()
         return run.reports, run.num_tokens
+    table = schedule_table(num_microbatches, num_chunks, pp)
+    total = len(table)
     syncs = [getattr(m, "no_sync", contextlib.nullcontext)() for m in model_chunks]
     for sync in syncs:
         sync.__enter__()

@@ -35,7 +35,7 @@ import torch
 from megatron_pack.parallel.pipeline import StageLink
 from megatron_pack.training.chunks import core_model
 
-__all__ = ["forward_backward_1f1b", "set_input_tensor", "stage_link"]
+__all__ = ["forward_backward_1f1b", "set_input_tensor", "stage_link", "stage_loss"]
 
 
 def stage_link(cfg, state) -> Optional[StageLink]:
@@ -65,6 +65,17 @@ def set_input_tensor(model: torch.nn.Module, tensor: Optional[torch.Tensor]) -> 
     core_model(model).set_input_tensor(tensor)
 
 
+def stage_loss(loss_fn: Callable, output: torch.Tensor, *, per_token_loss: bool,
+               num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The loss stage's ``(what backward runs on, target tokens as int32, report)`` for one micro-batch:
+    the loss SUM with per-token loss; without it sum / target count / ``num_microbatches``, as
+    megatron-core's schedules do."""
+    loss_sum, num_tokens, report = loss_fn(output)
+    if not per_token_loss:
+        loss_sum = loss_sum / torch.clamp(num_tokens, min=1) / num_microbatches
+    return loss_sum, num_tokens.detach().cpu().to(torch.int32), report
+
+
 class _Stage:
     """One stage's forward and backward of a micro-batch, and what it adds up."""
 
@@ -80,12 +91,11 @@ class _Stage:
         output, loss_fn = self.forward_step_func(self.data_iterator, self.model)
         if not self.link.is_last:
             return output
-        loss_sum, num_tokens, report = loss_fn(output)
+        loss, num_tokens, report = stage_loss(loss_fn, output, per_token_loss=self.per_token_loss,
+                                              num_microbatches=self.num_microbatches)
         self.reports.append(report)
-        self.num_tokens += num_tokens.detach().cpu().to(torch.int32)
-        if not self.per_token_loss:
-            loss_sum = loss_sum / torch.clamp(num_tokens, min=1) / self.num_microbatches
-        return loss_sum
+        self.num_tokens += num_tokens
+        return loss
 
     @staticmethod
     def backward(input_tensor: Optional[torch.Tensor], output: torch.Tensor,

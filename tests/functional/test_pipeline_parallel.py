@@ -241,16 +241,20 @@ def _run_case(case, rank: int, packs) -> dict:
     out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
                 "shape_exchanges": link.num_shape_exchanges, "pp_rank": stage.pp_rank})
     if rank == 0:
-        ref_loss, ref_grads = _reference(params, packs, num_layers, tied)
-        if tied:  # megatron-core keeps the embedding's gradient on both stages, summed: compare it once
-            grads.pop("output_layer.weight")
-            ref_grads.pop("output_layer.weight")
-        out["ref_loss"] = ref_loss
-        out["grad_rel"] = max(float((grads[n] - ref_grads[n].float()).abs().max()) /
-                              max(float(ref_grads[n].abs().max()), 1e-30) for n in ref_grads)
-        out["num_grads"] = sum(1 for n in ref_grads if n in grads and float(ref_grads[n].abs().max()) > 0)
-        out["num_params"] = len(params)
+        out.update(_against_reference(params, grads, packs, num_layers, tied))
     return out
+
+
+def _against_reference(params: dict, grads: dict, packs, num_layers: int, tied: bool) -> dict:
+    """The float64 reference's loss, and the largest relative gradient difference (every tensor)."""
+    ref_loss, ref_grads = _reference(params, packs, num_layers, tied)
+    if tied:  # megatron-core keeps the embedding's gradient on both stages, summed: compare it once
+        grads.pop("output_layer.weight")
+        ref_grads.pop("output_layer.weight")
+    return {"ref_loss": ref_loss, "num_params": len(params),
+            "grad_rel": max(float((grads[n] - ref_grads[n].float()).abs().max()) /
+                            max(float(ref_grads[n].abs().max()), 1e-30) for n in ref_grads),
+            "num_grads": sum(1 for n in ref_grads if n in grads and float(ref_grads[n].abs().max()) > 0)}
 
 
 def _vp_packs() -> list[list[dict]]:
@@ -307,12 +311,7 @@ def _run_vp_case(case, rank: int, packs) -> dict:
     out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
                 "num_reports": len(reports), "shape_exchanges": link.num_shape_exchanges})
     if rank == 0:
-        ref_loss, ref_grads = _reference(params, packs, VP_LAYERS, False)
-        out["ref_loss"] = ref_loss
-        out["grad_rel"] = max(float((grads[n] - ref_grads[n].float()).abs().max()) /
-                              max(float(ref_grads[n].abs().max()), 1e-30) for n in ref_grads)
-        out["num_grads"] = sum(1 for n in ref_grads if n in grads and float(ref_grads[n].abs().max()) > 0)
-        out["num_params"] = len(params)
+        out.update(_against_reference(params, grads, packs, VP_LAYERS, False))
     return out
 
 
