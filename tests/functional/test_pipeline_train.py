@@ -6,7 +6,8 @@ the same 12 packs, 4 per step (DP=1 in every layout, so the packs of each step a
 * A, PP=1 x TP=2: saves a checkpoint before its first step and after its second, runs 3 steps;
 * B, PP=2 with the distributed optimizer: resumes A's step-0 checkpoint (PP=1 -> PP=2), runs 2 steps, saves;
 * C, PP=1 x TP=2: resumes B's step-2 checkpoint (PP=2 -> PP=1), runs the last step;
-* D, PP=2 x VP=2 (virtual stages: two model chunks per rank, the interleaved 1F1B): resumes A's step-0
+* D, PP=2 x VP=2 (virtual stages: two model chunks per rank, the interleaved 1F1B) with the distributed
+  optimizer (one AdamW over both chunks' parameters): resumes A's step-0
   checkpoint (PP=1 -> PP=2 x VP=2), runs 2 steps, saves;
 * E, PP=1 x TP=2: resumes D's step-2 checkpoint (PP=2 x VP=2 -> PP=1), runs the last step.
 
@@ -93,7 +94,7 @@ def _world_worker(rank: int, world_size: int, root: str) -> dict:
     run_c = _steps(c, 1)
     destroy_parallel()
 
-    d = _trainer(2, 1, packs, vp=2)
+    d = _trainer(2, 1, packs, vp=2, distributed_optimizer=True)
     d.load(start)
     d_start = d.save(f"{root}/d")
     run_d = _steps(d, 2)
