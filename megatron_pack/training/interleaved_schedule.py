@@ -37,8 +37,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megatron_pack.parallel.pipeline import RingLink
-from megatron_pack.training.chunks import core_model
-from megatron_pack.training.pipeline_schedule import stage_loss
+from megatron_pack.training.pipeline_schedule import StageRun
 
 __all__ = ["chunk_iterators", "forward_backward_interleaved", "schedule_table", "warmup_count"]
 
@@ -94,29 +93,6 @@ def chunk_iterators(data_iterator: Iterator, num_chunks: int) -> list[Iterator]:
     return [_ChunkIterator(replay, chunk) for chunk in range(num_chunks)]
 
 
-class _Chunks:
-    """The forward and backward of one virtual micro-batch, and what the loss chunk adds up."""
-
-    def __init__(self, forward_step_func: Callable, data_iterators: list[Iterator], model_chunks: list,
-                 num_microbatches: int, per_token_loss: bool):
-        self.forward_step_func, self.data_iterators, self.model_chunks = forward_step_func, data_iterators, model_chunks
-        self.num_microbatches, self.per_token_loss = num_microbatches, per_token_loss
-        self.reports: list[dict] = []
-        self.num_tokens = torch.zeros((), dtype=torch.int32)
-
-    def forward(self, chunk: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
-        model = self.model_chunks[chunk]
-        core_model(model).set_input_tensor(input_tensor)
-        output, loss_fn = self.forward_step_func(self.data_iterators[chunk], model)
-        if not core_model(model).post_process:
-            return output
-        loss, num_tokens, report = stage_loss(loss_fn, output, per_token_loss=self.per_token_loss,
-                                              num_microbatches=self.num_microbatches)
-        self.reports.append(report)
-        self.num_tokens += num_tokens
-        return loss
-
-
 def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators: list[Iterator], model_chunks: list,
                                  num_microbatches: int, link: RingLink, per_token_loss: bool = True,
                                  forward_only: bool = False) -> tuple[list[dict], torch.Tensor]:
@@ -132,14 +108,15 @@ def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators:
         raise ValueError(f"the interleaved pipeline schedule got {num_microbatches} micro-batches, which must be a "
                          f"multiple of parallel.pipeline_model_parallel_size ({pp}); set train.global_batch_size so "
                          "that every data-parallel rank runs a multiple of it (validate() checks the fixed count).")
-    run = _Chunks(forward_step_func, data_iterators, model_chunks, num_microbatches, per_token_loss)
+    runs = [StageRun(forward_step_func, it, model, num_microbatches, per_token_loss)
+            for it, model in zip(data_iterators, model_chunks)]
     if forward_only:
         with torch.no_grad():
             for _ in range(num_microbatches):
                 for chunk in range(num_chunks):
-                    link.send_forward(run.forward(chunk, link.recv_forward(chunk)), chunk)
+                    link.send_forward(runs[chunk].forward(link.recv_forward(chunk)), chunk)
                     link.finish()
-        return run.reports, run.num_tokens
+        return _totals(runs)
     table = schedule_table(num_microbatches, num_chunks, pp)
     total = len(table)
     syncs = [getattr(m, "no_sync", contextlib.nullcontext)() for m in model_chunks]
@@ -151,7 +128,7 @@ def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators:
     def forward(k: int) -> None:
         chunk = table[k][1]
         input_tensor = link.recv_forward(chunk)
-        output = run.forward(chunk, input_tensor)
+        output = runs[chunk].forward(input_tensor)
         link.send_forward(output, chunk)
         pending[chunk].append((input_tensor, output))
 
@@ -162,12 +139,9 @@ def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators:
         backwards_done[chunk] += 1
         if backwards_done[chunk] == num_microbatches:  # this chunk's last backward syncs its gradients
             syncs[chunk].__exit__(None, None, None)
-        if grad is None:
-            output.backward()
-        else:
-            torch.autograd.backward(output, grad_tensors=grad.to(output.dtype))
-        if input_tensor is not None:
-            link.send_backward(input_tensor.grad, chunk)
+        input_grad = StageRun.backward(input_tensor, output, grad)
+        if input_grad is not None:
+            link.send_backward(input_grad, chunk)
 
     num_warmup = warmup_count(pp, link.pp_rank, num_chunks, num_microbatches)
     for k in range(num_warmup):
@@ -181,4 +155,9 @@ def forward_backward_interleaved(*, forward_step_func: Callable, data_iterators:
         if backwards_done[chunk] < num_microbatches:  # no micro-batch at all: leave no_sync all the same
             syncs[chunk].__exit__(None, None, None)
     link.finish()
-    return run.reports, run.num_tokens
+    return _totals(runs)
+
+
+def _totals(runs: list[StageRun]) -> tuple[list[dict], torch.Tensor]:
+    """The loss reports and target tokens (only the chunk with the output layer has any)."""
+    return [report for run in runs for report in run.reports], sum(run.num_tokens for run in runs)

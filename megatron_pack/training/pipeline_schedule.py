@@ -35,7 +35,7 @@ import torch
 from megatron_pack.parallel.pipeline import StageLink
 from megatron_pack.training.chunks import core_model
 
-__all__ = ["forward_backward_1f1b", "set_input_tensor", "stage_link", "stage_loss"]
+__all__ = ["StageRun", "forward_backward_1f1b", "set_input_tensor", "stage_link", "stage_loss"]
 
 
 def stage_link(cfg, state) -> Optional[StageLink]:
@@ -76,20 +76,20 @@ def stage_loss(loss_fn: Callable, output: torch.Tensor, *, per_token_loss: bool,
     return loss_sum, num_tokens.detach().cpu().to(torch.int32), report
 
 
-class _Stage:
-    """One stage's forward and backward of a micro-batch, and what it adds up."""
+class StageRun:
+    """One stage's (or model chunk's) forward and backward of a micro-batch, and what it adds up."""
 
     def __init__(self, forward_step_func: Callable, data_iterator: Iterator, model: torch.nn.Module,
-                 link: StageLink, num_microbatches: int, per_token_loss: bool):
+                 num_microbatches: int, per_token_loss: bool):
         self.forward_step_func, self.data_iterator, self.model = forward_step_func, data_iterator, model
-        self.link, self.num_microbatches, self.per_token_loss = link, num_microbatches, per_token_loss
+        self.num_microbatches, self.per_token_loss = num_microbatches, per_token_loss
         self.reports: list[dict] = []
         self.num_tokens = torch.zeros((), dtype=torch.int32)
 
     def forward(self, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
         set_input_tensor(self.model, input_tensor)
         output, loss_fn = self.forward_step_func(self.data_iterator, self.model)
-        if not self.link.is_last:
+        if not core_model(self.model).post_process:  # the loss is on the chunk with the output layer
             return output
         loss, num_tokens, report = stage_loss(loss_fn, output, per_token_loss=self.per_token_loss,
                                               num_microbatches=self.num_microbatches)
@@ -116,7 +116,7 @@ def forward_backward_1f1b(*, forward_step_func: Callable, data_iterator: Iterato
     ``forward_only`` runs the forwards alone (validation): every stage passes its activations on,
     the last stage reports the losses, nothing is backpropagated.
     """
-    stage = _Stage(forward_step_func, data_iterator, model, link, num_microbatches, per_token_loss)
+    stage = StageRun(forward_step_func, data_iterator, model, num_microbatches, per_token_loss)
     if forward_only:
         with torch.no_grad():
             for _ in range(num_microbatches):
