@@ -31,8 +31,11 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidde
                eos_token_id=2, pad_token_id=0)
 
 
-def hf_config(family: str):
+def hf_config(family: str, num_layers: int = 2):
     import transformers as T
+
+    if num_layers != 2:
+        return type(hf_config(family))(**{**hf_config(family).to_dict(), "num_hidden_layers": num_layers})
 
     if family == "llama_rope":
         return T.LlamaConfig(**_COMMON, rope_theta=500000.0, rope_scaling={
@@ -78,13 +81,13 @@ def save_tokenizer(path: Path) -> None:
 
 
 def make_family(root: Path | str, family: str, *, seed: int = 0, dtype=torch.float32,
-                max_shard_size: str = "60KB", name: str | None = None) -> Path:
+                max_shard_size: str = "60KB", name: str | None = None, num_layers: int = 2) -> Path:
     """A saved tiny model folder ``root/<name or family>`` (several safetensors shards + index + tokenizer)."""
     import transformers as T
 
     path = Path(root) / (name or family)
     torch.manual_seed(seed)
-    model = T.AutoModelForCausalLM.from_config(hf_config(family)).to(dtype)
+    model = T.AutoModelForCausalLM.from_config(hf_config(family, num_layers)).to(dtype)
     _randomise(model, seed + 1)
     model.save_pretrained(path, max_shard_size=max_shard_size)
     T.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, temperature=0.7, do_sample=True).save_pretrained(path)

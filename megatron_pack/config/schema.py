@@ -493,6 +493,9 @@ class ParallelConfig(_Group):
     """Context-parallel degree (CP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree (PP): stages of model.num_layers / PP layers each, run by the 1F1B schedule."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank (VP, interleaved 1F1B; megatron-core's convention): rank r holds layer
+    blocks r, r + PP, ... of num_layers / (PP * VP) layers each. None (or 1): one chunk per rank."""
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (needs TP > 1)."""
     cp_comm_type: str = "p2p"
@@ -507,10 +510,16 @@ class ParallelConfig(_Group):
     def field_problems(self) -> list[str]:
         g = self.GROUP
         problems = _positive(g, self, ("tensor_model_parallel_size", "context_parallel_size",
-                                       "pipeline_model_parallel_size", "expert_model_parallel_size",
+                                       "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                                       "expert_model_parallel_size",
                                        "expert_tensor_parallel_size"))
         problems += _choice(g, self, "cp_comm_type") + _choice(g, self, "backend")
         return problems
+
+    @property
+    def num_model_chunks(self) -> int:
+        """Model chunks each pipeline rank runs: virtual_pipeline_model_parallel_size, or 1 without it."""
+        return self.virtual_pipeline_model_parallel_size or 1
 
 
 MIN_LR_DIVISOR = 10

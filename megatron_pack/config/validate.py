@@ -88,6 +88,47 @@ def _pipeline_support_problems(cfg: Config) -> list[str]:
             for key, refused, reason in _PIPELINE_REFUSED if refused(cfg)]
 
 
+_VP_VARIABLE_MICROBATCHES = (  # (key, set when) settings that plan a different micro-batch count each step
+    ("train.global_batch_tokens", lambda cfg: cfg.train.global_batch_tokens is not None),
+    ("packing.balance", lambda cfg: cfg.packing.balance == "dp"),
+    ("packing.mode", lambda cfg: cfg.packing.mode == "online"),
+)
+
+
+def _validate_virtual_pipeline(cfg: Config, world_size: Optional[int] = None) -> list[str]:
+    """VP > 1 (interleaved 1F1B): pipeline stages, every chunk the same layers, and megatron-core 0.16.1's
+    micro-batch rule (groups of PP micro-batches per chunk: the count per DP rank is a multiple of PP)."""
+    par = cfg.parallel
+    vp, pp, layers = par.virtual_pipeline_model_parallel_size, par.pipeline_model_parallel_size, cfg.model.num_layers
+    if vp is None or vp == 1:
+        return []
+    key = f"parallel.virtual_pipeline_model_parallel_size ({vp})"
+    if pp == 1:
+        return [f"{key} needs parallel.pipeline_model_parallel_size > 1 (virtual stages interleave pipeline stages); "
+                "set parallel.pipeline_model_parallel_size=2 or parallel.virtual_pipeline_model_parallel_size=null."]
+    problems = []
+    if layers % (pp * vp):
+        fits = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0] if layers % pp == 0 else []
+        problems.append(f"model.num_layers ({layers}) must be a multiple of parallel.pipeline_model_parallel_size ({pp}) x "
+                        f"{key} = {pp * vp} (every model chunk holds the same layers); set "
+                        + (f"parallel.virtual_pipeline_model_parallel_size to one of {fits} or " if fits else "")
+                        + f"model.num_layers={_ceil_to(layers, pp * vp)}.")
+    problems += [f"{name} ({_value_of(cfg, name)}) with {key}: the interleaved schedule needs the same micro-batch "
+                 f"count, a multiple of parallel.pipeline_model_parallel_size ({pp}), on every step; unset {name} "
+                 "(train.global_batch_tokens=null, packing.balance=none, packing.mode=offline) or set "
+                 "parallel.virtual_pipeline_model_parallel_size=null." for name, on in _VP_VARIABLE_MICROBATCHES if on(cfg)]
+    model_parallel = par.tensor_model_parallel_size * par.context_parallel_size * pp
+    if isinstance(world_size, int) and world_size > 0 and world_size % model_parallel == 0:
+        dp, mbs = world_size // model_parallel, cfg.train.micro_batch_size
+        num = cfg.train.global_batch_size // (dp * mbs)
+        if num % pp:
+            problems.append(f"train.global_batch_size ({cfg.train.global_batch_size}) gives {num} micro-batches per "
+                            f"data-parallel rank (/ (dp {dp} * train.micro_batch_size {mbs})), which {key} needs as a "
+                            f"multiple of parallel.pipeline_model_parallel_size ({pp}) (megatron-core 0.16.1's "
+                            f"interleaved schedule); set train.global_batch_size={_ceil_to(num, pp) * dp * mbs}.")
+    return problems
+
+
 def _value_of(cfg: Config, key: str) -> Any:
     group, name = key.split(".")
     return getattr(getattr(cfg, group), name)
@@ -692,6 +733,7 @@ def collect_problems(cfg: Config, *, world_size: Optional[int] = None,
     for rule in _CONFIG_RULES:
         problems += rule(cfg)
     problems += _validate_batch_size(cfg, world_size)
+    problems += _validate_virtual_pipeline(cfg, world_size)
     problems += _validate_dataset_meta(cfg, dataset_meta)
     return problems
 
@@ -723,7 +765,8 @@ def launch_problems(cfg: Config, *, world_size: Optional[int]) -> list[str]:
     parallelism, batch split): train checks them before it looks for the dataset."""
     par = cfg.parallel
     return (_world_size_problems(par, world_size) + _validate_pipeline_parallel(cfg) + _sequence_parallel_problems(par)
-            + _expert_parallel_problems(par, world_size) + _validate_batch_size(cfg, world_size))
+            + _expert_parallel_problems(par, world_size) + _validate_batch_size(cfg, world_size)
+            + _validate_virtual_pipeline(cfg, world_size))
 
 
 def prepare_problems(cfg: Config) -> list[str]:

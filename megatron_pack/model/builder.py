@@ -114,6 +114,7 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16, pipeline_dtype=_DTYPES[m.params_dtype],
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         context_parallel_size=p.context_parallel_size, pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size if p.num_model_chunks > 1 else None,
         sequence_parallel=p.sequence_parallel, cp_comm_type=te_cp_comm_type(p.cp_comm_type) if fused else None,
         calculate_per_token_loss=m.calculate_per_token_loss,
         # CPU init builds each full weight from the default generator and slices it, so a model
@@ -255,19 +256,23 @@ def _check_divisibility(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
-def stage_of(cfg: Config, pg: ParallelState) -> StageLayout:
-    """This rank's pipeline stage (its layers, and whether it holds the embedding / the output layer)."""
+def stage_of(cfg: Config, pg: ParallelState, vp_stage: int = 0) -> StageLayout:
+    """This rank's pipeline stage, model chunk ``vp_stage`` of it (its layers, and whether it holds the
+    embedding / the output layer)."""
     pp_group = getattr(pg.pg_collection, "pp", None)
     pp_rank = pp_group.rank() if pp_group is not None else 0
-    return stage_layout(cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size, pp_rank)
+    return stage_layout(cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size, pp_rank,
+                        cfg.parallel.num_model_chunks, vp_stage)
 
 
-def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mode: str = "thd"):
+def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mode: str = "thd", vp_stage: int = 0):
     """megatron-core ``GPTModel`` for ``cfg`` on this process's groups (``ParallelState``).
 
     ``pg`` None initialises the groups from ``cfg`` first (a world of one outside torchrun).
     Seeds the weights with ``train.seed`` (CPU: identical full weights for every TP size).
     ``attention_mode='pack_causal'`` builds the broken model ``verify.attention`` demonstrates.
+    ``vp_stage``: which of the rank's model chunks (``parallel.virtual_pipeline_model_parallel_size``)
+    to build (megatron-core's ``GPTModel(vp_stage=)``: its layers' global numbers follow from it).
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -291,7 +296,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     torch.manual_seed(cfg.train.seed)
     # megatron's named RNG streams (CPU generator states under cpu_compat)
     model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=pg.ep_rank, etp_rank=pg.etp_rank)
-    stage = stage_of(cfg, pg)
+    stage = stage_of(cfg, pg, vp_stage)
     spec = (te_layer_spec(cfg.model.qk_layernorm, cfg.model.num_experts) if backend == "te" else
             local_block_spec(stage.num_local_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm,
                              num_experts=cfg.model.num_experts))
@@ -301,7 +306,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         pre_process=stage.is_first, post_process=stage.is_last, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
-        pg_collection=pg.pg_collection,
+        pg_collection=pg.pg_collection, vp_stage=vp_stage if stage.vp_size > 1 else None,
     )
     if not config.perform_initialization:
         mark_tensor_parallel(model)

@@ -1,7 +1,8 @@
 """The model chunks a rank runs: built, wrapped for bf16 and megatron-core DDP, and unwrapped again.
 
-A rank runs one chunk per pipeline stage it holds (one today: ``parallel.pipeline_model_parallel_size``
-is 1; with virtual stages it would hold several). Each chunk is a megatron-core ``GPTModel`` (in a
+A rank runs one chunk per pipeline stage it holds: one, or with virtual stages
+(``parallel.virtual_pipeline_model_parallel_size`` = VP) VP chunks, chunk ``v`` holding layer block
+``v * PP + pp_rank`` (``parallel.pipeline.stage_layout``). Each chunk is a megatron-core ``GPTModel`` (in a
 ``Float16Module`` with ``train.bf16``) inside its own ``DistributedDataParallel``; :func:`core_model`
 is the one way back from a wrapper to the ``GPTModel`` (checkpoints, the finite-weights check and
 ``forward_step`` read parameter names and the process groups there).
@@ -26,14 +27,18 @@ def core_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def only_chunk(model_chunks: list[torch.nn.Module], what: str) -> torch.nn.Module:
-    """The one model chunk of this rank (one per pipeline stage); ``what`` names the code that needs it.
+def chunk_prefix(index: int, num_chunks: int) -> str:
+    """The name prefix that keeps the parameters of several chunks apart in one rank's optimizer and
+    checkpoint state (their local names repeat: every chunk has ``decoder.layers.0``): ``""`` for a
+    single chunk (the names of PP=1), else ``"chunk<v>."``. Checkpoint files name layers globally
+    whatever the prefix (megatron-core's sharded keys), so any layout reads them back."""
+    return "" if num_chunks == 1 else f"chunk{index}."
 
-    Several chunks per rank would be virtual (interleaved) pipeline stages, which no key enables yet.
-    """
-    if len(model_chunks) != 1:
-        raise NotImplementedError(f"{what} one model chunk per rank (virtual pipeline stages are not built)")
-    return model_chunks[0]
+
+def named_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(prefixed name, parameter)`` of every chunk's inner module (what the optimizer steps)."""
+    return [(chunk_prefix(v, len(model_chunks)) + name, param) for v, chunk in enumerate(model_chunks)
+            for name, param in chunk.module.named_parameters()]
 
 
 def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch.nn.Module:
@@ -56,17 +61,23 @@ def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch
 
 
 def build_model_chunks(cfg: Config, state: ParallelState) -> list[torch.nn.Module]:
-    """This rank's DDP-wrapped model chunks, seeded by ``train.seed`` (one: pipeline stages are one chunk each)."""
+    """This rank's DDP-wrapped model chunks in order (``parallel.num_model_chunks`` of them), each seeded
+    by ``train.seed``; with ``model.pretrained`` each reads only its own layers' tensors."""
     from megatron_pack.model.builder import build_model
 
-    model = build_model(cfg, state)
-    if cfg.train.bf16:  # megatron-core's bf16 wrapper: casts inputs, keeps fp32 main grads
-        from megatron.core.transformer.module import Float16Module
+    chunks = []
+    for vp_stage in range(cfg.parallel.num_model_chunks):
+        model = build_model(cfg, state, vp_stage=vp_stage)
+        if cfg.train.bf16:  # megatron-core's bf16 wrapper: casts inputs, keeps fp32 main grads
+            from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(model.config, model)
-    chunks = [model]
+            model = Float16Module(model.config, model)
+        chunks.append(model)
     log_parameter_counts(chunks, state)
-    return [wrap_ddp(cfg, chunk, state) for chunk in chunks]
+    wrapped = [wrap_ddp(cfg, chunk, state) for chunk in chunks]
+    if len(wrapped) > 1:  # megatron-core's interleaved schedule enters every chunk's no_sync
+        wrapped[0].module.config.no_sync_func = [ddp.no_sync for ddp in wrapped]
+    return wrapped
 
 
 def log_parameter_counts(chunks: list[torch.nn.Module], state: ParallelState) -> None:

@@ -137,18 +137,27 @@ def build_validation_loader(cfg, state, dataset) -> Optional[ValidationLoader]:
     return ValidationLoader(dataset, collate, num_packs=num, dp_rank=state.dp_rank, dp_size=state.dp_size)
 
 
-def _reports(model: torch.nn.Module, forward_step_func: Callable, batches: Iterable[dict], link):
+def _reports(chunks: list[torch.nn.Module], forward_step_func: Callable, batches: Iterable[dict], link):
     """(batch, report) of every batch whose loss this rank holds (every batch without a pipeline;
     on the last stage with one, none on the others)."""
     if link is None or link.pp_size == 1:
         for batch in batches:
-            yield batch, _forward_report(model, forward_step_func, batch)
+            yield batch, _forward_report(chunks[0], forward_step_func, batch)
         return
-    from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
-
     batches = list(batches)
-    reports, _ = forward_backward_1f1b(forward_step_func=forward_step_func, data_iterator=iter(batches), model=model,
-                                       num_microbatches=len(batches), link=link, forward_only=True)
+    if len(chunks) > 1:  # virtual stages: the forwards of the interleaved schedule, in its order
+        from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
+
+        reports, _ = forward_backward_interleaved(forward_step_func=forward_step_func,
+                                                  data_iterators=chunk_iterators(iter(batches), len(chunks)),
+                                                  model_chunks=chunks, num_microbatches=len(batches), link=link,
+                                                  forward_only=True)
+    else:
+        from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
+
+        reports, _ = forward_backward_1f1b(forward_step_func=forward_step_func, data_iterator=iter(batches),
+                                           model=chunks[0], num_microbatches=len(batches), link=link,
+                                           forward_only=True)
     yield from zip(batches, reports)
 
 
@@ -158,10 +167,12 @@ def _forward_report(model: torch.nn.Module, forward_step_func: Callable, batch: 
     return report
 
 
-def evaluate(model: torch.nn.Module, batches: Iterable[dict], *, forward_step_func: Callable,
+def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
              group: Optional[dist.ProcessGroup], num_packs: int = 0,
              source_names: Sequence[str] = (), link=None) -> EvalResult:
     """Token-weighted validation loss of ``batches`` (this rank's packs), reduced over ``group`` (DP x CP).
+    ``model`` is this rank's model chunk, or the list of its chunks (virtual pipeline stages: ``link``
+    is then a ``parallel.pipeline.RingLink``).
 
     With ``source_names`` (the dataset's data.sources names, the same list on every rank) each
     batch's report must carry ``"source loss"`` (``forward_step`` adds it for batches with
@@ -176,11 +187,13 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], *, forward_step_fu
     names = list(source_names)
     # [loss sum, target count, per-source loss sums..., per-source target counts...]
     sums = torch.zeros(2 + 2 * len(names), dtype=torch.float64)
-    was_training = model.training
-    model.eval()
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    was_training = chunks[0].training
+    for chunk in chunks:
+        chunk.eval()
     try:
         with torch.no_grad():
-            for batch, report in _reports(model, forward_step_func, batches, link):
+            for batch, report in _reports(chunks, forward_step_func, batches, link):
                 sums[:2] += report["lm loss"].double().cpu()
                 if names:
                     if "source loss" not in report:
@@ -189,7 +202,8 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], *, forward_step_fu
                                          "make_collate_fn(dataset.metadata).")
                     sums[2:] += report["source loss"].double().cpu()
     finally:
-        model.train(was_training)
+        for chunk in chunks:
+            chunk.train(was_training)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, group=group)
     if link is not None and link.pp_size > 1:  # the last stage's sums, on every stage

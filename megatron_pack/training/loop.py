@@ -3,7 +3,7 @@
 One optimizer step on every rank:
 
 1. ``zero_grad_buffer()`` on each of this rank's model chunks (``chunks.py``: one per pipeline
-   stage the rank runs, one today);
+   stage the rank runs; ``parallel.virtual_pipeline_model_parallel_size`` of them with virtual stages);
 2. ``num_microbatches = train.global_batch_size / (dp * micro_batch_size)`` forward/backward passes,
    each on one THD row: a pack, offline or online (micro_batch_size 1), or with
    ``packing.mode=in_batch`` micro_batch_size samples packed at collate (or as many as the
@@ -71,7 +71,8 @@ class Trainer:
     cfg: Config
     state: ParallelState
     model_chunks: list[torch.nn.Module]
-    """The DDP-wrapped model chunks this rank runs, in stage order (one per pipeline stage it holds; one today)."""
+    """The DDP-wrapped model chunks this rank runs, in stage order (one per pipeline stage it holds: one, or
+    ``parallel.virtual_pipeline_model_parallel_size`` with virtual stages)."""
     optimizer: Any
     schedule: LRSchedule
     loader: BatchLoader
@@ -204,7 +205,7 @@ class Trainer:
             return None
         from megatron_pack.training.eval import evaluate
 
-        result = evaluate(self.model, self.validation, forward_step_func=self.forward_step_func,
+        result = evaluate(self.model_chunks, self.validation, forward_step_func=self.forward_step_func,
                           group=self.state.dp_cp_group, num_packs=self.validation.packs_per_epoch,
                           source_names=self.validation.info.source_names, link=self.link)
         self.val_history.append([self.step, result.loss])
@@ -245,15 +246,15 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     schedule; ``loader`` is this DP rank's ``protocol.BatchLoader`` of full THD packs (``begin_step()``
     plans each step, ``state_dict()`` / ``load_state_dict()`` resume at the next one); ``validation``
     is this DP rank's ``eval.ValidationLoader`` (or None)."""
-    from megatron_pack.training.chunks import build_model_chunks, only_chunk
+    from megatron_pack.training.chunks import build_model_chunks, named_parameters
     from megatron_pack.training.pipeline_schedule import stage_link
     from megatron_pack.training.step import forward_step
 
     train_iters = resolve_train_iters(cfg, loader)
     chunks = build_model_chunks(cfg, state)
-    chunk = only_chunk(chunks, "the optimizer steps")
-    optimizer = build_optimizer(cfg, list(chunk.module.named_parameters()), state.tp_group,
-                                ddp_model=chunk, device=state.device.type, dp_group=state.dp_group,
+    # one optimizer over every chunk's parameters: one gradient norm, clipped once, one AdamW step
+    optimizer = build_optimizer(cfg, named_parameters(chunks), state.tp_group,
+                                ddp_model=chunks, device=state.device.type, dp_group=state.dp_group,
                                 pp_group=state.pp_group, expert_group=state.pg_collection.tp_ep,
                                 expert_dp_group=state.pg_collection.expt_dp)
     info = loader.info  # the breakdowns need the same sizes on every rank

@@ -19,7 +19,9 @@ stage, in bytes:
   ranks (world / (expert TP x EP x PP)), so their state is sharded over those.
 - activations: the tensors autograd keeps for backward, per token of a micro-batch (a pack of
   ``packing.packed_sequence_size`` tokens, ``/ CP`` per rank), per layer, times the micro-batches a
-  stage holds under 1F1B: ``min(PP - stage, micro-batches)``. Per layer and token, without
+  stage holds under 1F1B: ``min(PP - stage, micro-batches)``; with virtual stages (VP chunks of
+  ``layers / VP`` per rank, the interleaved 1F1B) the chunk forwards it holds at once,
+  ``min((PP - stage - 1) * 2 + (VP - 1) * PP + 1, micro-batches * VP)``. Per layer and token, without
   recomputation, with the fused GPU kernels (Transformer Engine norms, flash attention): the inputs
   of the two norms and of the linear layers they feed (``4 h``, ``/ TP`` with sequence
   parallelism), attention's q, k, v and output (``2 q + 2 kv``, ``/ TP``; flash attention keeps no
@@ -225,18 +227,21 @@ def tokens_per_microbatch(cfg) -> int:
 
 
 def microbatches_in_flight(cfg, stage: int, dp: int) -> int:
-    """Micro-batches whose activations ``stage`` holds at once under 1F1B: ``min(PP - stage, micro-batches)``."""
-    t = cfg.train
-    num_micro = max(1, t.global_batch_size // (dp * t.micro_batch_size)) if t.global_batch_tokens is None else \
-        cfg.parallel.pipeline_model_parallel_size
-    return min(cfg.parallel.pipeline_model_parallel_size - stage, num_micro)
+    """Micro-batches whose activations ``stage`` holds at once under 1F1B: ``min(PP - stage, micro-batches)``;
+    with VP > 1 model chunks, the chunk forwards of the interleaved 1F1B (its warm-up plus one, each
+    holding one chunk's layers): ``min((PP - stage - 1) * 2 + (VP - 1) * PP + 1, micro-batches * VP)``."""
+    t, pp, vp = cfg.train, cfg.parallel.pipeline_model_parallel_size, cfg.parallel.num_model_chunks
+    num_micro = max(1, t.global_batch_size // (dp * t.micro_batch_size)) if t.global_batch_tokens is None else pp
+    if vp > 1:
+        return min((pp - stage - 1) * 2 + (vp - 1) * pp + 1, num_micro * vp)
+    return min(pp - stage, num_micro)
 
 
 def stage_activation_bytes(cfg, stage: int, dp: int) -> int:
     """Peak activation bytes of one rank of ``stage`` (see the module docstring)."""
     m, par = cfg.model, cfg.parallel
     tokens = tokens_per_microbatch(cfg)
-    layers = m.num_layers // par.pipeline_model_parallel_size
+    layers = m.num_layers // (par.pipeline_model_parallel_size * par.num_model_chunks)  # one chunk's
     full, kept = layer_activation_bytes_per_token(cfg), _layer_input_bytes_per_token(cfg)
     if m.recompute_granularity == "full":
         n = m.recompute_num_layers or 1

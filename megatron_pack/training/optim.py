@@ -445,20 +445,20 @@ class MegatronTrainOptimizer:
 
 
 def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
-                    tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model: Optional[torch.nn.Module] = None,
+                    tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model=None,
                     device: str = "cpu", dp_group: Optional[dist.ProcessGroup] = None,
                     pp_group: Optional[dist.ProcessGroup] = None, expert_group: Optional[dist.ProcessGroup] = None,
                     expert_dp_group: Optional[dist.ProcessGroup] = None):
     """torch AdamW over DDP's ``main_grad`` with TP-aware clipping on CPU (state sharded over
     ``dp_group`` with ``ddp.use_distributed_optimizer``; the norm summed over the stages of
-    ``pp_group``); megatron-core's optimizer (its
-    distributed optimizer when asked) over ``ddp_model`` on CUDA. ``expert_group`` (megatron-core's ``tp_ep``)
+    ``pp_group``); megatron-core's optimizer (its distributed optimizer when asked) over ``ddp_model`` (one
+    DDP-wrapped chunk or the list of this rank's chunks) on CUDA. ``expert_group`` (megatron-core's ``tp_ep``)
     makes the norm count every expert-parallel rank's experts (``grad_norm``); the sharded optimizer shards
     the experts over ``expert_dp_group`` (``pg_collection.expt_dp``)."""
     if device == "cuda":
         if ddp_model is None:
             raise ValueError("build_optimizer(device='cuda') needs ddp_model (the megatron-core DDP-wrapped model).")
-        return MegatronTrainOptimizer(cfg, [ddp_model])
+        return MegatronTrainOptimizer(cfg, ddp_model if isinstance(ddp_model, list) else [ddp_model])
     if cfg.ddp.use_distributed_optimizer:
         return ShardedTrainOptimizer(cfg, named_params, tp_group, dp_group, pp_group, expert_group=expert_group,
                                      expert_dp_group=expert_dp_group)

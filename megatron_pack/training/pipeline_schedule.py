@@ -35,13 +35,13 @@ import torch
 from megatron_pack.parallel.pipeline import StageLink
 from megatron_pack.training.chunks import core_model
 
-__all__ = ["forward_backward_1f1b", "set_input_tensor", "stage_link"]
+__all__ = ["StageRun", "forward_backward_1f1b", "set_input_tensor", "stage_link", "stage_loss"]
 
 
 def stage_link(cfg, state) -> Optional[StageLink]:
-    """This rank's ``StageLink`` for ``cfg`` (None without pipeline stages): activations in the
-    dtype the stages exchange (bfloat16 with ``train.bf16``), and without the shape exchange when
-    every pack has one shape (``model.builder.fixed_pack_shapes``)."""
+    """This rank's ``StageLink`` for ``cfg`` (a ``RingLink`` with virtual stages; None without pipeline
+    stages): activations in the dtype the stages exchange (bfloat16 with ``train.bf16``), and without
+    the shape exchange when every pack has one shape (``model.builder.fixed_pack_shapes``)."""
     if state.pp_size == 1:
         return None
     from megatron_pack.model.builder import fixed_pack_shapes
@@ -52,6 +52,11 @@ def stage_link(cfg, state) -> Optional[StageLink]:
                                     tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
                                     hidden_size=cfg.model.hidden_size) if fixed_pack_shapes(cfg) else None)
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    if p.num_model_chunks > 1:  # virtual stages: the chunks pass activations round the ring
+        from megatron_pack.parallel.pipeline import RingLink
+
+        return RingLink(state.pp_group, num_chunks=p.num_model_chunks, dtype=dtype, fixed_shape=shape,
+                        device=state.device)
     return StageLink(state.pp_group, dtype=dtype, fixed_shape=shape, device=state.device)
 
 
@@ -60,27 +65,37 @@ def set_input_tensor(model: torch.nn.Module, tensor: Optional[torch.Tensor]) -> 
     core_model(model).set_input_tensor(tensor)
 
 
-class _Stage:
-    """One stage's forward and backward of a micro-batch, and what it adds up."""
+def stage_loss(loss_fn: Callable, output: torch.Tensor, *, per_token_loss: bool,
+               num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The loss stage's ``(what backward runs on, target tokens as int32, report)`` for one micro-batch:
+    the loss SUM with per-token loss; without it sum / target count / ``num_microbatches``, as
+    megatron-core's schedules do."""
+    loss_sum, num_tokens, report = loss_fn(output)
+    if not per_token_loss:
+        loss_sum = loss_sum / torch.clamp(num_tokens, min=1) / num_microbatches
+    return loss_sum, num_tokens.detach().cpu().to(torch.int32), report
+
+
+class StageRun:
+    """One stage's (or model chunk's) forward and backward of a micro-batch, and what it adds up."""
 
     def __init__(self, forward_step_func: Callable, data_iterator: Iterator, model: torch.nn.Module,
-                 link: StageLink, num_microbatches: int, per_token_loss: bool):
+                 num_microbatches: int, per_token_loss: bool):
         self.forward_step_func, self.data_iterator, self.model = forward_step_func, data_iterator, model
-        self.link, self.num_microbatches, self.per_token_loss = link, num_microbatches, per_token_loss
+        self.num_microbatches, self.per_token_loss = num_microbatches, per_token_loss
         self.reports: list[dict] = []
         self.num_tokens = torch.zeros((), dtype=torch.int32)
 
     def forward(self, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
         set_input_tensor(self.model, input_tensor)
         output, loss_fn = self.forward_step_func(self.data_iterator, self.model)
-        if not self.link.is_last:
+        if not core_model(self.model).post_process:  # the loss is on the chunk with the output layer
             return output
-        loss_sum, num_tokens, report = loss_fn(output)
+        loss, num_tokens, report = stage_loss(loss_fn, output, per_token_loss=self.per_token_loss,
+                                              num_microbatches=self.num_microbatches)
         self.reports.append(report)
-        self.num_tokens += num_tokens.detach().cpu().to(torch.int32)
-        if not self.per_token_loss:
-            loss_sum = loss_sum / torch.clamp(num_tokens, min=1) / self.num_microbatches
-        return loss_sum
+        self.num_tokens += num_tokens
+        return loss
 
     @staticmethod
     def backward(input_tensor: Optional[torch.Tensor], output: torch.Tensor,
@@ -101,7 +116,7 @@ def forward_backward_1f1b(*, forward_step_func: Callable, data_iterator: Iterato
     ``forward_only`` runs the forwards alone (validation): every stage passes its activations on,
     the last stage reports the losses, nothing is backpropagated.
     """
-    stage = _Stage(forward_step_func, data_iterator, model, link, num_microbatches, per_token_loss)
+    stage = StageRun(forward_step_func, data_iterator, model, num_microbatches, per_token_loss)
     if forward_only:
         with torch.no_grad():
             for _ in range(num_microbatches):

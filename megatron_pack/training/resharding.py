@@ -84,10 +84,12 @@ def _tp_split_adapter(item: Any, gated: bool) -> Any:
                                            replica_id=replica_id, prepend_axis_num=len(prepend))
 
 
-def sharded_state(model: torch.nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor]],
+def sharded_state(model, optim_tensors: dict[str, dict[str, torch.Tensor]],
                   step_tensor: Optional[torch.Tensor] = None, *, trainable_only: bool = False) -> dict[str, Any]:
     """The sharded state dict of the model and (optionally) its optimizer state.
 
+    ``model`` is this rank's model chunk or the list of its chunks (virtual pipeline stages: names
+    carry ``chunks.chunk_prefix``; the sharded keys, what the files hold, name the layers globally).
     ``optim_tensors`` maps a parameter name to its state tensors (shaped like this rank's
     parameter shard); ``step_tensor`` is the optimizer's step count (a replicated scalar).
     Keys of the result: ``model.<name>``, ``optimizer.<state>.<name>``, ``optimizer.step``.
@@ -95,7 +97,11 @@ def sharded_state(model: torch.nn.Module, optim_tensors: dict[str, dict[str, tor
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    params = model_sharded_tensors(model, trainable_only=trainable_only)
+    from megatron_pack.training.chunks import chunk_prefix
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    params = {chunk_prefix(v, len(chunks)) + name: sh for v, chunk in enumerate(chunks)
+              for name, sh in model_sharded_tensors(chunk, trainable_only=trainable_only).items()}
     state: dict[str, Any] = {f"model.{name}": sh for name, sh in params.items()}
     for name, tensors in optim_tensors.items():
         for key, tensor in tensors.items():

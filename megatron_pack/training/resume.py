@@ -150,14 +150,20 @@ def _on_gpu(cfg: Config) -> bool:
     return torch.cuda.is_available()
 
 
-def layout_meta(world_size: int, tp: int, cp: int, dp: int, ep: int = 1) -> dict:
-    """The parallel layout a checkpoint records in ``meta.json`` and a resume must match."""
+def layout_meta(world_size: int, tp: int, cp: int, dp: int, ep: int = 1, vp: int = 1) -> dict:
+    """The parallel layout a checkpoint records in ``meta.json`` and a resume must match (the pipeline
+    size follows from the others; ``vp``: model chunks per pipeline rank)."""
     return {"world_size": world_size, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
-            "data_parallel_size": dp, "expert_model_parallel_size": ep}
+            "data_parallel_size": dp, "expert_model_parallel_size": ep, "virtual_pipeline_model_parallel_size": vp}
 
 
-_LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1}
-"""What a checkpoint written before a layout key existed had (no expert parallelism)."""
+_LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1}
+"""What a checkpoint written before a layout key existed had (no expert parallelism, one chunk per rank)."""
+
+
+def same_layout(meta: dict, here: dict) -> bool:
+    """``meta.json``'s layout is ``here`` (a key it lacks has its default, ``_LAYOUT_DEFAULTS``)."""
+    return all(meta.get(k, _LAYOUT_DEFAULTS.get(k)) == v for k, v in here.items())
 
 
 def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[list[str]] = None) -> Optional[Path]:
@@ -188,7 +194,8 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
     saved = read_meta(resume)
     dims = ParallelDims.from_config(cfg, world_size)
     mismatch = [f"{k} {saved.get(k, _LAYOUT_DEFAULTS.get(k))!r} there, {v!r} here"
-                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp, dims.ep).items()
+                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp, dims.ep,
+                                        cfg.parallel.num_model_chunks).items()
                 if saved.get(k, _LAYOUT_DEFAULTS.get(k)) != v]
     layout_free = saved.get("format") == SHARDED_FORMAT
     if mismatch and (not layout_free or (kind == "resume" and _on_gpu(cfg))):

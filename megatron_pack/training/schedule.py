@@ -16,7 +16,6 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from megatron_pack.parallel.groups import ParallelState
-from megatron_pack.training.chunks import only_chunk
 
 
 @dataclass
@@ -113,11 +112,17 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
 
     With pipeline stages (``state.pp_size > 1``): on CPU the 1F1B schedule of ``pipeline_schedule``
     over ``link`` (a ``parallel.pipeline.StageLink``, ``pipeline_schedule.stage_link``); on GPU
-    megatron-core's, with its point-to-point communicator over ``state.pp_group``.
+    megatron-core's, with its point-to-point communicator over ``state.pp_group``. With several
+    chunks per rank (virtual stages) the interleaved 1F1B: on CPU ``interleaved_schedule``'s over a
+    ``parallel.pipeline.RingLink``, on GPU megatron-core's; each chunk reads the packs through
+    ``interleaved_schedule.chunk_iterators``.
     """
-    model = only_chunk(model_chunks, "the schedules run")
+    model = model_chunks[0]
     if state.pp_size > 1:
         agree_on_microbatches(num_microbatches, state)
+    if len(model_chunks) > 1:
+        return _forward_backward_interleaved(forward_step_func, data_iterator, model_chunks, num_microbatches,
+                                             state, seq_length, link)
     if state.device.type != "cuda":
         if state.pp_size > 1:
             from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
@@ -142,3 +147,27 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model_chunks,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=1, forward_only=False,
         pg_collection=state.pg_collection, **extra)
+
+
+def _forward_backward_interleaved(forward_step_func: Callable, data_iterator: Iterator,
+                                  model_chunks: list[torch.nn.Module], num_microbatches: int, state: ParallelState,
+                                  seq_length: int, link) -> list[dict]:
+    """Virtual pipeline stages: the interleaved 1F1B over every chunk (CPU: ours, GPU: megatron-core's)."""
+    from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
+
+    iterators = chunk_iterators(data_iterator, len(model_chunks))
+    config = model_chunks[0].config
+    if state.device.type != "cuda":
+        if link is None:
+            raise ValueError("forward_backward with virtual pipeline stages needs link (pipeline_schedule.stage_link)")
+        reports, _ = forward_backward_interleaved(forward_step_func=forward_step_func, data_iterators=iterators,
+                                                  model_chunks=model_chunks, num_microbatches=num_microbatches,
+                                                  link=link, per_token_loss=config.calculate_per_token_loss)
+        return reports
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return get_forward_backward_func(pp_size=state.pp_size, vp_size=len(model_chunks))(
+        forward_step_func=forward_step_func, data_iterator=iterators, model=model_chunks,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=1, forward_only=False,
+        pg_collection=state.pg_collection, p2p_communicator=P2PCommunicator(pp_group=state.pp_group, config=config))

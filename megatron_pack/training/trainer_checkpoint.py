@@ -22,10 +22,10 @@ import torch
 from megatron_pack.config.schema import Config
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.training import checkpoint as ckpt
-from megatron_pack.training.chunks import core_model, only_chunk
+from megatron_pack.training.chunks import chunk_prefix, core_model
 from megatron_pack.training.model_reader import CheckpointModel
 from megatron_pack.training.resume import (DATA_SETTINGS, _check_resume_peft, check_resume_settings, layout_meta,
-                                           resume_choice, run_settings)
+                                           resume_choice, run_settings, same_layout)
 
 log = logging.getLogger("megatron_pack.train")
 
@@ -36,9 +36,9 @@ def should_save(cfg: Config, step: int, train_iters: int) -> bool:
     return c.enabled and (step == train_iters or (c.save_interval > 0 and step % c.save_interval == 0))
 
 
-def layout(state: ParallelState) -> dict:
+def layout(state: ParallelState, num_model_chunks: int = 1) -> dict:
     """The layout meta.json records (and a same-layout resume compares)."""
-    return layout_meta(state.world_size, state.tp_size, state.cp_size, state.dp_size, state.dims.ep)
+    return layout_meta(state.world_size, state.tp_size, state.cp_size, state.dp_size, state.dims.ep, num_model_chunks)
 
 
 def _lora(cfg: Config) -> bool:
@@ -52,18 +52,15 @@ def settings(trainer) -> dict[str, Any]:
     return run_settings(trainer.cfg, trainer.train_iters, trainer.plan_fingerprint)
 
 
-def _chunk(trainer) -> torch.nn.Module:
-    return only_chunk(trainer.model_chunks, "checkpoints hold")
-
-
 def _sharded_state(trainer, *, with_optimizer: bool) -> dict:
+    """Every model chunk's parameters (and their optimizer state), by global identity."""
     from megatron_pack.training.resharding import sharded_state
 
     lora = _lora(trainer.cfg)
     if not with_optimizer:
-        return sharded_state(_chunk(trainer), {}, trainable_only=lora)
+        return sharded_state(trainer.model_chunks, {}, trainable_only=lora)
     tensors, step = trainer.optimizer.checkpoint_tensors()
-    return sharded_state(_chunk(trainer), tensors, step, trainable_only=lora)
+    return sharded_state(trainer.model_chunks, tensors, step, trainable_only=lora)
 
 
 def _train_state(trainer) -> dict:
@@ -79,7 +76,7 @@ def save_trainer(trainer, root: str | Path) -> Path:
     from megatron_pack.model.peft import peft_meta
 
     sharded = _sharded_state(trainer, with_optimizer=True)
-    meta = {**layout(trainer.state), "peft": peft_meta(trainer.cfg), "format": ckpt.SHARDED_FORMAT,
+    meta = {**layout(trainer.state, len(trainer.model_chunks)), "peft": peft_meta(trainer.cfg), "format": ckpt.SHARDED_FORMAT,
             "train_state": _train_state(trainer), "settings": settings(trainer)}
     # each DP rank's own loader position too (online buffers and planned steps differ per rank);
     # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
@@ -91,10 +88,12 @@ def save_trainer(trainer, root: str | Path) -> Path:
 
 def _copy_model(trainer, loaded: dict[str, torch.Tensor]) -> None:
     lora = _lora(trainer.cfg)
+    chunks = trainer.model_chunks
     with torch.no_grad():
-        for name, param in core_model(_chunk(trainer)).named_parameters():
-            if param.requires_grad or not lora:
-                param.copy_(loaded[f"model.{name}"])
+        for v, chunk in enumerate(chunks):
+            for name, param in core_model(chunk).named_parameters():
+                if param.requires_grad or not lora:
+                    param.copy_(loaded[f"model.{chunk_prefix(v, len(chunks))}{name}"])
 
 
 def load_trainer_weights(trainer, path: str | Path) -> None:
@@ -110,9 +109,9 @@ def load_trainer(trainer, path: str | Path) -> list[str]:
     meta = reader.meta
     _check_resume_peft(trainer.cfg, reader.path, meta)
     changes = check_resume_settings(trainer.cfg, reader.path, settings(trainer))
-    here = layout(trainer.state)
-    same_layout = all(meta.get(k) == v for k, v in here.items())
-    if trainer.optimizer.rank_state() is not None and not same_layout:
+    here = layout(trainer.state, len(trainer.model_chunks))
+    same = same_layout(meta, here)
+    if trainer.optimizer.rank_state() is not None and not same:
         raise ValueError(f"checkpoint {path} was written at layout {({k: meta.get(k) for k in here})} "
                          f"and megatron-core's GPU optimizer state resumes only at the same layout "
                          f"({here}); resume with that layout, or set checkpoint.load_weights_only=true.")
@@ -122,7 +121,7 @@ def load_trainer(trainer, path: str | Path) -> list[str]:
     trainer.optimizer.load_checkpoint_tensors(
         {name: {key: loaded[f"optimizer.{key}.{name}"] for key in state} for name, state in tensors.items()},
         loaded.get("optimizer.step", torch.zeros(())))
-    rank_state = ckpt.read_rank_state(path) if same_layout else None
+    rank_state = ckpt.read_rank_state(path) if same else None
     if rank_state is not None:
         trainer.optimizer.load_rank_state(rank_state.get("optimizer"))
         ckpt.set_rng_state(rank_state["rng"])

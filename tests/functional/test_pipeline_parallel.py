@@ -16,6 +16,12 @@ sample alone) evaluated on the weights the stages hold (gathered from every stag
 
 The packs include a micro-batch without target tokens and a sample that leaves CP rank 1 with
 padding only; DP ranks run unequal numbers of micro-batches (5 packs over 2 DP ranks).
+
+``VP_CASES`` run virtual pipeline stages (two model chunks per rank, 4 layers: rank r's chunk v holds
+layer v * 2 + r) through the CPU interleaved 1F1B (``training.interleaved_schedule``) over 6 packs
+(the interleaved schedule needs a multiple of PP micro-batches per DP rank): at PP=2 x CP=2 (the
+padding-only CP rank, the pack without targets) and at PP=2 x DP=2 with 2 and 4 micro-batches on
+the two DP ranks, against the same float64 reference (loss, gradients, validation loss).
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ CASES = [  # (id, pp, tp, cp, sequence_parallel, num_layers, fixed shapes, tied 
     ("pp4", 4, 1, 1, False, 4, False, False),
 ]
 CASE_IDS = [c[0] for c in CASES]
+VP_CASES = [  # (id, pp, vp, cp, DP rank -> indices of the packs it runs); dp = 4 / (pp*cp), 4 layers
+    ("pp2_vp2_cp2", 2, 2, 2, [[0, 1, 2, 3, 4, 5]]),
+    ("pp2_vp2_dp2", 2, 2, 1, [[0, 1], [2, 3, 4, 5]]),
+]
+VP_CASE_IDS = [c[0] for c in VP_CASES]
+VP_LAYERS = 4
 NUM_PACKS = 5
 NO_TARGET_PACK = 2
 
@@ -61,7 +73,8 @@ def _samples(seed: int = 11) -> list[list[dict]]:
     return packs
 
 
-def _config(pp: int, tp: int, cp: int, sp: bool, num_layers: int, fixed: bool, tied: bool, recompute: bool = False):
+def _config(pp: int, tp: int, cp: int, sp: bool, num_layers: int, fixed: bool, tied: bool, recompute: bool = False,
+            vp=None):
     from megatron_pack.config.schema import (Config, DataConfig, ModelConfig, PackingConfig, ParallelConfig,
                                              TrainConfig)
 
@@ -71,7 +84,8 @@ def _config(pp: int, tp: int, cp: int, sp: bool, num_layers: int, fixed: bool, t
                   train=TrainConfig(seed=1234), data=DataConfig(pad_to_max_length=fixed),
                   packing=PackingConfig(packed_sequence_size=PACK_SIZE, pad_cu_seqlens=fixed),
                   parallel=ParallelConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
-                                          context_parallel_size=cp, sequence_parallel=sp))
+                                          context_parallel_size=cp, sequence_parallel=sp,
+                                          virtual_pipeline_model_parallel_size=vp))
 
 
 def _batches(packs, fixed: bool) -> list[dict]:
@@ -227,15 +241,77 @@ def _run_case(case, rank: int, packs) -> dict:
     out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
                 "shape_exchanges": link.num_shape_exchanges, "pp_rank": stage.pp_rank})
     if rank == 0:
-        ref_loss, ref_grads = _reference(params, packs, num_layers, tied)
-        if tied:  # megatron-core keeps the embedding's gradient on both stages, summed: compare it once
-            grads.pop("output_layer.weight")
-            ref_grads.pop("output_layer.weight")
-        out["ref_loss"] = ref_loss
-        out["grad_rel"] = max(float((grads[n] - ref_grads[n].float()).abs().max()) /
-                              max(float(ref_grads[n].abs().max()), 1e-30) for n in ref_grads)
-        out["num_grads"] = sum(1 for n in ref_grads if n in grads and float(ref_grads[n].abs().max()) > 0)
-        out["num_params"] = len(params)
+        out.update(_against_reference(params, grads, packs, num_layers, tied))
+    return out
+
+
+def _against_reference(params: dict, grads: dict, packs, num_layers: int, tied: bool) -> dict:
+    """The float64 reference's loss, and the largest relative gradient difference (every tensor)."""
+    ref_loss, ref_grads = _reference(params, packs, num_layers, tied)
+    if tied:  # megatron-core keeps the embedding's gradient on both stages, summed: compare it once
+        grads.pop("output_layer.weight")
+        ref_grads.pop("output_layer.weight")
+    return {"ref_loss": ref_loss, "num_params": len(params),
+            "grad_rel": max(float((grads[n] - ref_grads[n].float()).abs().max()) /
+                            max(float(ref_grads[n].abs().max()), 1e-30) for n in ref_grads),
+            "num_grads": sum(1 for n in ref_grads if n in grads and float(ref_grads[n].abs().max()) > 0)}
+
+
+def _vp_packs() -> list[list[dict]]:
+    """The 5 packs of ``_samples`` and a sixth with targets (6 micro-batches: a multiple of PP=2)."""
+    return _samples() + [_samples(seed=12)[0]]
+
+
+def _chunk_names(chunks, layouts, tensor_of, state) -> dict:
+    """Every chunk's (TP-gathered) tensors under their global layer names."""
+    named = {}
+    for chunk, layout in zip(chunks, layouts):
+        named.update({_global_name(n, layout.layer_offset): _full_param(tensor_of(p), p, state)
+                      for n, p in chunk.named_parameters()})
+    return _whole_model(named, 0, state)
+
+
+def _run_vp_case(case, rank: int, packs) -> dict:
+    """Virtual stages: two chunks per rank, one interleaved 1F1B step, the float64 reference."""
+    import torch.distributed as dist
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_pack.model.builder import build_model, stage_of
+    from megatron_pack.parallel.groups import initialize_parallel
+    from megatron_pack.parallel.pipeline import RingLink
+    from megatron_pack.training.chunks import wrap_ddp
+    from megatron_pack.training.eval import evaluate
+    from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
+    from megatron_pack.training.step import forward_step
+
+    case_id, pp, vp, cp, split = case
+    cfg = _config(pp, 1, cp, False, VP_LAYERS, False, False, vp=vp)
+    state = initialize_parallel(cfg)
+    layouts = [stage_of(cfg, state, v) for v in range(vp)]
+    chunks = [build_model(cfg, state, vp_stage=v) for v in range(vp)]
+    link = RingLink(state.pg_collection.pp, num_chunks=vp)
+    out = {"pp_rank": state.pp_rank, "layers": np.array([layer.layer_number - 1 for c in chunks
+                                                         for layer in c.decoder.layers])}
+    params = _chunk_names(chunks, layouts, lambda p: p, state)
+    mine = [_batches(packs, False)[i] for i in split[state.dp_rank]]
+    out["eval_loss"] = evaluate(chunks, mine, forward_step_func=forward_step, group=state.pg_collection.dp_cp,
+                                link=link).loss
+    ddps = [wrap_ddp(cfg, chunk, state) for chunk in chunks]
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
+    reports, num_tokens = forward_backward_interleaved(
+        forward_step_func=forward_step, data_iterators=chunk_iterators(iter(mine), vp), model_chunks=ddps,
+        num_microbatches=len(mine), link=link)
+    finalize_model_grads(ddps, num_tokens=num_tokens.clone(), pg_collection=state.pg_collection)
+    outcome = torch.zeros(2, dtype=torch.float64)
+    for report in reports:
+        outcome += report["lm loss"].double()
+    dist.all_reduce(outcome)
+    grads = _chunk_names(chunks, layouts, lambda p: p.main_grad, state)
+    out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
+                "num_reports": len(reports), "shape_exchanges": link.num_shape_exchanges})
+    if rank == 0:
+        out.update(_against_reference(params, grads, packs, VP_LAYERS, False))
     return out
 
 
@@ -244,9 +320,11 @@ def _hf_samples() -> list[list[int]]:
     return [rng.integers(3, 300, size=n).tolist() + [2] for n in (9, 17, 6)]
 
 
-def _hf_case(rank: int, folder: str) -> dict:
+def _hf_case(rank: int, folder: str, vp=None) -> dict:
     """HF load at PP=2 x TP=2 (tied Llama, vocabulary 301 padded to 302): each stage reads its own
-    layers' tensors; the last stage's logits of one pack of 3 samples, reassembled over TP."""
+    layers' tensors; the last stage's logits of one pack of 3 samples, reassembled over TP. With ``vp``
+    (a 4-layer folder) each of the rank's chunks reads its own layers and the packs run through the
+    interleaved schedule's forwards."""
     import torch.distributed as dist
 
     from megatron_pack.config.hf_config import apply_pretrained
@@ -261,11 +339,12 @@ def _hf_case(rank: int, folder: str) -> dict:
     from megatron_pack.training.step import get_packed_seq_params
 
     cfg = apply_pretrained(Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=64),
-                                  parallel=ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2)),
+                                  parallel=ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                                          virtual_pipeline_model_parallel_size=vp)),
                            [])
     state = initialize_parallel(cfg)
-    model = build_model(cfg, state)
-    read = list(model.pretrained_report.hf_names)
+    chunks = [build_model(cfg, state, vp_stage=v) for v in range(vp or 1)]
+    read = [" ".join(chunk.pretrained_report.hf_names) for chunk in chunks]
     batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _hf_samples()], pack_size=64,
                         pad_multiple=8)
     captured = []
@@ -276,22 +355,34 @@ def _hf_case(rank: int, folder: str) -> dict:
         local = slice_thd_batch(b, 1, 0)
         out = chunk(local["tokens"] if core.pre_process else None, local["position_ids"], None,
                     packed_seq_params=get_packed_seq_params(b))
-        captured.append(out)
+        if core.post_process:
+            captured.append(out)
         return out, lambda o: (o.sum() * 0, torch.zeros((), dtype=torch.int32), {"lm loss": torch.zeros(2)})
 
-    forward_backward_1f1b(forward_step_func=logits_step, data_iterator=iter([batch]), model=model,
-                          num_microbatches=1, link=StageLink(state.pp_group), forward_only=True)
-    out = {"hf/pp_rank": state.pp_rank, "hf/read": " ".join(read)}
+    if vp:
+        from megatron_pack.parallel.pipeline import RingLink
+        from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
+
+        forward_backward_interleaved(forward_step_func=logits_step, data_iterators=chunk_iterators(iter([batch]), vp),
+                                     model_chunks=chunks, num_microbatches=1,
+                                     link=RingLink(state.pp_group, num_chunks=vp), forward_only=True)
+    else:
+        forward_backward_1f1b(forward_step_func=logits_step, data_iterator=iter([batch]), model=chunks[0],
+                              num_microbatches=1, link=StageLink(state.pp_group), forward_only=True)
+    key = "hf" if vp is None else "hfvp"
+    out = {f"{key}/pp_rank": state.pp_rank, f"{key}/read": read[0],
+           **{f"{key}/read{v}": names for v, names in enumerate(read)}}
     if state.is_last_stage:
+        assert len(captured) == 1  # the output layer's chunk
         logits = gather_full_logits(captured[0], batch["cu_seqlens_padded"], state)[0]
         cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
         for i in range(len(cu) - 1):
-            out[f"hf/logits{i}"] = logits[cu_pad[i]:cu_pad[i] + cu[i + 1] - cu[i], :301].numpy()
+            out[f"{key}/logits{i}"] = logits[cu_pad[i]:cu_pad[i] + cu[i + 1] - cu[i], :301].numpy()
     dist.barrier()
     return out
 
 
-def _world_worker(rank: int, world_size: int, hf_folder: str) -> dict:
+def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str) -> dict:
     from megatron_pack.parallel.groups import destroy_parallel
 
     packs = _samples()
@@ -300,7 +391,13 @@ def _world_worker(rank: int, world_size: int, hf_folder: str) -> dict:
         for key, value in _run_case(case, rank, packs).items():
             out[f"{case[0]}/{key}"] = value
         destroy_parallel()
+    for case in VP_CASES:
+        for key, value in _run_vp_case(case, rank, _vp_packs()).items():
+            out[f"{case[0]}/{key}"] = value
+        destroy_parallel()
     out.update(_hf_case(rank, hf_folder))
+    destroy_parallel()
+    out.update(_hf_case(rank, hf_folder4, vp=2))
     destroy_parallel()
     return out
 
@@ -313,8 +410,16 @@ def hf_folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, hf_folder) -> list[dict]:
-    return spawn_world(_world_worker, WORLD_SIZE, tmp_path_factory.mktemp("pipeline_parallel"), hf_folder)
+def hf_folder4(tmp_path_factory) -> str:
+    """The tied Llama with 4 layers (PP=2 x VP=2 chunks of one layer)."""
+    from _hf import make_family
+
+    return str(make_family(tmp_path_factory.mktemp("hf4"), "llama_tied", num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, hf_folder, hf_folder4) -> list[dict]:
+    return spawn_world(_world_worker, WORLD_SIZE, tmp_path_factory.mktemp("pipeline_parallel"), hf_folder, hf_folder4)
 
 
 def test_hf_load_streams_only_the_stage_layers(world):
@@ -382,3 +487,53 @@ def test_middle_stage_activations_equal_each_sample_alone(world):
     assert int(middle["pp4/trap_rows"]) >= 10  # every real token of the pack's samples
     assert float(middle["pp4/trap_leaky_diff"]) > 1e-3  # attending across boundaries would be seen
     assert float(middle["pp4/trap_diff"]) <= 1e-5
+
+
+@pytest.mark.parametrize("case", VP_CASE_IDS)
+def test_virtual_stages_loss_and_gradients_equal_float64_reference(world, case):
+    rank0 = world[0]
+    num_params = 3 + 6 * VP_LAYERS
+    assert int(rank0[f"{case}/num_params"]) == num_params  # every chunk's tensors were gathered
+    assert int(rank0[f"{case}/num_grads"]) >= num_params - 1  # ... and compared
+    ref = float(rank0[f"{case}/ref_loss"])
+    assert abs(float(rank0[f"{case}/loss"]) - ref) <= 1e-5 * ref
+    assert float(rank0[f"{case}/grad_rel"]) <= 1e-5
+    assert all(abs(float(r[f"{case}/eval_loss"]) - ref) <= 1e-5 * ref for r in world)  # forward only, every rank
+    assert len({(float(r[f"{case}/loss"]), float(r[f"{case}/count"])) for r in world}) == 1
+    assert all(int(r[f"{case}/shape_exchanges"]) > 0 for r in world)  # the ring carried variable shapes
+
+
+@pytest.mark.parametrize("case", VP_CASE_IDS)
+def test_virtual_stages_hold_megatron_cores_interleaved_layers(world, case):
+    """Rank r's chunk v holds layer block v * PP + r (megatron-core's offset with vp_stage); the loss
+    (one report per micro-batch) is on the last rank only."""
+    pp, vp, split = next((c[1], c[2], c[4]) for c in VP_CASES if c[0] == case)
+    per = VP_LAYERS // (pp * vp)
+    for r in world:
+        rank = int(r[f"{case}/pp_rank"])
+        want = [(v * pp + rank) * per + i for v in range(vp) for i in range(per)]
+        assert r[f"{case}/layers"].tolist() == want
+        assert int(r[f"{case}/num_reports"]) in ({len(s) for s in split} if rank == pp - 1 else {0})
+
+
+def test_hf_load_at_virtual_stages_streams_each_chunk_and_equals_transformers(world, hf_folder4):
+    """PP=2 x VP=2 x TP=2: chunk v of rank r reads HF layer v * 2 + r only; the last chunk's logits
+    (through the interleaved schedule's forwards) equal transformers'."""
+    from _hf import hf_logits
+
+    for r in world:
+        stage = int(r["hfvp/pp_rank"])
+        for v in range(2):
+            read = str(r[f"hfvp/read{v}"]).split()
+            layers = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
+            assert layers == {v * 2 + stage}
+            assert ("model.embed_tokens.weight" in read) == ((stage, v) in ((0, 0), (1, 1)))  # tied: the last too
+            assert ("model.norm.weight" in read) == ((stage, v) == (1, 1))
+    last = [r for r in world if int(r["hfvp/pp_rank"]) == 1]
+    assert len(last) == 2
+    want = hf_logits(hf_folder4, [ids[:-1] for ids in _hf_samples()])
+    for r in last:
+        for i, ref in enumerate(want):
+            got = torch.from_numpy(r[f"hfvp/logits{i}"])
+            assert got.shape == ref.shape and got.shape[0] > 4
+            assert float((got - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))

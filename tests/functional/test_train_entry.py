@@ -22,6 +22,12 @@ CASES = [
     ("world-not-divisible", "3", ["parallel=cp2"], ["world size (3)", "parallel.context_parallel_size"]),
     ("no-dataset", "2", ["data.dataset_dir={tmp}/nothing"], ["holds no prepared dataset", "megatron-pack prepare"]),
     ("typo", "2", ["train.lrr=0.1"], ["train.lrr", "train.lr"]),
+    ("virtual-stages-layers", "2", ["parallel=pp2_vp2"],
+     ["model.num_layers (2) must be a multiple of parallel.pipeline_model_parallel_size (2) x "
+      "parallel.virtual_pipeline_model_parallel_size (2) = 4", "set model.num_layers=4"]),
+    ("virtual-stages-microbatches", "2", ["parallel=pp2", "parallel.virtual_pipeline_model_parallel_size=2",
+                                          "model.num_layers=4", "train.global_batch_size=3"],
+     ["train.global_batch_size (3) gives 3 micro-batches per data-parallel rank", "set train.global_batch_size=4"]),
 ]
 
 

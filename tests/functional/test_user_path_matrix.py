@@ -14,7 +14,9 @@ and template) and chat files, CP=2.
   validation), each trained 2 steps with CP=2 on 2 real processes, validated at the end when it has a
   validation set, all in one torchrun world (``_train_cases.py``: each case is ``megatron-pack train``'s
   entry, process groups made and destroyed per case). Each checkpoint is then exported and loaded with
-  transformers; its tokenizer carries the template the data was rendered with.
+  transformers; its tokenizer carries the template the data was rendered with. One more case in the
+  same world trains with virtual pipeline stages (``parallel=pp2_vp2``, a 4-layer copy of the model:
+  two stages of two chunks), validated, exported and loaded the same way.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ TRAINED = [(s, v, list(TEMPLATES)[(i + j) % 2]) for i, s in enumerate(STRATEGIES
 """15 cases holding every pair of factors: (strategy, validation) all 15, and the template alternating makes
 every (strategy, template) and (validation, template) pair appear."""
 RUN = ["model.pretrained=model", "parallel=cp2"]
+VIRTUAL = ("bfd", "fraction", "own")
+"""The prepared case the virtual-stage run trains on (with a validation set)."""
+VIRTUAL_RUN = ["model.pretrained=model4", "parallel=pp2_vp2"]
 TRAIN = ["train.train_iters=2", "train.global_batch_size=2", "train.lr_warmup_iters=1", "logging.tensorboard=false",
          "train.device=cpu", "model.attention_backend=torch"]
 
@@ -82,6 +87,7 @@ def world(tmp_path_factory):
     """The model, the files and every case prepared: ``(root, {case: plan name})``."""
     root = tmp_path_factory.mktemp("user_path")
     make_family(root, "llama_tied", name="model")
+    make_family(root, "llama_tied", name="model4", num_layers=4)  # PP=2 x VP=2: one layer per chunk
     _write_data(root)
     plans = {}
     for case in CASES:
@@ -129,6 +135,8 @@ def test_pairwise_training_then_export(world, tmp_path):
     root, plans = world
     cases = [[_id(c), [f"data.dataset_dir={_dataset(c)}", f"data.plan={plans[c]}", *RUN, *TRAIN,
                        f"train.output_dir=runs/{_id(c)}"]] for c in TRAINED]
+    cases.append(["virtual-stages", [f"data.dataset_dir={_dataset(VIRTUAL)}", f"data.plan={plans[VIRTUAL]}",
+                                     *VIRTUAL_RUN, *TRAIN, "train.output_dir=runs/virtual-stages"]])
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -154,17 +162,37 @@ def test_pairwise_training_then_export(world, tmp_path):
         logits = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(
             torch.tensor([ids["input_ids"]])).logits
         assert torch.isfinite(logits).all()
-    _check_console(log)
+    _check_virtual_stages(root)
+    _check_console(log, len(cases))
 
 
-def _check_console(log: str) -> None:
+def _check_virtual_stages(root: Path) -> None:
+    """The PP=2 x VP=2 run: 2 steps, the validation loss at the end, the layout recorded, and an export
+    transformers loads (4 layers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = root / "runs" / "virtual-stages"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["lm_loss"] > 0 for r in records)
+    assert records[-1]["val_loss"] is not None
+    config = (run / "config.yaml").read_text()
+    assert "virtual_pipeline_model_parallel_size: 2" in config and "pipeline_model_parallel_size: 2" in config
+    out = root / "exports" / "trained-virtual-stages"
+    ok(root, "export", "checkpoint=runs/virtual-stages/checkpoints", f"output={out}")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.num_hidden_layers == 4
+    assert torch.isfinite(model(torch.tensor([[5, 9, 2, 7]])).logits).all()
+
+
+def _check_console(log: str, num_runs: int) -> None:
     """One summary line per run, no config dump, each warning once and only from rank 0 (one process runs
-    15 trainings, so a warning repeated per run or per rank shows up as a count above 1)."""
-    assert log.count("\nrun runs/") + log.startswith("run runs/") == len(TRAINED)
+    16 trainings, so a warning repeated per run or per rank shows up as a count above 1)."""
+    assert log.count("\nrun runs/") + log.startswith("run runs/") == num_runs
     assert "resolved config:\n" not in log and "\nmodel:\n" not in log
     warned = [ln for ln in log.splitlines() if "Warning: " in ln]
     assert warned and all(warned.count(ln) == 1 for ln in warned), warned  # the TE/Apex notices at least
     assert sum("Apex is not installed" in ln for ln in warned) == 1
     assert "[rank 1]" not in log
     steps = [ln for ln in log.splitlines() if " | loss " in ln]
-    assert len(steps) == 2 * len(TRAINED) and max(len(ln.split(" INFO ", 1)[-1]) for ln in steps) <= 160
+    assert len(steps) == 2 * num_runs and max(len(ln.split(" INFO ", 1)[-1]) for ln in steps) <= 160

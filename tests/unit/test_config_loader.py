@@ -112,6 +112,7 @@ PRESETS = [  # (overrides, world size, tp, cp, sp, dp, pad multiple)
     (["experiment=llama3_8b_tp2_cp2", "data.input=/data/train.jsonl"], 16, 2, 2, True, 4, 4),
     (["experiment=quickstart", "parallel=pp2"], 4, 1, 1, False, 2, 1),
     (["experiment=quickstart", "parallel=pp2_tp2"], 8, 2, 1, False, 2, 1),
+    (["experiment=quickstart", "parallel=pp2_vp2", "model.num_layers=4"], 4, 1, 1, False, 2, 1),
 ]
 
 
@@ -256,3 +257,12 @@ def test_unknown_key_inside_a_yaml_file_fails(tmp_path):
     (user / "model" / "bad.yaml").write_text("num_layer: 2\n")
     with pytest.raises(ConfigError, match="num_layer"):
         load_config(["model=bad"], config_dirs=[user])
+
+
+def test_virtual_pipeline_key_from_preset_and_override():
+    cfg = load_config(["experiment=quickstart", "parallel=pp2_vp2", "model.num_layers=4"], world_size=4)
+    assert (cfg.parallel.virtual_pipeline_model_parallel_size, cfg.parallel.num_model_chunks) == (2, 2)
+    cfg = load_config(["experiment=quickstart", "parallel=pp2", "model.num_layers=8",
+                       "parallel.virtual_pipeline_model_parallel_size=4"], world_size=2)
+    assert cfg.parallel.num_model_chunks == 4
+    assert load_config(["experiment=quickstart"], world_size=2).parallel.num_model_chunks == 1

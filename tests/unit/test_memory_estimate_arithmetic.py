@@ -111,3 +111,21 @@ def test_moe_line_counts_the_routed_experts():
     dense = memory_line(Config(), 1)
     moe = memory_line(Config(model=ModelConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)), 1)
     assert "GiB" in moe and moe != dense and "not computed" not in moe
+
+
+def test_virtual_stages_hold_the_interleaved_schedules_chunk_forwards():
+    """PP=2 x VP=2, 8 micro-batches, 4 layers: stage 0 holds (2-0-1)*2 + (2-1)*2 + 1 = 5 chunk forwards of
+    one layer, stage 1 holds 3; at VP=1 the stages hold 2 and 1 micro-batches of two layers. The
+    parameters per stage are the same with and without virtual stages (the same layers, in two chunks)."""
+    from megatron_pack.training.memory_estimate import microbatches_in_flight, stage_activation_bytes
+
+    model = ModelConfig(num_layers=4)
+    plain = Config(model=model, parallel=ParallelConfig(pipeline_model_parallel_size=2))
+    virtual = Config(model=model, parallel=ParallelConfig(pipeline_model_parallel_size=2,
+                                                          virtual_pipeline_model_parallel_size=2))
+    assert [microbatches_in_flight(virtual, s, 1) for s in (0, 1)] == [5, 3]
+    assert [microbatches_in_flight(plain, s, 1) for s in (0, 1)] == [2, 1]
+    # no output layer on stage 0: the held activations alone, 5 x 1 layer against 2 x 2 layers
+    assert stage_activation_bytes(virtual, 0, 1) * 4 == stage_activation_bytes(plain, 0, 1) * 5
+    for s in (0, 1):
+        assert estimate_stage(virtual, s, 2).params == estimate_stage(plain, s, 2).params
