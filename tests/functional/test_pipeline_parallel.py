@@ -26,6 +26,7 @@ import torch
 
 from _dist import spawn_world
 from _float64_gpt import Shape, sample_loss, to_float64
+from _packs import random_packs
 
 WORLD_SIZE = 4
 PAD_MULTIPLE = 8
@@ -44,19 +45,7 @@ NO_TARGET_PACK = 2
 def _samples(seed: int = 11) -> list[list[dict]]:
     """NUM_PACKS packs of 2-4 samples; pack NO_TARGET_PACK has no target token, the last pack holds a
     2-token sample that leaves CP rank 1 of 2 with padding only (its 8 padded slots: rank 1 keeps 2..5)."""
-    rng = np.random.default_rng(seed)
-    packs = []
-    for p in range(NUM_PACKS):
-        pack = []
-        for _ in range(int(rng.integers(2, 5))):
-            n = int(rng.integers(4, 20))
-            ids = rng.integers(3, 380, size=n)
-            ids[-1] = 2
-            mask = np.zeros(n, dtype=np.int64)
-            if p != NO_TARGET_PACK:
-                mask[int(rng.integers(1, n - 1)):] = 1
-            pack.append({"input_ids": ids.tolist(), "loss_mask": mask.tolist()})
-        packs.append(pack)
+    packs = random_packs(seed, NUM_PACKS, samples=(2, 5), length=(4, 20), no_target=(NO_TARGET_PACK,))
     packs[-1] = [{"input_ids": [5, 9, 2], "loss_mask": [0, 1, 1]}]
     return packs
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _dist import ListLoader, spawn_world
+from _packs import random_packs
 
 NUM_STEPS, PACKS_PER_STEP = 3, 4
 
@@ -27,19 +28,8 @@ NUM_STEPS, PACKS_PER_STEP = 3, 4
 def _packs(seed: int = 5) -> list[dict]:
     from megatron_pack.data.batches.thd import collate_thd
 
-    rng = np.random.default_rng(seed)
-    packs = []
-    for p in range(NUM_STEPS * PACKS_PER_STEP):
-        samples = []
-        for _ in range(int(rng.integers(2, 4))):
-            n = int(rng.integers(5, 20))
-            ids = rng.integers(3, 380, size=n)
-            ids[-1] = 2
-            mask = np.zeros(n, dtype=np.int64)
-            mask[int(rng.integers(1, n - 1)):] = 1
-            samples.append({"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "sample_id": len(packs) * 8})
-        packs.append(collate_thd(samples, pack_size=64, pad_multiple=8))
-    return packs
+    return [collate_thd(samples, pack_size=64, pad_multiple=8)
+            for samples in random_packs(seed, NUM_STEPS * PACKS_PER_STEP, samples=(2, 4), length=(5, 20))]
 
 
 def _config(pp: int, tp: int, distributed_optimizer: bool = False):
