@@ -133,15 +133,22 @@ def target_linears(model: nn.Module, targets) -> list[tuple[str, nn.Module]]:
 
 
 def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int, tp_rank: int,
-               sequence_parallel: bool) -> int:
+               sequence_parallel: bool, layer_offset: int = 0) -> int:
     """Freeze every parameter of ``model`` and attach an adapter to each target linear; returns
-    the number of adapters. The model's own parameter names do not change."""
+    the number of adapters. The model's own parameter names do not change.
+
+    Adapter ``k`` of the whole model is drawn with seed ``seed + k``; a pipeline stage whose first
+    layer is global layer ``layer_offset`` numbers its adapters from ``layer_offset`` times the
+    adapters per layer, so every layout draws the same adapters (PP=2's stage 1 those of PP=1's
+    second half)."""
     for param in model.parameters():
         param.requires_grad_(False)
     found = target_linears(model, peft_cfg.target_modules)
     if not found:
         raise ValueError(f"peft.target_modules ({list(peft_cfg.target_modules)}) match no linear of the model.")
-    for index, (name, module) in enumerate(found):
+    num_layers = len({name.split(".layers.", 1)[1].split(".", 1)[0] for name, _ in found})
+    first = layer_offset * (len(found) // num_layers)
+    for index, (name, module) in enumerate(found, start=first):
         leaf = name.rsplit(".", 1)[-1]
         out_local, in_local = module.weight.shape
         adapter = LoRAAdapter(in_features=in_local, out_features=out_local, dim=peft_cfg.dim, alpha=peft_cfg.alpha,
