@@ -146,8 +146,8 @@ def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int,
     found = target_linears(model, peft_cfg.target_modules)
     if not found:
         raise ValueError(f"peft.target_modules ({list(peft_cfg.target_modules)}) match no linear of the model.")
-    num_layers = len({name.split(".layers.", 1)[1].split(".", 1)[0] for name, _ in found})
-    first = layer_offset * (len(found) // num_layers)
+    num_local_layers = len({name.split(".layers.", 1)[1].split(".", 1)[0] for name, _ in found})
+    first = layer_offset * (len(found) // num_local_layers)
     for index, (name, module) in enumerate(found, start=first):
         leaf = name.rsplit(".", 1)[-1]
         out_local, in_local = module.weight.shape
