@@ -74,6 +74,38 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+LAYOUT_RUNS = {  # (run, extra arguments); dropout 0: other layouts differ only by the summation order
+    "cp2": ["train.output_dir=runs/lora_cp2"],
+    "tp2_step1": ["train.output_dir=runs/lora_tp2", "parallel.tensor_model_parallel_size=2",
+                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
+    "tp2_resumed": ["train.output_dir=runs/lora_tp2"],  # at the preset's CP=2
+    "pp2_step1": ["train.output_dir=runs/lora_pp2", "parallel.pipeline_model_parallel_size=2",
+                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
+    "pp2_resumed": ["train.output_dir=runs/lora_pp2"],
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(runs) -> str:
+    """The runs of ``LAYOUT_RUNS`` one after the other in one torchrun world of 2 processes
+    (``_train_cases.py``: the train entry per run; the start-up is paid once); their output."""
+    import os
+    import subprocess
+    import sys
+
+    root = runs["root"]
+    cases = [[name, [*LORA, "peft.dropout=0", *extra]] for name, extra in LAYOUT_RUNS.items()]
+    (root / "layout_cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("_train_cases.py")), str(root / "layout_cases.json")],
+                          cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert log.count("resumed from") == 2, log[-5000:]  # tp2_resumed and pp2_resumed
+    return log
+
+
 @pytest.fixture(scope="module")
 def exported(runs) -> dict:
     root, step = runs["root"], _step_dir(runs["root"], FULL_RUN, 3)
@@ -184,19 +216,14 @@ def test_resume_reproduces_uninterrupted_run(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tp2_lora_checkpoint_is_layout_free(runs):
+def test_tp2_lora_checkpoint_is_layout_free(runs, layout_runs):
     """A LoRA checkpoint written at TP=2 (adapters split like their base, fc1's B as [gate; up]) holds
     the TP=1 adapters, and resumes at CP=2 (TP=1) continuing the run an uninterrupted CP=2 run makes
     (dropout 0: the same losses and adapters up to the summation order)."""
     from megatron_pack.training.checkpoint import read_full_model
     from megatron_pack.training.metrics import read_metrics
 
-    root, nodrop = runs["root"], "peft.dropout=0"
-    tp2 = ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=1"]
-    _torchrun(root, "train.output_dir=runs/lora_cp2", nodrop)
-    _torchrun(root, "train.output_dir=runs/lora_tp2", nodrop, *tp2, "train.exit_after_iters=1")
-    log = _torchrun(root, "train.output_dir=runs/lora_tp2", nodrop)  # resumed at the preset's CP=2
-    assert "resumed from" in log
+    root = runs["root"]  # LAYOUT_RUNS: cp2, then tp2 for one step, resumed at the preset's CP=2
     for step in (1, 3):
         want, got = (read_full_model(_step_dir(root, run, step)) for run in ("runs/lora_cp2", "runs/lora_tp2"))
         assert sorted(want) == sorted(got) and len(want) == 2 * 4 * 2
@@ -209,7 +236,7 @@ def test_tp2_lora_checkpoint_is_layout_free(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_pp2_lora_trains_like_cp2_resumes_and_exports_for_peft(runs):
+def test_pp2_lora_trains_like_cp2_resumes_and_exports_for_peft(runs, layout_runs):
     """LoRA with 2 pipeline stages: step 1 at PP=2 (adapters on both stages, drawn as at PP=1), its
     checkpoint resumed at the preset's CP=2 for steps 2-3: the losses and adapters of an uninterrupted
     CP=2 run (dropout 0, relative 1e-5); the PP=2 checkpoint's peft export, gathered from both stages,
@@ -220,16 +247,11 @@ def test_pp2_lora_trains_like_cp2_resumes_and_exports_for_peft(runs):
     from megatron_pack.training.checkpoint import read_full_model, read_meta
     from megatron_pack.training.metrics import read_metrics
 
-    root, nodrop = runs["root"], "peft.dropout=0"
-    if not (root / "runs/lora_cp2").exists():  # trained by test_tp2_lora_checkpoint_is_layout_free when run first
-        _torchrun(root, "train.output_dir=runs/lora_cp2", nodrop)
-    pp2 = ["parallel.pipeline_model_parallel_size=2", "parallel.context_parallel_size=1"]
-    _torchrun(root, "train.output_dir=runs/lora_pp2", nodrop, *pp2, "train.exit_after_iters=1")
+    root = runs["root"]  # LAYOUT_RUNS: cp2, then pp2 for one step, resumed at the preset's CP=2
     first = _step_dir(root, "runs/lora_pp2", 1)
     meta = read_meta(first)  # 2 ranks of TP=1, CP=1, DP=1: written by 2 pipeline stages
     assert [meta[k] for k in ("world_size", "tensor_model_parallel_size", "context_parallel_size",
                               "data_parallel_size")] == [2, 1, 1, 1]
-    assert "resumed from" in _torchrun(root, "train.output_dir=runs/lora_pp2", nodrop)
     for step in (1, 3):
         want, got = (read_full_model(_step_dir(root, run, step)) for run in ("runs/lora_cp2", "runs/lora_pp2"))
         assert sorted(want) == sorted(got) and len(want) == 2 * 4 * 2  # A and B of 4 linears x 2 layers
