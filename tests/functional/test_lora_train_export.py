@@ -11,7 +11,10 @@ ranks, adapter dropout 0.1 so the resumed RNG state matters), 3 steps, a checkpo
 3. `export.merge=true` loads with transformers and its logits equal peft's applied adapter (<= 1e-4);
 4. `verify` with the adapters active passes (packed == alone);
 5. a run stopped after 2 steps (`train.exit_after_iters=2`) and resumed reproduces the uninterrupted
-   run: the same step-3 loss and bit-identical adapters.
+   run: the same step-3 loss and bit-identical adapters;
+6. other layouts (``LAYOUT_RUNS``, one torchrun world, dropout 0): a step at TP=2 and one at PP=2 (2
+   pipeline stages, adapters on both), each resumed at CP=2, continue the uninterrupted CP=2 run;
+   the PP=2 checkpoint's peft export loads with ``PeftModel`` and gives our logits.
 """
 
 from __future__ import annotations
