@@ -7,7 +7,8 @@
 2. Simulation at DP 8, 64 and 512 (8 packs per rank per step), lognormal and bimodal length
    mixes packed by BFD into 4096-token packs: max/mean per-rank cost before (round-robin) and
    after balancing, and the projected step-time saving ``1 - max_after / max_before`` (the step
-   waits for the slowest rank).
+   waits for the slowest rank); and at PP 4 and 8 the slowest rank's pipelined cost
+   ``(sum + (PP-1) * largest pack) / PP`` of the deal balanced by sums and by that cost.
 3. On this machine, DP=2: the per-rank compute time of each step's packs (tiny model, measured
    one rank after the other in one process, interleaved with and without balancing, best of
    ``--repeats``), and the spread max/mean of the two ranks' times.
@@ -38,13 +39,30 @@ def mix(name: str, rng: np.random.Generator, n: int) -> np.ndarray:
     return np.clip(x, 8, PACK).astype(np.int64)
 
 
-def simulate(dp: int, mix_name: str, steps: int, seed: int = 0) -> dict:
+def _pack_costs(dp: int, mix_name: str, steps: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     num_packs = 8 * dp * steps
     lengths = mix(mix_name, rng, int(num_packs * PACK / 500))
-    plan = plan_packing(lengths, PACK, "bfd", seed=seed)
-    bins = plan.bins()[:num_packs]
-    costs = np.array([pack_cost(lengths[b]) for b in bins])
+    bins = plan_packing(lengths, PACK, "bfd", seed=seed).bins()[:num_packs]
+    return np.array([pack_cost(lengths[b]) for b in bins])
+
+
+def simulate_pipelined(dp: int, pp: int, mix_name: str, steps: int, seed: int = 0) -> dict:
+    """At ``pp`` stages: the largest per-rank pipelined cost, (sum + (pp-1) * max) / pp, summed over
+    steps, of round-robin, the deal balanced by plain sums and the deal balanced on the pipelined cost."""
+    costs = _pack_costs(dp, mix_name, steps, seed)
+    total = {"round-robin": 0.0, "sums": 0.0, "pipelined": 0.0}
+    for s in range(len(costs) // (8 * dp)):
+        c = costs[s * 8 * dp:(s + 1) * 8 * dp]
+        for name, deal in (("round-robin", round_robin(len(c), dp)), ("sums", assign_balanced(c, dp)),
+                           ("pipelined", assign_balanced(c, dp, pp))):
+            total[name] += rank_loads(c, deal, pp).max()
+    return {"vs_round_robin": 1 - total["pipelined"] / total["round-robin"],
+            "vs_sums": 1 - total["pipelined"] / total["sums"], "sums_vs_round_robin": 1 - total["sums"] / total["round-robin"]}
+
+
+def simulate(dp: int, mix_name: str, steps: int, seed: int = 0) -> dict:
+    costs = _pack_costs(dp, mix_name, steps, seed)
     before, after, max_b, max_a = [], [], [], []
     for s in range(len(costs) // (8 * dp)):
         c = costs[s * 8 * dp:(s + 1) * 8 * dp]
@@ -157,6 +175,13 @@ def main() -> None:
             r = simulate(dp, mix_name, steps=max(2, args.steps // (dp // 8)))
             print(f"  {mix_name:9s} DP={dp:3d}: round-robin {r['before']:.3f} -> balanced {r['after']:.4f} "
                   f"(worst {r['worst_after']:.4f}); projected step-time saving {100 * r['saving']:.1f}%")
+    print("with pipeline stages: slowest rank's (sum + (PP-1) * largest pack) / PP, summed over steps")
+    for mix_name in ("lognormal", "bimodal"):
+        for dp, pp in ((8, 4), (64, 4), (8, 8)):
+            r = simulate_pipelined(dp, pp, mix_name, steps=max(2, args.steps // (dp // 8)))
+            print(f"  {mix_name:9s} DP={dp:3d} PP={pp}: saving vs round-robin: balanced by sums "
+                  f"{100 * r['sums_vs_round_robin']:.1f}%, by the pipelined cost {100 * r['vs_round_robin']:.1f}% "
+                  f"({100 * r['vs_sums']:.2f}% over the sums' deal)")
     if args.no_measure:
         return
     model = _model()

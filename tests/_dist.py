@@ -33,11 +33,12 @@ as ``_dist``.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -134,6 +135,36 @@ def spawn_world(worker: Callable[..., dict], world_size: int, tmp_path: Path | s
         with np.load(store_dir / f"rank{rank}.npz", allow_pickle=False) as data:
             results.append({key: data[key] for key in data.files})
     return results
+
+
+@contextlib.contextmanager
+def sub_world(rank: int, size: int, store_dir: Path | str, name: str) -> Iterator[bool]:
+    """Inside the block the default process group is the world's first ``size`` ranks (``True`` is
+    yielded there; the other ranks get ``False`` and wait); after it, the whole world again. So one
+    spawned world (one start-up, mostly importing torch) runs layouts of several world sizes::
+
+        with sub_world(rank, 4, root, "four") as member:   # in a world of 6
+            if member:
+                ...                                        # a 4-rank layout on ranks 0..3
+        ...                                                # the 6-rank layouts
+
+    Call it on every rank, with megatron-core's groups destroyed; ``name`` is unique per use.
+    """
+    world_size = dist.get_world_size()
+    dist.destroy_process_group()
+    member = rank < size
+    if member:
+        os.environ["WORLD_SIZE"] = str(size)
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, f"{name}_sub"), size),
+                                rank=rank, world_size=size)
+    try:
+        yield member
+    finally:
+        if member:
+            dist.destroy_process_group()
+            os.environ["WORLD_SIZE"] = str(world_size)
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, f"{name}_back"), world_size),
+                                rank=rank, world_size=world_size)
 
 
 def ListLoader(packs: list[dict]):

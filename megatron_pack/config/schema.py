@@ -390,7 +390,7 @@ class PackingConfig(_Group):
     """With mode=online: most samples one pack holds (None: no cap). With pad_cu_seqlens the cu_seqlens
     length is this + 2; without a cap it is the bound packed_sequence_size // pad multiple + 2."""
     balance: str = "none"
-    """'none' (deal packs round-robin over DP ranks) or 'dp' (assign each step's packs by cost)."""
+    """'none' (deal packs round-robin over DP ranks) or 'dp' (assign each step's packs by cost; at PP>1 by the pipelined cost)."""
     cost_a: float = DEFAULT_COST_A
     """Balance cost per real token of a pack."""
     cost_b: float = DEFAULT_COST_B

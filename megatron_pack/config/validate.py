@@ -64,9 +64,6 @@ def _pipeline_layer_problems(cfg: Config) -> list[str]:
 
 
 _PIPELINE_REFUSED: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
-    ("peft.method", lambda cfg: cfg.peft.method != "none",
-     "LoRA adapters are not run with pipeline stages yet (adapter checkpoints and the peft export are tested with "
-     "one stage only); set peft.method=none or parallel.pipeline_model_parallel_size=1"),
     ("model.fp8", lambda cfg: cfg.model.fp8 != "none",
      "FP8 with pipeline stages is not tested yet (it needs a GPU run of the stages' padding hooks); set "
      "model.fp8=none or parallel.pipeline_model_parallel_size=1"),
@@ -117,6 +114,11 @@ def _validate_virtual_pipeline(cfg: Config, world_size: Optional[int] = None) ->
                  f"count, a multiple of parallel.pipeline_model_parallel_size ({pp}), on every step; unset {name} "
                  "(train.global_batch_tokens=null, packing.balance=none, packing.mode=offline) or set "
                  "parallel.virtual_pipeline_model_parallel_size=null." for name, on in _VP_VARIABLE_MICROBATCHES if on(cfg)]
+    if cfg.peft.method != "none":
+        problems.append(f"peft.method ({cfg.peft.method}) with {key}: LoRA is run with pipeline stages of one model "
+                        "chunk each, not yet with virtual stages (adapter seeds, checkpoints and the peft export of "
+                        "several chunks per rank are not tested); set parallel.virtual_pipeline_model_parallel_size=null "
+                        "or peft.method=none.")
     model_parallel = par.tensor_model_parallel_size * par.context_parallel_size * pp
     if isinstance(world_size, int) and world_size > 0 and world_size % model_parallel == 0:
         dp, mbs = world_size // model_parallel, cfg.train.micro_batch_size

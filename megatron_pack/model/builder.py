@@ -339,7 +339,8 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
         model.num_adapters = apply_lora(model, cfg.peft, seed=cfg.train.seed, tp_group=pg.tp_group,
                                         tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
-                                        sequence_parallel=cfg.parallel.sequence_parallel)
+                                        sequence_parallel=cfg.parallel.sequence_parallel,
+                                        layer_offset=stage_of(cfg, pg, vp_stage).layer_offset)
     return model.to(pg.device)
 
 

@@ -11,7 +11,10 @@ ranks, adapter dropout 0.1 so the resumed RNG state matters), 3 steps, a checkpo
 3. `export.merge=true` loads with transformers and its logits equal peft's applied adapter (<= 1e-4);
 4. `verify` with the adapters active passes (packed == alone);
 5. a run stopped after 2 steps (`train.exit_after_iters=2`) and resumed reproduces the uninterrupted
-   run: the same step-3 loss and bit-identical adapters.
+   run: the same step-3 loss and bit-identical adapters;
+6. other layouts (``LAYOUT_RUNS``, one torchrun world, dropout 0): a step at TP=2 and one at PP=2 (2
+   pipeline stages, adapters on both), each resumed at CP=2, continue the uninterrupted CP=2 run;
+   the PP=2 checkpoint's peft export loads with ``PeftModel`` and gives our logits.
 """
 
 from __future__ import annotations
@@ -72,6 +75,38 @@ def _hf_logits(model, samples) -> list[torch.Tensor]:
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+LAYOUT_RUNS = {  # (run, extra arguments); dropout 0: other layouts differ only by the summation order
+    "cp2": ["train.output_dir=runs/lora_cp2"],
+    "tp2_step1": ["train.output_dir=runs/lora_tp2", "parallel.tensor_model_parallel_size=2",
+                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
+    "tp2_resumed": ["train.output_dir=runs/lora_tp2"],  # at the preset's CP=2
+    "pp2_step1": ["train.output_dir=runs/lora_pp2", "parallel.pipeline_model_parallel_size=2",
+                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
+    "pp2_resumed": ["train.output_dir=runs/lora_pp2"],
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(runs) -> str:
+    """The runs of ``LAYOUT_RUNS`` one after the other in one torchrun world of 2 processes
+    (``_train_cases.py``: the train entry per run; the start-up is paid once); their output."""
+    import os
+    import subprocess
+    import sys
+
+    root = runs["root"]
+    cases = [[name, [*LORA, "peft.dropout=0", *extra]] for name, extra in LAYOUT_RUNS.items()]
+    (root / "layout_cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("_train_cases.py")), str(root / "layout_cases.json")],
+                          cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert log.count("resumed from") == 2, log[-5000:]  # tp2_resumed and pp2_resumed
+    return log
 
 
 @pytest.fixture(scope="module")
@@ -184,19 +219,14 @@ def test_resume_reproduces_uninterrupted_run(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tp2_lora_checkpoint_is_layout_free(runs):
+def test_tp2_lora_checkpoint_is_layout_free(runs, layout_runs):
     """A LoRA checkpoint written at TP=2 (adapters split like their base, fc1's B as [gate; up]) holds
     the TP=1 adapters, and resumes at CP=2 (TP=1) continuing the run an uninterrupted CP=2 run makes
     (dropout 0: the same losses and adapters up to the summation order)."""
     from megatron_pack.training.checkpoint import read_full_model
     from megatron_pack.training.metrics import read_metrics
 
-    root, nodrop = runs["root"], "peft.dropout=0"
-    tp2 = ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=1"]
-    _torchrun(root, "train.output_dir=runs/lora_cp2", nodrop)
-    _torchrun(root, "train.output_dir=runs/lora_tp2", nodrop, *tp2, "train.exit_after_iters=1")
-    log = _torchrun(root, "train.output_dir=runs/lora_tp2", nodrop)  # resumed at the preset's CP=2
-    assert "resumed from" in log
+    root = runs["root"]  # LAYOUT_RUNS: cp2, then tp2 for one step, resumed at the preset's CP=2
     for step in (1, 3):
         want, got = (read_full_model(_step_dir(root, run, step)) for run in ("runs/lora_cp2", "runs/lora_tp2"))
         assert sorted(want) == sorted(got) and len(want) == 2 * 4 * 2
@@ -205,3 +235,39 @@ def test_tp2_lora_checkpoint_is_layout_free(runs):
     want = {r["step"]: r["lm_loss"] for r in read_metrics(root / "runs/lora_cp2" / "metrics.jsonl")}
     got = {r["step"]: r["lm_loss"] for r in read_metrics(root / "runs/lora_tp2" / "metrics.jsonl")}
     assert sorted(got) == [1, 2, 3] and all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pp2_lora_trains_like_cp2_resumes_and_exports_for_peft(runs, layout_runs):
+    """LoRA with 2 pipeline stages: step 1 at PP=2 (adapters on both stages, drawn as at PP=1), its
+    checkpoint resumed at the preset's CP=2 for steps 2-3: the losses and adapters of an uninterrupted
+    CP=2 run (dropout 0, relative 1e-5); the PP=2 checkpoint's peft export, gathered from both stages,
+    loads with ``PeftModel`` and gives our logits (<= 1e-4)."""
+    import transformers as T
+    from peft import PeftModel
+
+    from megatron_pack.training.checkpoint import read_full_model, read_meta
+    from megatron_pack.training.metrics import read_metrics
+
+    root = runs["root"]  # LAYOUT_RUNS: cp2, then pp2 for one step, resumed at the preset's CP=2
+    first = _step_dir(root, "runs/lora_pp2", 1)
+    meta = read_meta(first)  # 2 ranks of TP=1, CP=1, DP=1: written by 2 pipeline stages
+    assert [meta[k] for k in ("world_size", "tensor_model_parallel_size", "context_parallel_size",
+                              "data_parallel_size")] == [2, 1, 1, 1]
+    for step in (1, 3):
+        want, got = (read_full_model(_step_dir(root, run, step)) for run in ("runs/lora_cp2", "runs/lora_pp2"))
+        assert sorted(want) == sorted(got) and len(want) == 2 * 4 * 2  # A and B of 4 linears x 2 layers
+        assert all(torch.allclose(want[k], got[k], rtol=1e-5, atol=1e-6) for k in want), step
+    want = {r["step"]: r["lm_loss"] for r in read_metrics(root / "runs/lora_cp2" / "metrics.jsonl")}
+    got = {r["step"]: r["lm_loss"] for r in read_metrics(root / "runs/lora_pp2" / "metrics.jsonl")}
+    assert sorted(got) == [1, 2, 3] and all(abs(got[s] - want[s]) <= 1e-5 * want[s] for s in got), (got, want)
+
+    code, text = _cli(root, "export", f"checkpoint={first}", "output=exports/adapter_pp2", "export.adapter=true")
+    assert code == 0, text
+    base_dir, samples = root / "models/tiny-llama", _samples()
+    base_logits = _hf_logits(T.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), samples)
+    theirs = _hf_logits(PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                                  root / "exports/adapter_pp2"), samples)
+    assert _max_diff(theirs, base_logits) > 1e-5  # guard: one step moved the adapters away from B = 0
+    assert _max_diff(_ours(root, first, samples), theirs) <= 1e-4

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from _dist import spawn_world
+from _packs import random_packs
 
 WORLD_SIZE = 4
 PAD_MULTIPLE = 8  # lcm of every case's requirement: 2*CP=8 for cp4, CP*TP=4 for tp2_cp2_sp
@@ -42,20 +43,7 @@ LEAK_PACK, LEAK_SAMPLE = 0, 1
 
 def _samples(seed: int = 7) -> list[list[dict]]:
     """NUM_PACKS packs of 3-5 samples of mixed lengths (ids end with eos=2; answer mask on the tail)."""
-    rng = np.random.default_rng(seed)
-    packs, sample_id = [], 0
-    for _ in range(NUM_PACKS):
-        pack = []
-        for _ in range(int(rng.integers(3, 6))):
-            n = int(rng.integers(4, 30))
-            ids = rng.integers(3, 380, size=n)
-            ids[-1] = 2
-            mask = np.zeros(n, dtype=np.int64)
-            mask[int(rng.integers(1, n - 1)):] = 1
-            pack.append({"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "sample_id": sample_id})
-            sample_id += 1
-        packs.append(pack)
-    return packs
+    return random_packs(seed, NUM_PACKS, samples=(3, 6), length=(4, 30))
 
 
 def _changed(pack: list[dict]) -> list[dict]:

@@ -1,10 +1,12 @@
-"""Pipeline stages on 4 gloo ranks: the 1F1B schedule gives the float64 reference's loss and gradients.
+"""Pipeline stages on gloo ranks: the 1F1B schedule gives the float64 reference's loss and gradients.
 
-One spawned world of 4 CPU processes runs every pipeline layout in ``CASES`` in turn (megatron-core's
-groups rebuilt between them). Each case builds the stage's GPTModel chunk, runs one step of the
-CPU 1F1B schedule (``training.pipeline_schedule``) over this DP rank's packs and megatron-core's
-``finalize_model_grads``, and compares with ``tests/_float64_gpt.py`` (plain torch, float64, each
-sample alone) evaluated on the weights the stages hold (gathered from every stage and TP rank):
+One spawned world of 6 CPU processes. Its first 4 ranks (``_dist.sub_world``) run every pipeline
+layout in ``CASES`` in turn (megatron-core's groups rebuilt between them), the HF load and the
+trainer's resumes across layouts (``_resume_chain``); then all 6 run ``PP3_TP2``. Each case builds
+the stage's GPTModel chunk, runs one step of the CPU 1F1B schedule (``training.pipeline_schedule``)
+over this DP rank's packs and megatron-core's ``finalize_model_grads``, and compares with
+``tests/_float64_gpt.py`` (plain torch, float64, each sample alone) evaluated on the weights the
+stages hold (gathered from every stage and TP rank):
 
 1. the global per-token loss and every parameter gradient, relative <= 1e-5;
 2. the step outcome (loss, target count) is the same on every rank of the world;
@@ -12,7 +14,9 @@ sample alone) evaluated on the weights the stages hold (gathered from every stag
 4. the shape exchange runs for variable packs and is skipped with fixed shapes;
 5. the Megatron-Bridge #2952 trap: the activation a middle stage sends on for a pack equals, row
    for row, the activation of each of its samples run alone (and a model that attends across
-   the pack's boundaries, ``pack_causal``, does not pass: the check can fail).
+   the pack's boundaries, ``pack_causal``, does not pass: the check can fail); at PP=3 x TP=2 on
+   both TP ranks of the middle stage (Megatron-LM #4092), and every core attention of every rank
+   receives the pack's own ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``.
 
 The packs include a micro-batch without target tokens and a sample that leaves CP rank 1 with
 padding only; DP ranks run unequal numbers of micro-batches (5 packs over 2 DP ranks).
@@ -21,7 +25,8 @@ padding only; DP ranks run unequal numbers of micro-batches (5 packs over 2 DP r
 layer v * 2 + r) through the CPU interleaved 1F1B (``training.interleaved_schedule``) over 6 packs
 (the interleaved schedule needs a multiple of PP micro-batches per DP rank): at PP=2 x CP=2 (the
 padding-only CP rank, the pack without targets) and at PP=2 x DP=2 with 2 and 4 micro-batches on
-the two DP ranks, against the same float64 reference (loss, gradients, validation loss).
+the two DP ranks, against the same float64 reference (loss, gradients, validation loss); in
+``_resume_chain`` a PP=2 x VP=2 x CP=2 trainer resumes the PP=1 checkpoint and PP=1 resumes its own.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import numpy as np
 import pytest
 import torch
 
-from _dist import spawn_world
+from _dist import ListLoader, spawn_world, sub_world
 from _float64_gpt import Shape, sample_loss, to_float64
+from _packs import random_packs
 
 WORLD_SIZE = 4
 PAD_MULTIPLE = 8
@@ -49,6 +55,8 @@ VP_CASES = [  # (id, pp, vp, cp, DP rank -> indices of the packs it runs); dp = 
 ]
 VP_CASE_IDS = [c[0] for c in VP_CASES]
 VP_LAYERS = 4
+PP3_TP2 = ("pp3_tp2", 3, 2, 1, False, 3, False, False)
+"""The 6-rank case (Megatron-LM #4092: TP ranks of a middle stage), run after the 4-rank ones on all 6 ranks."""
 NUM_PACKS = 5
 NO_TARGET_PACK = 2
 
@@ -56,19 +64,7 @@ NO_TARGET_PACK = 2
 def _samples(seed: int = 11) -> list[list[dict]]:
     """NUM_PACKS packs of 2-4 samples; pack NO_TARGET_PACK has no target token, the last pack holds a
     2-token sample that leaves CP rank 1 of 2 with padding only (its 8 padded slots: rank 1 keeps 2..5)."""
-    rng = np.random.default_rng(seed)
-    packs = []
-    for p in range(NUM_PACKS):
-        pack = []
-        for _ in range(int(rng.integers(2, 5))):
-            n = int(rng.integers(4, 20))
-            ids = rng.integers(3, 380, size=n)
-            ids[-1] = 2
-            mask = np.zeros(n, dtype=np.int64)
-            if p != NO_TARGET_PACK:
-                mask[int(rng.integers(1, n - 1)):] = 1
-            pack.append({"input_ids": ids.tolist(), "loss_mask": mask.tolist()})
-        packs.append(pack)
+    packs = random_packs(seed, NUM_PACKS, samples=(2, 5), length=(4, 20), no_target=(NO_TARGET_PACK,))
     packs[-1] = [{"input_ids": [5, 9, 2], "loss_mask": [0, 1, 1]}]
     return packs
 
@@ -183,19 +179,41 @@ def _stage_outputs(cfg, state, model, link, batch) -> torch.Tensor:
     return captured[0]
 
 
+def _boundaries_seen(model) -> tuple[list, object]:
+    """Record the ``PackedSeqParams`` every core attention of this rank's stage receives (a hook each)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        p = kwargs.get("packed_seq_params")
+        seen.append(None if p is None else (p.qkv_format, p.cu_seqlens_q.tolist(),
+                                            None if p.cu_seqlens_q_padded is None else p.cu_seqlens_q_padded.tolist(),
+                                            int(p.max_seqlen_q)))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if type(m).__name__ == "ThdCoreAttention"]
+    return seen, handles
+
+
 def _trap(cfg, state, model, link, packs) -> dict:
-    """#2952: middle-stage rows of a pack == each sample alone (and the leaky attention differs)."""
+    """#2952 / #4092: middle-stage rows of a pack == each sample alone on every TP rank (and the leaky
+    attention differs); every rank's attention layers got the pack's own boundaries."""
     from megatron_pack.model.builder import build_model
 
     batch = _batches([packs[0]], False)[0]
     alone = [_batches([[s]], False)[0] for s in packs[0]]
+    seen, handles = _boundaries_seen(model)
     packed = _stage_outputs(cfg, state, model, link, batch)
+    for h in handles:
+        h.remove()
+    want = ("thd", batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist(), int(batch["max_seqlen"]))
+    out = {"trap_num_params_seen": len(seen), "trap_params_equal": all(p == want for p in seen),
+           "trap_num_layers_here": cfg.model.num_layers // state.pp_size}
     solo = [_stage_outputs(cfg, state, model, link, a) for a in alone]
     leaky_model = build_model(cfg, state, attention_mode="pack_causal")
     leaky_model.load_state_dict(model.state_dict())
     leaky = _stage_outputs(cfg, state, leaky_model, link, batch)
     if leaky_model.post_process:  # the last stage's outputs are losses, not activations
-        return {}
+        return out
     cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
     worst = worst_leaky = 0.0
     rows = 0
@@ -204,7 +222,7 @@ def _trap(cfg, state, model, link, packs) -> dict:
         worst = max(worst, float((packed[start:start + n] - s[:n]).abs().max()))
         worst_leaky = max(worst_leaky, float((leaky[start:start + n] - s[:n]).abs().max()))
         rows += n
-    return {"trap_diff": worst, "trap_leaky_diff": worst_leaky, "trap_rows": rows}
+    return {**out, "trap_diff": worst, "trap_leaky_diff": worst_leaky, "trap_rows": rows}
 
 
 def _run_case(case, rank: int, packs) -> dict:
@@ -222,10 +240,8 @@ def _run_case(case, rank: int, packs) -> dict:
              if fixed_pack_shapes(cfg) else None)
     link = StageLink(state.pg_collection.pp, fixed_shape=shape)
     out = {}
-    if case_id == "pp4":  # stage 1 is a middle stage
-        trap = _trap(cfg, state, model, link, packs)
-        if stage.pp_rank == 1:
-            out.update(trap)
+    if pp >= 3:  # stage 1 is a middle stage
+        out.update(_trap(cfg, state, model, link, packs))
     params = _whole_model({n: _full_param(p, p, state) for n, p in model.named_parameters()},
                           stage.layer_offset, state)
     from megatron_pack.training.eval import evaluate
@@ -382,22 +398,29 @@ def _hf_case(rank: int, folder: str, vp=None) -> dict:
     return out
 
 
-def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str) -> dict:
+def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str, root: str) -> dict:
+    """The 4-rank layouts (pipeline and virtual stages, HF loads, the trainer's resumes) on ranks 0..3
+    (``sub_world``), then PP=3 x TP=2 on all 6."""
     from megatron_pack.parallel.groups import destroy_parallel
 
     packs = _samples()
     out = {}
-    for case in CASES:
-        for key, value in _run_case(case, rank, packs).items():
-            out[f"{case[0]}/{key}"] = value
-        destroy_parallel()
-    for case in VP_CASES:
-        for key, value in _run_vp_case(case, rank, _vp_packs()).items():
-            out[f"{case[0]}/{key}"] = value
-        destroy_parallel()
-    out.update(_hf_case(rank, hf_folder))
-    destroy_parallel()
-    out.update(_hf_case(rank, hf_folder4, vp=2))
+    with sub_world(rank, WORLD_SIZE, root, "four") as member:
+        if member:
+            for case in CASES:
+                for key, value in _run_case(case, rank, packs).items():
+                    out[f"{case[0]}/{key}"] = value
+                destroy_parallel()
+            for case in VP_CASES:
+                for key, value in _run_vp_case(case, rank, _vp_packs()).items():
+                    out[f"{case[0]}/{key}"] = value
+                destroy_parallel()
+            out.update(_hf_case(rank, hf_folder))
+            destroy_parallel()
+            out.update(_hf_case(rank, hf_folder4, vp=2))
+            destroy_parallel()
+            out.update(_resume_chain(rank, f"{root}/ckpt"))
+    out.update({f"pp3_tp2/{k}": v for k, v in _run_case(PP3_TP2, rank, packs).items()})
     destroy_parallel()
     return out
 
@@ -418,8 +441,15 @@ def hf_folder4(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, hf_folder, hf_folder4) -> list[dict]:
-    return spawn_world(_world_worker, WORLD_SIZE, tmp_path_factory.mktemp("pipeline_parallel"), hf_folder, hf_folder4)
+def world6(tmp_path_factory, hf_folder, hf_folder4) -> list[dict]:
+    """Every rank's results: 6 ranks, the first WORLD_SIZE of which also ran the 4-rank layouts."""
+    root = tmp_path_factory.mktemp("pipeline_parallel")
+    return spawn_world(_world_worker, 6, root, hf_folder, hf_folder4, str(root))
+
+
+@pytest.fixture(scope="module")
+def world(world6) -> list[dict]:
+    return world6[:WORLD_SIZE]
 
 
 def test_hf_load_streams_only_the_stage_layers(world):
@@ -537,3 +567,174 @@ def test_hf_load_at_virtual_stages_streams_each_chunk_and_equals_transformers(wo
             got = torch.from_numpy(r[f"hfvp/logits{i}"])
             assert got.shape == ref.shape and got.shape[0] > 4
             assert float((got - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max()))
+    _assert_every_rank_saw_the_boundaries(world, "pp4")
+
+
+def _assert_every_rank_saw_the_boundaries(ranks: list[dict], case: str) -> None:
+    """Every core attention of every rank (every stage, every TP rank) got the pack's own boundaries."""
+    for r in ranks:
+        assert int(r[f"{case}/trap_num_params_seen"]) == int(r[f"{case}/trap_num_layers_here"]) >= 1
+        assert bool(r[f"{case}/trap_params_equal"])
+
+
+# ----- checkpoints across PP x TP x CP: the same 4 ranks, the trainer (AdamW, clipping) ---------------
+
+RESUME_STEPS, RESUME_PACKS_PER_STEP = 3, 4
+RESUME_LAYOUTS = {"a": (1, 2, 2), "b": (2, 1, 2), "d": (2, 2, 1), "e": (1, 2, 2), "f": (2, 1, 2), "g": (2, 1, 2, 2),
+                  "h": (1, 2, 2)}
+"""(pp, tp, cp[, vp]) of each trainer of ``_resume_chain``; dp = 1 in each, so every step trains the same 4 packs."""
+RESUME_LAYERS = 4
+"""PP x VP = 4 chunks of one layer for G; 2 layers per stage at PP=2."""
+
+
+def _trainer(name: str, distributed_optimizer: bool = False):
+    from megatron_pack.config.schema import Config, DDPConfig, ModelConfig, ParallelConfig, TrainConfig
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.parallel.groups import initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    pp, tp, cp, vp = (*RESUME_LAYOUTS[name], None)[:4]
+    cfg = Config(model=ModelConfig(attention_backend="torch", untie_embeddings_and_output_weights=False,
+                                   num_layers=RESUME_LAYERS),
+                 ddp=DDPConfig(use_distributed_optimizer=distributed_optimizer),
+                 train=TrainConfig(seed=1234, lr=3e-3, global_batch_size=RESUME_PACKS_PER_STEP,
+                                   train_iters=RESUME_STEPS, lr_warmup_iters=0, clip_grad=0.05),
+                 parallel=ParallelConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                                         context_parallel_size=cp, virtual_pipeline_model_parallel_size=vp))
+    packs = [collate_thd(p, pack_size=64, pad_multiple=8)
+             for p in random_packs(5, RESUME_STEPS * RESUME_PACKS_PER_STEP, samples=(2, 4), length=(5, 20))]
+    return build_trainer(cfg, initialize_parallel(cfg), ListLoader(packs))
+
+
+def _resume_chain(rank: int, root: str) -> dict:
+    """Five trainers over the same 12 packs, 4 per step (the embeddings tied: at PP>1 the last stage
+    holds a copy of the first stage's, kept equal by megatron-core's embedding-group all-reduce):
+
+    * A, PP=1 x TP=2 x CP=2: saves before its first step, runs 3 steps uninterrupted (the reference);
+    * B, PP=2 x CP=2, distributed optimizer: resumes A's step 0 (PP=1 -> PP=2), saves, runs step 1, saves;
+    * D, PP=2 x TP=2: resumes B's step 1 (PP=2 -> PP=2 x TP=2), runs step 2, saves;
+    * E, PP=1 x TP=2 x CP=2 and F, PP=2 x CP=2: each resume D's step 2 (PP=2 x TP=2 -> PP=1 and
+      -> PP=2) and run step 3;
+    * G, PP=2 x VP=2 x CP=2 (two model chunks per rank, the interleaved 1F1B) with the distributed
+      optimizer (one AdamW over both chunks): resumes A's step 0 (PP=1 -> PP=2 x VP=2), saves, runs
+      steps 1 and 2, saves; H, PP=1 x TP=2 x CP=2, resumes it (PP=2 x VP=2 -> PP=1) for step 3.
+    """
+    from megatron_pack.parallel.groups import destroy_parallel
+
+    def steps(trainer, num):
+        return np.array([(m.lm_loss, m.grad_norm) for m in (trainer.train_step() for _ in range(num))])
+
+    out = {}
+    a = _trainer("a")
+    a_start = a.save(f"{root}/a")
+    out["resume/a"] = steps(a, RESUME_STEPS)
+    destroy_parallel()
+    b = _trainer("b", distributed_optimizer=True)
+    b.load(a_start)
+    b_start = b.save(f"{root}/b")  # A's step-0 weights, written by the two stages
+    out["resume/b"] = steps(b, 1)
+    out["resume/b_exchanges"] = b.link.num_shape_exchanges
+    saved = {"b": b.save(f"{root}/b")}
+    destroy_parallel()
+    for name, source in (("d", "b"), ("e", "d"), ("f", "d")):
+        trainer = _trainer(name)
+        trainer.load(saved[source])
+        out[f"resume/{name}"] = steps(trainer, 1)
+        out[f"resume/{name}_step"] = trainer.step
+        if name == "d":
+            saved["d"] = trainer.save(f"{root}/d")
+        destroy_parallel()
+    g = _trainer("g", distributed_optimizer=True)
+    g.load(a_start)
+    g_start = g.save(f"{root}/g")  # A's step-0 weights, written by two chunks on each of the two stages
+    out["resume/g"] = steps(g, 2)
+    out["resume/g_step"], out["resume/g_chunks"] = g.step, len(g.model_chunks)
+    out["resume/g_exchanges"] = g.link.num_shape_exchanges
+    g_end = g.save(f"{root}/g")
+    destroy_parallel()
+    h = _trainer("h")
+    h.load(g_end)
+    out["resume/h"] = steps(h, 1)
+    out["resume/h_step"] = h.step
+    destroy_parallel()
+    if rank == 0:  # what export reads: the whole model of the PP=2 (x VP=2) checkpoints against the PP=1 one
+        from megatron_pack.training.checkpoint import read_full_model
+
+        pp1 = read_full_model(a_start)
+        out["resume/export_num_tensors"] = len(pp1)
+        for key, path in (("export", b_start), ("vp_export", g_start)):
+            other = read_full_model(path)
+            out[f"resume/{key}_same_names"] = sorted(pp1) == sorted(other)
+            out[f"resume/{key}_equal"] = all(torch.equal(pp1[n], other[n]) for n in pp1)
+    return out
+
+
+def _rel(got, want) -> float:
+    return float(np.max(np.abs(got - want) / np.abs(want)))
+
+
+def test_pp2_resumed_from_pp1_takes_the_same_step(world):
+    for r in world:
+        a = r["resume/a"]
+        assert a.shape == (RESUME_STEPS, 2) and np.all(a > 0) and len({tuple(x) for x in a}) == RESUME_STEPS
+        assert _rel(r["resume/b"], a[:1]) <= 1e-5  # loss and gradient norm
+        assert int(r["resume/b_exchanges"]) > 0  # the stages exchanged shapes: the pipeline schedule ran
+
+
+@pytest.mark.parametrize("name,step", [("d", 2), ("e", 3), ("f", 3)],
+                         ids=["pp2_to_pp2_tp2", "pp2_tp2_to_pp1", "pp2_tp2_to_pp2"])
+def test_resumed_across_pp_tp_takes_the_same_step(world, name, step):
+    """D resumes a PP=2 checkpoint at PP=2 x TP=2; E and F resume D's at PP=1 and PP=2: each resumed
+    step's loss and gradient norm equal the uninterrupted run's (relative 1e-5) on every rank."""
+    for r in world:
+        assert int(r[f"resume/{name}_step"]) == step
+        assert _rel(r[f"resume/{name}"], r["resume/a"][step - 1:step]) <= 1e-5
+    assert len({tuple(r[f"resume/{name}"].ravel()) for r in world}) == 1  # the same outcome on every rank
+
+
+def test_pp2_checkpoint_holds_the_pp1_model_for_export(world):
+    """Export reads a checkpoint's whole model (``checkpoint.read_full_model``): the same weights saved
+    by the two stages at PP=2 and by PP=1 x TP=2 x CP=2 give every tensor under the same name, bit for bit."""
+    assert bool(world[0]["resume/export_same_names"]) and int(world[0]["resume/export_num_tensors"]) == 2 + 6 * 4
+    assert bool(world[0]["resume/export_equal"])  # tied: no output layer
+
+
+def test_vp_resumed_from_pp1_takes_the_same_steps_and_pp1_resumes_it(world):
+    """PP=1 -> PP=2 x VP=2 (two chunks per rank, the interleaved schedule, the distributed optimizer over
+    both chunks) gives A's losses and norms for steps 1-2, and PP=1 resuming its checkpoint A's step 3."""
+    for r in world:
+        assert int(r["resume/g_chunks"]) == 2 and int(r["resume/g_step"]) == 2 and int(r["resume/h_step"]) == 3
+        assert r["resume/g"].shape == (2, 2) and _rel(r["resume/g"], r["resume/a"][:2]) <= 1e-5
+        assert _rel(r["resume/h"], r["resume/a"][2:]) <= 1e-5
+        assert int(r["resume/g_exchanges"]) > 0  # the ring carried each pack's shape
+    assert len({tuple(r["resume/g"].ravel()) for r in world}) == 1  # every rank: the same step outcome
+
+
+def test_vp_checkpoint_holds_the_pp1_model_for_export(world):
+    """The chunks of PP=2 x VP=2 write every tensor under its global name: export reads the PP=1 model."""
+    assert bool(world[0]["resume/vp_export_same_names"]) and bool(world[0]["resume/vp_export_equal"])
+
+
+# ----- the #4092 trap: PP=3 with TP=2 on every stage, 6 ranks ------------------------------------------
+
+def test_pp3_tp2_middle_stage_tp_ranks_equal_each_sample_alone(world6):
+    """Megatron-LM #4092: both TP ranks of the middle stage of 3 honour the pack's boundaries."""
+    middle = [r for r in world6 if int(r["pp3_tp2/pp_rank"]) == 1]
+    assert len(middle) == 2  # the middle stage's two TP ranks
+    for r in middle:
+        assert int(r["pp3_tp2/trap_rows"]) >= 10
+        assert float(r["pp3_tp2/trap_leaky_diff"]) > 1e-3
+        assert float(r["pp3_tp2/trap_diff"]) <= 1e-5
+    _assert_every_rank_saw_the_boundaries(world6, "pp3_tp2")
+
+
+def test_pp3_tp2_step_equals_float64_reference_on_every_rank(world6):
+    rank0 = world6[0]
+    assert int(rank0["pp3_tp2/num_params"]) == 3 + 6 * 3
+    assert int(rank0["pp3_tp2/num_grads"]) >= 3 + 6 * 3 - 1
+    ref = float(rank0["pp3_tp2/ref_loss"])
+    assert abs(float(rank0["pp3_tp2/loss"]) - ref) <= 1e-5 * ref
+    assert float(rank0["pp3_tp2/grad_rel"]) <= 1e-5
+    assert len({(float(r["pp3_tp2/loss"]), float(r["pp3_tp2/count"])) for r in world6}) == 1
+    assert all(abs(float(r["pp3_tp2/eval_loss"]) - ref) <= 1e-5 * ref for r in world6)
+    assert sorted(int(r["pp3_tp2/pp_rank"]) for r in world6) == [0, 0, 1, 1, 2, 2]

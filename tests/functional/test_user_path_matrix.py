@@ -11,8 +11,9 @@ and template) and chat files, CP=2.
   plans), the model, and the layout. Run through the console script's function in this process
   (tests/_user_path.py), which shares the imports; a refused command fails the test.
 * Training, pairwise: 15 cases cover every pair of factors (the template alternates with strategy +
-  validation), each trained 2 steps with CP=2 on 2 real processes, validated at the end when it has a
-  validation set, all in one torchrun world (``_train_cases.py``: each case is ``megatron-pack train``'s
+  validation), each trained 2 steps with CP=2 (5 of them, pairing with every factor, with 2 pipeline
+  stages, ``parallel=pp2``) on 2 real processes, validated at the end when it has a validation set,
+  all in one torchrun world (``_train_cases.py``: each case is ``megatron-pack train``'s
   entry, process groups made and destroyed per case). Each checkpoint is then exported and loaded with
   transformers; its tokenizer carries the template the data was rendered with. One more case in the
   same world trains with virtual pipeline stages (``parallel=pp2_vp2``, a 4-layer copy of the model:
@@ -50,6 +51,10 @@ CASES = [(s, v, t) for s in STRATEGIES for v in VALIDATIONS for t in TEMPLATES]
 TRAINED = [(s, v, list(TEMPLATES)[(i + j) % 2]) for i, s in enumerate(STRATEGIES) for j, v in enumerate(VALIDATIONS)]
 """15 cases holding every pair of factors: (strategy, validation) all 15, and the template alternating makes
 every (strategy, template) and (validation, template) pair appear."""
+PIPELINED = {(s, v, t) for i, (s, v, t) in enumerate(TRAINED) if i // len(VALIDATIONS) % len(VALIDATIONS) ==
+             i % len(VALIDATIONS)}
+"""The 5 trained cases (one per strategy, each validation and template among them) trained at ``parallel=pp2``
+(2 pipeline stages) instead of ``parallel=cp2``: the layout pairs with every other factor."""
 RUN = ["model.pretrained=model", "parallel=cp2"]
 VIRTUAL = ("bfd", "fraction", "own")
 """The prepared case the virtual-stage run trains on (with a validation set)."""
@@ -127,13 +132,25 @@ def test_every_case_inspects_verifies_checks_and_exports_with_only_its_folder(wo
     assert AutoTokenizer.from_pretrained(out).chat_template == _expected_template(template)
 
 
+def _layout(case) -> list[str]:
+    return [RUN[0], "parallel=pp2"] if case in PIPELINED else RUN
+
+
+def test_pipelined_cases_pair_with_every_factor():
+    assert len(PIPELINED) == len(STRATEGIES)
+    for k, factor in enumerate((STRATEGIES, VALIDATIONS, TEMPLATES)):
+        for value in factor:  # every value trained at both layouts
+            assert {c in PIPELINED for c in TRAINED if c[k] == value} == {True, False}, value
+
+
 def test_pairwise_training_then_export(world, tmp_path):
-    """15 cases trained (CP=2, 2 processes, 2 steps, validation when present), each exported and loaded."""
+    """15 cases trained (CP=2, or PP=2 for ``PIPELINED``; 2 processes, 2 steps, validation when present),
+    each exported from its checkpoint and loaded with transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root, plans = world
-    cases = [[_id(c), [f"data.dataset_dir={_dataset(c)}", f"data.plan={plans[c]}", *RUN, *TRAIN,
+    cases = [[_id(c), [f"data.dataset_dir={_dataset(c)}", f"data.plan={plans[c]}", *_layout(c), *TRAIN,
                        f"train.output_dir=runs/{_id(c)}"]] for c in TRAINED]
     cases.append(["virtual-stages", [f"data.dataset_dir={_dataset(VIRTUAL)}", f"data.plan={plans[VIRTUAL]}",
                                      *VIRTUAL_RUN, *TRAIN, "train.output_dir=runs/virtual-stages"]])
@@ -153,7 +170,11 @@ def test_pairwise_training_then_export(world, tmp_path):
         if strategy == "mixing":
             assert set(records[-1]["source_loss"]) == {"chat", "pc", "share"}
             assert ("val_source_loss" in records[-1]) == (validation == "fraction")  # one file has no sources
-        assert "context_parallel_size: 2" in (run / "config.yaml").read_text()
+        written = (run / "config.yaml").read_text()
+        if case in PIPELINED:
+            assert "pipeline_model_parallel_size: 2" in written and "context_parallel_size: 1" in written
+        else:
+            assert "context_parallel_size: 2" in written
         out = root / "exports" / f"trained-{_id(case)}"
         ok(root, "export", f"checkpoint=runs/{_id(case)}/checkpoints", f"output={out}")
         tokenizer = AutoTokenizer.from_pretrained(out)

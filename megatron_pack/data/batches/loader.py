@@ -108,7 +108,7 @@ def step_rule(cfg: Config, dp_size: int) -> StepRule:
     per_step = t.global_batch_size // t.micro_batch_size if cfg.packing.mode == "in_batch" else t.global_batch_size
     return StepRule(dp_size=dp_size, global_batch_size=per_step, global_batch_tokens=t.global_batch_tokens,
                     budget_kind=t.token_budget, balance=cfg.packing.balance, cost_a=cfg.packing.cost_a,
-                    cost_b=cfg.packing.cost_b)
+                    cost_b=cfg.packing.cost_b, pp_size=cfg.parallel.pipeline_model_parallel_size)
 
 
 def step_planner(cfg: Config, dataset: PackedSFTDataset | MicroBatchDataset, dp_size: int) -> StepPlanner:
@@ -151,4 +151,5 @@ def online_loader(cfg: Config, source: OnlineSource, *, dp_rank: int, dp_size: i
     return OnlineLoader(feed, collate, packs_per_step=t.global_batch_size // dp_size,
                         budget_tokens=t.global_batch_tokens, budget_kind=t.token_budget, balance=p.balance,
                         gather=gather, samples_of=source.samples_of, announce=announce,
-                        num_workers=cfg.data.num_workers, packing=online_packing_record(cfg))
+                        num_workers=cfg.data.num_workers, packing=online_packing_record(cfg),
+                        pp_size=cfg.parallel.pipeline_model_parallel_size)

@@ -238,14 +238,14 @@ class OnlineLoader:
     def __init__(self, feed: PackFeed, collate_fn: Callable, *, packs_per_step: int,
                  budget_tokens: Optional[int] = None, budget_kind: str = "target", balance: str = "none",
                  gather: Gather = single_rank, samples_of: Optional[Callable] = None, announce: bool = False,
-                 num_workers: int = 0, packing: Optional[dict] = None):
+                 num_workers: int = 0, packing: Optional[dict] = None, pp_size: int = 1):
         if feed.dp_size > 1 and gather is single_rank and (budget_tokens is not None or balance == "dp"):
             raise ValueError("OnlineLoader: a token budget or packing.balance=dp over several DP ranks needs the "
                              "DP group's gather (megatron_pack.training.loop.build_loader passes it)")
         self.feed, self.collate_fn, self.gather, self.samples_of = feed, collate_fn, gather, samples_of
         self.dp_rank, self.dp_size, self.num_workers = feed.dp_rank, feed.dp_size, num_workers
         self.packs_per_step, self.budget_tokens, self.budget_kind = packs_per_step, budget_tokens, budget_kind
-        self.balance, self.announce = balance, announce
+        self.balance, self.announce, self.pp_size = balance, announce, pp_size
         self.info = LoaderInfo()
         """No plan: no buckets, sources or fingerprint."""
         self.packing = dict(packing or {})
@@ -289,10 +289,11 @@ class OnlineLoader:
         costs = np.array([table[r][k][1] for r, k in slots], dtype=np.float64)
         owned = [np.array([i for i, (r, _) in enumerate(slots) if r == rank], dtype=np.int64)
                  for rank in range(self.dp_size)]
-        deal = assign_balanced(costs, self.dp_size) if self.balance == "dp" else owned
+        pp = self.pp_size
+        deal = assign_balanced(costs, self.dp_size, pp) if self.balance == "dp" else owned
         self._queue = self._deal(mine, slots, deal)
         return StepInfo(num_microbatches=len(self._queue), tokens=int(sum(table[r][k][0] for r, k in slots)),
-                        imbalance_before=imbalance(costs, owned), imbalance_after=imbalance(costs, deal))
+                        imbalance_before=imbalance(costs, owned, pp), imbalance_after=imbalance(costs, deal, pp))
 
     def _select(self) -> tuple[list[int], Optional[list]]:
         """(packs each rank takes, the gathered ``(tokens, cost)`` of every rank's next packs or None)."""

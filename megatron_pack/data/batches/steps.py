@@ -18,7 +18,8 @@ lengths):
      are left out of that epoch (counted and logged; the next epoch's order is another permutation);
 3. the deal: round-robin (rank ``r`` takes packs ``r, r+dp, ...`` of the step: the fixed count with
    it deals exactly as ``sampler.PackSampler``), or with ``packing.balance=dp`` by
-   ``megatron_pack.data.packing.balance.assign_balanced`` on the cost ``a * real + b * sum(len^2)``.
+   ``megatron_pack.data.packing.balance.assign_balanced`` on the cost ``a * real + b * sum(len^2)``
+   (at PP>1 a rank's cost is its packs' pipelined cost, ``balance.pipelined_cost``).
    With a budget or balancing, both imbalances (max/mean rank cost) are reported.
 
 Example, 6 packs of target tokens ``[5, 1, 4, 3, 2, 6]`` in epoch order, budget 7, DP 2::
@@ -112,6 +113,8 @@ class StepRule:
     balance: str = "none"
     cost_a: float = DEFAULT_COST_A
     cost_b: float = DEFAULT_COST_B
+    pp_size: int = 1
+    """Pipeline stages: a rank's cost is its packs' ``balance.pipelined_cost`` (the plain sum at 1)."""
 
 
 class StepPlanner:
@@ -209,10 +212,11 @@ class StepPlanner:
             return StepPlan(packs=packs, per_rank=[packs[a] for a in before], tokens=None, imbalance_before=None,
                             imbalance_after=None, end=end)
         costs = self.costs[packs]
-        after = assign_balanced(costs, dp) if self.rule.balance == "dp" else before
+        pp = self.rule.pp_size
+        after = assign_balanced(costs, dp, pp) if self.rule.balance == "dp" else before
         return StepPlan(packs=packs, per_rank=[packs[a] for a in after],
-                        tokens=int(self.budget_tokens[packs].sum()),
-                        imbalance_before=imbalance(costs, before), imbalance_after=imbalance(costs, after), end=end)
+                        tokens=int(self.budget_tokens[packs].sum()), imbalance_before=imbalance(costs, before, pp),
+                        imbalance_after=imbalance(costs, after, pp), end=end)
 
     def _leave_out(self, epoch: int, count: int) -> None:
         if epoch not in self.left_out:

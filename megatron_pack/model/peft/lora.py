@@ -167,7 +167,12 @@ def target_linears(model: nn.Module, targets) -> list[tuple[str, nn.Module]]:
             if ".layers." in name and name.rsplit(".", 1)[-1] in targets]
 
 
-def _seed_of(name: str, modules: dict[str, nn.Module], seed: int, dense_index: int) -> int:
+def _local_layer(name: str) -> int:
+    """The layer index of a linear's name within its model chunk (``decoder.layers.{i}.``)."""
+    return int(name.split(".layers.", 1)[1].split(".", 1)[0])
+
+
+def _seed_of(name: str, modules: dict[str, nn.Module], seed: int, dense_index: int, layer_offset: int = 0) -> int:
     """The seed of a linear's A: ``seed + i`` for the i-th dense target (in model order, as without experts);
     for expert e (global) of layer l's linear_fc1 / linear_fc2, ``seed + EXPERT_SEED_OFFSET + 2 (l E + e) + j``
     (j = 0 / 1), the same whichever EP rank holds it. Example: 4 experts, EP=2, rank 1's local expert 0 of
@@ -179,7 +184,7 @@ def _seed_of(name: str, modules: dict[str, nn.Module], seed: int, dense_index: i
     local = int(tail.split(".", 1)[0])
     num_global = experts.ep_group.size() * experts.num_local_experts
     global_expert = experts.ep_group.rank() * experts.num_local_experts + local
-    layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+    layer = layer_offset + _local_layer(name)  # the global layer (a pipeline stage's first is layer_offset)
     return seed + EXPERT_SEED_OFFSET + 2 * (layer * num_global + global_expert) + int(name.endswith("linear_fc2"))
 
 
@@ -202,16 +207,22 @@ def _as_expert_adapter(adapter: "LoRAAdapter", base: nn.Module) -> None:
 
 
 def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int, tp_rank: int,
-               sequence_parallel: bool) -> int:
+               sequence_parallel: bool, layer_offset: int = 0) -> int:
     """Freeze every parameter of ``model`` and attach an adapter to each target linear; returns
-    the number of adapters. The model's own parameter names do not change."""
+    the number of adapters. The model's own parameter names do not change.
+
+    Adapter ``k`` of the whole model is drawn with seed ``seed + k``; a pipeline stage whose first
+    layer is global layer ``layer_offset`` numbers its adapters from ``layer_offset`` times the
+    adapters per layer, so every layout draws the same adapters (PP=2's stage 1 those of PP=1's
+    second half)."""
     for param in model.parameters():
         param.requires_grad_(False)
     found = target_linears(model, peft_cfg.target_modules)
     if not found:
         raise ValueError(f"peft.target_modules ({list(peft_cfg.target_modules)}) match no linear of the model.")
     modules = dict(model.named_modules())
-    dense_index = 0
+    num_local_layers = len({_local_layer(name) for name, _ in found})
+    dense_index = layer_offset * (sum(EXPERT not in name for name, _ in found) // num_local_layers)
     for name, module in found:
         leaf, expert = name.rsplit(".", 1)[-1], EXPERT in name
         out_local, in_local = module.weight.shape
@@ -223,7 +234,7 @@ def apply_lora(model: nn.Module, peft_cfg, *, seed: int, tp_group, tp_size: int,
                               partition_stride=getattr(module.weight, "partition_stride", 1)).to(module.weight.device)
         if expert:
             _as_expert_adapter(adapter, module)
-        _init_adapter(adapter, seed=_seed_of(name, modules, seed, dense_index),
+        _init_adapter(adapter, seed=_seed_of(name, modules, seed, dense_index, layer_offset),
                       tp_rank=_expert_tp(module)[1] if expert else tp_rank)
         dense_index += not expert
         module.add_module("adapter", adapter)
