@@ -222,9 +222,9 @@ class StageLink:
         wire = self._wire(output)
         works = []
         if self.fixed_shape is None:
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-            header[0] = wire.dim()
-            header[1:1 + wire.dim()] = torch.tensor(wire.shape, dtype=torch.int64)
+            # on the link's device: NCCL sends device tensors only
+            header = torch.tensor([wire.dim(), *wire.shape] + [0] * (_HEADER_LEN - 1 - wire.dim()),
+                                  dtype=torch.int64, device=self.device)
             works.append(dist.isend(header, dst=self.next_rank, group=self.group, tag=_TAG_SHAPE))
             self.num_shape_exchanges += 1
         elif tuple(wire.shape) != self.fixed_shape:
@@ -236,7 +236,7 @@ class StageLink:
         return works
 
     def _recv_shape(self) -> tuple[int, ...]:
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
         self._timed(dist.recv, header, src=self.prev_rank, group=self.group, tag=_TAG_SHAPE)
         self.num_shape_exchanges += 1
         ndim = int(header[0])

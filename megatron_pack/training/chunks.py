@@ -84,7 +84,9 @@ def log_parameter_counts(chunks: list[torch.nn.Module], state: ParallelState) ->
     """'trainable parameters: X of Y (Z%)' on rank 0 (every TP rank enters the count's all-reduce)."""
     from megatron_pack.model.peft.lora import count_parameters, describe
 
-    counts = [count_parameters(chunk, state.tp_group) for chunk in chunks]
+    pg = state.pg_collection  # experts: every expert-parallel (x expert-TP) rank's own
+    counts = [count_parameters(chunk, state.tp_group, getattr(pg, "tp_ep", None), getattr(pg, "ep", None))
+              for chunk in chunks]
     trainable, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
     if state.pp_size > 1:  # every stage's part; a tied embedding's last-stage copy (``shared``) not again
         import torch.distributed as dist

@@ -279,6 +279,7 @@ def _lora_train(folder: str, tmp: str, ep: int, tp: int = 1, etp=None) -> dict:
     from _dist import ListLoader
 
     from megatron_pack.cli.export import run_export
+    from megatron_pack.model.peft.lora import count_parameters
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.loop import build_trainer
 
@@ -292,8 +293,13 @@ def _lora_train(folder: str, tmp: str, ep: int, tp: int = 1, etp=None) -> dict:
         for _ in range(2):  # step 1 trains B only (B = 0 gives A no gradient), step 2 both
             trainer.train_step()
         path = trainer.save(f"{tmp}/checkpoints")
+        # the "trainable parameters" line's counts: every EP (x expert TP) rank's experts and adapters summed
+        counts = count_parameters(model, state.tp_group, state.pg_collection.tp_ep, state.pg_collection.ep)
+        vocab_params = tp * sum(p.numel() for n, p in model.named_parameters()  # padded to a multiple of TP
+                                if "word_embeddings" in n or "output_layer" in n)
         model.eval()
-        out = {"logits": torch.cat(_sample_logits(model, state, _pack(_samples()))).numpy()}
+        out = {"logits": torch.cat(_sample_logits(model, state, _pack(_samples()))).numpy(),
+               "counts": np.array([*counts, vocab_params], dtype=np.int64)}
         trained = _global_adapters(model, state)
         local = [len(layer.mlp.experts.local_experts) for layer in model.decoder.layers]
     finally:
@@ -646,6 +652,11 @@ def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run
     with torch.no_grad():  # export.merge: the base with (alpha / r) B_e A_e added to each expert's weights
         merged_logits = torch.cat([merged(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()])
     assert float((merged_logits - torch.cat(adapted)).abs().max()) <= 1e-4
+    trainable, total, vocab = out["counts"].tolist()
+    assert 0 < trainable < total and 0 < vocab < total
+    if run != "lora_world1":  # every EP / TP rank's shards counted once: world 1's parameter counts (the
+        single = lora_world1["counts"].tolist()  # embedding and output layer padded to a multiple of TP rows)
+        assert trainable == single[0] and total - vocab == single[1] - single[2]
     if run != "lora_world1":  # the same step (the same global batch) at world 1: every adapter tensor equal
         single = load_file(world["root"] / "lora_world1/adapter/adapter_model.safetensors")
         assert sorted(single) == sorted(tensors)

@@ -246,24 +246,34 @@ def is_adapter_param(name: str) -> bool:
     return ".adapter.linear_in." in name or ".adapter.linear_out." in name
 
 
-def count_parameters(model: nn.Module, tp_group=None) -> tuple[int, int]:
+def count_parameters(model: nn.Module, tp_group=None, expert_group=None, ep_group=None) -> tuple[int, int]:
     """(trainable, total) parameters of the whole model, each counted once across TP ranks
     (a TP-split tensor contributes every rank's shard, a replicated one its size once). Every TP rank
-    must call it (one all-reduce)."""
+    must call it (one all-reduce). Expert tensors (megatron-core's ``allreduce=False``: each
+    expert-parallel rank holds its own experts) are summed over ``expert_group`` (``pg_collection.tp_ep``:
+    every EP x expert-TP rank holds another shard) when split over expert TP, else over ``ep_group``
+    (``pg_collection.ep``; an expert adapter's half that is whole on every expert-TP rank); every rank of
+    those groups must call it too."""
     import torch.distributed as dist
 
     split = torch.zeros(2, dtype=torch.float64)  # [trainable, total] of TP-split tensors on this rank
+    experts = {True: torch.zeros(2, dtype=torch.float64), False: torch.zeros(2, dtype=torch.float64)}
     whole = [0, 0]
     for param in model.parameters():
         n = param.numel()
-        if getattr(param, "tensor_model_parallel", False):
-            split += torch.tensor([n if param.requires_grad else 0, n], dtype=torch.float64)
+        pair = torch.tensor([n if param.requires_grad else 0, n], dtype=torch.float64)
+        if not getattr(param, "allreduce", True):
+            experts[bool(getattr(param, "tensor_model_parallel", False))] += pair
+        elif getattr(param, "tensor_model_parallel", False):
+            split += pair
         else:
             whole[0] += n if param.requires_grad else 0
             whole[1] += n
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(split, group=tp_group)
-    return int(split[0]) + whole[0], int(split[1]) + whole[1]
+    for tensor, group in ((split, tp_group), (experts[True], expert_group), (experts[False], ep_group)):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, group=group)
+    total = split + experts[True] + experts[False]
+    return int(total[0]) + whole[0], int(total[1]) + whole[1]
 
 
 def merged_shards(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float
