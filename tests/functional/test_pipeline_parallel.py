@@ -24,8 +24,8 @@ padding only; DP ranks run unequal numbers of micro-batches (5 packs over 2 DP r
 ``VP_CASES`` run virtual pipeline stages (two model chunks per rank, 4 layers: rank r's chunk v holds
 layer v * 2 + r) through the CPU interleaved 1F1B (``training.interleaved_schedule``) over 6 packs
 (the interleaved schedule needs a multiple of PP micro-batches per DP rank): at PP=2 x CP=2 (the
-padding-only CP rank, the pack without targets) and at PP=2 x DP=2 with 2 and 4 micro-batches on
-the two DP ranks, against the same float64 reference (loss, gradients, validation loss); in
+padding-only CP rank, the pack without targets), at PP=2 x DP=2 with 2 and 4 micro-batches on
+the two DP ranks and at PP=4 x VP=2 (8 layers, two middle stages, 8 micro-batches), against the same float64 reference (loss, gradients, validation loss); in
 ``_resume_chain`` a PP=2 x VP=2 x CP=2 trainer resumes the PP=1 checkpoint and PP=1 resumes its own.
 """
 
@@ -49,12 +49,18 @@ CASES = [  # (id, pp, tp, cp, sequence_parallel, num_layers, fixed shapes, tied 
     ("pp4", 4, 1, 1, False, 4, False, False),
 ]
 CASE_IDS = [c[0] for c in CASES]
-VP_CASES = [  # (id, pp, vp, cp, DP rank -> indices of the packs it runs); dp = 4 / (pp*cp), 4 layers
+VP_CASES = [  # (id, pp, vp, cp, DP rank -> indices of the packs it runs); dp = 4 / (pp*cp), pp*vp layers
     ("pp2_vp2_cp2", 2, 2, 2, [[0, 1, 2, 3, 4, 5]]),
     ("pp2_vp2_dp2", 2, 2, 1, [[0, 1], [2, 3, 4, 5]]),
+    ("pp4_vp2", 4, 2, 1, [[0, 1, 2, 3, 4, 5, 6, 7]]),  # 8 layers: two middle stages, 8 chunks round the ring
 ]
 VP_CASE_IDS = [c[0] for c in VP_CASES]
-VP_LAYERS = 4
+
+
+def _vp_layers(case_id: str) -> int:
+    """One layer per model chunk: PP x VP."""
+    pp, vp = next((c[1], c[2]) for c in VP_CASES if c[0] == case_id)
+    return pp * vp
 PP3_TP2 = ("pp3_tp2", 3, 2, 1, False, 3, False, False)
 """The 6-rank case (Megatron-LM #4092: TP ranks of a middle stage), run after the 4-rank ones on all 6 ranks."""
 NUM_PACKS = 5
@@ -273,9 +279,9 @@ def _against_reference(params: dict, grads: dict, packs, num_layers: int, tied: 
             "num_grads": sum(1 for n in ref_grads if n in grads and float(ref_grads[n].abs().max()) > 0)}
 
 
-def _vp_packs() -> list[list[dict]]:
-    """The 5 packs of ``_samples`` and a sixth with targets (6 micro-batches: a multiple of PP=2)."""
-    return _samples() + [_samples(seed=12)[0]]
+def _vp_packs(num: int = 6) -> list[list[dict]]:
+    """The 5 packs of ``_samples`` and ``num - 5`` more with targets (6 or 8 micro-batches: a multiple of PP)."""
+    return _samples() + _samples(seed=12)[:num - 5]
 
 
 def _chunk_names(chunks, layouts, tensor_of, state) -> dict:
@@ -301,7 +307,8 @@ def _run_vp_case(case, rank: int, packs) -> dict:
     from megatron_pack.training.step import forward_step
 
     case_id, pp, vp, cp, split = case
-    cfg = _config(pp, 1, cp, False, VP_LAYERS, False, False, vp=vp)
+    layers = pp * vp
+    cfg = _config(pp, 1, cp, False, layers, False, False, vp=vp)
     state = initialize_parallel(cfg)
     layouts = [stage_of(cfg, state, v) for v in range(vp)]
     chunks = [build_model(cfg, state, vp_stage=v) for v in range(vp)]
@@ -327,7 +334,7 @@ def _run_vp_case(case, rank: int, packs) -> dict:
     out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
                 "num_reports": len(reports), "shape_exchanges": link.num_shape_exchanges})
     if rank == 0:
-        out.update(_against_reference(params, grads, packs, VP_LAYERS, False))
+        out.update(_against_reference(params, grads, packs, layers, False))
     return out
 
 
@@ -412,7 +419,8 @@ def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str, r
                     out[f"{case[0]}/{key}"] = value
                 destroy_parallel()
             for case in VP_CASES:
-                for key, value in _run_vp_case(case, rank, _vp_packs()).items():
+                num_packs = sum(len(s) for s in case[4])
+                for key, value in _run_vp_case(case, rank, _vp_packs(num_packs)).items():
                     out[f"{case[0]}/{key}"] = value
                 destroy_parallel()
             out.update(_hf_case(rank, hf_folder))
@@ -522,7 +530,7 @@ def test_middle_stage_activations_equal_each_sample_alone(world):
 @pytest.mark.parametrize("case", VP_CASE_IDS)
 def test_virtual_stages_loss_and_gradients_equal_float64_reference(world, case):
     rank0 = world[0]
-    num_params = 3 + 6 * VP_LAYERS
+    num_params = 3 + 6 * _vp_layers(case)
     assert int(rank0[f"{case}/num_params"]) == num_params  # every chunk's tensors were gathered
     assert int(rank0[f"{case}/num_grads"]) >= num_params - 1  # ... and compared
     ref = float(rank0[f"{case}/ref_loss"])
@@ -538,7 +546,7 @@ def test_virtual_stages_hold_megatron_cores_interleaved_layers(world, case):
     """Rank r's chunk v holds layer block v * PP + r (megatron-core's offset with vp_stage); the loss
     (one report per micro-batch) is on the last rank only."""
     pp, vp, split = next((c[1], c[2], c[4]) for c in VP_CASES if c[0] == case)
-    per = VP_LAYERS // (pp * vp)
+    per = _vp_layers(case) // (pp * vp)
     for r in world:
         rank = int(r[f"{case}/pp_rank"])
         want = [(v * pp + rank) * per + i for v in range(vp) for i in range(per)]
