@@ -7,6 +7,8 @@
 2. A token-budget run (``train.global_batch_tokens``, balanced) and an online run (store source,
    global token budget, balanced, 2 DataLoader workers per rank) killed after step 2 and resumed
    from their step-2 checkpoint give the uninterrupted run's losses and packs at steps 3-4, bit for bit.
+4. Online packing through 2 pipeline stages (PP=2, DP=1) trains the packs of PP=1 on one rank with its
+   losses and gradient norms (1e-5), on both stages, both starting from one checkpoint's weights.
 3. The online step selection over the real gloo DP group, on hand-made packs: the global budget
    met round-robin within one pack, the balanced deal, packs moved between the ranks.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _dist import spawn_world
+from _dist import spawn_world, sub_world
 
 DATA = ["experiment=quickstart", "data.synthetic_num_samples=240", "parallel.context_parallel_size=1"]
 
@@ -31,7 +33,7 @@ def prepared_dataset(tmp_path_factory) -> str:
     return dataset_dir
 
 
-def _run(dataset_dir: str, out: str, *extra: str):
+def _run(dataset_dir: str, out: str, *extra: str, world_size: int = 2):
     from megatron_pack.config import load_config, validate
     from megatron_pack.data.batches.loader import open_dataset
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -39,9 +41,9 @@ def _run(dataset_dir: str, out: str, *extra: str):
 
     cfg = load_config(DATA + [f"data.dataset_dir={dataset_dir}", f"train.output_dir={out}", "train.train_iters=4",
                               "train.global_batch_size=4", "checkpoint.save_interval=2", "logging.tensorboard=false",
-                              "train.adam_eps=1e-4", *extra], world_size=2)
+                              "train.adam_eps=1e-4", *extra], world_size=world_size)
     dataset = open_dataset(cfg)
-    validate(cfg, world_size=2, dataset_meta=dict(dataset.metadata))
+    validate(cfg, world_size=world_size, dataset_meta=dict(dataset.metadata))
     state = initialize_parallel(cfg)
     trainer = run_training(cfg, state, build_loader(cfg, state, dataset))
     destroy_parallel()
@@ -122,6 +124,19 @@ def _worker(rank: int, world_size: int, dataset_dir: str, tmp: str) -> dict:
         out[f"{name}_full_target"] = [m.target_tokens for m in full.history]
         out[f"{name}_full_packs"] = _packs(full)
         out[f"{name}_resumed_packs"] = _packs(resumed)
+    # online packing through 2 pipeline stages (DP=1): PP=1 at DP=1 (rank 0 alone) trains the same packs;
+    # both start from one step-1 checkpoint's weights (a random init depends on the stages, as megatron-core's)
+    with sub_world(rank, 1, tmp, "init") as member:
+        if member:
+            _run(dataset_dir, f"{tmp}/init", "train.train_iters=1", world_size=1)
+    start = [f"checkpoint.load={tmp}/init/checkpoints", "checkpoint.load_weights_only=true"]
+    for name, extra, size in (("onpp", ("parallel.pipeline_model_parallel_size=2",), 2), ("on1", (), 1)):
+        with sub_world(rank, size, tmp, name) as member:
+            if member:
+                t = _run(dataset_dir, f"{tmp}/{name}", "checkpoint.enabled=false", *ONLINE,
+                         "packing.online_source=stream", *start, *extra, world_size=size)
+                out[f"{name}_losses"], out[f"{name}_packs"] = [m.lm_loss for m in t.history], _packs(t)
+                out[f"{name}_norms"] = [m.grad_norm for m in t.history]
     return out
 
 
@@ -152,6 +167,12 @@ def test_balanced_same_losses_and_planned_steps_resume_exactly(prepared_dataset,
             np.testing.assert_array_equal(r[f"{name}_resumed_packs"], r[f"{name}_full_packs"][2:])
     target = np.asarray(r0["budget_full_target"])
     assert np.all(target >= 1200) and np.ptp(target) < 1200, target
+    # 4. online packing at PP=2: the packs and losses (and gradient norms) of PP=1, on both stages
+    for r in ranks:
+        assert len(r["onpp_losses"]) == 4 and len(set(np.round(r["onpp_losses"], 6))) == 4
+        np.testing.assert_array_equal(r["onpp_packs"], r0["on1_packs"])
+        np.testing.assert_allclose(r["onpp_losses"], r0["on1_losses"], rtol=1e-5)
+        np.testing.assert_allclose(r["onpp_norms"], r0["on1_norms"], rtol=1e-5)
     # 3. the hand-made case over the real gloo group
     for r in range(2):
         np.testing.assert_array_equal(ranks[r]["hand_labels"], [",".join(s) for s in HAND_EXPECTED["labels"][r]])
