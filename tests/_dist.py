@@ -173,3 +173,17 @@ def ListLoader(packs: list[dict]):
     from megatron_pack.data.batches.protocol import BatchList
 
     return BatchList(packs)
+
+
+def full_param(tensor: torch.Tensor, param: torch.nn.Parameter, state) -> torch.Tensor:
+    """A TP-sharded parameter (or its grad) gathered over ``state.tp_group`` into the full tensor, honouring
+    megatron's partition dim and stride (written here, not the library's ``merge_tp_shards``: the tests
+    compare the library against it). Every TP rank must call it."""
+    tensor = tensor.detach().contiguous()
+    if state.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    shards = [torch.empty_like(tensor) for _ in range(state.tp_size)]
+    dist.all_gather(shards, tensor, group=state.tp_group)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(state.tp_size)], dim=dim)

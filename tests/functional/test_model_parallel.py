@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from _dist import spawn_world
+from _dist import full_param, spawn_world
 from _packs import random_packs
 
 WORLD_SIZE = 4
@@ -74,21 +74,6 @@ def _full_logits(logits, batch, pg):
     from megatron_pack.parallel.groups import gather_full_logits
 
     return gather_full_logits(logits, batch["cu_seqlens_padded"], pg)
-
-
-
-def _full_param(tensor, param, pg):
-    """Gather a TP-sharded parameter (or its grad) into the full tensor, honouring megatron's stride."""
-    import torch.distributed as dist
-
-    tensor = tensor.detach().contiguous()
-    if pg.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    shards = [torch.empty_like(tensor) for _ in range(pg.tp_size)]
-    dist.all_gather(shards, tensor, group=pg.tp_group)
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[r][s] for s in range(stride) for r in range(pg.tp_size)], dim=dim)
 
 
 def _sample_rows(batch) -> list[tuple[int, int]]:
@@ -200,7 +185,7 @@ def _grads_and_loss(model, pg, batches) -> tuple[dict, float]:
         totals += torch.tensor([loss.item(), float(mask.sum())], dtype=torch.float64)
     finalize_model_grads([ddp], num_tokens=totals[1:].to(torch.float32).clone(), pg_collection=pg.pg_collection)
     dist.all_reduce(totals, group=pg.dp_cp_group)
-    grads = {n: _full_param(p.main_grad, p, pg) for n, p in model.named_parameters()}
+    grads = {n: full_param(p.main_grad, p, pg) for n, p in model.named_parameters()}
     return grads, float(totals[0] / totals[1])
 
 
@@ -208,7 +193,7 @@ def _run_case(cfg, pg, batches, changed, ref, rank) -> dict:
     from megatron_pack.model.builder import build_model
 
     model = build_model(cfg, pg)
-    params = {n: _full_param(p, p, pg) for n, p in model.named_parameters()}
+    params = {n: full_param(p, p, pg) for n, p in model.named_parameters()}
     logits = [_full_logits(_forward(model, b, pg), b, pg) for b in batches]
     changed_logits = _full_logits(_forward(model, changed, pg), changed, pg)
     positions = torch.tensor([_check_positions(model, b, pg) for b in batches]).sum(dim=0)

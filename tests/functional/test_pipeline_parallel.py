@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from _dist import ListLoader, spawn_world, sub_world
+from _dist import ListLoader, full_param, spawn_world, sub_world
 from _float64_gpt import Shape, sample_loss, to_float64
 from _packs import random_packs
 
@@ -96,20 +96,6 @@ def _batches(packs, fixed: bool) -> list[dict]:
     num_cu = max(len(p) for p in packs) + 2 if fixed else None
     return [collate_thd(p, pack_size=PACK_SIZE, pad_multiple=PAD_MULTIPLE, pad_to_max_length=fixed,
                         num_cu_seqlens=num_cu) for p in packs]
-
-
-def _full_param(tensor, param, state):
-    """A TP-sharded parameter (or its grad) gathered into the full tensor (``model_reader.merge_tp_shards``)."""
-    import torch.distributed as dist
-
-    from megatron_pack.training.model_reader import merge_tp_shards
-
-    tensor = tensor.detach().contiguous()
-    if state.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    shards = [torch.empty_like(tensor) for _ in range(state.tp_size)]
-    dist.all_gather(shards, tensor, group=state.tp_group)
-    return merge_tp_shards(shards, param)
 
 
 def _global_name(name: str, offset: int) -> str:
@@ -248,7 +234,7 @@ def _run_case(case, rank: int, packs) -> dict:
     out = {}
     if pp >= 3:  # stage 1 is a middle stage
         out.update(_trap(cfg, state, model, link, packs))
-    params = _whole_model({n: _full_param(p, p, state) for n, p in model.named_parameters()},
+    params = _whole_model({n: full_param(p, p, state) for n, p in model.named_parameters()},
                           stage.layer_offset, state)
     from megatron_pack.training.eval import evaluate
     from megatron_pack.training.step import forward_step
@@ -258,7 +244,7 @@ def _run_case(case, rank: int, packs) -> dict:
                                 link=link).loss  # before the step: the reference's weights
     ddp = wrap_ddp(cfg, model, state)
     outcome = _step(cfg, state, ddp, _batches(packs, fixed), link)
-    grads = _whole_model({n: _full_param(p.main_grad, p, state) for n, p in model.named_parameters()},
+    grads = _whole_model({n: full_param(p.main_grad, p, state) for n, p in model.named_parameters()},
                          stage.layer_offset, state)
     out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
                 "shape_exchanges": link.num_shape_exchanges, "pp_rank": stage.pp_rank})
@@ -288,7 +274,7 @@ def _chunk_names(chunks, layouts, tensor_of, state) -> dict:
     """Every chunk's (TP-gathered) tensors under their global layer names."""
     named = {}
     for chunk, layout in zip(chunks, layouts):
-        named.update({_global_name(n, layout.layer_offset): _full_param(tensor_of(p), p, state)
+        named.update({_global_name(n, layout.layer_offset): full_param(tensor_of(p), p, state)
                       for n, p in chunk.named_parameters()})
     return _whole_model(named, 0, state)
 
