@@ -171,17 +171,24 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one encoding thread per worker: the workers use the cores
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    from concurrent.futures import ProcessPoolExecutor
+
+    # not multiprocessing.Pool: its terminate(), run when a bad record's error leaves the block, could
+    # hang joining its task-handler thread; the executor cancels what has not started and waits for the rest
+    pending: deque = deque()
     try:
-        with mp.get_context(method).Pool(num_workers, initializer=init_worker,
-                                         initargs=(tokenizer, schema, answer_only_loss, chat_template,
-                                                   on_bad_record)) as pool:
-            pending: deque = deque()
-            for chunk in chunks:
-                pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
-                if len(pending) >= 2 * num_workers:  # bounded memory: never read far ahead
-                    yield pending.popleft().get()
-            while pending:
-                yield pending.popleft().get()
+        with ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method), initializer=init_worker,
+                                 initargs=(tokenizer, schema, answer_only_loss, chat_template, on_bad_record)) as pool:
+            try:
+                for chunk in chunks:
+                    pending.append(pool.submit(tokenize_chunk, chunk))
+                    if len(pending) >= 2 * num_workers:  # bounded memory: never read far ahead
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:
+                for future in pending:
+                    future.cancel()
     finally:
         if previous is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
