@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,8 +109,7 @@ def _cpu_losses(overrides: list[str], steps: int, timeout: int) -> dict:
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("TRAIN "):
             return json.loads(line[len("TRAIN "):])
-    tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise RuntimeError(f"the CPU run exited {out.returncode}: {tail[:300]}")
+    raise RuntimeError(f"the CPU run exited {out.returncode}: {_error_line(out.stdout + out.stderr)}")
 
 
 def _speed(run: dict) -> str:
@@ -139,6 +140,7 @@ def _missing(*modules: str):
 
 
 FOLDER_NEEDS = "needs safetensors (the tiny pretrained folder)"
+
 
 def check_trainer_world1() -> dict:
     missing = _missing("safetensors")
@@ -172,8 +174,6 @@ def check_dist_optimizer_world1() -> dict:
                 f"{plain['device']}, losses {plain['losses'][0]:.6f} -> {plain['losses'][-1]:.6f}; tol 1e-5")
 
 
-
-
 def check_verify_transformers() -> dict:
     missing = _missing("safetensors", "transformers")
     if missing:
@@ -186,7 +186,7 @@ def check_verify_transformers() -> dict:
     text = out.stdout + out.stderr
     verdict = [line for line in text.splitlines() if line.startswith("verify: ") and line.endswith(("PASS", "FAIL"))]
     if not verdict:
-        return _row("FAIL", detail=f"exit {out.returncode}: {(text.strip().splitlines() or ['(no output)'])[-1][:300]}")
+        return _row("FAIL", detail=f"exit {out.returncode}: {_error_line(text)}")
     diffs = [float(part.split()[0]) for part in text.split("max |logit diff| ")[1:]]
     ok = out.returncode == 0 and verdict[-1].endswith("PASS") and "reference transformers" in verdict[-1]
     return _row("PASS" if ok else "FAIL", f"max |logit diff| {max(diffs, default=float('nan')):.1e}",
@@ -237,42 +237,64 @@ def _probe_op(name: str, dist, torch, device) -> None:
         raise RuntimeError(f"wrong result {x.cpu().tolist()}, expected {want.tolist()}")
 
 
-def gloo_probe() -> dict:
-    """Under torchrun (2 ranks, gloo): which collectives take ``DEVICE`` tensors; ``{op: "ok" | error}``."""
+def gloo_probe() -> None:
+    """Under torchrun (2 ranks, gloo): whether each collective takes ``DEVICE`` tensors; rank 0 prints
+    ``PROBE <op> ok`` or ``PROBE <op> <error>`` as each one ends (a hung op prints nothing)."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
     device = torch.device(DEVICE)
-    result = {}
     for name in PROBE_OPS:
         try:
             _probe_op(name, dist, torch, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            result[name] = "ok"
+            result = "ok"
         except Exception as exc:
-            result[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+            result = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+        if dist.get_rank() == 0:
+            print(f"PROBE {name} {result}", flush=True)
         dist.barrier()  # a CPU-side barrier: the next op starts together whatever this one did
     dist.destroy_process_group()
-    return result
 
 
-def _torchrun(args: list[str], cwd: str, timeout: int) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], cwd: str, timeout: int) -> tuple[int | None, str]:
+    """``torchrun --nproc-per-node 2 ARGS``: its exit status (None when it ran past ``timeout``: then every
+    process it started is killed, so none is left holding the GPU) and its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        text = proc.communicate(timeout=timeout)[0]
+        return proc.returncode, text
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+
+
+def _error_line(text: str) -> str:
+    """The line of a failed run's output that names its error (torchrun's own summary comes last, so it is not
+    the last line), else its last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if re.search(r"\w+(Error|Exception)\b|^megatron-pack \w+:|^- ", line)
+             and "ChildFailedError" not in line and not line.startswith(("File ", "raise ", "return "))]
+    return (named or lines or ["(no output)"])[-1][:240]
 
 
 def _probe(tmp: str) -> dict:
-    out = _torchrun([__file__, "--gloo-probe"], tmp, timeout=25 * SLOW)
-    for line in out.stdout.splitlines():
-        if line.startswith("PROBE "):
-            return json.loads(line[len("PROBE "):])
-    tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise RuntimeError(f"the gloo probe exited {out.returncode}: {tail[:300]}")
+    """``{op: "ok" | error}`` for each of ``PROBE_OPS`` on two gloo ranks sharing the device."""
+    timeout = 30 * SLOW
+    code, text = _torchrun([__file__, "--gloo-probe"], tmp, timeout=timeout)
+    result = dict(line[len("PROBE "):].split(" ", 1) for line in text.splitlines() if line.startswith("PROBE "))
+    if code is None and len(result) < len(PROBE_OPS):
+        result[PROBE_OPS[len(result)]] = f"hung: no answer in {timeout} s"
+    for op in PROBE_OPS[len(result):]:  # the probe died (or hung) before these
+        result[op] = f"not probed: the probe exited {code}: {_error_line(text)}"
+    return result
 
 
 def _two_rank_layout(name: str, layout: str, overrides: list[str], tmp: str, reference: list[float],
@@ -280,16 +302,19 @@ def _two_rank_layout(name: str, layout: str, overrides: list[str], tmp: str, ref
     """``(status, detail)`` of ``megatron-pack train`` on 2 gloo ranks at ``layout`` against the world-1 losses."""
     from megatron_pack.training.metrics import read_metrics
 
-    out_dir = f"{tmp}/{name}"
-    run = _torchrun(["-m", "megatron_pack.train", *overrides, layout, "parallel.backend=gloo", f"train.device={DEVICE}",
-                     f"train.train_iters={TWO_RANK_STEPS}", f"train.output_dir={out_dir}"], tmp, timeout=35 * SLOW)
-    if run.returncode != 0:
-        text = run.stdout + run.stderr
-        seen = [f"{op} ({err})" for op, err in refused.items() if err.split(": ", 1)[-1][:60] in text]
-        last = (run.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
+    out_dir = f"{tmp}/{layout.replace('=', '_')}"
+    timeout = 32 * SLOW
+    code, text = _torchrun(["-m", "megatron_pack.train", *overrides, layout, "parallel.backend=gloo",
+                            f"train.device={DEVICE}", f"train.train_iters={TWO_RANK_STEPS}",
+                            f"train.output_dir={out_dir}"], tmp, timeout=timeout)
+    if code != 0:
+        seen = [f"{op} ({err})" for op, err in refused.items()
+                if not err.startswith(("not probed", "hung")) and err.split(": ", 1)[-1][:60] in text]
         if seen:
             return "SKIP", f"{name}: gloo refuses device tensors: {'; '.join(seen)}"
-        return "FAIL", f"{name}: exit {run.returncode}: {last}"
+        if code is None:
+            return "FAIL", f"{name}: timed out after {timeout} s: {_error_line(text)}"
+        return "FAIL", f"{name}: exit {code}: {_error_line(text)}"
     losses = [r["lm_loss"] for r in read_metrics(Path(out_dir) / "metrics.jsonl")]
     rel = _rel(losses, reference)
     return ("PASS" if rel < 1e-4 else "FAIL"), f"{name}: loss rel diff vs world 1 {rel:.1e}"
@@ -306,14 +331,20 @@ def check_two_ranks_gloo() -> dict:
         world1 = train_losses(overrides + [f"train.output_dir={tmp}/world1"], DEVICE, TWO_RANK_STEPS)["losses"]
         parts = [_two_rank_layout(name, layout, overrides, tmp, world1, refused)
                  for name, layout in (("CP=2", "parallel=cp2"), ("PP=2", "parallel=pp2"))]
-    statuses = {status for status, _ in parts}
-    status = "FAIL" if "FAIL" in statuses else ("PASS" if statuses == {"PASS"} else "SKIP")
-    if statuses == {"PASS", "SKIP"}:
-        status = "PASS"  # what gloo allows passed; the skipped layout says why
-    gloo = "all collectives take device tensors" if not refused else "refused: " + "; ".join(
-        f"{op} ({err})" for op, err in refused.items())
-    return _row(status, "; ".join(d.split(": ", 1)[0] + " " + s for s, d in parts),
-                "; ".join(d for _, d in parts) + f"; {TWO_RANK_STEPS} steps, both ranks on {DEVICE}; gloo probe: {gloo}")
+    statuses = {status for status, _ in parts}  # what gloo allows passed: PASS, and a skipped layout says why
+    status = "FAIL" if "FAIL" in statuses else ("PASS" if "PASS" in statuses else "SKIP")
+    return _row(status, "; ".join(d.split(": ", 1)[0] + " " + s for s, d in parts), "; ".join(d for _, d in parts)
+                + f"; {TWO_RANK_STEPS} steps, both ranks on {DEVICE}; gloo probe: {_probe_summary(refused)}")
+
+
+def _probe_summary(refused: dict) -> str:
+    """``refused`` (op -> error) in one line, each distinct error once."""
+    if not refused:
+        return "all collectives take device tensors"
+    by_error: dict[str, list[str]] = {}
+    for op, err in refused.items():
+        by_error.setdefault(err, []).append(op)
+    return "failed: " + "; ".join(f"{', '.join(ops)} ({err})" for err, ops in by_error.items())
 
 
 def main(argv: list[str]) -> int:
@@ -322,9 +353,7 @@ def main(argv: list[str]) -> int:
         print("TRAIN " + json.dumps(train_losses(overrides, device, steps)), flush=True)
         return 0
     if argv[:1] == ["--gloo-probe"]:
-        result = gloo_probe()
-        if os.environ.get("RANK") == "0":
-            print("PROBE " + json.dumps(result), flush=True)
+        gloo_probe()
         return 0
     print(__doc__)
     return 2

@@ -40,3 +40,14 @@ def test_check_timeouts_fit_the_10_minute_budget():
     assert sum(t for _, t in checks.CHECKS) <= 540  # run.sh's install and start-up fit in what is left of 600 s
     for script in ("run.sh", "download_wheels.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "tests" / "gpu" / script)], check=True)
+
+
+def test_checks_import_no_torch():
+    """run.sh reads the check list before anything is installed: checks.py and check_trainer.py import torch lazily."""
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('gpu_checks', sys.argv[1]); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "assert callable(module.check_two_ranks_gloo); "
+            "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests" / "gpu" / "checks.py")], capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
