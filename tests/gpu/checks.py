@@ -16,10 +16,21 @@ Checks (name, what passes):
                         rank's rows of packs collated at the pack multiple (CP 1, 2, 4, 8), and a
                         GPTModel built with ``model.fp8`` keeps padded rows at 0 at every FP8 GEMM
                         input and its amax history does not depend on the pack's tail length
+* ``trainer_world1``    ``build_trainer`` at world 1 on CUDA trains 20 quickstart steps from a tiny
+                        pretrained folder: the CPU run's losses (float32, rel 1e-3); prints the step time
+* ``dist_optimizer_world1`` the same with ``ddp.use_distributed_optimizer=true`` (megatron-core's
+                        distributed optimizer), 5 steps: the plain optimizer's losses (rel 1e-5)
+* ``verify_transformers`` ``megatron-pack verify ... verify.reference=transformers`` on CUDA: PASS
+* ``two_ranks_gloo``    ``torchrun --nproc-per-node 2 -m megatron_pack.train parallel.backend=gloo``, both
+                        ranks on the one GPU, at CP=2 and at PP=2: the world-1 losses (rel 1e-4), where a
+                        probe of gloo's collectives on CUDA tensors allows it; else the row names what gloo refused
+
+The last four are in ``check_trainer.py``; they make their folder and data in a temporary directory.
 
 On a machine without CUDA every check is skipped with the reason and the exit status is 0; on a
 GPU the status is 1 when a check fails (a skip is not a failure). ``--one NAME`` runs one check
-in this process and prints ``RESULT {json}``.
+in this process and prints ``RESULT {json}``; with ``MEGATRON_PACK_GPU_CHECK_DEVICE=cpu`` it runs the check
+on the CPU (plumbing only: it proves the check runs, not the GPU).
 """
 
 from __future__ import annotations
@@ -40,12 +51,16 @@ for path in (str(ROOT), str(ROOT / "tests"), str(HERE)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from check_trainer import (check_dist_optimizer_world1, check_trainer_world1,  # noqa: E402,F401  (torch-free import)
+                           check_two_ranks_gloo, check_verify_transformers)
+
 DEVICE = os.environ.get("MEGATRON_PACK_GPU_CHECK_DEVICE", "cuda")
 """Where the checks run; 'cpu' only exercises their plumbing (``--one NAME`` on a CPU host), it proves nothing."""
 
-CHECKS = [("torch_thd_core", 45), ("te_thd_attention", 75), ("cuda_graph_step", 90), ("bf16_loss_parity", 75),
-          ("fp8_shapes", 150)]
-"""(check, timeout in seconds): 435 s at most together, inside run.sh's 8 minutes with the install."""
+CHECKS = [("torch_thd_core", 35), ("te_thd_attention", 45), ("cuda_graph_step", 55), ("bf16_loss_parity", 40),
+          ("fp8_shapes", 70), ("trainer_world1", 80), ("dist_optimizer_world1", 50), ("verify_transformers", 50),
+          ("two_ranks_gloo", 110)]
+"""(check, timeout in seconds): 535 s at most together, inside run.sh's 10 minutes with the install."""
 
 
 def _row(status: str, value: str = "", detail: str = "") -> dict:
@@ -401,8 +416,10 @@ def run_one(name: str) -> dict:
 def run_isolated(name: str, timeout: int) -> dict:
     started = time.perf_counter()
     try:
+        # cuBLAS needs a fixed workspace for deterministic algorithms (train.deterministic), whoever turns them on
+        env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
         out = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, timeout=timeout,
-                             cwd=ROOT)
+                             cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return _row("FAIL", detail=f"timed out after {timeout} s") | {"seconds": timeout}
     for line in reversed(out.stdout.splitlines()):

@@ -18,6 +18,12 @@
 # on the GPU machine with its torch and nvcc:
 #   python3 -m pip wheel --no-deps --no-build-isolation -w .whl transformer-engine-torch==2.20.2
 # Without Transformer Engine, run.sh skips the checks that need it and says so.
+#
+# transformers, tokenizers and safetensors (the tiny pretrained folder, verify's reference) are not carried:
+# the GPU machine's image has them (transformers 5.17, tokenizers 0.23, safetensors 0.8). The versions here
+# would not install beside it with --no-deps: transformers 5.25 needs huggingface-hub 2.4, which needs httpx2
+# and kernels that the image lacks (their four wheels are 18 MB). Without them, the checks that need them
+# skip and say which import failed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}

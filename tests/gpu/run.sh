@@ -7,8 +7,9 @@
 # On a machine with one GPU and only torch installed: wheels carried in .whl/ (made here by
 # tests/gpu/download_wheels.sh; the folder is gitignored) are installed into a private folder
 # (--no-index: no network), megatron_pack is read from this working tree, then each check runs in
-# its own process with its own timeout (435 s at most together). Without CUDA every check is skipped,
-# each with a "SKIP <check>: ..." line, and the status is 0 (CI runs it so: tests/unit/test_gpu_run_script.py).
+# its own process with its own timeout (535 s at most together, under 10 minutes with the install). Without
+# CUDA every check is skipped, each with a "SKIP <check>: ..." line, and the status is 0 (CI runs it so:
+# tests/unit/test_gpu_run_script.py).
 # Exit status: 0 when no check failed, 1 when one did, 2 when the install failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
