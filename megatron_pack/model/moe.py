@@ -36,6 +36,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_pack.parallel.comm import all_reduce
+
 AUX_REPORT, Z_REPORT, LOAD_REPORT = "moe load balancing loss", "moe z loss", "moe tokens per expert"
 """Keys of the loss report: [sum of n_s * L_s], [sum of n_s * Z_s], [layers, experts] routed-token counts."""
 
@@ -94,8 +96,8 @@ def set_step_tokens(model, batches: Sequence[Mapping[str, Any]], dp_group=None) 
     if routing is None:
         return None
     counts = torch.tensor(step_token_counts(batches), dtype=torch.float64)
-    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
-        torch.distributed.all_reduce(counts, group=dp_group)
+    if dp_group is not None:
+        all_reduce(counts, group=dp_group)
     target, real = float(counts[0]), float(counts[1])
     routing.step_scale = target / real if real > 0 else 0.0
     return target, real
@@ -173,7 +175,7 @@ def _router_class():
             record = torch.cat([torch.stack([aux.detach(), z.detach()]), load.detach()])
             if self.config.sequence_parallel and self.tp_group.size() > 1:  # TP ranks hold different tokens
                 record = record.clone()
-                torch.distributed.all_reduce(record, group=self.tp_group)
+                all_reduce(record, group=self.tp_group)
             record = record.double().cpu()
             self.pack.aux[self.layer_number], self.pack.load[self.layer_number] = record[:2], record[2:]
             total = self.pack.step_scale * (a * aux + zc * z)
@@ -213,7 +215,7 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
     counts[:, :num_experts].index_add_(0, owner, routed)
     counts[:, num_experts].index_add_(0, owner, real.to(torch.float32))
     if group is not None:
-        torch.distributed.all_reduce(counts, group=group)
+        all_reduce(counts, group=group)
     c_se, n_s = counts[:, :num_experts], counts[:, num_experts]
     p_se = torch.zeros(num_seqs, num_experts, dtype=scores.dtype, device=logits.device).index_add_(0, owner, scores)
     w = weight.to(scores.dtype)

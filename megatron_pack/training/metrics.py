@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_pack.parallel.comm import all_reduce
+
 log = logging.getLogger("megatron_pack.train")
 
 
@@ -208,8 +210,8 @@ class StepCounts:
         """Sum over ``group`` (the DP x CP group) in one float64 all-reduce (breakdowns included:
         every rank holds lists of the same sizes, so every rank enters the same collective)."""
         vec = torch.tensor(self.to_vector(), dtype=torch.float64)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(vec, group=group)
+        if group is not None:
+            all_reduce(vec, group=group)
         return StepCounts.from_vector(vec.tolist(), len(self.bucket_real_tokens))
 
     def lm_loss(self) -> float:

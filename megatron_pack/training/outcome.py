@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_pack.parallel.comm import all_reduce, broadcast_objects
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.training.metrics import StepCounts
 
@@ -58,8 +59,7 @@ class StepOutcome:
             raise AssertionError("the last pipeline stage must broadcast a reduced outcome, not a placeholder")
         payload = [asdict(self) if state.is_last_stage else None]
         src = dist.get_global_rank(state.pp_group, state.pp_size - 1)
-        dist.broadcast_object_list(payload, src=src, group=state.pp_group,
-                                   device=state.device if state.device.type == "cuda" else None)
+        broadcast_objects(payload, src=src, group=state.pp_group)
         return StepOutcome.from_dict(payload[0])
 
     @classmethod
@@ -108,8 +108,8 @@ def reduce_outcome(reports: Sequence[dict], packs: Sequence, *, num_buckets: int
                                                owns_packs=owns_packs)
     names = sorted(extra)
     vec = torch.tensor(counts.to_vector() + [v for name in names for v in extra[name]], dtype=torch.float64)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(vec, group=group)
+    if group is not None:  # a CPU float64 vector: moved to an NCCL group's device and back by all_reduce
+        all_reduce(vec, group=group)
     values = vec.tolist()
     num_counts = len(counts.to_vector())
     total = StepCounts.from_vector(values[:num_counts], num_buckets)
