@@ -572,9 +572,11 @@ class TrainConfig(_Group):
     bf16: bool = False
     """Train in bfloat16 (GPU)."""
     deterministic: bool = True
-    """Use deterministic algorithms (float32 CPU runs are bitwise repeatable)."""
+    """torch's deterministic algorithms and seeds (python, numpy, torch); on a GPU also cuDNN's deterministic
+    kernels and CUBLAS_WORKSPACE_CONFIG=:4096:8 (float32 CPU runs are bitwise repeatable); false: torch's defaults."""
     device: str = "auto"
-    """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    """'auto' (the GPU where one is visible, else the CPU), 'cuda' (refused on a host without a GPU) or 'cpu' (also on
+    a GPU host: the run does not see the GPU and communicates over gloo)."""
     output_dir: str = "runs/default"
     """Directory for logs, TensorBoard and (by default) checkpoints."""
     exit_after_iters: Optional[int] = None

@@ -80,7 +80,7 @@ def save_trainer(trainer, root: str | Path) -> Path:
             "train_state": _train_state(trainer), "settings": settings(trainer)}
     # each DP rank's own loader position too (online buffers and planned steps differ per rank);
     # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
-    rank_state = {"rng": ckpt.rng_state(), "optimizer": trainer.optimizer.rank_state(),
+    rank_state = {"rng": ckpt.rng_state(trainer.state.device), "optimizer": trainer.optimizer.rank_state(),
                   "loader": trainer.loader.state_dict()}
     return ckpt.save_checkpoint(root, trainer.step, model_state={}, optim_state={}, rank_state=rank_state,
                                 meta=meta, keep_last=trainer.cfg.checkpoint.keep_last, sharded_state=sharded)
@@ -124,7 +124,7 @@ def load_trainer(trainer, path: str | Path) -> list[str]:
     rank_state = ckpt.read_rank_state(path) if same else None
     if rank_state is not None:
         trainer.optimizer.load_rank_state(rank_state.get("optimizer"))
-        ckpt.set_rng_state(rank_state["rng"])
+        ckpt.set_rng_state(rank_state["rng"], trainer.state.device)
     train_state = dict(meta["train_state"])
     loader_state = rank_loader_state(trainer.state, path, meta, rank_state)
     if loader_state is not None:
