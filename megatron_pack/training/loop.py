@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -59,6 +60,16 @@ from megatron_pack.training.signals import StopRequest
 from megatron_pack.training.summary import run_summary  # noqa: F401
 from megatron_pack.training.trainer_checkpoint import start_or_resume  # noqa: F401
 
+HISTORY_WINDOW = 1000
+"""Steps ``Trainer.history`` and ``Trainer.pack_log`` keep (the newest): a long run's memory stays flat.
+Every step's metrics are in ``<train.output_dir>/metrics.jsonl`` (``read_metrics``), and every pack's sample
+ids in the ``logging.log_sample_ids`` lines."""
+
+
+def _window() -> deque:
+    return deque(maxlen=HISTORY_WINDOW)
+
+
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
 """logging.log_sample_ids lines; INFO on every rank (each DP rank reads other packs), see cli/train.py."""
@@ -84,10 +95,11 @@ class Trainer:
     plan_fingerprint: Optional[str] = None
     step: int = 0
     data_iterator: Optional[RecordingIterator] = None
-    pack_log: list[list[list[int]]] = field(default_factory=list)
-    """Sample ids of every pack this rank consumed, per step (in this process)."""
-    history: list[StepMetrics] = field(default_factory=list)
-    """Metrics of every step run in this process."""
+    pack_log: deque[list[list[int]]] = field(default_factory=_window)
+    """Sample ids of the packs this rank consumed, per step: the last ``HISTORY_WINDOW`` steps of this process
+    (all of them: ``logging.log_sample_ids``)."""
+    history: deque[StepMetrics] = field(default_factory=_window)
+    """Metrics of the last ``HISTORY_WINDOW`` steps run in this process (every step: metrics.jsonl)."""
     outcome: Optional[StepOutcome] = None
     """The last step's outcome, the same on every rank (its ``reports`` carry any extra loss reports)."""
     step_info: StepInfo = field(default_factory=StepInfo)
@@ -247,10 +259,12 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     plans each step, ``state_dict()`` / ``load_state_dict()`` resume at the next one); ``validation``
     is this DP rank's ``eval.ValidationLoader`` (or None)."""
     from megatron_pack.training.chunks import build_model_chunks, named_parameters
+    from megatron_pack.training.determinism import apply_determinism
     from megatron_pack.training.pipeline_schedule import stage_link
     from megatron_pack.training.step import forward_step
 
     train_iters = resolve_train_iters(cfg, loader)
+    apply_determinism(cfg.train.deterministic, cfg.train.seed, state.device)  # before the model is built
     chunks = build_model_chunks(cfg, state)
     # one optimizer over every chunk's parameters: one gradient norm, clipped once, one AdamW step
     optimizer = build_optimizer(cfg, named_parameters(chunks), state.tp_group,
@@ -276,8 +290,8 @@ def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     """Train to the run's last step (``train.train_iters`` or ``train.num_epochs``; or
     ``train.exit_after_iters`` steps in this process), resuming from the newest checkpoint when
     there is one, evaluating ``validation`` every ``train.eval_interval`` steps and at the end.
-    Returns the trainer (its ``pack_log`` holds the sample ids of every pack this rank consumed
-    in this process)."""
+    Returns the trainer (its ``pack_log`` holds the sample ids of the packs this rank consumed in the
+    last ``HISTORY_WINDOW`` steps of this process)."""
     from megatron_pack.training.record import write_run_record
 
     trainer = build_trainer(cfg, state, loader, forward_step_func=forward_step_func, validation=validation)

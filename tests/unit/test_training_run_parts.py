@@ -279,3 +279,40 @@ def test_another_tp_cp_layout_resumes_each_dp_ranks_own_loader_state(tmp_path, s
     meta = {"tensor_model_parallel_size": tp, "context_parallel_size": cp, "data_parallel_size": dp}
     got = rank_loader_state(SimpleNamespace(dp_size=run[0], dp_rank=run[1]), tmp_path, meta, None)
     assert got == (None if rank_file is None else {"written_by": rank_file})
+
+
+class _CountingTrainer:
+    """``Trainer.train_step`` over fixed counts (``compute_gradients`` replaced): the window is the trainer's."""
+
+    @staticmethod
+    def build(cfg):
+        from megatron_pack.training import loop
+        from megatron_pack.training.metrics import StepCounts
+        from megatron_pack.training.optim import LRSchedule
+        from megatron_pack.training.schedule import PackInfo
+
+        class Trainer(loop.Trainer):
+            def compute_gradients(self):
+                packs = [PackInfo(sample_ids=[self.step, self.step + 100], real_tokens=10, slots=16)]
+                return StepCounts(loss_sum=20.0, target_tokens=8.0, real_tokens=10, slots=16, samples=2), packs
+
+        optimizer = SimpleNamespace(step=lambda lr: 1.0)
+        loader = SimpleNamespace(epoch=0.0)
+        return Trainer(cfg=cfg, state=SimpleNamespace(dp_size=1), model_chunks=[], optimizer=optimizer,
+                       schedule=LRSchedule(cfg, 12), loader=loader, forward_step_func=None, train_iters=12)
+
+
+def test_history_and_pack_log_keep_a_window_and_metrics_jsonl_every_step(tmp_path, monkeypatch):
+    from megatron_pack.training import loop
+    from megatron_pack.training.metrics import MetricsWriter, read_metrics
+
+    monkeypatch.setattr(loop, "HISTORY_WINDOW", 4)
+    trainer = _CountingTrainer.build(Config(train=TrainConfig(train_iters=12, output_dir=str(tmp_path))))
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=False, train_iters=12)
+    for _ in range(12):
+        writer.write(trainer.train_step())
+    writer.close()
+    assert [m.step for m in trainer.history] == [9, 10, 11, 12]  # the newest 4 steps, in order
+    assert [ids for (ids,) in trainer.pack_log] == [[8, 108], [9, 109], [10, 110], [11, 111]]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 13))  # the rest: on disk
+    assert loop.Trainer.__dataclass_fields__["history"].default_factory().maxlen == 4
