@@ -46,6 +46,7 @@ from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
 from megatron_pack.model.moe import pack_routing, set_step_tokens, step_moe_metrics
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import trainer_checkpoint
+from megatron_pack.training.flops import device_peak_tflops, sum_sq_seqlens, throughput
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
 from megatron_pack.training.outcome import StepOutcome, check_step_finite, step_outcome
@@ -124,6 +125,8 @@ class Trainer:
     """This rank's ``parallel.pipeline.StageLink`` to its neighbour stages (None without pipeline stages)."""
     moe_metrics: Optional[dict] = None
     """The last step's MoE routing numbers (``model.moe.step_moe_metrics``), None for a dense model."""
+    peak_tflops: Optional[float] = None
+    """The device's peak for MFU (``flops.device_peak_tflops``: train.peak_tflops or the GPU's); None: no MFU."""
     _start: float = field(default_factory=time.perf_counter)
     _first_step: int = 0
 
@@ -158,7 +161,8 @@ class Trainer:
                                    state=self.state, seq_length=self.cfg.model.seq_length, link=self.link)
         packs, batches = self.data_iterator.take()
         self.outcome = step_outcome(reports, packs, self.state, num_buckets=self.num_buckets,
-                                    num_sources=len(self.source_names))
+                                    num_sources=len(self.source_names),
+                                    sum_sq=[sum_sq_seqlens(b["cu_seqlens"]) for b in batches])
         # the MoE reports rode the outcome's one all-reduce (and its broadcast to the other stages)
         self.moe_metrics = step_moe_metrics(self.outcome.reports, self.outcome.counts.real_tokens,
                                             self.cfg.model.num_experts)
@@ -193,6 +197,9 @@ class Trainer:
         self.consumed_target_tokens += target_tokens
         now = time.perf_counter()
         done = self.step - self._first_step
+        tflops, mfu = throughput(self.cfg.model, real_tokens=total.real_tokens, sum_sq=total.sum_sq_seqlens,
+                                 step_time_s=now - start, world_size=self.state.world_size,
+                                 peak_tflops=self.peak_tflops)
         metrics = StepMetrics(step=self.step, lm_loss=total.lm_loss(), target_tokens=target_tokens,
                               real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
                               grad_norm=norm, lr=lr, step_time_s=now - start, epoch=self.epoch(),
@@ -203,7 +210,8 @@ class Trainer:
                               imbalance_before=self.step_info.imbalance_before,
                               imbalance_after=self.step_info.imbalance_after,
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
-                              source_target_share=source_share, moe=self.moe_metrics)
+                              source_target_share=source_share, moe=self.moe_metrics,
+                              model_tflops_per_device=tflops, mfu=mfu)
         self.history.append(metrics)
         return metrics
 
@@ -276,7 +284,8 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                    schedule=LRSchedule(cfg, train_iters), loader=loader,
                    forward_step_func=forward_step_func or forward_step, train_iters=train_iters,
                    validation=validation, plan_fingerprint=info.fingerprint, num_buckets=info.num_buckets,
-                   source_names=list(info.source_names), link=stage_link(cfg, state))
+                   source_names=list(info.source_names), link=stage_link(cfg, state),
+                   peak_tflops=device_peak_tflops(state.device, cfg.train.peak_tflops))
 
 
 def _should_evaluate(cfg: Config, trainer: Trainer) -> bool:

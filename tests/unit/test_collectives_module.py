@@ -179,14 +179,14 @@ def _world_worker(rank: int, world_size: int) -> dict:
     reports = [{"lm loss": torch.tensor([2.0 ** 40 + rank + 0.25, 3.0 + rank], dtype=torch.float64),
                 "extra": torch.tensor([0.5 * (rank + 1)], dtype=torch.float64)}]
     outcome = reduce_outcome(reports, [Pack(10 + rank)], num_buckets=1, num_sources=0, owns_packs=True,
-                             group=torch.distributed.group.WORLD)
+                             group=torch.distributed.group.WORLD, sum_sq=[9 + 16 * rank])
     mx = all_reduce(torch.tensor([float(rank)]), op="max")
     b = broadcast(torch.tensor([float(rank + 7)]), src=1)
     gathered = torch.cat(all_gather(torch.tensor([rank], dtype=torch.float64)))
     failed, loaded = _reference_outcome(rank, fails=True), _reference_outcome(rank, fails=False)
     return {"loss_sum": outcome.counts.loss_sum, "target": outcome.counts.target_tokens,
             "real": outcome.counts.real_tokens, "local": outcome.local_target_tokens,
-            "extra": outcome.reports["extra"][0], "max": float(mx), "bcast": float(b), "gathered": gathered.numpy(),
+            "extra": outcome.reports["extra"][0], "sum_sq": outcome.counts.sum_sq_seqlens, "max": float(mx), "bcast": float(b), "gathered": gathered.numpy(),
             "failed_returned": failed["returned"], "failed_line": failed["line"], "loaded": loaded["returned"]}
 
 
@@ -200,6 +200,7 @@ def test_float64_outcome_reduction_through_comm_on_gloo(world):
     for r in world:
         assert float(r["loss_sum"]) == 2.0 ** 41 + 1.5  # exact in float64, not in float32
         assert float(r["target"]) == 7.0 and int(r["real"]) == 21 and float(r["extra"]) == 1.5
+        assert float(r["sum_sq"]) == 34.0  # the FLOPs' attention term rides the same reduction
         assert float(r["max"]) == 1.0 and float(r["bcast"]) == 8.0 and r["gathered"].tolist() == [0.0, 1.0]
     assert [int(r["local"]) for r in world] == [3, 4]  # each rank keeps its own count
 

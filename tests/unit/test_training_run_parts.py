@@ -294,12 +294,14 @@ class _CountingTrainer:
         class Trainer(loop.Trainer):
             def compute_gradients(self):
                 packs = [PackInfo(sample_ids=[self.step, self.step + 100], real_tokens=10, slots=16)]
-                return StepCounts(loss_sum=20.0, target_tokens=8.0, real_tokens=10, slots=16, samples=2), packs
+                return StepCounts(loss_sum=20.0, target_tokens=8.0, real_tokens=8, slots=16, samples=2,
+                                  sum_sq_seqlens=34.0), packs
 
         optimizer = SimpleNamespace(step=lambda lr: 1.0)
         loader = SimpleNamespace(epoch=0.0)
-        return Trainer(cfg=cfg, state=SimpleNamespace(dp_size=1), model_chunks=[], optimizer=optimizer,
-                       schedule=LRSchedule(cfg, 12), loader=loader, forward_step_func=None, train_iters=12)
+        return Trainer(cfg=cfg, state=SimpleNamespace(dp_size=1, world_size=2), model_chunks=[], optimizer=optimizer,
+                       schedule=LRSchedule(cfg, 12), loader=loader, forward_step_func=None, train_iters=12,
+                       peak_tflops=1e-3)
 
 
 def test_history_and_pack_log_keep_a_window_and_metrics_jsonl_every_step(tmp_path, monkeypatch):
@@ -316,3 +318,20 @@ def test_history_and_pack_log_keep_a_window_and_metrics_jsonl_every_step(tmp_pat
     assert [ids for (ids,) in trainer.pack_log] == [[8, 108], [9, 109], [10, 110], [11, 111]]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 13))  # the rest: on disk
     assert loop.Trainer.__dataclass_fields__["history"].default_factory().maxlen == 4
+
+
+def test_the_step_reports_model_flops_per_device_and_mfu(tmp_path):
+    """The tiny model's step of sub-sequences 3 and 5 is 5,629,440 model FLOPs (tests/unit/test_flops.py), over
+    2 devices and the step's time: in the step line and metrics.jsonl (whose keys TensorBoard's train/ tags take)."""
+    from megatron_pack.training.metrics import MetricsWriter, read_metrics
+
+    trainer = _CountingTrainer.build(Config(train=TrainConfig(train_iters=12, output_dir=str(tmp_path))))
+    m = trainer.train_step()
+    assert m.model_tflops_per_device == pytest.approx(5629440 / 2 / m.step_time_s / 1e12)
+    assert m.mfu == pytest.approx(m.model_tflops_per_device / 1e-3)
+    assert f"{m.model_tflops_per_device:.3g} TFLOP/s/dev (MFU {100 * m.mfu:.1f}%)" in m.line(12)
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=False, train_iters=12)
+    writer.write(m)
+    writer.close()
+    record = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert record["model_tflops_per_device"] == m.model_tflops_per_device and record["mfu"] == m.mfu
