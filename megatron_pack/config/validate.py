@@ -568,10 +568,11 @@ def _validate_device(cfg: Config) -> list[str]:
 
 
 def _validate_host_device(cfg: Config, host_gpu: Optional[bool]) -> list[str]:
-    """Host rule (needs ``host_gpu``: whether this host has a GPU torch would see): train.device=cuda needs one."""
+    """Host rule (needs ``host_gpu``: whether this host has a GPU torch would see): train.device=cuda needs one,
+    and parallel.backend=nccl a run on a GPU."""
     if host_gpu is None:
         return []
-    return device_problems(cfg.train.device, gpu_present=host_gpu)
+    return device_problems(cfg.train.device, gpu_present=host_gpu, backend=cfg.parallel.backend)
 
 
 def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[str]:

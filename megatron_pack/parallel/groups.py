@@ -142,7 +142,8 @@ def resolve_device(requested_device: str, requested_backend: Optional[str]) -> t
     (``megatron_pack.cli.launch.hide_gpus_for_cpu_run``); a Python caller does the same.
     """
     cuda = torch.cuda.is_available()
-    problems = device_problems(requested_device, gpu_present=cuda)
+    backend = requested_backend or "auto"
+    problems = device_problems(requested_device, gpu_present=cuda, backend=backend)
     if problems:
         raise ConfigError(problems)
     kind = device_type(requested_device, gpu_present=cuda)
@@ -150,10 +151,7 @@ def resolve_device(requested_device: str, requested_backend: Optional[str]) -> t
         raise ConfigError(["train.device (cpu) in a process that sees a GPU: megatron-core would put its own "
                            "tensors on the GPU; start the process with CUDA_VISIBLE_DEVICES='' (megatron-pack "
                            "train and verify do this for train.device=cpu)."])
-    backend = backend_for(kind) if requested_backend in (None, "auto") else requested_backend
-    if backend == "nccl" and kind != "cuda":
-        raise ConfigError([f"parallel.backend (nccl) needs CUDA, but train.device resolves to cpu here; "
-                           "set parallel.backend=gloo (or auto)."])
+    backend = backend_for(kind) if backend == "auto" else backend
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if kind == "cuda" else torch.device("cpu")
     return device, backend
 

@@ -211,6 +211,8 @@ CASES = [
     ("host_device", dict(train__device="cuda"), dict(host_gpu=True), ()),
     ("host_device", dict(train__device="cuda"), dict(host_gpu=False),
      ("train.device (cuda) needs a GPU", "set train.device=cpu (or auto)")),
+    ("host_device", dict(parallel__backend="nccl"), dict(host_gpu=False),
+     ("parallel.backend (nccl) needs the run on a GPU", "set parallel.backend=gloo (or auto)")),
     ("device", dict(train__device="cpu", model__attention_backend="te", parallel__backend="nccl"), {},
      ("model.attention_backend (te)", "set model.attention_backend=auto", "set parallel.backend=gloo")),
     ("dataset_meta", dict(parallel__context_parallel_size=2, packing__pad_cu_seqlens=True,

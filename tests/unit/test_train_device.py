@@ -23,7 +23,8 @@ CASES = [
     ("gloo-on-gpu", "cuda", "gloo", True, ("cuda:0", "gloo")),
     ("cuda-cpu-host", "cuda", "auto", False, "train.device (cuda) needs a GPU"),
     ("cpu-sees-gpu", "cpu", "auto", True, "CUDA_VISIBLE_DEVICES=''"),
-    ("nccl-on-cpu", "cpu", "nccl", False, "parallel.backend (nccl) needs CUDA"),
+    ("nccl-on-cpu", "cpu", "nccl", False, "parallel.backend (nccl) needs the run on a GPU"),
+    ("nccl-auto-cpu-host", "auto", "nccl", False, "parallel.backend (nccl) needs the run on a GPU"),
 ]
 
 
