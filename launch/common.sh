@@ -2,7 +2,8 @@
 # (data, tokenizer, output) resolve against the caller's folder. Sets:
 #   REPO     the repository holding these scripts (prepended to PYTHONPATH, so its megatron_pack runs)
 #   PY       the Python to run (PYTHON, else $REPO/.venv/bin/python, else python3)
-#   BACKEND  an array holding parallel.backend=nccl when torch sees a GPU, else parallel.backend=gloo
+#   BACKEND  an array holding parallel.backend=nccl when torch sees a GPU (and "$@" does not set
+#            train.device=cpu), else parallel.backend=gloo
 #            (with OMP_NUM_THREADS defaulting to 1); empty when the overrides "$@" already name one.
 #            Decided without importing torch (megatron_pack.cli.launch backend: a CUDA or ROCm build
 #            of torch and a visible GPU device node), so it costs no torch start-up.
@@ -16,7 +17,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$([ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || command -v python3)}
 BACKEND=()
 if [[ " $* " != *" parallel.backend="* ]]; then
-  if [ "$("$PY" -m megatron_pack.cli.launch backend)" = nccl ]; then
+  if [ "$("$PY" -m megatron_pack.cli.launch backend "$@")" = nccl ]; then
     BACKEND=(parallel.backend=nccl)
   else
     BACKEND=(parallel.backend=gloo)

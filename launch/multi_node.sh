@@ -6,7 +6,7 @@
 # Ranks are deterministic (torchrun's static rendezvous): node NODE_RANK holds global ranks
 # NODE_RANK*NPROC_PER_NODE .. +NPROC_PER_NODE-1, so node 0 (which must run on MASTER_HOST) holds
 # rank 0 and writes the metrics and checkpoint metadata.
-# The backend is nccl when torch sees a GPU, else gloo (an explicit parallel.backend=... wins).
+# The backend is nccl when torch sees a GPU (unless train.device=cpu), else gloo (an explicit parallel.backend=... wins).
 # Relative paths resolve against the folder you run it from; checkpoint.save / train.output_dir
 # must be on a filesystem every node sees. A refused config prints once per node, exit 2.
 set -euo pipefail

@@ -155,13 +155,29 @@ def gpu_visible() -> bool:
     return has_device and torch_build_has_gpu()
 
 
+def hide_gpus_for_cpu_run(device: str) -> None:
+    """``train.device=cpu``: this process (and its children) will not see a GPU, so torch, megatron-core
+    and ``initialize_parallel`` all compute and communicate on the CPU (gloo). Called by the entry points
+    once the config is loaded, before anything starts CUDA."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def launch_backend(overrides: list[str]) -> str:
+    """The ``parallel.backend`` the launch scripts pass: nccl when a GPU is visible and the overrides do not
+    set ``train.device=cpu``, else gloo."""
+    cpu_run = any(arg.lstrip("+") == "train.device=cpu" for arg in overrides)
+    return "nccl" if gpu_visible() and not cpu_run else "gloo"
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["backend"]:
-        print("nccl" if gpu_visible() else "gloo")
+        print(launch_backend(argv[1:]))
         return 0
     if argv[:1] == ["torchrun"]:
         return Guard(argv[1:]).run()
-    print("usage: python -m megatron_pack.cli.launch backend | torchrun <torchrun arguments>", file=sys.stderr)
+    print("usage: python -m megatron_pack.cli.launch backend [key=value ...] | torchrun <torchrun arguments>",
+          file=sys.stderr)
     return 2
 
 

@@ -45,9 +45,11 @@ def expand_shorthands(argv: list[str]) -> list[str]:
 def _barrier():
     import torch.distributed as dist
 
+    from megatron_pack.parallel.comm import barrier
+
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    return dist.barrier
+    return barrier
 
 
 def main(argv: list[str]) -> int:

@@ -50,7 +50,10 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
 
     given = given_keys(overrides)
     cfg0 = compose_config(overrides, config_dirs=config_dirs or ())
-    early = launch_problems(cfg0, world_size=world_size)  # reported first: no dataset setting changes them
+    from megatron_pack.cli.launch import gpu_visible
+
+    # reported first: no dataset setting changes them (the host probe reads no torch)
+    early = launch_problems(cfg0, world_size=world_size, host_gpu=gpu_visible())
     if early:
         raise ConfigError(early)
     if cfg0.packing.mode == "online" and cfg0.packing.online_source == "stream":

@@ -83,7 +83,7 @@ def describe_data(dataset, validation) -> str:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
-    from megatron_pack.cli.launch import worker_started
+    from megatron_pack.cli.launch import gpu_visible, worker_started
     from megatron_pack.cli.preflight import check_train
     from megatron_pack.cli.run_config import load_run_config
 
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         check_train(cfg, values=check_only)  # the model folder's files, before any process group
         validation = open_validation(cfg, dataset)
         passed_over: list[str] = []
-        resume = check_resume(cfg, world_size, dataset, notes=passed_over)
+        resume = check_resume(cfg, world_size, dataset, notes=passed_over, host_gpu=gpu_visible())
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     if check_only:
@@ -123,6 +123,9 @@ def main(argv: list[str]) -> int:
         for line in passed_over:  # damaged newer checkpoints: said once, before launch
             print(f"megatron-pack train: {line}", file=sys.stderr, flush=True)
         return 0
+    from megatron_pack.cli.launch import hide_gpus_for_cpu_run
+
+    hide_gpus_for_cpu_run(cfg.train.device)  # before anything starts CUDA: train.device=cpu sees no GPU
     from megatron_pack.model.cpu_compat import eager_jit_fuser_without_cuda
 
     eager_jit_fuser_without_cuda()  # before megatron-core's first import: no torch.compile machinery on CPU

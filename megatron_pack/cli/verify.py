@@ -42,7 +42,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -128,13 +128,14 @@ def routed_tokens(model, cp_group=None) -> Optional[list[int]]:
     """Real tokens routed in each MoE layer by the last forward (summed over ``cp_group``, whose ranks all call
     it); None for a dense model."""
     from megatron_pack.model.moe import pack_routing
+    from megatron_pack.parallel.comm import all_reduce
 
     routing = pack_routing(model)
     if routing is None or not routing.load:
         return None
     load = torch.stack([routing.load[i] for i in sorted(routing.load)]).sum(-1)
-    if cp_group is not None and cp_group.size() > 1:
-        torch.distributed.all_reduce(load, group=cp_group)
+    if cp_group is not None:
+        all_reduce(load, group=cp_group)
     return [int(round(float(n) / model.config.moe_router_topk)) for n in load]
 
 
@@ -312,9 +313,54 @@ def compare_with_transformers(packed: torch.Tensor, batch: dict, reference, voca
     return result
 
 
+class VerifyStopped(Exception):
+    """Every rank stops verify together; ``line`` is what rank 0 prints (None on the other ranks: one line)."""
+
+    def __init__(self, line: Optional[str]):
+        super().__init__(line or "stopped with rank 0")
+        self.line = line
+
+
+def _load_reference(path: str):
+    """(transformers' float32 model of ``path``, transformers' version)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("verify.reference=transformers needs the transformers package; install "
+                         "megatron_pack[hf] (or set verify.reference=self).") from None
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    return reference.eval(), transformers.__version__
+
+
+def agree_on_reference(load: Callable[[], Any], *, rank: int, what: str) -> Any:
+    """Rank 0 runs ``load`` (transformers' model of ``what``); every rank of the world learns whether it
+    worked (one all-reduce of an ok flag), so a failure ends every rank at once, with one line from rank 0,
+    instead of leaving the others in the logits all-gather until the process-group timeout. Returns
+    rank 0's result (None on the other ranks); raises ``VerifyStopped`` on every rank when it failed."""
+    from megatron_pack.parallel.comm import all_reduce
+
+    loaded, problem = None, None
+    if rank == 0:
+        try:
+            loaded = load()
+        except Exception as exc:  # ImportError, OSError (a folder transformers cannot read), ValueError, ...
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            problem = text if isinstance(exc, ValueError) and text.startswith("verify.") else (
+                f"verify.reference=transformers: transformers could not load {what} ({type(exc).__name__}: {text}); "
+                "fix the folder, or set verify.reference=self to compare packed with unpacked in our model alone.")
+    ok = all_reduce(torch.tensor([0 if problem else 1], dtype=torch.int64), op="min")
+    if not int(ok.item()):
+        raise VerifyStopped(problem if rank == 0 else None)
+    return loaded
+
+
 def run_verify_transformers(cfg, *, out=print) -> int:
-    """Verify against transformers; 0 when every pack passes, else 1 (rank 0 decides, all ranks return it)."""
+    """Verify against transformers; 0 when every pack passes, else 1 (rank 0 decides, all ranks return it).
+    ``VerifyStopped`` on every rank when rank 0 cannot load the reference."""
     import torch.distributed as dist
+
+    from megatron_pack.parallel.comm import broadcast
 
     from megatron_pack.data.batches.loader import collate_from_config, open_dataset
     from megatron_pack.model.builder import build_model
@@ -332,20 +378,13 @@ def run_verify_transformers(cfg, *, out=print) -> int:
     try:
         model = build_model(run_cfg, state)
         model.eval()
-        reference = None
+        loaded = agree_on_reference(lambda: _load_reference(cfg.model.pretrained), rank=state.rank,
+                                    what=f"model.pretrained ({cfg.model.pretrained})")
+        reference, version = loaded if loaded is not None else (None, None)
         if state.rank == 0:
-            try:
-                import transformers
-            except ImportError:
-                raise ValueError("verify.reference=transformers needs the transformers package; install "
-                                 "megatron_pack[hf] (or set verify.reference=self).") from None
-
-            reference = transformers.AutoModelForCausalLM.from_pretrained(
-                cfg.model.pretrained, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
-            reference.eval()
             out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); ours: {cfg.model.pretrained} "
                 f"at TP={state.tp_size} CP={state.cp_size} ({model.attention_backend} attention, "
-                f"{cfg.model.params_dtype}); reference: transformers {transformers.__version__} float32, each sample alone")
+                f"{cfg.model.params_dtype}); reference: transformers {version} float32, each sample alone")
         num_passed = 0
         for i in range(num_packs):
             batch = collate(dataset[i])
@@ -355,9 +394,7 @@ def run_verify_transformers(cfg, *, out=print) -> int:
                 result.routed_tokens = routed
                 out(format_pack(result, tol))
                 num_passed += result.passed(tol)
-        verdict = torch.tensor([int(num_packs > 0 and num_passed == num_packs)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(verdict, src=0)
+        verdict = broadcast(torch.tensor([int(num_packs > 0 and num_passed == num_packs)]), src=0)
     finally:
         destroy_parallel(destroy_process_group=owns_process_group)
     if state.rank == 0:
@@ -389,9 +426,16 @@ def main(argv: list[str]) -> int:
                                "logits in one place); launch it with parallel.pipeline_model_parallel_size=1 "
                                "(tensor and context parallel layouts run)."])
         check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists
+        from megatron_pack.cli.launch import hide_gpus_for_cpu_run
+
+        hide_gpus_for_cpu_run(run.cfg.train.device)  # before anything starts CUDA
         for note in run.notes:
             print(note)
         return run_verify(run.cfg, dataset=run.dataset)
+    except VerifyStopped as exc:  # every rank stopped together; rank 0 says why
+        if exc.line:
+            print(f"megatron-pack verify: {exc.line}", file=sys.stderr)
+        return 2
     except (ConfigError, DataError, FileNotFoundError, ValueError) as exc:
         print(f"megatron-pack verify: {exc}", file=sys.stderr)
         return 2

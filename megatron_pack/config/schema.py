@@ -572,9 +572,14 @@ class TrainConfig(_Group):
     bf16: bool = False
     """Train in bfloat16 (GPU)."""
     deterministic: bool = True
-    """Use deterministic algorithms (float32 CPU runs are bitwise repeatable)."""
+    """torch's deterministic algorithms and seeds (python, numpy, torch); on a GPU also cuDNN's deterministic
+    kernels and CUBLAS_WORKSPACE_CONFIG=:4096:8 (float32 CPU runs are bitwise repeatable); false: torch's defaults."""
     device: str = "auto"
-    """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    """'auto' (the GPU where one is visible, else the CPU), 'cuda' (refused on a host without a GPU) or 'cpu' (also on
+    a GPU host: the run does not see the GPU and communicates over gloo)."""
+    peak_tflops: Optional[float] = None
+    """The device's peak TFLOP/s for MFU; None: the dense bf16 peak of a known GPU (H100/H200 989, A100 312, ...;
+    training/flops.py), no MFU on a CPU or an unlisted GPU."""
     output_dir: str = "runs/default"
     """Directory for logs, TensorBoard and (by default) checkpoints."""
     exit_after_iters: Optional[int] = None
@@ -590,6 +595,9 @@ class TrainConfig(_Group):
         problems = _positive(g, self, ("micro_batch_size", "global_batch_size", "train_iters", "num_epochs",
                                        "lr_warmup_iters", "exit_after_iters", "global_batch_tokens", "eval_interval",
                                        "eval_iters"), allow_zero=("lr_warmup_iters", "eval_interval", "eval_iters"))
+        if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0):
+            problems.append(f"train.peak_tflops ({self.peak_tflops!r}) must be a positive number of TFLOP/s; set "
+                            "train.peak_tflops=989 (an H100's dense bf16 peak), or leave it unset.")
         problems += _choice(g, self, "token_budget")
         if (self.train_iters is None) == (self.num_epochs is None):
             problems.append(f"train.train_iters ({self.train_iters}) and train.num_epochs ({self.num_epochs}): set "

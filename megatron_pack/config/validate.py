@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
+from megatron_pack.config.device import device_problems
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_multiple, fp8_rule_text,
                                          fp8_token_multiple, pad_rule_text, required_pad_multiple, round_up,
@@ -566,6 +567,14 @@ def _validate_device(cfg: Config) -> list[str]:
     return problems
 
 
+def _validate_host_device(cfg: Config, host_gpu: Optional[bool]) -> list[str]:
+    """Host rule (needs ``host_gpu``: whether this host has a GPU torch would see): train.device=cuda needs one,
+    and parallel.backend=nccl a run on a GPU."""
+    if host_gpu is None:
+        return []
+    return device_problems(cfg.train.device, gpu_present=host_gpu, backend=cfg.parallel.backend)
+
+
 def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[str]:
     """The prepared dataset (its plan metadata) agrees with the config; skipped when meta is None."""
     if meta is None:
@@ -729,7 +738,7 @@ _CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
 
 
 def collect_problems(cfg: Config, *, world_size: Optional[int] = None,
-                     dataset_meta: Optional[dict[str, Any]] = None) -> list[str]:
+                     dataset_meta: Optional[dict[str, Any]] = None, host_gpu: Optional[bool] = None) -> list[str]:
     """Every cross-group problem of ``cfg`` (empty when it is valid)."""
     problems = _validate_world_size(cfg, world_size) + _expert_parallel_problems(cfg.parallel, world_size)
     for rule in _CONFIG_RULES:
@@ -737,18 +746,21 @@ def collect_problems(cfg: Config, *, world_size: Optional[int] = None,
     problems += _validate_batch_size(cfg, world_size)
     problems += _validate_virtual_pipeline(cfg, world_size)
     problems += _validate_dataset_meta(cfg, dataset_meta)
+    problems += _validate_host_device(cfg, host_gpu)
     return problems
 
 
-def validate(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Optional[dict[str, Any]] = None) -> None:
+def validate(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Optional[dict[str, Any]] = None,
+             host_gpu: Optional[bool] = None) -> None:
     """Raise one ``ConfigError`` listing every problem; return None when ``cfg`` is valid.
 
     ``world_size`` enables the rules that need it (divisibility, batch split); ``dataset_meta``
     (the packed dataset's plan metadata: ``pack_size``, ``max_samples_per_bin``,
     ``pad_seq_to_mult``, ``vocab_size``) enables the rules about the prepared dataset. Pass
-    ``dataset_meta={}`` when the dataset was looked for and has no metadata file.
+    ``dataset_meta={}`` when the dataset was looked for and has no metadata file. ``host_gpu`` (whether
+    this host has a GPU torch would see) enables the host rules (``train.device=cuda`` needs one).
     """
-    problems = collect_problems(cfg, world_size=world_size, dataset_meta=dataset_meta)
+    problems = collect_problems(cfg, world_size=world_size, dataset_meta=dataset_meta, host_gpu=host_gpu)
     if problems:
         raise ConfigError(problems)
 
@@ -762,13 +774,14 @@ def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None
         raise ConfigError(problems)
 
 
-def launch_problems(cfg: Config, *, world_size: Optional[int]) -> list[str]:
+def launch_problems(cfg: Config, *, world_size: Optional[int], host_gpu: Optional[bool] = None) -> list[str]:
     """The rules no setting read from a prepared dataset can change (world size, PP, sequence
-    parallelism, batch split): train checks them before it looks for the dataset."""
+    parallelism, batch split, and with ``host_gpu`` the host's device): train checks them before it
+    looks for the dataset."""
     par = cfg.parallel
     return (_world_size_problems(par, world_size) + _validate_pipeline_parallel(cfg) + _sequence_parallel_problems(par)
             + _expert_parallel_problems(par, world_size) + _validate_batch_size(cfg, world_size)
-            + _validate_virtual_pipeline(cfg, world_size))
+            + _validate_virtual_pipeline(cfg, world_size) + _validate_host_device(cfg, host_gpu))
 
 
 def prepare_problems(cfg: Config) -> list[str]:

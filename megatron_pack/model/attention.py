@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_pack.config.choices import ATTENTION_MODES  # re-exported: model.attention.ATTENTION_MODES
-
+from megatron_pack.parallel.comm import all_gather_into_tensor, reduce_scatter_tensor
 
 
 def _as_list(values) -> list[int]:
@@ -148,28 +148,17 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
     return out + (query[:0].sum() + key[:0].sum() + value[:0].sum()).to(out.dtype)
 
 
-# torch 2.13 deprecates reduce_scatter_tensor in favour of reduce_scatter_single (same signature).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 class _AllGatherRows(torch.autograd.Function):
     """All-gather along dim 0; backward sums every rank's gradient and keeps this rank's rows."""
 
     @staticmethod
     def forward(ctx, local: Tensor, group) -> Tensor:
         ctx.group = group
-        world = dist.get_world_size(group)
-        gathered = torch.empty((world * local.size(0),) + tuple(local.shape[1:]), dtype=local.dtype,
-                               device=local.device)
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
-        return gathered
+        return all_gather_into_tensor(local, group=group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        world = dist.get_world_size(ctx.group)
-        local = torch.empty((grad.size(0) // world,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        _reduce_scatter(local, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return local, None
+        return reduce_scatter_tensor(grad, group=ctx.group), None
 
 
 def gather_cp_rows(local: Tensor, cu_seqlens_padded, cp_group) -> Tensor:

@@ -60,9 +60,10 @@ def te_import_error() -> Optional[str]:
     return None
 
 
-def apex_wgrad_fusion_available() -> bool:
-    """True on a CUDA host where apex's ``fused_weight_gradient_mlp_cuda`` extension imports."""
-    if not torch.cuda.is_available():
+def apex_wgrad_fusion_available(on_gpu: bool = False) -> bool:
+    """True for a GPU run (``on_gpu``: the run's device, ``ParallelState.device``) where apex's
+    ``fused_weight_gradient_mlp_cuda`` extension imports."""
+    if not on_gpu:
         return False
     try:
         import fused_weight_gradient_mlp_cuda  # noqa: F401  (apex built with --cuda_ext)
@@ -71,8 +72,9 @@ def apex_wgrad_fusion_available() -> bool:
     return True
 
 
-def choose_backend(requested: str, *, attention_mode: str = "thd") -> str:
-    """Resolve ``model.attention_backend`` to 'te' or 'torch' (see the module docstring)."""
+def choose_backend(requested: str, *, attention_mode: str = "thd", on_gpu: bool = False) -> str:
+    """Resolve ``model.attention_backend`` to 'te' or 'torch' (see the module docstring); ``on_gpu``: the
+    run computes on a GPU (``ParallelState.device``)."""
     if attention_mode != "thd":
         if requested == "te":
             raise ValueError(f"verify.attention={attention_mode} exists only in the torch attention; "
@@ -82,13 +84,13 @@ def choose_backend(requested: str, *, attention_mode: str = "thd") -> str:
         return "torch"
     te_error = te_import_error()
     if requested == "te":
-        if te_error is not None or not torch.cuda.is_available():
-            why = te_error if te_error is not None else "CUDA is not available"
+        if te_error is not None or not on_gpu:
+            why = te_error if te_error is not None else "this run's device is the CPU"
             raise ValueError(f"model.attention_backend ('te') needs Transformer Engine and CUDA ({why}); "
                              "install megatron_pack[gpu] on a GPU host or set model.attention_backend=torch.")
         return "te"
     if requested == "auto":
-        return "te" if te_error is None and torch.cuda.is_available() else "torch"
+        return "te" if te_error is None and on_gpu else "torch"
     raise ValueError(f"model.attention_backend ({requested!r}) must be one of ['auto', 'torch', 'te'].")
 
 
@@ -96,12 +98,12 @@ def _activation(name: str):
     return F.silu if name == "swiglu" else F.gelu
 
 
-def transformer_config_from(cfg: Config, *, backend: str = "torch"):
-    """megatron-core ``TransformerConfig`` for ``cfg`` (the one place our config meets megatron's)."""
+def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool = False):
+    """megatron-core ``TransformerConfig`` for ``cfg`` (the one place our config meets megatron's);
+    ``on_gpu``: the run computes on a GPU (``ParallelState.device``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m, p = cfg.model, cfg.parallel
-    on_gpu = torch.cuda.is_available()
     fused = backend == "te"
     config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
@@ -120,10 +122,11 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch"):
         # CPU init builds each full weight from the default generator and slices it, so a model
         # has the same weights for every TP size (what the parallel-invariance tests rely on).
         use_cpu_initialization=not on_gpu, perform_initialization=True,
-        deterministic_mode=cfg.train.deterministic and fused,
+        # megatron-core's deterministic paths (TE attention, the embedding's gather) where they differ: a GPU
+        deterministic_mode=cfg.train.deterministic and (fused or on_gpu),
         bias_dropout_fusion=fused, apply_rope_fusion=fused, masked_softmax_fusion=False,
         # apex's fused weight-gradient accumulation into DDP's main_grad (GPU, when apex is built)
-        bias_activation_fusion=False, gradient_accumulation_fusion=apex_wgrad_fusion_available(),
+        bias_activation_fusion=False, gradient_accumulation_fusion=apex_wgrad_fusion_available(on_gpu),
         persist_layer_norm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
         **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
@@ -217,13 +220,13 @@ def _deterministic_te_env(cfg: Config, backend: str) -> None:
                          f"but the environment sets it to {current!r}; unset it or set train.deterministic=false.")
 
 
-def _check_fp8(cfg: Config, backend: str) -> None:
+def _check_fp8(cfg: Config, backend: str, on_gpu: bool = False) -> None:
     """model.fp8 needs Transformer Engine on a GPU that runs the recipe: refused otherwise, never ignored."""
     recipe = cfg.model.fp8
     if recipe == "none":
         return
     if backend != "te":
-        why = te_import_error() or ("CUDA is not available" if not torch.cuda.is_available()
+        why = te_import_error() or ("this run's device is the CPU" if not on_gpu
                                     else "model.attention_backend/verify.attention chose the torch layers")
         raise ConfigError([f"model.fp8 ({recipe}) needs Transformer Engine's FP8 linear layers on a GPU, but this run "
                            f"builds the torch layers ({why}); set model.fp8=none, or run on a GPU host with "
@@ -284,11 +287,12 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
     enable_cpu_compat_without_cuda()
     _check_divisibility(cfg)
-    backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode)
+    on_gpu = pg.device.type == "cuda"  # decided once, in the parallel state
+    backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode, on_gpu=on_gpu)
     _check_cuda_graphs(cfg, backend)
-    _check_fp8(cfg, backend)
+    _check_fp8(cfg, backend, on_gpu)
     _deterministic_te_env(cfg, backend)
-    config = transformer_config_from(cfg, backend=backend)
+    config = transformer_config_from(cfg, backend=backend, on_gpu=on_gpu)
     if cfg.model.pretrained:  # every weight is read from the folder; skip the random init
         config.perform_initialization = False
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

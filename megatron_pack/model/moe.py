@@ -1,7 +1,7 @@
 """Mixture-of-experts layers on packed THD batches: routing that never sees padding, per-sample aux losses.
 
 megatron-core's ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts) with one router
-of ours, ``PackedTopKRouter``, which reads the pack's boundaries (metadata, never token ids) from
+of ours, ``PackedTopKRouter`` (``model/moe_router.py``), which reads the pack's boundaries (metadata, never token ids) from
 ``PackRouting``, set by ``training.step.forward_step`` before every forward:
 
 * **padding is not routed**: a padding position (each sub-sequence's THD padding, the tail, a CP
@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+
+from megatron_pack.parallel.comm import all_reduce
 
 AUX_REPORT, Z_REPORT, LOAD_REPORT = "moe load balancing loss", "moe z loss", "moe tokens per expert"
 """Keys of the loss report: [sum of n_s * L_s], [sum of n_s * Z_s], [layers, experts] routed-token counts."""
@@ -94,8 +96,8 @@ def set_step_tokens(model, batches: Sequence[Mapping[str, Any]], dp_group=None) 
     if routing is None:
         return None
     counts = torch.tensor(step_token_counts(batches), dtype=torch.float64)
-    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
-        torch.distributed.all_reduce(counts, group=dp_group)
+    if dp_group is not None:
+        all_reduce(counts, group=dp_group)
     target, real = float(counts[0]), float(counts[1])
     routing.step_scale = target / real if real > 0 else 0.0
     return target, real
@@ -134,66 +136,6 @@ def moe_report(model, report: dict) -> dict:
     return report
 
 
-def _router_class():
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, topk_routing_with_score_function
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    class PackedTopKRouter(TopKRouter):
-        """megatron-core's top-k router, with padding unrouted and the per-sample auxiliary losses above."""
-
-        pack: Optional[PackRouting] = None
-
-        def gating(self, input: torch.Tensor) -> torch.Tensor:
-            # router logits in float32 (megatron-core's router_gating_linear names a Transformer
-            # Engine GEMM that is undefined where TE is not installed)
-            return torch.nn.functional.linear(input.float(), self.weight.float())
-
-        def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-            logits = logits.view(-1, self.config.num_moe_experts)
-            pad = self._padding(logits, padding_mask)
-            probs, routing_map = topk_routing_with_score_function(
-                logits, self.topk, use_pre_softmax=self.config.moe_router_pre_softmax, score_function="softmax")
-            routing_map = routing_map & ~pad.unsqueeze(-1)
-            probs = probs * (~pad).unsqueeze(-1).to(probs.dtype)
-            if self.pack is not None and padding_mask is not None:  # a forward_step call (set_pack ran)
-                probs = self._attach_aux_losses(logits, probs, routing_map)
-            return probs, routing_map
-
-        def _padding(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
-            if padding_mask is None:
-                return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-            return padding_mask.reshape(-1).to(torch.bool)
-
-        def _attach_aux_losses(self, logits, probs, routing_map):
-            seq = self._local_seq_index(logits.shape[0])
-            aux, z, load = per_sample_aux_losses(
-                logits, routing_map, seq, self.pack.seq_weight, topk=self.topk,
-                group=self.tp_cp_group if self.tp_cp_group.size() > 1 else None)
-            a, zc = self.pack.aux_coeff, self.pack.z_coeff
-            record = torch.cat([torch.stack([aux.detach(), z.detach()]), load.detach()])
-            if self.config.sequence_parallel and self.tp_group.size() > 1:  # TP ranks hold different tokens
-                record = record.clone()
-                torch.distributed.all_reduce(record, group=self.tp_group)
-            record = record.double().cpu()
-            self.pack.aux[self.layer_number], self.pack.load[self.layer_number] = record[:2], record[2:]
-            total = self.pack.step_scale * (a * aux + zc * z)
-            if self.training and torch.is_grad_enabled() and (a or zc):
-                probs = MoEAuxLossAutoScaler.apply(probs, total)
-            return probs
-
-        def _local_seq_index(self, num_tokens: int) -> torch.Tensor:
-            """The pack's per-position sub-sequences on this rank (the TP rank's part under sequence parallelism)."""
-            seq = self.pack.seq_index
-            if seq.numel() == num_tokens:
-                return seq
-            tp = self.tp_group.size()
-            assert seq.numel() == num_tokens * tp, (seq.numel(), num_tokens, tp)
-            rank = self.tp_group.rank()
-            return seq[rank * num_tokens:(rank + 1) * num_tokens]
-
-    return PackedTopKRouter
-
-
 def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: torch.Tensor, weight: torch.Tensor,
                           *, topk: int, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(this rank's part of sum_s w_s * L_s, of sum_s w_s * Z_s, tokens per expert) (module docstring; the
@@ -213,7 +155,7 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
     counts[:, :num_experts].index_add_(0, owner, routed)
     counts[:, num_experts].index_add_(0, owner, real.to(torch.float32))
     if group is not None:
-        torch.distributed.all_reduce(counts, group=group)
+        all_reduce(counts, group=group)
     c_se, n_s = counts[:, :num_experts], counts[:, num_experts]
     p_se = torch.zeros(num_seqs, num_experts, dtype=scores.dtype, device=logits.device).index_add_(0, owner, scores)
     w = weight.to(scores.dtype)
@@ -258,10 +200,12 @@ def moe_mlp_spec():
 
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
+    from megatron_pack.model.moe_router import PackedTopKRouter
+
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
         experts=ModuleSpec(module=SequentialMLP, submodules=linears),
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears), router=_router_class()))
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears), router=PackedTopKRouter))
 
 
 def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_pack.config.schema import Config, ParallelConfig
+from megatron_pack.config.device import backend_for, device_problems, device_type
+from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.validate import validate_parallel
+from megatron_pack.parallel.comm import all_gather, all_gather_object, device_for_backend
 from megatron_pack.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -50,7 +52,10 @@ class ParallelState:
     backend: str
     """torch.distributed backend in use ('gloo' or 'nccl')."""
     device: torch.device
-    """Device the model lives on (cpu without CUDA, else this process's GPU)."""
+    """Compute device: where the model and its batches live (``train.device``, resolved once here)."""
+    comm_device: torch.device
+    """Where the backend's collectives take tensors (nccl: the GPU, gloo: the CPU); ``parallel.comm`` moves
+    tensors there, so a call site needs neither this nor the backend."""
     tp_rank: int
     """Rank inside the tensor-parallel group."""
     cp_rank: int
@@ -126,21 +131,37 @@ _MEGATRON_GROUPS = ("tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "intra_dp_cp
 DDP requires them, so they come from here rather than from megatron's globals)."""
 
 
-def _resolve_backend(requested: Optional[str]) -> str:
-    if requested in (None, "auto"):
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise ValueError("parallel.backend ('nccl') needs CUDA, which is not available here; "
-                         "set parallel.backend=gloo (or auto).")
-    return requested
+def resolve_device(requested_device: str, requested_backend: Optional[str]) -> tuple[torch.device, str]:
+    """(compute device, torch.distributed backend) of this process: the one place that asks torch whether
+    CUDA is present. ``train.device=auto`` picks the GPU where CUDA is present; the backend ``auto``
+    follows the device (nccl on a GPU, gloo on the CPU).
+
+    ``train.device=cpu`` on a host with CUDA needs a process that does not see the GPU: megatron-core
+    places its own tensors (RoPE frequencies, TP buffers) on ``torch.cuda.current_device()``.
+    ``megatron-pack train`` and ``verify`` hide the GPUs before torch starts CUDA
+    (``megatron_pack.cli.launch.hide_gpus_for_cpu_run``); a Python caller does the same.
+    """
+    cuda = torch.cuda.is_available()
+    backend = requested_backend or "auto"
+    problems = device_problems(requested_device, gpu_present=cuda, backend=backend)
+    if problems:
+        raise ConfigError(problems)
+    kind = device_type(requested_device, gpu_present=cuda)
+    if kind == "cpu" and cuda:
+        raise ConfigError(["train.device (cpu) in a process that sees a GPU: megatron-core would put its own "
+                           "tensors on the GPU; start the process with CUDA_VISIBLE_DEVICES='' (megatron-pack "
+                           "train and verify do this for train.device=cpu)."])
+    backend = backend_for(kind) if backend == "auto" else backend
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if kind == "cuda" else torch.device("cpu")
+    return device, backend
 
 
-def _init_process_group(backend: str) -> None:
+def _init_process_group(backend: str, device: torch.device) -> None:
     """Start torch.distributed from the torchrun env, or as a private world of one without it."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if dist.is_initialized():
         return
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(minutes=30)
     if "RANK" not in os.environ:
         # A single process (verify, a notebook, a unit test): no env vars are set or needed.
@@ -168,11 +189,13 @@ def _launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
 
 
-def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend: Optional[str] = None
-                        ) -> ParallelState:
+def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend: Optional[str] = None,
+                        device: Optional[str] = None) -> ParallelState:
     """Start torch.distributed and megatron-core's model-parallel groups once; return them.
 
-    ``backend`` overrides ``parallel.backend`` ('auto' picks nccl with CUDA, else gloo). Without
+    ``backend`` overrides ``parallel.backend`` ('auto' follows the device: nccl on a GPU, else gloo);
+    ``device`` overrides ``train.device`` ('auto' when only ``parallel.*`` is given). Both are resolved
+    once here (``resolve_device``) into ``ParallelState.device`` and ``.comm_device``. Without
     CUDA the entry point turns on ``megatron_pack.model.cpu_compat`` itself (this layer does not
     import the model layer); ``build_model`` does it too, so a model is never built without it.
     """
@@ -180,9 +203,11 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pcfg = _parallel_config(cfg_or_parallel_cfg)
-    chosen = _resolve_backend(backend if backend is not None else pcfg.backend)
+    if device is None:
+        device = cfg_or_parallel_cfg.train.device if isinstance(cfg_or_parallel_cfg, Config) else "auto"
+    compute_device, chosen = resolve_device(device, backend if backend is not None else pcfg.backend)
     validate_parallel(pcfg, world_size=_launched_world_size())  # ConfigError before any group starts
-    _init_process_group(chosen)
+    _init_process_group(chosen, compute_device)
     pad_seq_to_mult = cfg_or_parallel_cfg.packing.pad_seq_to_mult if isinstance(cfg_or_parallel_cfg, Config) else None
     dims = ParallelDims.from_parallel_config(pcfg, dist.get_world_size(), pad_seq_to_mult=pad_seq_to_mult)
     if mpu.model_parallel_is_initialized():
@@ -197,14 +222,13 @@ def initialize_parallel(cfg_or_parallel_cfg: Config | ParallelConfig, *, backend
         create_gloo_process_groups=False,
     )
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(_MEGATRON_GROUPS))
-    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-              else torch.device("cpu"))
     sizes = {"tp": (pgs.tp.size(), dims.tp), "cp": (pgs.cp.size(), dims.cp), "dp": (pgs.dp.size(), dims.dp),
              "pp": (pgs.pp.size(), dims.pp), "ep": (pgs.ep.size(), dims.ep),
              "expt_tp": (pgs.expt_tp.size(), dims.expert_tp)}
     assert all(got == want for got, want in sizes.values()), f"megatron-core built other groups than {dims}: {sizes}"
     return ParallelState(
-        dims=dims, rank=dist.get_rank(), backend=dist.get_backend(), device=device,
+        dims=dims, rank=dist.get_rank(), backend=dist.get_backend(), device=compute_device,
+        comm_device=device_for_backend(dist.get_backend()),
         tp_rank=pgs.tp.rank(), cp_rank=pgs.cp.rank(), dp_rank=pgs.dp.rank(), pp_rank=pgs.pp.rank(),
         tp_group=pgs.tp, cp_group=pgs.cp, dp_group=pgs.dp, pp_group=pgs.pp, dp_cp_group=pgs.dp_cp,
         pg_collection=pgs,
@@ -221,9 +245,7 @@ def gather_objects(group: dist.ProcessGroup) -> Callable[[Any], list]:
     """
 
     def gather(obj: Any) -> list:
-        out: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
+        return all_gather_object(obj, group=group)
 
     return gather
 
@@ -249,11 +271,7 @@ def gather_full_logits(logits: torch.Tensor, cu_seqlens_padded, state: ParallelS
 
     logits = logits.detach().contiguous()
     if state.tp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
-        dist.all_gather(shards, logits, group=state.tp_group)
-        logits = torch.cat(shards, dim=-1)
+        logits = torch.cat(all_gather(logits, group=state.tp_group), dim=-1)
     if state.cp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(state.cp_size)]
-        dist.all_gather(shards, logits, group=state.cp_group)
-        logits = thd_unslice(shards, cu_seqlens_padded, dim=1)
+        logits = thd_unslice(all_gather(logits, group=state.cp_group), cu_seqlens_padded, dim=1)
     return logits

@@ -44,18 +44,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megatron_pack.parallel.comm import all_gather_object, barrier, gather_object, group_ranks
 from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, candidates,  # noqa: F401
                                                      checkpoint_problems, choose_checkpoint, digest, find_latest,
                                                      owner, read_meta, step_dirname, write_manifest)
 
 
-def rng_state() -> dict:
-    """RNG states of python, numpy, torch (and CUDA when present) as weights_only-safe containers."""
+def rng_state(device: torch.device = torch.device("cpu")) -> dict:
+    """RNG states of python, numpy, torch (and CUDA when ``device``, the run's compute device, is a GPU)
+    as weights_only-safe containers."""
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
                        "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])}}
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state_all()
     tracker = _rng_tracker()
     if tracker is not None and tracker.is_initialized():  # megatron's named streams (dropout in TP regions)
@@ -71,12 +73,13 @@ def _rng_tracker():
     return random_module.get_cuda_rng_tracker() if random_module is not None else None
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device = torch.device("cpu")) -> None:
+    """Restore what ``rng_state`` saved (the CUDA generators when ``device`` is a GPU and the state has them)."""
     random.setstate(_as_tuple(state["python"]))
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state_all(state["cuda"])
     tracker = _rng_tracker()
     if "tracker" in state and tracker is not None:
@@ -89,8 +92,7 @@ def _as_tuple(value: Any) -> Any:
 
 
 def _barrier(group: Optional[dist.ProcessGroup]) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
+    barrier(group)
 
 
 def _rank() -> int:
@@ -150,9 +152,7 @@ def _gather_digests(folder: Path, group: Optional[dist.ProcessGroup]) -> dict[st
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith(f".{MANIFEST}"))
     mine = {n: digest(folder / n, holds.get(n)) for n in names if owner(n, world) == rank}
     if world > 1:
-        gathered: list = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0,
-                           group=group)
+        gathered = gather_object(mine, dst=group_ranks(group)[0], group=group)
         if rank != 0:
             return {}
         mine = {k: v for part in gathered for k, v in part.items()}
@@ -311,8 +311,7 @@ def collective_verify(group: Optional[dist.ProcessGroup] = None):
         mine = checkpoint_problems(folder, checksums=True, share=(rank, world))
         if world == 1:
             return mine
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, mine, group=group)
+        gathered = all_gather_object(mine, group=group)
         return list(dict.fromkeys(line for lines in gathered for line in lines))
 
     return verify

@@ -89,13 +89,13 @@ def log_parameter_counts(chunks: list[torch.nn.Module], state: ParallelState) ->
               for chunk in chunks]
     trainable, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
     if state.pp_size > 1:  # every stage's part; a tied embedding's last-stage copy (``shared``) not again
-        import torch.distributed as dist
+        from megatron_pack.parallel.comm import all_reduce
 
         shared = [p for chunk in chunks for p in chunk.parameters() if getattr(p, "shared", False)]
         copies = sum(p.numel() * (state.tp_size if getattr(p, "tensor_model_parallel", False) else 1) for p in shared)
         both = torch.tensor([trainable - copies * any(p.requires_grad for p in shared), total - copies],
                             dtype=torch.float64)
-        dist.all_reduce(both, group=state.pp_group)
+        all_reduce(both, group=state.pp_group)
         trainable, total = int(both[0]), int(both[1])
     if state.rank == 0:
         adapters = [getattr(core_model(chunk), "num_adapters", None) for chunk in chunks]

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pack.data.batches.opening import open_validation  # noqa: F401  (its path before opening.py)
+from megatron_pack.parallel.comm import all_reduce, broadcast, group_ranks
 
 log = logging.getLogger("megatron_pack.train")
 
@@ -204,10 +205,10 @@ def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
     finally:
         for chunk in chunks:
             chunk.train(was_training)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sums, group=group)
+    if group is not None:
+        all_reduce(sums, group=group)
     if link is not None and link.pp_size > 1:  # the last stage's sums, on every stage
-        dist.broadcast(sums, src=dist.get_process_group_ranks(link.group)[-1], group=link.group)
+        broadcast(sums, src=group_ranks(link.group)[-1], group=link.group)
     values = sums.tolist()
     loss = values[0] / values[1] if values[1] > 0 else 0.0
     source_loss, _ = source_metrics(values[2:], names)

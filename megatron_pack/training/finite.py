@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
+
+from megatron_pack.parallel.comm import all_reduce, group_size
 
 
 class NonFiniteWeights(FloatingPointError):
@@ -42,11 +43,10 @@ def nonfinite_parameters(model: torch.nn.Module | Sequence[torch.nn.Module]) -> 
 
 def world_count(count: int, device: torch.device) -> int:
     """``count`` summed over every rank of the world (every rank must call it)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if group_size(None) == 1:
         return count
     total = torch.tensor([count], dtype=torch.int64, device=device)
-    dist.all_reduce(total)
-    return int(total.item())
+    return int(all_reduce(total).item())
 
 
 def check_weights(model: torch.nn.Module | Sequence[torch.nn.Module], *, where: str, device: torch.device, source: str,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -45,6 +46,7 @@ from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
 from megatron_pack.model.moe import pack_routing, set_step_tokens, step_moe_metrics
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import trainer_checkpoint
+from megatron_pack.training.flops import device_peak_tflops, sum_sq_seqlens, throughput
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
 from megatron_pack.training.outcome import StepOutcome, check_step_finite, step_outcome
@@ -58,6 +60,16 @@ from megatron_pack.training.schedule import (PackInfo, RecordingIterator, forwar
 from megatron_pack.training.signals import StopRequest
 from megatron_pack.training.summary import run_summary  # noqa: F401
 from megatron_pack.training.trainer_checkpoint import start_or_resume  # noqa: F401
+
+HISTORY_WINDOW = 1000
+"""Steps ``Trainer.history`` and ``Trainer.pack_log`` keep (the newest): a long run's memory stays flat.
+Every step's metrics are in ``<train.output_dir>/metrics.jsonl`` (``read_metrics``), and every pack's sample
+ids in the ``logging.log_sample_ids`` lines."""
+
+
+def _window() -> deque:
+    return deque(maxlen=HISTORY_WINDOW)
+
 
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
@@ -84,10 +96,11 @@ class Trainer:
     plan_fingerprint: Optional[str] = None
     step: int = 0
     data_iterator: Optional[RecordingIterator] = None
-    pack_log: list[list[list[int]]] = field(default_factory=list)
-    """Sample ids of every pack this rank consumed, per step (in this process)."""
-    history: list[StepMetrics] = field(default_factory=list)
-    """Metrics of every step run in this process."""
+    pack_log: deque[list[list[int]]] = field(default_factory=_window)
+    """Sample ids of the packs this rank consumed, per step: the last ``HISTORY_WINDOW`` steps of this process
+    (all of them: ``logging.log_sample_ids``)."""
+    history: deque[StepMetrics] = field(default_factory=_window)
+    """Metrics of the last ``HISTORY_WINDOW`` steps run in this process (every step: metrics.jsonl)."""
     outcome: Optional[StepOutcome] = None
     """The last step's outcome, the same on every rank (its ``reports`` carry any extra loss reports)."""
     step_info: StepInfo = field(default_factory=StepInfo)
@@ -112,6 +125,8 @@ class Trainer:
     """This rank's ``parallel.pipeline.StageLink`` to its neighbour stages (None without pipeline stages)."""
     moe_metrics: Optional[dict] = None
     """The last step's MoE routing numbers (``model.moe.step_moe_metrics``), None for a dense model."""
+    peak_tflops: Optional[float] = None
+    """The device's peak for MFU (``flops.device_peak_tflops``: train.peak_tflops or the GPU's); None: no MFU."""
     _start: float = field(default_factory=time.perf_counter)
     _first_step: int = 0
 
@@ -146,7 +161,8 @@ class Trainer:
                                    state=self.state, seq_length=self.cfg.model.seq_length, link=self.link)
         packs, batches = self.data_iterator.take()
         self.outcome = step_outcome(reports, packs, self.state, num_buckets=self.num_buckets,
-                                    num_sources=len(self.source_names))
+                                    num_sources=len(self.source_names),
+                                    sum_sq=[sum_sq_seqlens(b["cu_seqlens"]) for b in batches])
         # the MoE reports rode the outcome's one all-reduce (and its broadcast to the other stages)
         self.moe_metrics = step_moe_metrics(self.outcome.reports, self.outcome.counts.real_tokens,
                                             self.cfg.model.num_experts)
@@ -181,6 +197,9 @@ class Trainer:
         self.consumed_target_tokens += target_tokens
         now = time.perf_counter()
         done = self.step - self._first_step
+        tflops, mfu = throughput(self.cfg.model, real_tokens=total.real_tokens, sum_sq=total.sum_sq_seqlens,
+                                 step_time_s=now - start, world_size=self.state.world_size,
+                                 peak_tflops=self.peak_tflops)
         metrics = StepMetrics(step=self.step, lm_loss=total.lm_loss(), target_tokens=target_tokens,
                               real_tokens=total.real_tokens, slots=total.slots, samples=total.samples,
                               grad_norm=norm, lr=lr, step_time_s=now - start, epoch=self.epoch(),
@@ -191,7 +210,8 @@ class Trainer:
                               imbalance_before=self.step_info.imbalance_before,
                               imbalance_after=self.step_info.imbalance_after,
                               bucket_real_tokens=total.bucket_real_tokens or None, source_loss=source_loss,
-                              source_target_share=source_share, moe=self.moe_metrics)
+                              source_target_share=source_share, moe=self.moe_metrics,
+                              model_tflops_per_device=tflops, mfu=mfu)
         self.history.append(metrics)
         return metrics
 
@@ -247,10 +267,12 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     plans each step, ``state_dict()`` / ``load_state_dict()`` resume at the next one); ``validation``
     is this DP rank's ``eval.ValidationLoader`` (or None)."""
     from megatron_pack.training.chunks import build_model_chunks, named_parameters
+    from megatron_pack.training.determinism import apply_determinism
     from megatron_pack.training.pipeline_schedule import stage_link
     from megatron_pack.training.step import forward_step
 
     train_iters = resolve_train_iters(cfg, loader)
+    apply_determinism(cfg.train.deterministic, cfg.train.seed, state.device)  # before the model is built
     chunks = build_model_chunks(cfg, state)
     # one optimizer over every chunk's parameters: one gradient norm, clipped once, one AdamW step
     optimizer = build_optimizer(cfg, named_parameters(chunks), state.tp_group,
@@ -262,7 +284,8 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                    schedule=LRSchedule(cfg, train_iters), loader=loader,
                    forward_step_func=forward_step_func or forward_step, train_iters=train_iters,
                    validation=validation, plan_fingerprint=info.fingerprint, num_buckets=info.num_buckets,
-                   source_names=list(info.source_names), link=stage_link(cfg, state))
+                   source_names=list(info.source_names), link=stage_link(cfg, state),
+                   peak_tflops=device_peak_tflops(state.device, cfg.train.peak_tflops))
 
 
 def _should_evaluate(cfg: Config, trainer: Trainer) -> bool:
@@ -276,8 +299,8 @@ def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     """Train to the run's last step (``train.train_iters`` or ``train.num_epochs``; or
     ``train.exit_after_iters`` steps in this process), resuming from the newest checkpoint when
     there is one, evaluating ``validation`` every ``train.eval_interval`` steps and at the end.
-    Returns the trainer (its ``pack_log`` holds the sample ids of every pack this rank consumed
-    in this process)."""
+    Returns the trainer (its ``pack_log`` holds the sample ids of the packs this rank consumed in the
+    last ``HISTORY_WINDOW`` steps of this process)."""
     from megatron_pack.training.record import write_run_record
 
     trainer = build_trainer(cfg, state, loader, forward_step_func=forward_step_func, validation=validation)

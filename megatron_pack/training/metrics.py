@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_pack.parallel.comm import all_reduce
+
 log = logging.getLogger("megatron_pack.train")
 
 
@@ -77,6 +79,11 @@ class StepMetrics:
     moe: Optional[dict] = None
     """A MoE model's routing numbers (``model.moe.step_moe_metrics``): the auxiliary losses, tokens per
     expert per layer and each layer's max/mean load; None for a dense model."""
+    model_tflops_per_device: Optional[float] = None
+    """Model TFLOP/s per device: the step's model FLOPs (``training.flops``: real tokens, attention over each
+    sub-sequence, forward and backward) over the step time and the world size."""
+    mfu: Optional[float] = None
+    """Model FLOPs utilisation: ``model_tflops_per_device`` over the device's peak (None without a peak)."""
 
     def add_validation(self, result) -> None:
         """Take an evaluation's numbers (``eval.EvalResult``): the loss, and per source when it has sources."""
@@ -143,13 +150,17 @@ class StepMetrics:
             val += (f" | lb {self.moe['load_balancing_loss']:.4f} load max/mean "
                     f"{max(self.moe['max_over_mean_load']):.2f}")
         eta = format_duration(self.eta_s) if self.eta_s is not None else "?"
+        flops = ""
+        if self.model_tflops_per_device is not None:  # per device; MFU where the device's peak is known
+            flops = f" | {self.model_tflops_per_device:.3g} TFLOP/s/dev"
+            flops += f" (MFU {100 * self.mfu:.1f}%)" if self.mfu is not None else ""
         return (f"step {self.step}/{train_iters} | loss {self.lm_loss:.6f}{val} | lr {self.lr:.2e} | "
-                f"{self.real_tokens_per_s:,.0f} tok/s | padding {100 * self.padding_share:.1f}% | "
+                f"{self.real_tokens_per_s:,.0f} tok/s{flops} | padding {100 * self.padding_share:.1f}% | "
                 f"{1000 * self.step_time_s:.0f} ms | ETA {eta}")
 
 
 _BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share", "val_source_loss",
-               "val_source_target_tokens", "val_source_target_share", "moe")
+               "val_source_target_tokens", "val_source_target_share", "moe", "model_tflops_per_device", "mfu")
 
 
 def format_duration(seconds: float) -> str:
@@ -175,9 +186,12 @@ class StepCounts:
     """Real tokens per length bucket (sized by the dataset's bucket count on every rank; [] without buckets)."""
     source_loss: list = field(default_factory=list)
     """Per data.sources: loss sums then target counts (2 * num sources; [] without sources)."""
+    sum_sq_seqlens: float = 0.0
+    """Sum over the packs' sub-sequences of their squared real lengths (the attention term of the model FLOPs)."""
 
     def add_pack(self, *, loss_sum: float, target_tokens: float, real_tokens: int, slots: int,
-                 samples: int, owns_pack: bool, bucket: int = 0, source_loss: Optional[list] = None) -> None:
+                 samples: int, owns_pack: bool, bucket: int = 0, source_loss: Optional[list] = None,
+                 sum_sq_seqlens: float = 0.0) -> None:
         """Add one micro-batch; ``owns_pack`` is True on one rank per pack (CP rank 0), so the
         pack-level counts are not repeated by every CP rank that sees a slice of the pack.
         ``source_loss`` (this rank's shard, like ``loss_sum``) is added on every rank."""
@@ -187,29 +201,31 @@ class StepCounts:
             self.source_loss = [a + b for a, b in zip(self.source_loss, source_loss)]
         if owns_pack:
             self.real_tokens += real_tokens
+            self.sum_sq_seqlens += sum_sq_seqlens
             self.slots += slots
             self.samples += samples
             if self.bucket_real_tokens:
                 self.bucket_real_tokens[bucket] += real_tokens
 
     def to_vector(self) -> list[float]:
-        """``[loss sum, target tokens, real tokens, slots, samples, *bucket real tokens, *source loss]``."""
-        return [self.loss_sum, self.target_tokens, self.real_tokens, self.slots, self.samples,
+        """``[loss sum, target tokens, real tokens, slots, samples, sum of squared sub-sequence lengths,
+        *bucket real tokens, *source loss]``."""
+        return [self.loss_sum, self.target_tokens, self.real_tokens, self.slots, self.samples, self.sum_sq_seqlens,
                 *self.bucket_real_tokens, *self.source_loss]
 
     @classmethod
     def from_vector(cls, values: list[float], num_buckets: int) -> "StepCounts":
         """The inverse of :meth:`to_vector` (``num_buckets``: the length of ``bucket_real_tokens``)."""
-        loss_sum, target, real, slots, samples = values[:5]
+        loss_sum, target, real, slots, samples, sum_sq = values[:6]
         return cls(loss_sum, target, int(real), int(slots), int(samples),
-                   [int(v) for v in values[5:5 + num_buckets]], list(values[5 + num_buckets:]))
+                   [int(v) for v in values[6:6 + num_buckets]], list(values[6 + num_buckets:]), sum_sq)
 
     def reduce(self, group: Optional[dist.ProcessGroup]) -> "StepCounts":
         """Sum over ``group`` (the DP x CP group) in one float64 all-reduce (breakdowns included:
         every rank holds lists of the same sizes, so every rank enters the same collective)."""
         vec = torch.tensor(self.to_vector(), dtype=torch.float64)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(vec, group=group)
+        if group is not None:
+            all_reduce(vec, group=group)
         return StepCounts.from_vector(vec.tolist(), len(self.bucket_real_tokens))
 
     def lm_loss(self) -> float:
@@ -252,8 +268,8 @@ class MetricsWriter:
             for key in ("lm_loss", "target_tokens_per_s", "real_tokens_per_s", "padding_share", "samples",
                         "target_tokens", "target_tokens_spread", "grad_norm", "lr", "step_time_s",
                         "imbalance_before", "imbalance_after", "epoch", "consumed_samples",
-                        "consumed_target_tokens", "elapsed_s"):
-                value = record[key]
+                        "consumed_target_tokens", "elapsed_s", "model_tflops_per_device", "mfu"):
+                value = record.get(key)
                 if value is not None and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, metrics.step)
             for key, value in metrics.breakdown_scalars().items():

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pack.config.schema import Config
+from megatron_pack.parallel.comm import all_gather_into_tensor, all_reduce
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_iters: int, train_iters: int,
@@ -127,13 +128,13 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Optional[dist.Proc
             experts += param.grad.detach().double().pow(2).sum().cpu()
         elif _counts_for_norm(param, tp_group):
             dense += param.grad.detach().double().pow(2).sum().cpu()
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(dense, group=tp_group)
-    if expert_group is not None and dist.get_world_size(expert_group) > 1:
-        dist.all_reduce(experts, group=expert_group)
+    if tp_group is not None:
+        all_reduce(dense, group=tp_group)
+    if expert_group is not None:
+        all_reduce(experts, group=expert_group)
     total = dense + experts
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
+    if pp_group is not None:
+        all_reduce(total, group=pp_group)
     return float(total.sqrt())
 
 
@@ -276,9 +277,7 @@ class _FlatShard:
             at += stop - start
         if self.size == 1:
             return local
-        full = torch.empty(self.shard_size * self.size, dtype=torch.float32)
-        dist.all_gather_into_tensor(full, local, group=self.group)
-        return full
+        return all_gather_into_tensor(local, group=self.group)
 
     def per_param(self, full: torch.Tensor):
         """(param, its view of the flat buffer ``full``) for every parameter, in order."""
@@ -376,8 +375,8 @@ class ShardedTrainOptimizer:
                     out[self.names[param]][key] = value.clone()
         steps = [self.optimizer.state[piece]["step"] for *_, piece in self.pieces if self.optimizer.state.get(piece)]
         step = torch.tensor(float(steps[0]) if steps else 0.0)
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:  # a rank without pieces learns it
-            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if self.dp_group is not None:  # a rank without pieces learns it
+            all_reduce(step, group=self.dp_group, op="max")
         return out, step
 
     def load_checkpoint_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], step: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_pack.parallel.comm import all_reduce, broadcast_objects
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.training.metrics import StepCounts
 
@@ -58,8 +59,7 @@ class StepOutcome:
             raise AssertionError("the last pipeline stage must broadcast a reduced outcome, not a placeholder")
         payload = [asdict(self) if state.is_last_stage else None]
         src = dist.get_global_rank(state.pp_group, state.pp_size - 1)
-        dist.broadcast_object_list(payload, src=src, group=state.pp_group,
-                                   device=state.device if state.device.type == "cuda" else None)
+        broadcast_objects(payload, src=src, group=state.pp_group)
         return StepOutcome.from_dict(payload[0])
 
     @classmethod
@@ -79,18 +79,21 @@ def _as_floats(value) -> list[float]:
 
 
 def local_counts(reports: Sequence[dict], packs: Sequence, *, num_buckets: int, num_sources: int,
-                 owns_packs: bool) -> tuple[StepCounts, int, dict[str, list[float]]]:
+                 owns_packs: bool, sum_sq: Optional[Sequence[int]] = None
+                 ) -> tuple[StepCounts, int, dict[str, list[float]]]:
     """This rank's counts over its micro-batches (``reports`` and ``packs``: one per micro-batch):
     the ``StepCounts``, the target tokens, and the other reports summed by name. ``owns_packs``:
-    this rank counts the pack-level numbers (CP rank 0; the other CP ranks see slices of the same packs)."""
+    this rank counts the pack-level numbers (CP rank 0; the other CP ranks see slices of the same packs).
+    ``sum_sq``: each pack's sum of squared sub-sequence lengths (``flops.sum_sq_seqlens``), for the FLOPs."""
     counts = StepCounts(bucket_real_tokens=[0] * num_buckets, source_loss=[0.0] * (2 * num_sources))
     local_tokens, extra = 0, {}
-    for report, pack in zip(reports, packs):
+    sum_sq = list(sum_sq) if sum_sq is not None else [0] * len(packs)
+    for report, pack, pack_sum_sq in zip(reports, packs, sum_sq):
         loss_sum, num_tokens = _as_floats(report["lm loss"])
         source_loss = _as_floats(report["source loss"]) if "source loss" in report else None
         counts.add_pack(loss_sum=loss_sum, target_tokens=num_tokens, real_tokens=pack.real_tokens,
                         slots=pack.slots, samples=len(pack.sample_ids), owns_pack=owns_packs, bucket=pack.bucket,
-                        source_loss=source_loss)
+                        source_loss=source_loss, sum_sq_seqlens=pack_sum_sq)
         local_tokens += int(round(num_tokens))
         for name in sorted(set(report) - set(COUNTED_REPORTS)):
             values = _as_floats(report[name])
@@ -99,17 +102,18 @@ def local_counts(reports: Sequence[dict], packs: Sequence, *, num_buckets: int, 
 
 
 def reduce_outcome(reports: Sequence[dict], packs: Sequence, *, num_buckets: int, num_sources: int,
-                   owns_packs: bool, group: Optional[dist.ProcessGroup]) -> StepOutcome:
+                   owns_packs: bool, group: Optional[dist.ProcessGroup],
+                   sum_sq: Optional[Sequence[int]] = None) -> StepOutcome:
     """The step's outcome from this rank's micro-batches, summed over ``group`` (DP x CP) in one float64
     all-reduce. Every rank of ``group`` calls it with reports of the same keys and sizes (the same
     loss function, and at least one micro-batch per rank, which every step planner guarantees), so
     every rank enters the same collective whatever its packs hold: only padding or masked tokens."""
     counts, local_tokens, extra = local_counts(reports, packs, num_buckets=num_buckets, num_sources=num_sources,
-                                               owns_packs=owns_packs)
+                                               owns_packs=owns_packs, sum_sq=sum_sq)
     names = sorted(extra)
     vec = torch.tensor(counts.to_vector() + [v for name in names for v in extra[name]], dtype=torch.float64)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(vec, group=group)
+    if group is not None:  # a CPU float64 vector: moved to an NCCL group's device and back by all_reduce
+        all_reduce(vec, group=group)
     values = vec.tolist()
     num_counts = len(counts.to_vector())
     total = StepCounts.from_vector(values[:num_counts], num_buckets)
@@ -121,13 +125,13 @@ def reduce_outcome(reports: Sequence[dict], packs: Sequence, *, num_buckets: int
 
 
 def step_outcome(reports: Sequence[dict], packs: Sequence, state: ParallelState, *, num_buckets: int,
-                 num_sources: int) -> StepOutcome:
+                 num_sources: int, sum_sq: Optional[Sequence[int]] = None) -> StepOutcome:
     """The outcome every rank agrees on: reduced over DP x CP on the last pipeline stage, broadcast to
     the other stages (collective over ``state.dp_cp_group`` there, then over ``state.pp_group``)."""
     outcome = StepOutcome.pending()
     if state.is_last_stage:
         outcome = reduce_outcome(reports, packs, num_buckets=num_buckets, num_sources=num_sources,
-                                 owns_packs=state.cp_rank == 0, group=state.dp_cp_group)
+                                 owns_packs=state.cp_rank == 0, group=state.dp_cp_group, sum_sq=sum_sq)
     return outcome.broadcast_from_last_stage(state)
 
 

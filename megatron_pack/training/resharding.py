@@ -17,8 +17,8 @@ parameter shard) reuses the parameter's sharding under the key prefix ``optimize
 This is megatron-core's ``torch_dist`` format driven directly (its save wrapper assumes CUDA and
 an async writer process): the same conversion (``mcore_to_pyt_state_dict``) and planners, with
 our writer and our allowlisted ``.metadata`` reader (no arbitrary pickle). Checkpoint-format
-objects (``ShardedObject``, e.g. Transformer Engine's ``_extra_state``) are not stored: they hold
-FP8 scaling history, which a bf16/fp32 run does not have.
+objects (``ShardedObject``, e.g. Transformer Engine's ``_extra_state``) are not stored here: that FP8
+scaling history is each rank's own and travels in its rank file (``trainer_checkpoint.module_extra_states``).
 """
 
 from __future__ import annotations

@@ -142,12 +142,10 @@ def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
     return choice.save, choice.path
 
 
-def _on_gpu(cfg: Config) -> bool:
-    if cfg.train.device in ("cuda", "cpu"):
-        return cfg.train.device == "cuda"
-    import torch  # only asked for a resume at another layout (the check runs without torch otherwise)
+def _on_gpu(cfg: Config, host_gpu: bool) -> bool:
+    from megatron_pack.config.device import device_type
 
-    return torch.cuda.is_available()
+    return device_type(cfg.train.device, gpu_present=host_gpu) == "cuda"
 
 
 def layout_meta(world_size: int, tp: int, cp: int, dp: int, ep: int = 1, vp: int = 1) -> dict:
@@ -166,7 +164,8 @@ def same_layout(meta: dict, here: dict) -> bool:
     return all(meta.get(k, _LAYOUT_DEFAULTS.get(k)) == v for k, v in here.items())
 
 
-def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[list[str]] = None) -> Optional[Path]:
+def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[list[str]] = None, *,
+                 host_gpu: bool = False) -> Optional[Path]:
     """The checkpoint this run starts from (None: a fresh start), checked before any process
     group exists; what the run cannot do raises ``ConfigError`` (printed once by the entry,
     exit 2) instead of failing on every rank inside ``Trainer.load``:
@@ -181,7 +180,8 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
       step (``planned_train_iters``), and a full resume with changed lr, schedule, optimizer,
       global batch, seed or data plan, unless ``checkpoint.allow_changed``.
 
-    A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
+    A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout. ``host_gpu``
+    (whether this host has a GPU, probed by the caller) resolves ``train.device=auto``."""
     from megatron_pack.parallel.dims import ParallelDims
 
     iters = planned_train_iters(cfg, dataset, world_size) if dataset is not None else None
@@ -198,7 +198,7 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
                                         cfg.parallel.num_model_chunks).items()
                 if saved.get(k, _LAYOUT_DEFAULTS.get(k)) != v]
     layout_free = saved.get("format") == SHARDED_FORMAT
-    if mismatch and (not layout_free or (kind == "resume" and _on_gpu(cfg))):
+    if mismatch and (not layout_free or (kind == "resume" and _on_gpu(cfg, host_gpu))):
         key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
         why = ("it was written in the older per-tensor-parallel-rank format, which does not reshard" if not layout_free
                else "megatron-core's GPU optimizer state resumes only at the layout that wrote it (the weights reshard;"

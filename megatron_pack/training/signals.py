@@ -75,10 +75,10 @@ class StopRequest:
         if not self.enabled:
             return None
         import torch
-        import torch.distributed as dist
+
+        from megatron_pack.parallel.comm import all_reduce
 
         flag = torch.tensor([received()], dtype=torch.int64, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce(flag, op="max")
         value = int(flag.item())
         return signal.Signals(value).name if value else None

@@ -63,6 +63,36 @@ def _sharded_state(trainer, *, with_optimizer: bool) -> dict:
     return sharded_state(trainer.model_chunks, tensors, step, trainable_only=lora)
 
 
+def _has_extra_state(module: torch.nn.Module) -> bool:
+    return type(module).get_extra_state is not torch.nn.Module.get_extra_state
+
+
+def module_extra_states(chunks) -> dict[str, Any]:
+    """``{module name: module.get_extra_state()}`` of every module of this rank's chunks that keeps extra
+    state (Transformer Engine's layers: their FP8 metadata, the amax history and scales of delayed scaling).
+    It is this rank's own (reduced over the groups by TE as it trains), so it travels in the rank file."""
+    out: dict[str, Any] = {}
+    for v, chunk in enumerate(chunks):
+        for name, module in core_model(chunk).named_modules():
+            if _has_extra_state(module):
+                state = module.get_extra_state()
+                if state is not None:
+                    out[chunk_prefix(v, len(chunks)) + name] = state
+    return out
+
+
+def restore_extra_states(chunks, states: dict[str, Any]) -> int:
+    """``set_extra_state`` on every module ``states`` names (from :func:`module_extra_states`); returns how many."""
+    num_set = 0
+    for v, chunk in enumerate(chunks):
+        for name, module in core_model(chunk).named_modules():
+            key = chunk_prefix(v, len(chunks)) + name
+            if key in states and _has_extra_state(module):
+                module.set_extra_state(states[key])
+                num_set += 1
+    return num_set
+
+
 def _train_state(trainer) -> dict:
     """The run's position, the same on every rank: written once, in meta.json."""
     elapsed = trainer.history[-1].elapsed_s if trainer.history else trainer.elapsed_before_s
@@ -80,8 +110,8 @@ def save_trainer(trainer, root: str | Path) -> Path:
             "train_state": _train_state(trainer), "settings": settings(trainer)}
     # each DP rank's own loader position too (online buffers and planned steps differ per rank);
     # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
-    rank_state = {"rng": ckpt.rng_state(), "optimizer": trainer.optimizer.rank_state(),
-                  "loader": trainer.loader.state_dict()}
+    rank_state = {"rng": ckpt.rng_state(trainer.state.device), "optimizer": trainer.optimizer.rank_state(),
+                  "loader": trainer.loader.state_dict(), "extra_state": module_extra_states(trainer.model_chunks)}
     return ckpt.save_checkpoint(root, trainer.step, model_state={}, optim_state={}, rank_state=rank_state,
                                 meta=meta, keep_last=trainer.cfg.checkpoint.keep_last, sharded_state=sharded)
 
@@ -124,7 +154,11 @@ def load_trainer(trainer, path: str | Path) -> list[str]:
     rank_state = ckpt.read_rank_state(path) if same else None
     if rank_state is not None:
         trainer.optimizer.load_rank_state(rank_state.get("optimizer"))
-        ckpt.set_rng_state(rank_state["rng"])
+        ckpt.set_rng_state(rank_state["rng"], trainer.state.device)
+        restore_extra_states(trainer.model_chunks, rank_state.get("extra_state") or {})
+    elif module_extra_states(trainer.model_chunks):
+        log.warning("resumed %s at another layout: Transformer Engine's per-rank FP8 scaling history "
+                    "(_extra_state) starts over; the weights and optimizer state are resumed", path)
     train_state = dict(meta["train_state"])
     loader_state = rank_loader_state(trainer.state, path, meta, rank_state)
     if loader_state is not None:

@@ -30,19 +30,17 @@ def _cfg(**model) -> Config:
 ], ids=["torch_forced", "auto_gpu_te", "auto_no_te", "auto_no_cuda", "te_available", "pack_causal_forces_torch"])
 def test_choose_backend(monkeypatch, requested, te_ok, cuda, mode, expected):
     monkeypatch.setattr(builder, "te_import_error", lambda: None if te_ok else "ImportError: no TE")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert builder.choose_backend(requested, attention_mode=mode) == expected
+    assert builder.choose_backend(requested, attention_mode=mode, on_gpu=cuda) == expected
 
 
 @pytest.mark.parametrize("te_ok,cuda,match", [
     (False, True, r"model.attention_backend \('te'\) needs Transformer Engine.*ImportError"),
-    (True, False, r"CUDA is not available.*set model.attention_backend=torch"),
+    (True, False, r"this run's device is the CPU.*set model.attention_backend=torch"),
 ], ids=["te_missing", "cuda_missing"])
 def test_te_backend_unavailable_is_a_clear_error(monkeypatch, te_ok, cuda, match):
     monkeypatch.setattr(builder, "te_import_error", lambda: None if te_ok else "ImportError: no TE")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     with pytest.raises(ValueError, match=match):
-        builder.choose_backend("te")
+        builder.choose_backend("te", on_gpu=cuda)
 
 
 def test_pack_causal_with_te_is_refused():
@@ -290,5 +288,4 @@ def test_sbhd_batches_attend_causally_per_row(world_of_one):
 def test_apex_wgrad_fusion_only_with_cuda_and_apex(monkeypatch):
     assert builder.apex_wgrad_fusion_available() is False  # this CPU host
     assert builder.transformer_config_from(Config()).gradient_accumulation_fusion is False
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert builder.apex_wgrad_fusion_available() is False  # CUDA but no apex extension
+    assert builder.apex_wgrad_fusion_available(on_gpu=True) is False  # a GPU run but no apex extension

@@ -208,6 +208,11 @@ CASES = [
     ("batch_size", {}, dict(world_size=3),
      ("train.global_batch_size (8)", "1*3", "set train.global_batch_size=9")),
     ("device", dict(train__device="cpu"), {}, ()),
+    ("host_device", dict(train__device="cuda"), dict(host_gpu=True), ()),
+    ("host_device", dict(train__device="cuda"), dict(host_gpu=False),
+     ("train.device (cuda) needs a GPU", "set train.device=cpu (or auto)")),
+    ("host_device", dict(parallel__backend="nccl"), dict(host_gpu=False),
+     ("parallel.backend (nccl) needs the run on a GPU", "set parallel.backend=gloo (or auto)")),
     ("device", dict(train__device="cpu", model__attention_backend="te", parallel__backend="nccl"), {},
      ("model.attention_backend (te)", "set model.attention_backend=auto", "set parallel.backend=gloo")),
     ("dataset_meta", dict(parallel__context_parallel_size=2, packing__pad_cu_seqlens=True,
@@ -299,7 +304,8 @@ def test_rule(case):
     rule, overrides, kwargs, fragments = case
     cfg = make(**overrides)
     problems = _run_rule(rule, cfg, kwargs)
-    validate_kwargs = dict(world_size=kwargs.get("world_size"), dataset_meta=kwargs.get("meta"))
+    validate_kwargs = dict(world_size=kwargs.get("world_size"), dataset_meta=kwargs.get("meta"),
+                           host_gpu=kwargs.get("host_gpu"))
     if not fragments:
         assert problems == []
         validate(cfg, **validate_kwargs)  # the passing case is a fully valid config

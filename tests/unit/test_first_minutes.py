@@ -86,11 +86,12 @@ def test_the_step_line_keeps_to_about_160_characters():
                     source_loss={f"source{i}": 1.0 for i in range(8)},
                     source_target_share={f"source{i}": 0.125 for i in range(8)},
                     val_source_loss={f"source{i}": 1.0 for i in range(8)},
-                    val_source_target_share={f"source{i}": 0.125 for i in range(8)})
+                    val_source_target_share={f"source{i}": 0.125 for i in range(8)},
+                    model_tflops_per_device=412.345, mfu=0.41694)
     line = m.line(100000)
     assert len(line) <= 160, (len(line), line)
     for fragment in ("step 12345/100000", "loss 12.345679", "val loss 2.345678", "lr 3.00e-04", "tok/s",
-                     "padding 5.0%", "12345 ms", "ETA 100h00m00s"):
+                     "412 TFLOP/s/dev (MFU 41.7%)", "padding 5.0%", "12345 ms", "ETA 100h00m00s"):
         assert fragment in line, (fragment, line)
     record = m.record()  # nothing left out of the record
     assert record["source_loss"]["source7"] == 1.0 and record["consumed_target_tokens"] == 10**9

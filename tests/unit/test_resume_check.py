@@ -113,22 +113,21 @@ def test_refused_exactly_when_the_layout_differs(tmp_path_factory):
 def test_layout_free_checkpoint_resumes_at_another_layout_on_cpu(tmp_path, monkeypatch, saved, run):
     from megatron_pack.training.checkpoint import SHARDED_FORMAT
 
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     written = _write_checkpoint(tmp_path / "run" / "checkpoints", *saved, fmt=SHARDED_FORMAT)
     world, tp, cp = run
-    assert check_resume(_cfg(tmp_path, tp, cp), world) == written
+    assert check_resume(_cfg(tmp_path, tp, cp), world, host_gpu=False) == written
 
 
 def test_layout_free_checkpoint_at_another_layout_refused_on_gpu(tmp_path, monkeypatch):
     from megatron_pack.training.checkpoint import SHARDED_FORMAT
 
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2, fmt=SHARDED_FORMAT)
     with pytest.raises(ConfigError, match="megatron-core's GPU optimizer state resumes only at the layout that wrote"):
-        check_resume(_cfg(tmp_path, 1, 1), 2)
+        check_resume(_cfg(tmp_path, 1, 1), 2, host_gpu=True)  # train.device=auto on a GPU host
+    assert check_resume(_cfg(tmp_path, 1, 1, "train.device=cpu"), 2, host_gpu=True) is not None  # a CPU run there
     weights_only = _cfg(tmp_path, 1, 1, f"checkpoint.load={tmp_path}/run/checkpoints", "checkpoint.load_weights_only=true",
                         f"checkpoint.save={tmp_path}/new")
-    assert check_resume(weights_only, 2) is not None  # weights reshard on any device
+    assert check_resume(weights_only, 2, host_gpu=True) is not None  # weights reshard on any device
 
 
 def test_older_format_names_why(tmp_path):

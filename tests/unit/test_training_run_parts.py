@@ -279,3 +279,59 @@ def test_another_tp_cp_layout_resumes_each_dp_ranks_own_loader_state(tmp_path, s
     meta = {"tensor_model_parallel_size": tp, "context_parallel_size": cp, "data_parallel_size": dp}
     got = rank_loader_state(SimpleNamespace(dp_size=run[0], dp_rank=run[1]), tmp_path, meta, None)
     assert got == (None if rank_file is None else {"written_by": rank_file})
+
+
+class _CountingTrainer:
+    """``Trainer.train_step`` over fixed counts (``compute_gradients`` replaced): the window is the trainer's."""
+
+    @staticmethod
+    def build(cfg):
+        from megatron_pack.training import loop
+        from megatron_pack.training.metrics import StepCounts
+        from megatron_pack.training.optim import LRSchedule
+        from megatron_pack.training.schedule import PackInfo
+
+        class Trainer(loop.Trainer):
+            def compute_gradients(self):
+                packs = [PackInfo(sample_ids=[self.step, self.step + 100], real_tokens=10, slots=16)]
+                return StepCounts(loss_sum=20.0, target_tokens=8.0, real_tokens=8, slots=16, samples=2,
+                                  sum_sq_seqlens=34.0), packs
+
+        optimizer = SimpleNamespace(step=lambda lr: 1.0)
+        loader = SimpleNamespace(epoch=0.0)
+        return Trainer(cfg=cfg, state=SimpleNamespace(dp_size=1, world_size=2), model_chunks=[], optimizer=optimizer,
+                       schedule=LRSchedule(cfg, 12), loader=loader, forward_step_func=None, train_iters=12,
+                       peak_tflops=1e-3)
+
+
+def test_history_and_pack_log_keep_a_window_and_metrics_jsonl_every_step(tmp_path, monkeypatch):
+    from megatron_pack.training import loop
+    from megatron_pack.training.metrics import MetricsWriter, read_metrics
+
+    monkeypatch.setattr(loop, "HISTORY_WINDOW", 4)
+    trainer = _CountingTrainer.build(Config(train=TrainConfig(train_iters=12, output_dir=str(tmp_path))))
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=False, train_iters=12)
+    for _ in range(12):
+        writer.write(trainer.train_step())
+    writer.close()
+    assert [m.step for m in trainer.history] == [9, 10, 11, 12]  # the newest 4 steps, in order
+    assert [ids for (ids,) in trainer.pack_log] == [[8, 108], [9, 109], [10, 110], [11, 111]]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 13))  # the rest: on disk
+    assert loop.Trainer.__dataclass_fields__["history"].default_factory().maxlen == 4
+
+
+def test_the_step_reports_model_flops_per_device_and_mfu(tmp_path):
+    """The tiny model's step of sub-sequences 3 and 5 is 5,629,440 model FLOPs (tests/unit/test_flops.py), over
+    2 devices and the step's time: in the step line and metrics.jsonl (whose keys TensorBoard's train/ tags take)."""
+    from megatron_pack.training.metrics import MetricsWriter, read_metrics
+
+    trainer = _CountingTrainer.build(Config(train=TrainConfig(train_iters=12, output_dir=str(tmp_path))))
+    m = trainer.train_step()
+    assert m.model_tflops_per_device == pytest.approx(5629440 / 2 / m.step_time_s / 1e12)
+    assert m.mfu == pytest.approx(m.model_tflops_per_device / 1e-3)
+    assert f"{m.model_tflops_per_device:.3g} TFLOP/s/dev (MFU {100 * m.mfu:.1f}%)" in m.line(12)
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=False, train_iters=12)
+    writer.write(m)
+    writer.close()
+    record = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert record["model_tflops_per_device"] == m.model_tflops_per_device and record["mfu"] == m.mfu

@@ -152,7 +152,7 @@ class PackFeed:
 
     def _in_turn(self, items: Iterator[ReadyPack], next_worker: int) -> Iterator[ReadyPack]:
         expect = next_worker
-        pin = self.pin_memory and torch.cuda.is_available()
+        pin = self.pin_memory  # the caller passes the run's device: True only on a GPU
         try:
             for item in items:
                 if item.worker != expect:  # the rotation rests on the DataLoader's strict round-robin

@@ -260,7 +260,7 @@ class StepLoader:
         # its own generator: a DataLoader iterator otherwise draws its workers' base seed from the global
         # torch RNG, and a resumed run makes its iterator after restoring the RNG: the draw would shift
         # every later dropout mask against the uninterrupted run (collate draws nothing)
-        kwargs: dict[str, Any] = {"pin_memory": pin_memory and torch.cuda.is_available(),
+        kwargs: dict[str, Any] = {"pin_memory": pin_memory,  # the caller passes the run's device: True only on a GPU
                                   "generator": torch.Generator().manual_seed(0)}
         if num_workers > 0:
             kwargs["prefetch_factor"] = 2

@@ -254,7 +254,7 @@ def count_parameters(model: nn.Module, tp_group=None, expert_group=None, ep_grou
     every EP x expert-TP rank holds another shard) when split over expert TP, else over ``ep_group``
     (``pg_collection.ep``; an expert adapter's half that is whole on every expert-TP rank); every rank of
     those groups must call it too."""
-    import torch.distributed as dist
+    from megatron_pack.parallel.comm import all_reduce
 
     split = torch.zeros(2, dtype=torch.float64)  # [trainable, total] of TP-split tensors on this rank
     experts = {True: torch.zeros(2, dtype=torch.float64), False: torch.zeros(2, dtype=torch.float64)}
@@ -270,8 +270,8 @@ def count_parameters(model: nn.Module, tp_group=None, expert_group=None, ep_grou
             whole[0] += n if param.requires_grad else 0
             whole[1] += n
     for tensor, group in ((split, tp_group), (experts[True], expert_group), (experts[False], ep_group)):
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(tensor, group=group)
+        if group is not None:
+            all_reduce(tensor, group=group)
     total = split + experts[True] + experts[False]
     return int(total[0]) + whole[0], int(total[1]) + whole[1]
 
