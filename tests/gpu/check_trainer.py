@@ -85,7 +85,8 @@ def train_losses(overrides: list[str], device: str, steps: int) -> dict:
 
     from megatron_pack.config import load_config
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.loop import build_loader, build_trainer, open_dataset
+    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.training.loop import build_loader, build_trainer
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 on both sides: the CPU has no TF32
     torch.backends.cudnn.allow_tf32 = False
@@ -96,6 +97,7 @@ def train_losses(overrides: list[str], device: str, steps: int) -> dict:
         metrics = [trainer.train_step() for _ in range(steps)]
         return {"losses": [m.lm_loss for m in metrics], "step_s": [m.step_time_s for m in metrics],
                 "real_tokens": [m.real_tokens for m in metrics], "device": str(state.device),
+                "tflops": [m.model_tflops_per_device for m in metrics], "mfu": [m.mfu for m in metrics],
                 "optimizer": type(trainer.optimizer).__name__}
     finally:
         destroy_parallel(destroy_process_group=True)
@@ -113,11 +115,17 @@ def _cpu_losses(overrides: list[str], steps: int, timeout: int) -> dict:
 
 
 def _speed(run: dict) -> str:
-    """Median step time after the first step (the step metrics carry no model FLOP/s in this tree)."""
+    """Median step time after the first step, with the step's model TFLOP/s per device and MFU (where the peak is known)."""
     times = run["step_s"][1:] or run["step_s"]
     median = statistics.median(times)
     tokens = statistics.median(run["real_tokens"])
-    return f"median step {median * 1e3:.1f} ms ({tokens / median:,.0f} real tokens/s)"
+    line = f"median step {median * 1e3:.1f} ms ({tokens / median:,.0f} real tokens/s)"
+    tflops = [t for t in (run["tflops"][1:] or run["tflops"]) if t is not None]
+    if tflops:
+        line += f", {statistics.median(tflops):.3g} model TFLOP/s/dev"
+        mfu = [m for m in (run["mfu"][1:] or run["mfu"]) if m is not None]
+        line += f" (MFU {100 * statistics.median(mfu):.2f}%)" if mfu else " (no peak known for this device)"
+    return line
 
 
 def _changes(losses: list[float]) -> bool:
