@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
     from megatron_pack.cli.launch import worker_started
     from megatron_pack.cli.preflight import check_train
     from megatron_pack.cli.run_config import load_run_config
+    from megatron_pack.config.host import Host
 
     check_only = CHECK_FLAG in argv
     line = parse_command_line("train", [a for a in argv if a != CHECK_FLAG])
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
     checked_world = None if line.print_config and "WORLD_SIZE" not in os.environ else world_size
     try:
         run = load_run_config(line.overrides, config_dirs=line.config_dirs, world_size=checked_world,
-                              open_data=not line.print_config)
+                              open_data=not line.print_config, host=Host.probe(), command="train")
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         cfg, dataset = run.cfg, run.dataset
