@@ -30,9 +30,10 @@ COMMON_KEYS = {
                "export.adapter", "export.merge"],
     "verify": ["data.dataset_dir", "data.plan", "verify.num_packs", "verify.checkpoint", "verify.tolerance",
                "verify.attention"],
-    "train": ["data.dataset_dir", "data.plan", "train.train_iters", "train.lr", "train.global_batch_size",
-              "train.micro_batch_size", "parallel.context_parallel_size", "parallel.tensor_model_parallel_size",
-              "train.output_dir", "checkpoint.load", "packing.mode"],
+    "train": ["data.dataset_dir", "data.plan", "model.pretrained", "peft.method", "train.train_iters", "train.lr",
+              "train.global_batch_size", "train.micro_batch_size", "parallel.context_parallel_size",
+              "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+              "parallel.expert_model_parallel_size", "train.output_dir", "checkpoint.load", "packing.mode"],
 }
 USAGE_EXTRA = {
     "prepare": ("Shorthands: input=PATH (data=files data.input=PATH), tokenizer=X, output=DIR (data.dataset_dir), "

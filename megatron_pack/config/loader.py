@@ -296,12 +296,26 @@ def compose_config(overrides: list[str], *, config_dirs: Sequence[str | Path] = 
     problems = shadow_problems(user_dirs)
     if problems:
         raise ConfigError(problems)
-    with experiment_files(_normalize(list(overrides))) as (overrides, scratch):
+    given = _normalize(list(overrides))
+    with experiment_files(given) as (overrides, scratch):
         search = user_dirs + scratch
-        refused = override_problems(overrides, [PRESETS_DIR, *search])
-        if refused:  # the other overrides are still composed, so every problem shows at once
-            raise ConfigError(list(refused.values()) + _field_problems([o for o in overrides if o not in refused], search))
-        return apply_pretrained(to_config(_compose(overrides, search)), overrides)
+        files = {r.partition("=")[2]: o.partition("=")[2] for o, r in zip(given, overrides) if o != r}
+        try:
+            refused = override_problems(overrides, [PRESETS_DIR, *search])
+            if refused:  # the other overrides are still composed, so every problem shows at once
+                raise ConfigError(list(refused.values())
+                                  + _field_problems([o for o in overrides if o not in refused], search))
+            return apply_pretrained(to_config(_compose(overrides, search)), overrides)
+        except ConfigError as exc:
+            raise _naming_files(exc, files) from None
+
+
+def _naming_files(exc: ConfigError, files: dict[str, str]) -> ConfigError:
+    """``exc`` with Hydra's ``In 'experiment/run'`` written as the file the user named (``experiment=path/run.yaml``)."""
+    problems = list(exc.problems)
+    for name, path in files.items():
+        problems = [p.replace(f"In 'experiment/{name}'", f"In {path} (experiment={path})") for p in problems]
+    return ConfigError(problems)
 
 
 def _field_problems(overrides: list[str], search: list[Path]) -> list[str]:

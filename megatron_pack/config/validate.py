@@ -25,7 +25,7 @@ from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_
                                          fp8_token_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["RULES", "Rule", "collect_problems", "effective_pad_multiple", "launch_problems", "prepare_problems",
+__all__ = ["RULES", "Rule", "collect_problems", "config_warnings", "effective_pad_multiple", "launch_problems", "prepare_problems",
            "validate", "validate_parallel", "vocab_problems"]
 
 
@@ -851,6 +851,17 @@ def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None
                 + _expert_parallel_problems(par, world_size))
     if problems:
         raise ConfigError(problems)
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that run but are most likely not what was meant: one line each, printed once by ``train``
+    and ``train --check`` (never a refusal)."""
+    t = cfg.train
+    if t.train_iters is not None and t.lr_warmup_iters >= t.train_iters:
+        return [f"train.lr_warmup_iters ({t.lr_warmup_iters}) >= train.train_iters ({t.train_iters}): the learning "
+                f"rate never reaches train.lr ({t.lr:g}) and never decays; set train.lr_warmup_iters below "
+                f"{t.train_iters} (e.g. {t.train_iters // 10}) or raise train.train_iters."]
+    return []
 
 
 def launch_problems(cfg: Config, *, world_size: Optional[int], host: Optional[Host] = None,
