@@ -244,3 +244,71 @@ def test_the_seq_length_rule_names_the_packing_mode_it_runs_under(folders):
     status, text = run_cli(folders, "train", "--check", "data.dataset_dir=ds256", "packing.mode=online",
                            "packing.packed_sequence_size=256", "model.seq_length=512", env=CPU_HOST)
     assert status == 2 and "with packing.mode=online (a pack is one sequence); set model.seq_length=256" in text, text
+
+
+def test_train_check_speaks_plainly_on_this_host(folders):
+    """Before: "0.00419e9 parameters", "fused GPU kernels" on a CPU host, no word on a warmup longer than the run,
+    and "OnlineSource" for online packs."""
+    out = ok(folders, "train", "--check", "data.dataset_dir=ds256", "train.train_iters=3", "train.lr_warmup_iters=5",
+             env=CPU_HOST)
+    assert "K parameters on this rank; activations of unfused CPU kernels" in out and "e9 parameters" not in out, out
+    assert "warning: train.lr_warmup_iters (5) >= train.train_iters (3)" in out, out
+    online = ok(folders, "train", "--check", "data.dataset_dir=ds256", "packing.mode=online", env=CPU_HOST)
+    assert "online packs of 256 tokens from the token store ds256" in online and "OnlineSource" not in online, online
+
+
+def test_train_help_names_the_keys_people_run_with():
+    from megatron_pack.cli.args import help_text
+
+    text = help_text("train", [])
+    for key in ("model.pretrained", "peft.method", "parallel.pipeline_model_parallel_size",
+                "parallel.expert_model_parallel_size", "packing.mode"):
+        assert f"  {key}=" in text, key
+
+
+def test_a_typo_in_an_experiment_file_names_the_file(work):
+    (work / "my_run.yaml").write_text("train:\n  lrr: 1e-4\n")
+    text = refused(work, "train", "--check", "data.dataset_dir=ds", "experiment=my_run.yaml")
+    assert "In my_run.yaml (experiment=my_run.yaml)" in text and "did you mean 'train.lr'?" in text, text
+
+
+def test_the_mixture_heading_says_mixture():
+    from megatron_pack.cli.inspect import _details_title
+
+    mixed = {"mixture": {"per_source": [{"name": "chat"}]}}
+    assert _details_title([mixed]) == "source mixture:"
+    assert _details_title([mixed, {"on_overflow": "split"}]) == "split samples, source mixture:"
+
+
+def test_a_quiet_run_shows_each_library_warning_at_most_once(folders):
+    """Before: 14 of 44 lines of a 20-step run were library warnings (TE / Apex fallbacks from several modules,
+    each with its source line, and the RerunStateMachine notices). A fresh `megatron-pack train` process."""
+    import os
+    import subprocess
+
+    env = {**{k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")},
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": ""}  # one process, no torchrun: a world of one
+    out = subprocess.run([sys.executable, "-m", "megatron_pack.cli.main", "train", "data.dataset_dir=ds256",
+                          "train.train_iters=2", "train.lr_warmup_iters=1", "logging.tensorboard=false",
+                          "checkpoint.enabled=false", "train.output_dir=runs/quiet"], cwd=folders, env=env,
+                         capture_output=True, text=True, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    warned = [ln for ln in log.splitlines() if "Warning: " in ln]
+    assert warned and all(warned.count(ln) == 1 for ln in warned), warned  # the fallback notice at least
+    assert sum("not installed" in ln for ln in warned) == 1, warned
+    assert "warnings.warn(" not in log and "Rerun" not in log, log
+    assert len(warned) <= 3, warned
+
+
+def test_the_documented_tiny_folder_prepares_and_checks_as_written(tmp_path):
+    """Before: docs/models.md's tiny folder + `prepare experiment=pretrained_tiny` failed on a 259-token sample (the
+    tests built that folder's tokenizer from another corpus, so they never saw it)."""
+    from _hf import docs_tiny_llama
+
+    assert (docs_tiny_llama(tmp_path) / "tokenizer.json").is_file()
+    out = ok(tmp_path, "prepare", "experiment=pretrained_tiny")
+    assert "truncated" in out
+    checked = ok(tmp_path, "train", "--check", "experiment=pretrained_tiny", "peft=lora",
+                 env={**CPU_HOST, "WORLD_SIZE": "2"})
+    assert "config ok for 2 rank(s)" in checked
