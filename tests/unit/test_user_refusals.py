@@ -312,3 +312,18 @@ def test_the_documented_tiny_folder_prepares_and_checks_as_written(tmp_path):
     checked = ok(tmp_path, "train", "--check", "experiment=pretrained_tiny", "peft=lora",
                  env={**CPU_HOST, "WORLD_SIZE": "2"})
     assert "config ok for 2 rank(s)" in checked
+
+
+def test_the_launch_script_refuses_fp8_on_this_host_before_torchrun(work):
+    """launch/single_node.sh runs `train --check` as a run of its world size: the host rules refuse there, once,
+    exit 2, and torchrun never starts (before: every rank failed inside torchrun)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**{k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")},
+           "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(root / "launch" / "single_node.sh"), "2", "data.dataset_dir=ds",
+                           "model.fp8=delayed"], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("model.fp8 (delayed) needs CUDA") == 1 and "[rank" not in proc.stdout + proc.stderr
