@@ -39,6 +39,11 @@ CHECK_FLAG = "--check"
 (0 and "config ok", or 2 and the problems). The launch scripts run it once before torchrun."""
 
 
+CHECK_HOST_ENV = "MEGATRON_PACK_CHECK_HOST"
+"""``here`` (set by ``launch/common.sh``): ``train --check`` checks the host rules for this host even for a config
+naming ``train.device=cuda`` (``config.host.Host.checks_declared_gpu``)."""
+
+
 REFUSAL_WAIT_S = 60.0
 """How long a local rank other than 0 waits before exiting on a refused run (see ``_refusal``)."""
 
@@ -118,11 +123,13 @@ def main(argv: list[str]) -> int:
     from megatron_pack.training.resume import check_resume  # the check imports no torch (a fast --check)
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    # a plain --check may be for another host (a cluster's config on a laptop); the launch scripts' is for this one
+    host = Host.probe(checks_declared_gpu=check_only and os.environ.get(CHECK_HOST_ENV) != "here")
     # --cfg job outside torchrun prints the config without the world-size rules (no world yet)
     checked_world = None if line.print_config and "WORLD_SIZE" not in os.environ else world_size
     try:
         run = load_run_config(line.overrides, config_dirs=line.config_dirs, world_size=checked_world,
-                              open_data=not line.print_config, host=Host.probe(), command="train")
+                              open_data=not line.print_config, host=host, command="train")
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         cfg, dataset = run.cfg, run.dataset
@@ -138,7 +145,10 @@ def main(argv: list[str]) -> int:
     if check_only:
         print(f"megatron-pack train: config ok for {world_size} rank(s); {describe_data(dataset, validation)}"
               + (f"; resumes from {resume}" if resume else ""), flush=True)
-        print(f"megatron-pack train: {memory_line(cfg, world_size, Host.probe())}", flush=True)
+        print(f"megatron-pack train: {memory_line(cfg, world_size, host.for_device(cfg.train.device))}", flush=True)
+        if host.for_device(cfg.train.device) is not host:
+            print("megatron-pack train: checked for the GPU host train.device=cuda names (with Transformer Engine); "
+                  "this host has no GPU, so the run itself would be refused here", flush=True)
         for line in passed_over:  # damaged newer checkpoints: said once, before launch
             print(f"megatron-pack train: {line}", file=sys.stderr, flush=True)
         return 0

@@ -48,12 +48,23 @@ class Host:
     """Transformer Engine is installed (its FP8 GEMMs, fused attention and CUDA-graph support)."""
     nvte_allow_nondeterministic: Optional[str] = None
     """The environment's NVTE_ALLOW_NONDETERMINISTIC_ALGO (train.deterministic with Transformer Engine needs 0)."""
+    checks_declared_gpu: bool = False
+    """``train --check``: a config that names ``train.device=cuda`` is checked for the GPU host it names (with
+    Transformer Engine) when this host has no GPU, so a cluster's config can be checked on a laptop; a run
+    (``train``) is always checked for this host."""
 
     @classmethod
-    def probe(cls) -> "Host":
+    def probe(cls, *, checks_declared_gpu: bool = False) -> "Host":
         """This machine, without importing torch or Transformer Engine."""
         return cls(gpu=gpu_visible(), transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
-                   nvte_allow_nondeterministic=os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO"))
+                   nvte_allow_nondeterministic=os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO"),
+                   checks_declared_gpu=checks_declared_gpu)
+
+    def for_device(self, requested: str) -> "Host":
+        """The host the rules check a config of ``train.device=requested`` for (see ``checks_declared_gpu``)."""
+        if self.checks_declared_gpu and requested == "cuda" and not self.gpu:
+            return Host(gpu=True, transformer_engine=True)
+        return self
 
     def device(self, requested: str) -> str:
         """``train.device`` as a run here resolves it: 'auto' is cuda with a GPU, else cpu."""

@@ -561,6 +561,7 @@ def _validate_device(cfg: Config, host: Optional[Host] = None) -> list[str]:
     """Options that need CUDA (or Transformer Engine) are refused where the run will not have it: on an explicit
     CPU run always, and, where the host is known (train, verify, the launch scripts), on the device
     ``train.device`` resolves to here. Nothing else refuses them later (model/builder.py, parallel/groups.py)."""
+    host = None if host is None else host.for_device(cfg.train.device)
     device = cfg.train.device if host is None else host.device(cfg.train.device)
     why = f"train.device={cfg.train.device}" if host is None else host.describe(cfg.train.device)
     if device == "cpu":

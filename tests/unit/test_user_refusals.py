@@ -41,8 +41,18 @@ HOST_REFUSALS = [  # (id, overrides, the key refused): settings this CPU host ca
     ("fp8-cpu-explicit", ["model.fp8=current", "train.device=cpu"], "model.fp8 (current) needs CUDA"),
     ("nccl", ["parallel.backend=nccl"], "parallel.backend (nccl) needs CUDA"),
     ("te-attention", ["model.attention_backend=te"], "model.attention_backend (te) needs CUDA"),
-    ("cuda-device", ["train.device=cuda"], "train.device (cuda) needs a GPU"),
 ]
+
+
+def test_a_gpu_config_is_checked_for_its_gpu_host_but_refused_for_a_run_here(work):
+    """`train --check train.device=cuda` on a laptop checks the config for the GPU host it names (so a cluster's
+    recipe can be checked anywhere) and says so; the launch scripts' check (MEGATRON_PACK_CHECK_HOST=here) and
+    `train` itself refuse it here."""
+    status, text = _check(work, "train.device=cuda")
+    assert status == 0 and "checked for the GPU host train.device=cuda names" in text, text
+    status, text = run_cli(work, "train", "--check", "data.dataset_dir=ds", "train.device=cuda",
+                           env={**CPU_HOST, "MEGATRON_PACK_CHECK_HOST": "here"})
+    assert status == 2 and "train.device (cuda) needs a GPU" in text, text
 
 
 @pytest.mark.parametrize("overrides,expected", [c[1:] for c in HOST_REFUSALS], ids=[c[0] for c in HOST_REFUSALS])
