@@ -28,5 +28,8 @@ fi
 check_config() {
   local world_size=$1
   shift
-  WORLD_SIZE=$world_size RANK=0 LOCAL_RANK=0 "$PY" -m megatron_pack.train --check "$@" >/dev/null || exit $?
+  # MEGATRON_PACK_CHECK_HOST=here: the run starts on this host, so its rules are checked for this host even when
+  # the config names train.device=cuda (a plain `train --check` checks such a config for the GPU host it names)
+  MEGATRON_PACK_CHECK_HOST=here WORLD_SIZE=$world_size RANK=0 LOCAL_RANK=0 "$PY" -m megatron_pack.train --check "$@" \
+    >/dev/null || exit $?
 }

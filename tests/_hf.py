@@ -178,3 +178,22 @@ def packed_logits(root: Path, args: list[str], weights: Path, samples: list[list
         os.chdir(cwd)
     cu = batch["cu_seqlens_padded"].tolist()
     return [logits[cu[i]:cu[i] + len(s) - 1, :VOCAB] for i, s in enumerate(samples)]
+
+
+def docs_tiny_llama(work: Path | str) -> Path:
+    """``work/models/tiny-llama`` made by running docs/models.md's snippet as written ("A tiny folder for
+    `experiment=pretrained_tiny`"), so the tests prove the folder the docs tell people to build."""
+    import os
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    section = doc.split("## A tiny folder for `experiment=pretrained_tiny`", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    cwd = os.getcwd()
+    try:
+        os.chdir(work)
+        torch.manual_seed(0)
+        exec(compile(code, "docs/models.md", "exec"), {})
+    finally:
+        os.chdir(cwd)
+    return Path(work) / "models" / "tiny-llama"

@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional, Union
 
+from megatron_pack.config.foreign_names import flag_override, foreign_name
+
 COMMON_KEYS = {
     "prepare": ["data.input", "data.tokenizer", "data.dataset_dir", "data.schema", "packing.packed_sequence_size",
                 "packing.on_overflow", "packing.algorithm", "parallel.context_parallel_size", "packing.export"],
@@ -28,9 +30,10 @@ COMMON_KEYS = {
                "export.adapter", "export.merge"],
     "verify": ["data.dataset_dir", "data.plan", "verify.num_packs", "verify.checkpoint", "verify.tolerance",
                "verify.attention"],
-    "train": ["data.dataset_dir", "data.plan", "train.train_iters", "train.lr", "train.global_batch_size",
-              "train.micro_batch_size", "parallel.context_parallel_size", "parallel.tensor_model_parallel_size",
-              "train.output_dir", "checkpoint.load", "packing.mode"],
+    "train": ["data.dataset_dir", "data.plan", "model.pretrained", "peft.method", "train.train_iters", "train.lr",
+              "train.global_batch_size", "train.micro_batch_size", "parallel.context_parallel_size",
+              "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+              "parallel.expert_model_parallel_size", "train.output_dir", "checkpoint.load", "packing.mode"],
 }
 USAGE_EXTRA = {
     "prepare": ("Shorthands: input=PATH (data=files data.input=PATH), tokenizer=X, output=DIR (data.dataset_dir), "
@@ -93,12 +96,23 @@ def parse_command_line(command: str, argv: list[str]) -> Union[CommandLine, int]
                 line.print_config = True
             else:
                 line.config_dirs.append(value)
+        elif arg.startswith("--") and flag_override(argv, i):
+            return _foreign_flag(command, argv, i)
         elif arg.startswith("-") and "=" not in arg:
             return _bad_option(command, f"unknown option {arg}")
         else:
             line.overrides.append(arg)
         i += 1
     return line
+
+
+def _foreign_flag(command: str, argv: list[str], i: int) -> int:
+    """A Megatron-LM flag (``--tensor-model-parallel-size 2``): the override it means, in one line."""
+    entry = foreign_name(argv[i])
+    how = f" ({entry.name} {entry.differs})" if entry.differs else ""
+    print(f"megatron-pack {command}: {argv[i].split('=', 1)[0]} is a Megatron-LM flag; write "
+          f"{flag_override(argv, i)} instead (key=value overrides){how}.", file=sys.stderr)
+    return 2
 
 
 def _bad_option(command: str, problem: str) -> int:

@@ -136,7 +136,16 @@ def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
     title = "settings (manifest):" if named else "settings that tell the plans apart (data.plan=<name> picks one):"
     return "\n".join(lines + ["", _table(rows)] + ["", "kept and lost (tokens = THD positions):"] + lost
                      + (["", title] + settings if settings else [])
-                     + (["", "strategies:"] + details if details else []) + ["", "reports:"] + reports)
+                     + (["", _details_title(metas)] + details if details else []) + ["", "reports:"] + reports)
+
+
+def _details_title(metas: list[dict]) -> str:
+    """The heading of ``plan_details``' lines, naming what they show (``source mixture:``)."""
+    kinds = [("wrapped rows", lambda m: m.get("wrapped_attention") in ("cross", "document")),
+             ("split samples", lambda m: m.get("on_overflow") == "split"),
+             ("length buckets", lambda m: bool(m.get("buckets", {}).get("per_bucket"))),
+             ("source mixture", lambda m: bool(m.get("mixture", {}).get("per_source")))]
+    return ", ".join(name for name, shown in kinds if any(shown(m) for m in metas)) + ":"
 
 
 def main(argv: list[str]) -> int:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import importlib.util
 import os
-import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
+
+from megatron_pack.config.host import gpu_visible
 
 WORKER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """Signals the guard sends to the workers themselves (torchrun ignores them)."""
@@ -134,25 +134,6 @@ class Guard:
             except InterruptedError:
                 continue
         return code if code >= 0 else 128 - code
-
-
-def torch_build_has_gpu(version_py: Optional[str] = None) -> bool:
-    """torch was built with CUDA or ROCm: ``cuda`` or ``hip`` set in ``torch/version.py`` (its text, or
-    the installed torch's, read without importing torch). Example: ``cuda: Optional[str] = '12.4'``."""
-    if version_py is None:
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.origin is None:
-            return False
-        version_py = (Path(spec.origin).parent / "version.py").read_text(encoding="utf-8")
-    return any(re.search(rf"^{key}\b[^=\n]*=\s*'[^']+'", version_py, re.M) for key in ("cuda", "hip"))
-
-
-def gpu_visible() -> bool:
-    """What ``torch.cuda.is_available()`` would say, from the build and the device nodes (no torch import)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    has_device = any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
-    return has_device and torch_build_has_gpu()
 
 
 def hide_gpus_for_cpu_run(device: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import warnings
 
@@ -41,8 +42,9 @@ def warn_once_on_rank_0(rank: str | int | None = None) -> None:
 
     megatron-core warns that Transformer Engine / Apex are absent from several modules, and every rank
     warns what rank 0 warns: 4 identical lines on 2 ranks. Rank 0 now prints each distinct message once
-    (whatever module raised it), the other ranks print none. Warning filters (``-W``, ``PYTHONWARNINGS``)
-    still decide what is shown at all.
+    (whatever module raised it), as one line ``Category: message (library/file.py)`` without the source
+    line, and the Transformer Engine / Apex fallback family as one line (``FALLBACK_LINE``); the other
+    ranks print none. Warning filters (``-W``, ``PYTHONWARNINGS``) still decide what is shown at all.
     """
     rank = os.environ.get("RANK", "0") if rank is None else rank
     if str(rank) != "0":
@@ -51,12 +53,27 @@ def warn_once_on_rank_0(rank: str | int | None = None) -> None:
     seen: set[tuple[str, str]] = set()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        key = (category.__name__, str(message))
-        if key not in seen:
-            seen.add(key)
-            (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+        text = str(message)
+        key = ("fallback", "") if _FALLBACK.search(text) else (category.__name__, text)
+        if key in seen:
+            return
+        seen.add(key)
+        text = FALLBACK_LINE if key[0] == "fallback" else text.strip().replace("\n", " ")
+        (file or sys.stderr).write(f"{category.__name__}: {text} ({_library_of(filename)})\n")
 
     warnings.showwarning = show
+
+
+_FALLBACK = re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed")
+FALLBACK_LINE = ("Transformer Engine / Apex are not installed: megatron-core uses its local and torch fallbacks "
+                 "(expected on a CPU host; megatron_pack[gpu] installs them)")
+"""megatron-core's several "X is not installed. Falling back to ..." warnings, said once as this one line."""
+
+
+def _library_of(filename: str) -> str:
+    """``megatron/core/optimizer/__init__.py`` for a file under site-packages (the warning's source, short)."""
+    parts = filename.replace("\\", "/").split("/site-packages/")
+    return parts[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ def expand_shorthands(argv: list[str]) -> list[str]:
 
     prepare never builds the model, so a pack size given without ``model.seq_length`` also sets
     it (the config requires them equal): ``packing.packed_sequence_size=4096`` adds
-    ``model.seq_length=4096``.
+    ``model.seq_length=4096``; and ``model.seq_length`` given alone names the pack size too (as train
+    reads it), unless packing.mode=in_batch (no packs).
     """
     out = []
     for arg in argv:
@@ -39,6 +40,9 @@ def expand_shorthands(argv: list[str]) -> list[str]:
     keys = {a.partition("=")[0]: a.partition("=")[2] for a in out}
     if "packing.packed_sequence_size" in keys and "model.seq_length" not in keys:
         out.append(f"model.seq_length={keys['packing.packed_sequence_size']}")
+    elif "model.seq_length" in keys and "packing.packed_sequence_size" not in keys and \
+            keys.get("packing.mode") != "in_batch":
+        out.append(f"packing.packed_sequence_size={keys['model.seq_length']}")
     return out
 
 

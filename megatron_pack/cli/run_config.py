@@ -41,42 +41,42 @@ def _store_meta(dataset_dir: Path) -> Optional[dict]:
 
 
 def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = None,
-                    world_size: Optional[int] = None, open_data: bool = True) -> RunConfig:
+                    world_size: Optional[int] = None, open_data: bool = True, host: Any = None,
+                    command: Optional[str] = None) -> RunConfig:
     """``cfg`` for train/verify (module docstring); ``open_data=False`` skips opening the arrays
-    (``--cfg job``). Raises ``ConfigError`` or ``DataError`` naming the key and the fix."""
+    (``--cfg job``); ``host`` (``config.host.Host``) and ``command`` enable the rules that need them
+    (``config.validate.RULES``). Raises ``ConfigError`` or ``DataError`` naming the key and the fix."""
     from megatron_pack.config.loader import compose_config
     from megatron_pack.config.validate import launch_problems
     from megatron_pack.data.store.recorded import apply_recorded, check_input_matches_store, choose_plan, given_keys
 
     given = given_keys(overrides)
     cfg0 = compose_config(overrides, config_dirs=config_dirs or ())
-    from megatron_pack.cli.launch import gpu_visible
-
-    # reported first: no dataset setting changes them (the host probe reads no torch)
-    early = launch_problems(cfg0, world_size=world_size, host_gpu=gpu_visible())
+    checks = {"world_size": world_size, "host": host, "command": command}
+    early = launch_problems(cfg0, **checks)  # reported first: no dataset setting changes them
     if early:
         raise ConfigError(early)
     if cfg0.packing.mode == "online" and cfg0.packing.online_source == "stream":
-        return _stream_run(cfg0, world_size, open_data)
+        return _stream_run(cfg0, checks, open_data)
     dataset_dir = Path(cfg0.data.dataset_dir)
     fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} ...` first (README.md, 'Commands'), or set "
            "data.dataset_dir to the folder prepare wrote")
     store_meta = _store_meta(dataset_dir)
     if store_meta is None:
         if not open_data:  # --cfg job before prepare: the command line's config, and what the dataset will set
-            return _before_prepare(cfg0, given, dataset_dir, world_size)
+            return _before_prepare(cfg0, given, dataset_dir, checks)
         raise DataError(f"data.dataset_dir ({dataset_dir}) holds no prepared dataset; {fix}.")
     problem = check_input_matches_store(cfg0, store_meta, dataset_dir)
     if problem:
         raise ConfigError([problem])
     if cfg0.packing.mode == "in_batch":
-        return _in_batch_run(cfg0, store_meta, given, world_size, open_data)
+        return _in_batch_run(cfg0, store_meta, given, checks, open_data)
     plan_dir = choose_plan(cfg0, dataset_dir, given)
     from megatron_pack.data.store.atomic import read_json
 
     plan_meta = read_json(plan_dir / "metadata.json")
     recorded = apply_recorded(cfg0, plan_meta, store_meta, given)
-    cfg = _validated(recorded.cfg, world_size, plan_meta)
+    cfg = _validated(recorded.cfg, checks, plan_meta)
     notes = [f"from {plan_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes, plan_dir)
@@ -86,21 +86,21 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     return RunConfig(cfg, dataset, notes, plan_dir)
 
 
-def _validated(cfg, world_size: Optional[int], dataset_meta: dict):
+def _validated(cfg, checks: dict, dataset_meta: Optional[dict]):
     from megatron_pack.config.validate import validate
 
-    validate(cfg, world_size=world_size, dataset_meta=dataset_meta)
+    validate(cfg, dataset_meta=dataset_meta, **checks)
     return cfg
 
 
-def _before_prepare(cfg0, given: set[str], dataset_dir: Path, world_size: Optional[int]) -> RunConfig:
+def _before_prepare(cfg0, given: set[str], dataset_dir: Path, checks: dict) -> RunConfig:
     """``--cfg job`` with nothing prepared yet: the config as the command line gives it, validated where it
     can be, and one line naming the keys the dataset will set once prepared."""
     from megatron_pack.config.validate import collect_problems
     from megatron_pack.data.store.manifest import ENTRIES
 
     later = [k for e in ENTRIES if e.taken for k in (e.key, *e.given_by) if k not in given]
-    problems = [p for p in collect_problems(cfg0, world_size=world_size)
+    problems = [p for p in collect_problems(cfg0, **checks)
                 if not any(p.startswith(k) for k in later)]  # a value the dataset will replace is not wrong yet
     if problems:
         raise ConfigError(problems)
@@ -110,10 +110,10 @@ def _before_prepare(cfg0, given: set[str], dataset_dir: Path, world_size: Option
     return RunConfig(cfg0, None, [note])
 
 
-def _stream_run(cfg0, world_size: Optional[int], open_data: bool) -> RunConfig:
+def _stream_run(cfg0, checks: dict, open_data: bool) -> RunConfig:
     """packing.online_source=stream: the records of data.input are tokenized while training; nothing prepared
     is read, so the command line's config is the run's."""
-    cfg = _validated(cfg0, world_size, None)
+    cfg = _validated(cfg0, checks, None)
     if not open_data:
         return RunConfig(cfg, None)
     from megatron_pack.data.batches.opening import open_dataset
@@ -121,12 +121,12 @@ def _stream_run(cfg0, world_size: Optional[int], open_data: bool) -> RunConfig:
     return RunConfig(cfg, open_dataset(cfg))
 
 
-def _in_batch_run(cfg0, store_meta, given, world_size, open_data) -> RunConfig:
+def _in_batch_run(cfg0, store_meta, given, checks, open_data) -> RunConfig:
     """packing.mode=in_batch: no plan; the tokenizer and vocab size still come from the store."""
     from megatron_pack.data.store.recorded import apply_recorded
 
     recorded = apply_recorded(cfg0, {}, store_meta, given)
-    cfg = _validated(recorded.cfg, world_size, {"vocab_size": store_meta.get("vocab_size")})
+    cfg = _validated(recorded.cfg, checks, {"vocab_size": store_meta.get("vocab_size")})
     notes = [f"from {cfg.data.dataset_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes)

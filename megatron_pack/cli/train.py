@@ -25,6 +25,9 @@ def _setup_logging(level: str, rank: int) -> None:
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-module INFO setup lines
+    # "Implicit initialization of Rerun State Machine" / "initialized in mode DISABLED": megatron-core's
+    # defaults, which this trainer runs with, said as warnings on every run
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
     # the sample-id audit (logging.log_sample_ids) must cover every DP rank, not only rank 0
     logging.getLogger("megatron_pack.train.samples").setLevel(logging.INFO)
     # online packing's per-epoch accounting: one line per DP rank's shard (read = packed + dropped)
@@ -34,6 +37,11 @@ def _setup_logging(level: str, rank: int) -> None:
 CHECK_FLAG = "--check"
 """``train --check key=value ...``: validate as a run of ``WORLD_SIZE`` ranks would, then exit
 (0 and "config ok", or 2 and the problems). The launch scripts run it once before torchrun."""
+
+
+CHECK_HOST_ENV = "MEGATRON_PACK_CHECK_HOST"
+"""``here`` (set by ``launch/common.sh``): ``train --check`` checks the host rules for this host even for a config
+naming ``train.device=cuda`` (``config.host.Host.checks_declared_gpu``)."""
 
 
 REFUSAL_WAIT_S = 60.0
@@ -64,7 +72,7 @@ def run_line(cfg, state, dataset, validation) -> str:
     model = f"{m.name} ({m.num_layers} layers, hidden {m.hidden_size}"
     model += f", from {m.pretrained})" if m.pretrained else ")"
     model += " + LoRA" if cfg.peft.method == "lora" else ""
-    layout = state.dims.describe().split(";", 1)[0]
+    layout = "; ".join(p for p in state.dims.describe().split("; ") if p.startswith(("world", "experts")))  # with EP
     return (f"run {t.output_dir}: {steps} of {batch}, lr {t.lr:.2e} | model {model} | parallel layout: {layout} | "
             f"{describe_data(dataset, validation)} | resolved config: {t.output_dir}/config.yaml")
 
@@ -72,7 +80,7 @@ def run_line(cfg, state, dataset, validation) -> str:
 def describe_data(dataset, validation) -> str:
     """``plan P (N packs); validation V (M packs)``: what the run trains and evaluates on."""
     plan = getattr(dataset, "plan_dir", None)
-    text = f"plan {plan} ({len(dataset)} packs)" if plan is not None else f"{type(dataset).__name__}"
+    text = f"plan {plan} ({len(dataset)} packs)" if plan is not None else _unplanned_text(dataset)
     if validation is not None:
         text += f"; validation {validation.plan_dir} ({len(validation)} packs)"
         recorded = (getattr(dataset, "metadata", {}).get("manifest") or {}).get("data.validation")
@@ -81,11 +89,25 @@ def describe_data(dataset, validation) -> str:
     return text
 
 
+def _unplanned_text(dataset) -> str:
+    """Online packs (made while training) or in-batch micro-batches: where they come from."""
+    meta = getattr(dataset, "metadata", None) or {}
+    if meta.get("mode") == "online":
+        cfg = dataset.cfg
+        where = (f"the token store {cfg.data.dataset_dir}" if cfg.packing.online_source == "store"
+                 else f"{cfg.data.input or 'synthetic records'} (tokenized while training)")
+        return f"online packs of {meta['pack_size']} tokens from {where}"
+    return f"in-batch micro-batches from {getattr(dataset, 'dataset_dir', 'the token store')}"
+
+
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
-    from megatron_pack.cli.launch import gpu_visible, worker_started
+    from megatron_pack.cli.launch import worker_started
+    from megatron_pack.config.host import gpu_visible
     from megatron_pack.cli.preflight import check_train
     from megatron_pack.cli.run_config import load_run_config
+    from megatron_pack.config.host import Host
+    from megatron_pack.config.validate import config_warnings
 
     check_only = CHECK_FLAG in argv
     line = parse_command_line("train", [a for a in argv if a != CHECK_FLAG])
@@ -102,11 +124,13 @@ def main(argv: list[str]) -> int:
     from megatron_pack.training.resume import check_resume  # the check imports no torch (a fast --check)
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    # a plain --check may be for another host (a cluster's config on a laptop); the launch scripts' is for this one
+    host = Host.probe(checks_declared_gpu=check_only and os.environ.get(CHECK_HOST_ENV) != "here")
     # --cfg job outside torchrun prints the config without the world-size rules (no world yet)
     checked_world = None if line.print_config and "WORLD_SIZE" not in os.environ else world_size
     try:
         run = load_run_config(line.overrides, config_dirs=line.config_dirs, world_size=checked_world,
-                              open_data=not line.print_config)
+                              open_data=not line.print_config, host=host, command="train")
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         cfg, dataset = run.cfg, run.dataset
@@ -116,10 +140,16 @@ def main(argv: list[str]) -> int:
         resume = check_resume(cfg, world_size, dataset, notes=passed_over, host_gpu=gpu_visible())
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
+    if rank == 0:
+        for warning in config_warnings(cfg):  # runs, but most likely not as meant: said once, before launch
+            print(f"megatron-pack train: warning: {warning}", file=sys.stderr, flush=True)
     if check_only:
         print(f"megatron-pack train: config ok for {world_size} rank(s); {describe_data(dataset, validation)}"
               + (f"; resumes from {resume}" if resume else ""), flush=True)
-        print(f"megatron-pack train: {memory_line(cfg, world_size)}", flush=True)
+        print(f"megatron-pack train: {memory_line(cfg, world_size, host.for_device(cfg.train.device))}", flush=True)
+        if host.for_device(cfg.train.device) is not host:
+            print("megatron-pack train: checked for the GPU host train.device=cuda names (with Transformer Engine); "
+                  "this host has no GPU, so the run itself would be refused here", flush=True)
         for line in passed_over:  # damaged newer checkpoints: said once, before launch
             print(f"megatron-pack train: {line}", file=sys.stderr, flush=True)
         return 0

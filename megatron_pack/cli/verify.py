@@ -407,6 +407,7 @@ def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.cli.preflight import check_weights_folder
     from megatron_pack.cli.run_config import load_run_config
+    from megatron_pack.config.host import Host
     from megatron_pack.config.schema import ConfigError
     from megatron_pack.data.formats.sources import DataError
 
@@ -417,14 +418,10 @@ def main(argv: list[str]) -> int:
     try:
         launched = "WORLD_SIZE" in os.environ  # under torchrun (verify.reference=transformers runs at TP/CP)
         run = load_run_config(line.overrides, config_dirs=line.config_dirs, open_data=not line.print_config,
-                              world_size=int(os.environ["WORLD_SIZE"]) if launched else None)
+                              world_size=int(os.environ["WORLD_SIZE"]) if launched else None,
+                              host=Host.probe(), command="verify")
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
-        if launched and run.cfg.parallel.pipeline_model_parallel_size > 1:
-            raise ConfigError([f"parallel.pipeline_model_parallel_size ({run.cfg.parallel.pipeline_model_parallel_size}) "
-                               "> 1: verify runs the whole model on every rank (its comparison needs every layer's "
-                               "logits in one place); launch it with parallel.pipeline_model_parallel_size=1 "
-                               "(tensor and context parallel layouts run)."])
         check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists
         from megatron_pack.cli.launch import hide_gpus_for_cpu_run
 

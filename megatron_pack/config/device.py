@@ -2,7 +2,7 @@
 
 Torch-free, so ``train --check`` and the launch scripts decide before torch starts. The host's answer
 (is a GPU visible) is an input, never looked up here: the entry points pass what they probe
-(``megatron_pack.cli.launch.gpu_visible`` before torch, ``torch.cuda.is_available()`` in
+(``megatron_pack.config.host.gpu_visible`` before torch, ``torch.cuda.is_available()`` in
 ``megatron_pack.parallel.groups.initialize_parallel``).
 
     >>> device_type("auto", gpu_present=True), device_type("cpu", gpu_present=True)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_pack.config.choices import PACKING_MODES
 from megatron_pack.config.hf_config import apply_pretrained
+from megatron_pack.config.foreign_names import foreign_name
 from megatron_pack.config.schema import GROUPS, Config, ConfigError
 from megatron_pack.config.search_path import (CONFIG_DIR_ENV, PRESETS_DIR, experiment_files, presets,  # noqa: F401
                                               shadow_problems, user_config_dirs)
@@ -78,22 +79,6 @@ def _did_you_mean(word: str, candidates: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
-SYNONYMS = {
-    "learning_rate": "train.lr", "lr": "train.lr", "min_learning_rate": "train.min_lr",
-    "max_steps": "train.train_iters", "num_steps": "train.train_iters", "steps": "train.train_iters",
-    "warmup_steps": "train.lr_warmup_iters", "warmup_iters": "train.lr_warmup_iters",
-    "per_device_train_batch_size": "train.micro_batch_size", "batch_size": "train.global_batch_size",
-    "max_seq_length": "packing.packed_sequence_size", "max_length": "packing.packed_sequence_size",
-    "pack_size": "packing.packed_sequence_size", "seq_length": "model.seq_length",
-    "tp": "parallel.tensor_model_parallel_size", "tensor_parallel_size": "parallel.tensor_model_parallel_size",
-    "cp": "parallel.context_parallel_size", "context_parallel_size": "parallel.context_parallel_size",
-    "output": "data.dataset_dir", "dataset_dir": "data.dataset_dir", "input": "data.input",
-    "dataset": "data.input", "tokenizer": "data.tokenizer", "output_dir": "train.output_dir",
-    "save": "checkpoint.save", "load": "checkpoint.load", "resume": "checkpoint.load",
-}
-"""Names users bring from TRL / NeMo / Megatron-LM / torchtune (or prepare's shorthands), by the leaf
-of the key they typed; the first suggestion tried."""
-
 RETIRED_KEYS = {"packing.in_batch": ("packing.mode", {True: "in_batch", False: "offline", None: "in_batch"})}
 """Keys of earlier releases -> the key that replaced them and its value for each old value (None: unknown)."""
 
@@ -115,14 +100,15 @@ def retired_key(key: str, value: Any = None) -> Optional[str]:
 def suggest_key(key: str, keys: list[str], groups: list[str]) -> Optional[str]:
     """The key a mistyped ``key`` most likely meant, or None.
 
-    Tried in order: a known synonym of its last part (``train.learning_rate`` -> ``train.lr``);
+    Tried in order: a name from another tool (``config.foreign_names``: ``train.learning_rate`` -> ``train.lr``);
     for a bare word a close group name (``paralel`` -> ``parallel``) or a field of any group
     (``num_layers`` -> ``model.num_layers``); for a dotted key a close key of its own group, then
     of any group (``modle.num_layers`` -> ``model.num_layers``), then its last part as a field.
     """
     leaf = key.rsplit(".", 1)[-1]
-    if leaf in SYNONYMS and SYNONYMS[leaf] in keys:
-        return SYNONYMS[leaf]
+    known = foreign_name(leaf)
+    if known and known.key in keys:
+        return known.key
     close = lambda word, options, cutoff: (difflib.get_close_matches(word, options, n=1, cutoff=cutoff) or [None])[0]  # noqa: E731
     by_leaf: dict[str, str] = {}
     for k in keys:
@@ -146,6 +132,9 @@ def _unknown_key(text: str, key: str, keys: list[str], groups: Optional[list[str
         return f"{text}: unknown key '{key}'; {retired_key(key)}"
     groups = sorted(set(groups or []) | set(GROUPS))
     dotted = [k for k in keys if "." in k]
+    known = foreign_name(key)
+    if known and known.key in dotted:  # the reviewed answer, with how its meaning differs
+        return f"{text}: unknown key '{key}'; {known.hint()}"
     best = suggest_key(key, dotted, groups)
     if best:
         return f"{text}: unknown key '{key}'; did you mean '{best}'?"
@@ -168,21 +157,26 @@ def _check_selection(text: str, group: str, value: Any, options: dict[str, list[
 
 def check_overrides(overrides: list[str], roots: Path | list[Path]) -> list[str]:
     """Problems with override keys, preset names and value types, found before Hydra composes."""
+    return list(override_problems(overrides, roots).values())
+
+
+def override_problems(overrides: list[str], roots: Path | list[Path]) -> dict[str, str]:
+    """``{override: its problem}`` for each override refused before Hydra composes (key, preset, value type)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    options, keys, problems = presets(roots), _all_keys(), []
+    options, keys, problems = presets(roots), _all_keys(), {}
     parser = OverridesParser.create()
     for text in overrides:
         try:
             override = parser.parse_override(text)
         except HydraException as exc:
-            problems.append(f"{text}: not a key=value override ({str(exc).splitlines()[0]}); "
-                            "write it as group.key=value, e.g. packing.packed_sequence_size=1024.")
+            problems[text] = (f"{text}: not a key=value override ({str(exc).splitlines()[0]}); "
+                              "write it as group.key=value, e.g. packing.packed_sequence_size=1024.")
             continue
         problem = _check_override(text, override, options, keys)
         if problem:
-            problems.append(problem)
+            problems[text] = problem
     return problems
 
 
@@ -302,12 +296,35 @@ def compose_config(overrides: list[str], *, config_dirs: Sequence[str | Path] = 
     problems = shadow_problems(user_dirs)
     if problems:
         raise ConfigError(problems)
-    with experiment_files(_normalize(list(overrides))) as (overrides, scratch):
+    given = _normalize(list(overrides))
+    with experiment_files(given) as (overrides, scratch):
         search = user_dirs + scratch
-        problems = check_overrides(overrides, [PRESETS_DIR, *search])
-        if problems:
-            raise ConfigError(problems)
-        return apply_pretrained(to_config(_compose(overrides, search)), overrides)
+        files = {r.partition("=")[2]: o.partition("=")[2] for o, r in zip(given, overrides) if o != r}
+        try:
+            refused = override_problems(overrides, [PRESETS_DIR, *search])
+            if refused:  # the other overrides are still composed, so every problem shows at once
+                raise ConfigError(list(refused.values())
+                                  + _field_problems([o for o in overrides if o not in refused], search))
+            return apply_pretrained(to_config(_compose(overrides, search)), overrides)
+        except ConfigError as exc:
+            raise _naming_files(exc, files) from None
+
+
+def _naming_files(exc: ConfigError, files: dict[str, str]) -> ConfigError:
+    """``exc`` with Hydra's ``In 'experiment/run'`` written as the file the user named (``experiment=path/run.yaml``)."""
+    problems = list(exc.problems)
+    for name, path in files.items():
+        problems = [p.replace(f"In 'experiment/{name}'", f"In {path} (experiment={path})") for p in problems]
+    return ConfigError(problems)
+
+
+def _field_problems(overrides: list[str], search: list[Path]) -> list[str]:
+    """The one-group problems of ``overrides`` alone (cross-group rules wait for a config without refused keys)."""
+    try:
+        to_config(_compose(overrides, search))
+    except ConfigError as exc:
+        return exc.problems
+    return []
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -16,15 +16,16 @@ docs/configuration.md lists every rule with its message.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_pack.config.device import device_problems
+from megatron_pack.config.host import Host
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_multiple, fp8_rule_text,
                                          fp8_token_multiple, pad_rule_text, required_pad_multiple, round_up,
                                          world_size_problem)
 
-__all__ = ["collect_problems", "effective_pad_multiple", "launch_problems", "prepare_problems",
+__all__ = ["RULES", "Rule", "collect_problems", "config_warnings", "effective_pad_multiple", "launch_problems", "prepare_problems",
            "validate", "validate_parallel", "vocab_problems"]
 
 
@@ -107,10 +108,13 @@ def _validate_virtual_pipeline(cfg: Config, world_size: Optional[int] = None) ->
     problems = []
     if layers % (pp * vp):
         fits = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0] if layers % pp == 0 else []
+        fixes = [f"parallel.virtual_pipeline_model_parallel_size to one of {fits}"] if fits else []
+        if cfg.model.pretrained:  # its layers come from config.json: change the stages, not the model
+            fixes.append("parallel.virtual_pipeline_model_parallel_size=null")
+        else:
+            fixes.append(f"model.num_layers={_ceil_to(layers, pp * vp)}")
         problems.append(f"model.num_layers ({layers}) must be a multiple of parallel.pipeline_model_parallel_size ({pp}) x "
-                        f"{key} = {pp * vp} (every model chunk holds the same layers); set "
-                        + (f"parallel.virtual_pipeline_model_parallel_size to one of {fits} or " if fits else "")
-                        + f"model.num_layers={_ceil_to(layers, pp * vp)}.")
+                        f"{key} = {pp * vp} (every model chunk holds the same layers); set {' or '.join(fixes)}.")
     problems += [f"{name} ({_value_of(cfg, name)}) with {key}: the interleaved schedule needs the same micro-batch "
                  f"count, a multiple of parallel.pipeline_model_parallel_size ({pp}), on every step; unset {name} "
                  "(train.global_batch_tokens=null, packing.balance=none, packing.mode=offline) or set "
@@ -143,6 +147,11 @@ def _sequence_parallel_problems(par: ParallelConfig) -> list[str]:
         return ["parallel.sequence_parallel (True) requires parallel.tensor_model_parallel_size > 1 "
                 f"(it is {tp}); set parallel.sequence_parallel=false or parallel.tensor_model_parallel_size=2."]
     return []
+
+
+def _validate_sequence_parallel(cfg: Config) -> list[str]:
+    """Sequence parallelism splits the sequence over the TP ranks: it needs TP > 1."""
+    return _sequence_parallel_problems(cfg.parallel)
 
 
 def _validate_world_size(cfg: Config, world_size: Optional[int]) -> list[str]:
@@ -408,7 +417,7 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
     if size % multiple:
         source = ("packing.pad_seq_to_mult" if cfg.packing.pad_seq_to_mult is not None
                   else f"derived: {pad_rule_text(*_layout(cfg))}")
-        both = (f" and model.seq_length={_ceil_to(size, multiple)} (they are equal with offline packing)"
+        both = (f" and model.seq_length={_ceil_to(size, multiple)} (a pack is one sequence)"
                 if cfg.model.seq_length == size else "")
         if fp8_multiple == 1:
             problems.append(f"packing.packed_sequence_size ({size}) must be divisible by the pad multiple {pad} "
@@ -421,7 +430,7 @@ def _validate_packed_sizes(cfg: Config) -> list[str]:
                         f"({size}); set packing.max_single_sequence_length={size} (or leave it unset).")
     if cfg.model.seq_length != size:
         problems.append(f"model.seq_length ({cfg.model.seq_length}) must equal packing.packed_sequence_size ({size}) "
-                        f"with offline packing; set model.seq_length={size}.")
+                        f"with packing.mode={cfg.packing.mode} (a pack is one sequence); set model.seq_length={size}.")
     return problems
 
 
@@ -492,10 +501,10 @@ def _validate_tensor_parallel(cfg: Config) -> list[str]:
     for key, value in (("num_attention_heads", model.num_attention_heads), ("num_query_groups", groups),
                        ("ffn_hidden_size", model.ffn_hidden_size)):
         if value % tp:
+            other = f", or model.{key}={_ceil_to(value, tp)}" if not model.pretrained else ""  # else from config.json
             problems.append(f"model.{key} ({value}) must be divisible by parallel.tensor_model_parallel_size ({tp}); "
-                            f"set parallel.tensor_model_parallel_size to a divisor of {value}, "
-                            f"or model.{key}={_ceil_to(value, tp)}.")
-    return problems + _sequence_parallel_problems(cfg.parallel)
+                            f"set parallel.tensor_model_parallel_size to a divisor of {value}{other}.")
+    return problems
 
 
 def vocab_problems(cfg: Config) -> list[str]:
@@ -548,31 +557,56 @@ def _validate_batch_size(cfg: Config, world_size: Optional[int]) -> list[str]:
     return []
 
 
-def _validate_device(cfg: Config) -> list[str]:
-    """Options that need CUDA are refused on an explicit CPU run."""
-    if cfg.train.device != "cpu":
+def _validate_device(cfg: Config, host: Optional[Host] = None) -> list[str]:
+    """Options that need CUDA (or Transformer Engine) are refused where the run will not have it: on an explicit
+    CPU run always, and, where the host is known (train, verify, the launch scripts), on the device
+    ``train.device`` resolves to here. Nothing else refuses them later (model/builder.py, parallel/groups.py)."""
+    host = None if host is None else host.for_device(cfg.train.device)
+    device = cfg.train.device if host is None else host.device(cfg.train.device)
+    why = f"train.device={cfg.train.device}" if host is None else host.describe(cfg.train.device)
+    if device == "cpu":
+        return _cpu_problems(cfg, why)
+    if host is None or device != "cuda":
         return []
+    if not host.gpu:
+        return ["train.device (cuda) needs a GPU, but this host has none visible to torch (no CUDA/ROCm build of "
+                "torch, or no GPU device, or CUDA_VISIBLE_DEVICES hides them); set train.device=cpu (or auto), or run "
+                "on a GPU host."]
+    return _gpu_host_problems(cfg, host)
+
+
+def _cpu_problems(cfg: Config, why: str) -> list[str]:
     problems = []
     if cfg.model.attention_backend == "te":
-        problems.append("model.attention_backend (te) needs CUDA and Transformer Engine, but train.device=cpu; "
+        problems.append(f"model.attention_backend (te) needs CUDA and Transformer Engine, but {why}; "
                         "set model.attention_backend=auto (or torch).")
     if cfg.model.cuda_graph_impl != "none":
-        problems.append(f"model.cuda_graph_impl ({cfg.model.cuda_graph_impl}) needs CUDA, but train.device=cpu; "
+        problems.append(f"model.cuda_graph_impl ({cfg.model.cuda_graph_impl}) needs CUDA, but {why}; "
                         "set model.cuda_graph_impl=none.")
     if cfg.parallel.backend == "nccl":
-        problems.append("parallel.backend (nccl) needs CUDA, but train.device=cpu; set parallel.backend=gloo (or auto).")
+        problems.append(f"parallel.backend (nccl) needs CUDA, but {why}; set parallel.backend=gloo (or auto).")
     if cfg.model.fp8 != "none":
-        problems.append(f"model.fp8 ({cfg.model.fp8}) needs CUDA and Transformer Engine (FP8 GEMMs), but train.device=cpu; "
+        problems.append(f"model.fp8 ({cfg.model.fp8}) needs CUDA and Transformer Engine (FP8 GEMMs), but {why}; "
                         "set model.fp8=none (prepare accepts model.fp8 on CPU: it only shapes the packs).")
     return problems
 
 
-def _validate_host_device(cfg: Config, host_gpu: Optional[bool]) -> list[str]:
-    """Host rule (needs ``host_gpu``: whether this host has a GPU torch would see): train.device=cuda needs one,
-    and parallel.backend=nccl a run on a GPU."""
-    if host_gpu is None:
-        return []
-    return device_problems(cfg.train.device, gpu_present=host_gpu, backend=cfg.parallel.backend)
+def _gpu_host_problems(cfg: Config, host: Host) -> list[str]:
+    """A GPU host: what needs Transformer Engine there, and its deterministic mode's environment."""
+    problems = []
+    uses_te = cfg.model.attention_backend == "te" or (cfg.model.attention_backend == "auto" and host.transformer_engine)
+    if not host.transformer_engine:
+        for key, on in (("model.attention_backend", cfg.model.attention_backend == "te"),
+                        ("model.fp8", cfg.model.fp8 != "none"), ("model.cuda_graph_impl", cfg.model.cuda_graph_impl != "none")):
+            if on:
+                problems.append(f"{key} ({_value_of(cfg, key)}) needs Transformer Engine, which is not installed "
+                                f"here; install megatron_pack[gpu] or set {key}="
+                                + ("auto." if key == "model.attention_backend" else "none."))
+    nvte = host.nvte_allow_nondeterministic
+    if uses_te and cfg.train.deterministic and nvte not in (None, "0"):
+        problems.append(f"train.deterministic (True) with Transformer Engine needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, "
+                        f"but the environment sets it to {nvte!r}; unset it or set train.deterministic=false.")
+    return problems
 
 
 def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[str]:
@@ -712,55 +746,102 @@ def _validate_evaluation(cfg: Config) -> list[str]:
     return problems
 
 
-_CONFIG_RULES: tuple[Callable[[Config], list[str]], ...] = (
-    _validate_verify_reference,
-    _validate_pipeline_parallel,
-    _validate_tensor_parallel,
-    _validate_context_parallel,
-    _validate_per_token_loss,
-    _validate_offline_packing,
-    _validate_in_batch_packing,
-    _validate_online_packing,
-    _validate_step_batches,
-    _validate_epochs,
-    _validate_pad_cu_seqlens,
-    _validate_cuda_graphs,
-    _validate_pad_multiple,
-    _validate_packed_sizes,
-    _validate_packing_strategy,
-    _validate_device,
-    _validate_vocab_size,
-    _validate_attention_backend,
-    _validate_evaluation,
-    _validate_fp8,
-    _validate_moe,
+def _validate_verify_layout(cfg: Config, command: Optional[str], world_size: Optional[int]) -> list[str]:
+    """verify under torchrun runs the whole model on every rank (its comparison needs every layer's logits)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if command != "verify" or world_size is None or pp == 1:
+        return []
+    return [f"parallel.pipeline_model_parallel_size ({pp}) > 1: verify runs the whole model on every rank (its "
+            "comparison needs every layer's logits in one place); launch it with "
+            "parallel.pipeline_model_parallel_size=1 (tensor and context parallel layouts run)."]
+
+
+def _validate_prepare_input(cfg: Config, command: Optional[str]) -> list[str]:
+    """What only ``prepare`` needs (it reads the raw data; train and verify read the prepared dataset)."""
+    if command == "prepare" and cfg.data.source == "files" and not cfg.data.input and not cfg.data.sources:
+        return ["data.input (None) is required by prepare when data.source=files; "
+                "set data.input=/path/to/train.jsonl (a file, directory or glob), or input=... for short, "
+                "or data.sources=[{name: ..., input: ..., weight: ...}, ...] to mix several."]
+    return []
+
+
+INPUTS = ("world_size", "dataset_meta", "host", "command")
+"""What a rule may need besides the config: the number of ranks, the prepared plan's metadata, the machine
+(``config.host.Host``) and the command (prepare, train, verify, export). Each is None where it is unknown,
+and a rule says nothing it cannot decide without its inputs."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validation rule, declared once with what it needs."""
+
+    check: Callable[..., list[str]]
+    """``check(cfg, *needs)``: the rule's one-line problems (empty when it holds)."""
+    needs: tuple[str, ...] = ()
+    """The ``INPUTS`` passed to ``check`` after the config, in this order."""
+    early: bool = False
+    """No setting read from a prepared dataset changes its verdict: checked before the dataset is read (so a
+    refusal never suggests re-preparing for a run this config or host cannot start anyway)."""
+
+    def problems(self, cfg: Config, inputs: dict[str, Any]) -> list[str]:
+        return self.check(cfg, *(inputs[name] for name in self.needs))
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(_validate_world_size, ("world_size",), early=True),
+    Rule(lambda cfg, world_size: _expert_parallel_problems(cfg.parallel, world_size), ("world_size",), early=True),
+    Rule(_validate_device, ("host",), early=True),
+    Rule(_validate_verify_layout, ("command", "world_size"), early=True),
+    Rule(_validate_prepare_input, ("command",)),
+    Rule(_validate_verify_reference),
+    Rule(_validate_pipeline_parallel, early=True),
+    Rule(_validate_sequence_parallel, early=True),
+    Rule(_validate_tensor_parallel),
+    Rule(_validate_context_parallel),
+    Rule(_validate_per_token_loss),
+    Rule(_validate_offline_packing),
+    Rule(_validate_in_batch_packing),
+    Rule(_validate_online_packing),
+    Rule(_validate_step_batches),
+    Rule(_validate_epochs),
+    Rule(_validate_pad_cu_seqlens),
+    Rule(_validate_cuda_graphs),
+    Rule(_validate_pad_multiple),
+    Rule(_validate_packed_sizes),
+    Rule(_validate_packing_strategy),
+    Rule(_validate_vocab_size),
+    Rule(_validate_attention_backend),
+    Rule(_validate_evaluation),
+    Rule(_validate_fp8),
+    Rule(_validate_moe),
+    Rule(_validate_batch_size, ("world_size",), early=True),
+    Rule(_validate_virtual_pipeline, ("world_size",), early=True),
+    Rule(_validate_dataset_meta, ("dataset_meta",)),
 )
+"""Every cross-group rule, in the order its problems are listed. ``validate()``, ``train --check``, ``train``,
+``verify``, ``prepare`` and the launch scripts (through ``train --check``) run the rules whose inputs they
+have, before any process group starts."""
 
 
-def collect_problems(cfg: Config, *, world_size: Optional[int] = None,
-                     dataset_meta: Optional[dict[str, Any]] = None, host_gpu: Optional[bool] = None) -> list[str]:
-    """Every cross-group problem of ``cfg`` (empty when it is valid)."""
-    problems = _validate_world_size(cfg, world_size) + _expert_parallel_problems(cfg.parallel, world_size)
-    for rule in _CONFIG_RULES:
-        problems += rule(cfg)
-    problems += _validate_batch_size(cfg, world_size)
-    problems += _validate_virtual_pipeline(cfg, world_size)
-    problems += _validate_dataset_meta(cfg, dataset_meta)
-    problems += _validate_host_device(cfg, host_gpu)
-    return problems
+def collect_problems(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Optional[dict[str, Any]] = None,
+                     host: Optional[Host] = None, command: Optional[str] = None, early_only: bool = False) -> list[str]:
+    """Every cross-group problem of ``cfg`` (empty when it is valid); ``early_only``: the rules no dataset
+    setting changes (``Rule.early``)."""
+    inputs = {"world_size": world_size, "dataset_meta": dataset_meta, "host": host, "command": command}
+    return [p for rule in RULES if rule.early or not early_only for p in rule.problems(cfg, inputs)]
 
 
 def validate(cfg: Config, *, world_size: Optional[int] = None, dataset_meta: Optional[dict[str, Any]] = None,
-             host_gpu: Optional[bool] = None) -> None:
+             host: Optional[Host] = None, command: Optional[str] = None) -> None:
     """Raise one ``ConfigError`` listing every problem; return None when ``cfg`` is valid.
 
     ``world_size`` enables the rules that need it (divisibility, batch split); ``dataset_meta``
     (the packed dataset's plan metadata: ``pack_size``, ``max_samples_per_bin``,
     ``pad_seq_to_mult``, ``vocab_size``) enables the rules about the prepared dataset. Pass
-    ``dataset_meta={}`` when the dataset was looked for and has no metadata file. ``host_gpu`` (whether
-    this host has a GPU torch would see) enables the host rules (``train.device=cuda`` needs one).
+    ``dataset_meta={}`` when the dataset was looked for and has no metadata file. ``host``
+    (``Host.probe()``) enables the rules about this machine, ``command`` those of one command.
     """
-    problems = collect_problems(cfg, world_size=world_size, dataset_meta=dataset_meta, host_gpu=host_gpu)
+    problems = collect_problems(cfg, world_size=world_size, dataset_meta=dataset_meta, host=host, command=command)
     if problems:
         raise ConfigError(problems)
 
@@ -774,20 +855,24 @@ def validate_parallel(par: ParallelConfig, *, world_size: Optional[int]) -> None
         raise ConfigError(problems)
 
 
-def launch_problems(cfg: Config, *, world_size: Optional[int], host_gpu: Optional[bool] = None) -> list[str]:
-    """The rules no setting read from a prepared dataset can change (world size, PP, sequence
-    parallelism, batch split, and with ``host_gpu`` the host's device): train checks them before it
-    looks for the dataset."""
-    par = cfg.parallel
-    return (_world_size_problems(par, world_size) + _validate_pipeline_parallel(cfg) + _sequence_parallel_problems(par)
-            + _expert_parallel_problems(par, world_size) + _validate_batch_size(cfg, world_size)
-            + _validate_virtual_pipeline(cfg, world_size) + _validate_host_device(cfg, host_gpu))
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that run but are most likely not what was meant: one line each, printed once by ``train``
+    and ``train --check`` (never a refusal)."""
+    t = cfg.train
+    if t.train_iters is not None and t.lr_warmup_iters >= t.train_iters:
+        return [f"train.lr_warmup_iters ({t.lr_warmup_iters}) >= train.train_iters ({t.train_iters}): the learning "
+                f"rate never reaches train.lr ({t.lr:g}) and never decays; set train.lr_warmup_iters below "
+                f"{t.train_iters} (e.g. {t.train_iters // 10}) or raise train.train_iters."]
+    return []
+
+
+def launch_problems(cfg: Config, *, world_size: Optional[int], host: Optional[Host] = None,
+                    command: Optional[str] = None) -> list[str]:
+    """The early rules (``Rule.early``: world size, PP, sequence parallelism, batch split, the host): train and
+    verify check them before they look for the dataset."""
+    return collect_problems(cfg, world_size=world_size, host=host, command=command, early_only=True)
 
 
 def prepare_problems(cfg: Config) -> list[str]:
     """What only ``prepare`` needs (it reads the raw data; train and verify read the prepared dataset)."""
-    if cfg.data.source == "files" and not cfg.data.input and not cfg.data.sources:
-        return ["data.input (None) is required by prepare when data.source=files; "
-                "set data.input=/path/to/train.jsonl (a file, directory or glob), or input=... for short, "
-                "or data.sources=[{name: ..., input: ..., weight: ...}, ...] to mix several."]
-    return []
+    return _validate_prepare_input(cfg, "prepare")

@@ -78,7 +78,15 @@ class StageMemory:
                (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
                 ("activations", self.activations), ("total", self.total))]
         return (f"memory per rank (est.): {', '.join(gib)} GiB (stage {self.stage} of PP {num_stages}; "
-                f"{self.num_params / 1e9:.3g}e9 parameters on this rank; activations of {kernels})")
+                f"{count_text(self.num_params)} parameters on this rank; activations of {kernels})")
+
+
+def count_text(num: int) -> str:
+    """A count as people read it: ``4.19M``, ``4.54B``, ``812K``, ``96``."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if num >= scale:
+            return f"{num / scale:.3g}{suffix}"
+    return str(num)
 
 
 def _mlp_params(cfg, ffn: int) -> int:
@@ -155,11 +163,11 @@ def _element_bytes(cfg) -> int:
     return 2 if cfg.train.bf16 or cfg.model.params_dtype == "bfloat16" else 4
 
 
-def unfused_kernels(cfg) -> bool:
-    """True for ``train.device=cpu``: torch's unfused norms, RoPE and math-path attention (the CPU
-    path); otherwise (cuda, auto) the fused GPU kernels: Transformer Engine norms, fused RoPE, flash
-    attention."""
-    return cfg.train.device == "cpu"
+def unfused_kernels(cfg, host=None) -> bool:
+    """True for ``train.device=cpu`` (or ``auto`` on a ``host`` without a GPU): torch's unfused norms, RoPE
+    and math-path attention (the CPU path); otherwise (cuda, auto) the fused GPU kernels: Transformer Engine
+    norms, fused RoPE, flash attention."""
+    return (cfg.train.device if host is None else host.device(cfg.train.device)) == "cpu"
 
 
 def longest_sequence(cfg) -> int:
@@ -281,7 +289,8 @@ def estimate_memory(cfg, world_size: int = 1) -> StageMemory:
     return max(stages, key=lambda s: s.total)
 
 
-def memory_line(cfg, world_size: int) -> str:
-    """The line ``train --check`` prints (a MoE model's with routing assumed balanced)."""
-    kernels = "unfused CPU kernels" if unfused_kernels(cfg) else "fused GPU kernels"
+def memory_line(cfg, world_size: int, host=None) -> str:
+    """The line ``train --check`` prints (a MoE model's with routing assumed balanced); ``host``
+    (``config.host.Host``) resolves ``train.device=auto`` to the kernels a run here gets."""
+    kernels = "unfused CPU kernels" if unfused_kernels(cfg, host) else "fused GPU kernels"
     return estimate_memory(cfg, world_size).line(cfg.parallel.pipeline_model_parallel_size, kernels)

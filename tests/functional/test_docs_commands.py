@@ -252,12 +252,12 @@ def _stand_in_files(work: Path) -> None:
     """The files and folders the stand-ins and the recipes name."""
     import shutil
 
-    from _hf import make_family, save_tokenizer
+    from _hf import docs_tiny_llama, make_family, save_tokenizer
 
     save_tokenizer(work / "tok")
     model = make_family(work, "llama_tied", name="tiny-model")
-    for recipe_path in ("models/tiny-llama", "models/Llama-3.1-8B-Instruct"):  # pretrained_tiny, llama3_8b_sft
-        shutil.copytree(model, work / recipe_path)
+    docs_tiny_llama(work)  # pretrained_tiny's folder, as docs/models.md builds it (its tokenizer, its corpus)
+    shutil.copytree(model, work / "models/Llama-3.1-8B-Instruct")  # llama3_8b_sft
     records = [{"prompt": f"what is {i} plus {i}", "completion": f"{2 * i}"} for i in range(200)]
     for name in ("train.jsonl", "big.jsonl", "data/sft.jsonl", "code/code.jsonl"):
         (work / name).parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pack.config import Config, ConfigError, validate
+from megatron_pack.config.host import Host
 from megatron_pack.parallel.cp import pad_multiple
 
 # The package re-exports the function ``validate``, which shadows the module's attribute name.
@@ -32,6 +33,10 @@ CP2_TP4_SP = dict(parallel__context_parallel_size=2, parallel__tensor_model_para
                   parallel__sequence_parallel=True, model__num_query_groups=4)
 GRAPHS = dict(model__cuda_graph_impl="local", data__pad_to_max_length=True)
 SOURCES = [{"name": "chat", "input": "chat.jsonl", "weight": 0.7}, {"name": "code", "input": "code.jsonl", "weight": 0.3}]
+CPU_HOST = Host(gpu=False, transformer_engine=False)
+GPU_TE = Host(gpu=True, transformer_engine=True)
+GPU_NO_TE = Host(gpu=True, transformer_engine=False)
+GPU_TE_NONDETERMINISTIC = Host(gpu=True, transformer_engine=True, nvte_allow_nondeterministic="1")
 META_OK = {"pack_size": 512, "max_samples_per_bin": 7, "pad_seq_to_mult": 4, "vocab_size": 260}
 
 # (rule, config overrides, extra kwargs for the rule, fragments the problem must contain; () = passes)
@@ -202,17 +207,13 @@ CASES = [
      ("model.num_attention_heads (4)", "parallel.tensor_model_parallel_size (8)", "set parallel.tensor_model_parallel_size")),
     ("tensor_parallel", dict(parallel__tensor_model_parallel_size=4), {},
      ("model.num_query_groups (2)", "set parallel.tensor_model_parallel_size to a divisor of 2")),
-    ("tensor_parallel", dict(parallel__sequence_parallel=True), {},
+    ("sequence_parallel", dict(parallel__sequence_parallel=True, parallel__tensor_model_parallel_size=2), {}, ()),
+    ("sequence_parallel", dict(parallel__sequence_parallel=True), {},
      ("parallel.sequence_parallel (True)", "set parallel.sequence_parallel=false")),
     ("batch_size", {}, dict(world_size=4), ()),
     ("batch_size", {}, dict(world_size=3),
      ("train.global_batch_size (8)", "1*3", "set train.global_batch_size=9")),
     ("device", dict(train__device="cpu"), {}, ()),
-    ("host_device", dict(train__device="cuda"), dict(host_gpu=True), ()),
-    ("host_device", dict(train__device="cuda"), dict(host_gpu=False),
-     ("train.device (cuda) needs a GPU", "set train.device=cpu (or auto)")),
-    ("host_device", dict(parallel__backend="nccl"), dict(host_gpu=False),
-     ("parallel.backend (nccl) needs the run on a GPU", "set parallel.backend=gloo (or auto)")),
     ("device", dict(train__device="cpu", model__attention_backend="te", parallel__backend="nccl"), {},
      ("model.attention_backend (te)", "set model.attention_backend=auto", "set parallel.backend=gloo")),
     ("dataset_meta", dict(parallel__context_parallel_size=2, packing__pad_cu_seqlens=True,
@@ -255,6 +256,27 @@ CASES = [
       "(model.fp8=mxfp8)", "set packing.packed_sequence_size=512 and model.seq_length=512")),
     ("device", dict(train__device="cpu", model__fp8="blockwise"), {},
      ("model.fp8 (blockwise) needs CUDA and Transformer Engine", "set model.fp8=none")),
+    # issue 34 item 4: the host a run starts on (train, verify and the launch scripts probe it before launch)
+    ("device", dict(model__fp8="delayed"), dict(host=CPU_HOST),
+     ("model.fp8 (delayed) needs CUDA and Transformer Engine", "train.device=auto finds no GPU on this host",
+      "set model.fp8=none")),
+    ("device", dict(model__fp8="delayed"), dict(host=GPU_TE), ()),
+    ("device", dict(model__fp8="delayed", model__cuda_graph_impl="local", data__pad_to_max_length=True,
+                    packing__pad_cu_seqlens=True), dict(host=GPU_NO_TE),
+     ("model.fp8 (delayed) needs Transformer Engine, which is not installed", "set model.fp8=none",
+      "model.cuda_graph_impl (local) needs Transformer Engine")),
+    ("device", dict(train__device="cuda"), dict(host=CPU_HOST), ("train.device (cuda) needs a GPU",
+                                                                  "set train.device=cpu (or auto)")),
+    ("device", dict(model__attention_backend="te"), dict(host=GPU_TE_NONDETERMINISTIC),
+     ("NVTE_ALLOW_NONDETERMINISTIC_ALGO=0", "set train.deterministic=false")),
+    ("device", dict(parallel__backend="nccl"), dict(host=CPU_HOST), ("parallel.backend (nccl) needs CUDA",)),
+    ("verify_layout", dict(parallel__pipeline_model_parallel_size=2), dict(command="train", world_size=2), ()),
+    ("verify_layout", dict(parallel__pipeline_model_parallel_size=2), dict(command="verify", world_size=2),
+     ("parallel.pipeline_model_parallel_size (2) > 1: verify runs the whole model", "launch it with "
+      "parallel.pipeline_model_parallel_size=1")),
+    ("prepare_input", {}, dict(command="prepare"), ()),
+    ("prepare_input", dict(data__source="files"), dict(command="prepare"),
+     ("data.input (None) is required by prepare", "set data.input=/path/to/train.jsonl")),
     ("dataset_meta", dict(model__fp8="delayed", parallel__context_parallel_size=2),
      dict(meta=dict(META_OK, pack_multiple=32)), ()),
     ("dataset_meta", dict(model__fp8="delayed", parallel__context_parallel_size=2), dict(meta=META_OK),
@@ -304,8 +326,8 @@ def test_rule(case):
     rule, overrides, kwargs, fragments = case
     cfg = make(**overrides)
     problems = _run_rule(rule, cfg, kwargs)
-    validate_kwargs = dict(world_size=kwargs.get("world_size"), dataset_meta=kwargs.get("meta"),
-                           host_gpu=kwargs.get("host_gpu"))
+    validate_kwargs = dict(world_size=kwargs.get("world_size"), dataset_meta=kwargs.get("meta"), host=kwargs.get("host"),
+                           command=kwargs.get("command"))
     if not fragments:
         assert problems == []
         validate(cfg, **validate_kwargs)  # the passing case is a fully valid config

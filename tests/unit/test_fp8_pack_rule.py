@@ -158,7 +158,7 @@ REFUSALS = [
      "the pack multiple 96 = lcm(pad multiple 48 (packing.pad_seq_to_mult), cp*16 = 2*16 = 32 (model.fp8=delayed))"),
     (["model.fp8=delayed", "parallel=cp2", "packing.pad_seq_to_mult=48", "packing.packed_sequence_size=512",
       "model.seq_length=512"],
-     "set packing.packed_sequence_size=576 and model.seq_length=576 (they are equal with offline packing) "
+     "set packing.packed_sequence_size=576 and model.seq_length=576 (a pack is one sequence) "
      "(or unset packing.pad_seq_to_mult)"),
 ]
 

@@ -14,8 +14,11 @@ from megatron_pack.cli.prepare import expand_shorthands
     (["data.tokenizer=byte"], ["data.tokenizer=byte"]),
     (["packing.packed_sequence_size=256"], ["packing.packed_sequence_size=256", "model.seq_length=256"]),
     (["packing.packed_sequence_size=256", "model.seq_length=512"],
-     ["packing.packed_sequence_size=256", "model.seq_length=512"])],
-    ids=["export", "input", "untouched", "pack-size-sets-seq-length", "explicit-seq-length-kept"])
+     ["packing.packed_sequence_size=256", "model.seq_length=512"]),
+    (["model.seq_length=1024"], ["model.seq_length=1024", "packing.packed_sequence_size=1024"]),
+    (["model.seq_length=1024", "packing.mode=in_batch"], ["model.seq_length=1024", "packing.mode=in_batch"])],
+    ids=["export", "input", "untouched", "pack-size-sets-seq-length", "explicit-seq-length-kept",
+         "seq-length-sets-pack-size", "in-batch-has-no-pack"])
 def test_shorthands(argv, expected):
     assert expand_shorthands(argv) == expected
 

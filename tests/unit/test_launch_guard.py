@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from megatron_pack.cli.launch import gpu_visible, torch_build_has_gpu
+from megatron_pack.config.host import gpu_visible, torch_build_has_gpu
 
 VERSION_PY = """from typing import Optional
 __version__ = '2.13.0{tag}'

@@ -48,11 +48,13 @@ def test_device_type(requested, gpu, expected):
     assert device_problems(requested, gpu_present=gpu) == []
 
 
-def test_cuda_on_a_cpu_host_is_refused_by_train_check(tmp_path):
-    """The user's path: ``megatron-pack train --check train.device=cuda`` on a host without a GPU says so in one
-    problem line and exits 2, before torchrun would start a rank (CUDA_VISIBLE_DEVICES='' makes any host one without)."""
+def test_cuda_on_a_cpu_host_is_refused_by_train(tmp_path):
+    """The user's path: ``megatron-pack train train.device=cuda`` on a host without a GPU says so in one problem line
+    and exits 2, before any process group (CUDA_VISIBLE_DEVICES='' makes any host one without). (``train --check``
+    alone checks such a config for the GPU host it names; the launch scripts' check is for this host:
+    tests/unit/test_user_refusals.py.)"""
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "megatron_pack.train", "--check", "model=tiny", "train.device=cuda",
+    proc = subprocess.run([sys.executable, "-m", "megatron_pack.train", "model=tiny", "train.device=cuda",
                            f"train.output_dir={tmp_path}/run", f"data.dataset_dir={tmp_path}/none"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr

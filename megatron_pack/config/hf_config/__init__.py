@@ -245,4 +245,8 @@ def apply_pretrained(cfg, overrides: list[str]):
     data = cfg.data
     if "tokenizer" not in _overridden_keys(overrides, "data") and data.tokenizer == "byte":
         data = dataclasses.replace(data, tokenizer=str(folder))
+    if "seq_length" not in given and cfg.packing.makes_packs:
+        # not an architecture key (RoPE is computed for any length): a pack is one sequence, so it follows the
+        # pack size (prepare's default packs, or the size given) rather than the preset's placeholder
+        derived = {**derived, "seq_length": cfg.packing.packed_sequence_size}
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **derived), data=data)

@@ -56,7 +56,7 @@ def lost_targets_warning(lost: dict, longest: int) -> str | None:
         return None
     return (f"packing.on_overflow={lost['on_overflow']} loses {_share(a['lost_to_overflow'], a['read'])} of the answer "
             f"targets ({a['lost_to_overflow']} of {a['read']}); set packing.on_overflow=split to keep every target, "
-            f"or packing.packed_sequence_size={longest} (with model.seq_length) to keep every sample whole.")
+            f"or packing.packed_sequence_size={longest} model.seq_length={longest} to keep every sample whole.")
 
 
 def plan_lost_warning(store_meta: dict, plan_meta: dict) -> str | None:

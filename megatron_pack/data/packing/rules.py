@@ -109,8 +109,8 @@ def overflow_message(settings: PlanSettings, offenders: np.ndarray, num_ids: np.
     if longest <= settings.pack_size:  # only max_single_sequence_length is in the way
         whole = (f"set packing.max_single_sequence_length={settings.pack_size} (or leave it unset) to keep them whole")
     else:
-        whole = (f"set packing.packed_sequence_size={longest} (a multiple of the pad multiple "
-                 f"{settings.pad_multiple}) to keep them whole")
+        whole = (f"set packing.packed_sequence_size={longest} model.seq_length={longest} (a multiple of the pad "
+                 f"multiple {settings.pad_multiple}; a pack is one sequence) to keep them whole")
     split = ", or packing.on_overflow=split to cut them into pieces" if settings.algorithm != "online" else ""
     return (f"{len(offenders)} sample(s) are longer than the pack allows (pack size {settings.pack_size}, "
             f"pad multiple {settings.pad_multiple}, max length {settings.max_length}):\n" + "\n".join(lines) + more +

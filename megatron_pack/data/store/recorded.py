@@ -67,15 +67,20 @@ def _plans(dataset_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
     return plans, other
 
 
-def _rerun(cfg, dataset_dir: Path, required: int) -> str:
+def _rerun(cfg, dataset_dir: Path, required: int, plans: Iterable[dict] = ()) -> str:
+    """The prepare that makes a plan for this layout: at the pack size of the plans there (when they share one;
+    the command line's pack size was compared already), rounded up to the pad multiple."""
     par = cfg.parallel
+    sizes = {int(m["pack_size"]) for m in plans if m.get("pack_size")}
+    size = sizes.pop() if len(sizes) == 1 else cfg.packing.packed_sequence_size
+    size = -(-size // required) * required
     layout = f" parallel.context_parallel_size={par.context_parallel_size}" if par.context_parallel_size > 1 else ""
     if par.sequence_parallel and par.tensor_model_parallel_size > 1:
         layout += f" parallel.tensor_model_parallel_size={par.tensor_model_parallel_size} parallel.sequence_parallel=true"
     if cfg.model.fp8 != "none":
         layout += f" model.fp8={cfg.model.fp8}"
     return (f"`megatron-pack prepare data.dataset_dir={dataset_dir} packing.packed_sequence_size="
-            f"{cfg.packing.packed_sequence_size}{layout}` (pads to {required}) with your data settings")
+            f"{size}{layout}` (pads to {required}) with your data settings")
 
 
 def _values(manifest: dict, entries: Iterable[manifests.Entry]) -> str:
@@ -141,7 +146,7 @@ def _select(cfg, dataset_dir: Path, plans: list[tuple[Path, dict]], given: set[s
         raise DataError(f"the plans in {dataset_dir} ({', '.join(p.name for p, _ in agree)}) pad each sample to "
                         f"{' or '.join(map(str, pads))} tokens, but this parallel layout (cp={cfg.parallel.context_parallel_size}, "
                         f"tp={cfg.parallel.tensor_model_parallel_size}) needs a multiple of {required}; run "
-                        f"{_rerun(cfg, dataset_dir, required)}.")
+                        f"{_rerun(cfg, dataset_dir, required, [m for _, m in agree])}.")
     fits = _fitting_pack_multiple(cfg, dataset_dir, fits)
     if len(fits) == 1:
         return fits[0]
