@@ -39,13 +39,19 @@ def _group_of(nodeid: str) -> str:
     return "worlds" if module.startswith("tests/functional/") or module in WORLD_MODULES else module
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group_of(item.nodeid)))
-    items.sort(key=lambda item: _group_of(item.nodeid) != "worlds")  # the longest group starts first
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup``: whole modules to whichever worker is free, every world in one group (xdist's own
+    loadgroup reads ``xdist_group`` marks through node ids that pytest 9 no longer rewrites)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorldsScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    return WorldsScheduling(config, log)  # the largest scope (the worlds) is handed out first
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
