@@ -147,7 +147,8 @@ def _read_results(store_dir: Path, world_size: int) -> list[dict[str, np.ndarray
 # ---- the pool: gloo ranks started once per pytest process, each running one case after another ----
 
 _TORCH_DEFAULT_SEED = 67280421310721
-"""The seed of torch's default generator in a new process (``torch.initial_seed()`` before any seeding)."""
+"""torch's built-in seed of its default generator, put back after each case so no case sees the seed the one
+before set (a new rank's seed is not fixed either: its imports reseed it; a case that needs one seeds it)."""
 
 
 def _preimport() -> None:
