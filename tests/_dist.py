@@ -77,6 +77,10 @@ def _stack_margin(timeout_s: float) -> float:
     return min(5.0, 0.1 * timeout_s)
 
 
+_RAISED_AT = [float("inf")]
+"""When this rank's case raised (wall clock, comparable across the ranks of one machine)."""
+
+
 def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: str, args: tuple,
            timeout_s: float) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -95,6 +99,9 @@ def _entry(rank: int, worker: Callable[..., dict], world_size: int, store_dir: s
                   for key, value in result.items()}
         np.savez(os.path.join(store_dir, f"rank{rank}.npz"), **arrays)
         dist.barrier()
+    except BaseException:
+        _RAISED_AT[0] = min(_RAISED_AT[0], time.time())  # a rank that lost its failed peer raises later
+        raise
     finally:
         faulthandler.cancel_dump_traceback_later()
         stacks.close()
@@ -197,15 +204,17 @@ def _pool_main(conn) -> None:
             return
         sys_path, payload = message
         sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the test's modules, to unpickle its worker
+        _RAISED_AT[0] = float("inf")
         try:
             _entry(*pickle.loads(payload))
-            answer = ("ok", "")
+            answer = ("ok", "", 0.0)
         except BaseException:  # noqa: BLE001 (reported to the parent, which fails the test)
-            answer = ("error", traceback.format_exc())
+            answer = ("error", traceback.format_exc(), min(_RAISED_AT[0], time.time()))
         try:
             _reset_process_state(environ, cwd, start_method)
         except BaseException:  # noqa: BLE001
-            answer = ("error", answer[1] + "\nwhile resetting the pooled rank:\n" + traceback.format_exc())
+            answer = ("error", answer[1] + "\nwhile resetting the pooled rank:\n" + traceback.format_exc(),
+                      min(answer[2] or time.time(), time.time()))
         conn.send(answer)
 
 
@@ -252,10 +261,10 @@ def _spawn_pooled(worker: Callable[..., dict], world_size: int, store_dir: Path,
         errors = {}
         for rank, conn in list(pending.items()):
             if conn in ready:
-                status, text = conn.recv()
+                status, text, raised_at = conn.recv()
                 del pending[rank]
                 if status != "ok":
-                    errors[rank] = text
+                    errors[rank] = (raised_at, text)
         if errors:
             _fail_pooled(worker.__name__, world_size, errors, pending)
         dead = [rank for rank in pending if not processes[rank].is_alive()]
@@ -275,19 +284,19 @@ def _spawn_pooled(worker: Callable[..., dict], world_size: int, store_dir: Path,
 
 def _fail_pooled(worker_name: str, world_size: int, errors: dict, pending: dict) -> None:
     """Fail the case with every rank's error: the peers of a rank that raised fail soon after it (their
-    collective lost a member), so their answers are awaited briefly and the original error named first."""
+    collective lost a member), so their answers are awaited briefly and the rank that raised first is named."""
     wait_until = time.monotonic() + 5.0
     while pending and time.monotonic() < wait_until:
         for conn in multiprocessing.connection.wait(list(pending.values()), timeout=0.2):
             rank = next(r for r, c in pending.items() if c is conn)
-            status, text = pending.pop(rank).recv()
+            status, text, raised_at = pending.pop(rank).recv()
             if status != "ok":
-                errors[rank] = text
+                errors[rank] = (raised_at, text)
     _POOL.close()  # a rank may still wait in a collective its failed peer never enters
-    first = min(errors, key=lambda r: ("ProcessGroupGloo" in errors[r] or "Connection closed" in errors[r], r))
-    others = "".join(f"\n--- rank {r} ---\n{errors[r]}" for r in sorted(errors) if r != first)
-    raise AssertionError(f"rank {first} of the world of {world_size} running {worker_name} failed:\n{errors[first]}"
-                         + (f"\nthen:{others}" if others else ""))
+    first = min(errors, key=lambda r: (errors[r][0], r))  # the rank that raised first, not a peer that lost it
+    others = "".join(f"\n--- rank {r} ---\n{errors[r][1]}" for r in sorted(errors) if r != first)
+    raise AssertionError(f"rank {first} of the world of {world_size} running {worker_name} failed:\n"
+                         f"{errors[first][1]}" + (f"\nthen:{others}" if others else ""))
 
 
 def _spawn_fresh(worker: Callable[..., dict], world_size: int, store_dir: Path, args: tuple,
