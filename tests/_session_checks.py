@@ -4,9 +4,9 @@
    module-scoped world counts once) must stay within its budget in ``MODULE_BUDGETS_S`` (or the
    default for its folder). A module over budget fails the session and prints its slowest items:
    a new case joins an existing world (``sub_world``, a pooled ``spawn_world``, the training-case
-   queue) instead of starting its own. The budgets are about 2x a run on a loaded 2-core machine
-   with the other modules running beside it (``scripts/test.sh``); raise one only with the
-   measurement that needs it.
+   queue) instead of starting its own. The budgets are 3-4x the quiet timings of issue 33 (e.g.
+   ``test_lora_train_export`` 148 s), room for a 2-core machine loaded by other runs beside it; raise one
+   only with the measurement that needs it.
 2. **The working folder stays untouched.** The repository's ``runs/`` and ``data/`` (where the
    README's quickstart writes) are the same after the session as before it: tests work in their
    own temporary folders. A file created, changed or removed there fails the session, naming it.
@@ -20,33 +20,33 @@ from pathlib import Path
 WORKING_FOLDERS = ("runs", "data")
 """The repository's folders the README's commands write and the tests must leave alone."""
 
-DEFAULT_BUDGET_S = {"tests/unit": 60.0, "tests/functional": 240.0}
+DEFAULT_BUDGET_S = {"tests/unit": 90.0, "tests/functional": 360.0}
 """A module not named in ``MODULE_BUDGETS_S`` gets its folder's budget."""
 
 MODULE_BUDGETS_S = {
     # functional: the modules that start worlds or command-line runs
-    "tests/functional/test_lora_train_export.py": 420.0,
-    "tests/functional/test_docs_commands.py": 360.0,
-    "tests/functional/test_training_run.py": 360.0,
-    "tests/functional/test_model_parallel.py": 240.0,
-    "tests/functional/test_reliability_restart.py": 240.0,
-    "tests/functional/test_user_path_matrix.py": 240.0,
-    "tests/functional/test_moe.py": 300.0,
-    "tests/functional/test_readme_commands.py": 240.0,
-    "tests/functional/test_pipeline_parallel.py": 300.0,
-    "tests/functional/test_hf_models.py": 300.0,
-    "tests/functional/test_lora_parallel.py": 240.0,
-    "tests/functional/test_hf_train_export.py": 240.0,
-    "tests/functional/test_reliability_signals.py": 240.0,
-    "tests/functional/test_launch.py": 240.0,
-    "tests/functional/test_slurm.py": 240.0,
-    "tests/functional/test_train_steps.py": 300.0,
+    "tests/functional/test_lora_train_export.py": 630.0,
+    "tests/functional/test_docs_commands.py": 540.0,
+    "tests/functional/test_training_run.py": 540.0,
+    "tests/functional/test_model_parallel.py": 360.0,
+    "tests/functional/test_reliability_restart.py": 360.0,
+    "tests/functional/test_user_path_matrix.py": 360.0,
+    "tests/functional/test_moe.py": 450.0,
+    "tests/functional/test_readme_commands.py": 360.0,
+    "tests/functional/test_pipeline_parallel.py": 450.0,
+    "tests/functional/test_hf_models.py": 450.0,
+    "tests/functional/test_lora_parallel.py": 360.0,
+    "tests/functional/test_hf_train_export.py": 360.0,
+    "tests/functional/test_reliability_signals.py": 360.0,
+    "tests/functional/test_launch.py": 360.0,
+    "tests/functional/test_slurm.py": 360.0,
+    "tests/functional/test_train_steps.py": 450.0,
     # unit modules slower than the unit default
     "tests/unit/test_dist_harness.py": 300.0,  # starts the pool three times (two cases kill it on purpose)
-    "tests/unit/test_reliability_fuzz.py": 120.0,
-    "tests/unit/test_reliability_properties.py": 120.0,
-    "tests/unit/test_bad_records.py": 120.0,
-    "tests/unit/test_cli_help.py": 120.0,
+    "tests/unit/test_reliability_fuzz.py": 180.0,
+    "tests/unit/test_reliability_properties.py": 180.0,
+    "tests/unit/test_bad_records.py": 180.0,
+    "tests/unit/test_cli_help.py": 180.0,
 }
 
 

@@ -12,13 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _session_checks import MODULE_BUDGETS_S, changes, over_budget, snapshot  # noqa: E402
 
 BUDGET_CASES = {
-    "unit_module_within_default": ({"tests/unit/test_a.py::t1": 20.0, "tests/unit/test_a.py::t2": 30.0}, []),
-    "unit_module_over_default": ({"tests/unit/test_a.py::t1": 50.0, "tests/unit/test_a.py::t2[x]": 20.0},
-                                 ["tests/unit/test_a.py took 70 s, over its budget of 60 s"]),
-    "functional_default_is_larger": ({"tests/functional/test_new.py::t": 200.0}, []),
-    "named_budget_wins": ({"tests/functional/test_lora_train_export.py::t": 400.0}, []),
-    "only_the_module_over_fails": ({"tests/unit/test_a.py::t": 61.0, "tests/unit/test_b.py::t": 59.0},
-                                   ["tests/unit/test_a.py took 61 s"]),
+    "unit_module_within_default": ({"tests/unit/test_a.py::t1": 40.0, "tests/unit/test_a.py::t2": 45.0}, []),
+    "unit_module_over_default": ({"tests/unit/test_a.py::t1": 70.0, "tests/unit/test_a.py::t2[x]": 25.0},
+                                 ["tests/unit/test_a.py took 95 s, over its budget of 90 s"]),
+    "functional_default_is_larger": ({"tests/functional/test_new.py::t": 300.0}, []),
+    "named_budget_wins": ({"tests/functional/test_lora_train_export.py::t": 500.0}, []),
+    "only_the_module_over_fails": ({"tests/unit/test_a.py::t": 91.0, "tests/unit/test_b.py::t": 89.0},
+                                   ["tests/unit/test_a.py took 91 s"]),
 }
 
 
