@@ -52,7 +52,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2", "transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1",
-                 "peft>=0.13"],  # tests/functional/test_lora_*: the reference LoRA implementation
+                 "peft>=0.13",  # tests/functional/test_lora_*: the reference LoRA implementation
+                 "pytest-xdist>=3.5"],  # scripts/test.sh: unit modules beside the worlds (tests/conftest.py)
         "hf": ["transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
         # apex has no PyPI release: build it from source (docs/model.md) after installing this extra.
         "gpu": ["transformer-engine[pytorch]>=2.0"],

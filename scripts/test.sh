@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Set up what is missing, then run the whole test suite (unit + functional, CPU only).
+# PYTEST_WORKERS pytest-xdist workers (default 2, one per core of the CI machine): one runs every multi-process
+# world, one case at a time, on a pool of ranks started once (tests/_dist.py); the others take the unit modules
+# (tests/conftest.py). PYTEST_WORKERS=0 runs everything in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest tests/unit tests/functional "$@"
+workers=${PYTEST_WORKERS:-2}
+if [ "$workers" = 0 ]; then
+  exec .venv/bin/python -m pytest tests/unit tests/functional "$@"
+fi
+exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup tests/unit tests/functional "$@"

@@ -1,18 +1,28 @@
-"""tests/_dist.py: a hung spawned world fails its test with a clear message instead of blocking CI.
+"""tests/_dist.py: a hung spawned world fails its test with a clear message instead of blocking CI,
+and the pooled ranks run case after case as new processes would.
 
 One world of 2 gloo ranks where rank 1 never reaches the barrier rank 0 waits in (as a rank
 that skips a collective would): ``spawn_world`` kills both ranks at the deadline and raises
 ``WorldTimeout`` naming the worker, the ranks still running and where each one was.
+
+The pool: a case that leaves megatron-core's groups, an environment variable, a seed and a default
+dtype behind is followed, on the same processes, by a case that sees what a new process sees (the
+same case run with ``fresh=True`` is the reference); a rank that raises fails its case with its
+traceback and the next case runs on a new pool; a 1-rank world after a 2-rank one runs on the
+pool's first process.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _dist import WorldTimeout, spawn_world  # noqa: E402
@@ -29,6 +39,58 @@ def _rank1_never_arrives(rank: int, world_size: int) -> dict:
 
 def _every_rank_arrives(rank: int, world_size: int) -> dict:
     return {"rank": rank}
+
+
+def _leave_state_behind(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, create_gloo_process_groups=False)
+    os.environ["LEFT_BEHIND"] = "1"
+    os.environ["RANK"] = "99"
+    torch.manual_seed(1234)
+    torch.set_default_dtype(torch.float64)
+    return {"pid": os.getpid()}
+
+
+def _observe_state(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state
+
+    return {"pid": os.getpid(), "model_parallel": parallel_state.model_parallel_is_initialized(),
+            "left_behind": "LEFT_BEHIND" in os.environ, "rank_env": int(os.environ["RANK"]),
+            "world_size_env": int(os.environ["WORLD_SIZE"]), "seed": torch.initial_seed(),
+            "float64": torch.get_default_dtype() == torch.float64, "dist_world": torch.distributed.get_world_size()}
+
+
+def _raise_on_rank1(rank: int, world_size: int) -> dict:
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+    torch.distributed.barrier()  # rank 0 waits for a peer that never comes: the pool must be killed
+    return {}
+
+
+def test_pooled_case_sees_what_a_new_process_sees(tmp_path):
+    first = spawn_world(_leave_state_behind, 2, tmp_path / "first")
+    pooled = spawn_world(_observe_state, 2, tmp_path / "pooled")
+    fresh = spawn_world(_observe_state, 2, tmp_path / "fresh", fresh=True)
+    assert [int(r["pid"]) for r in pooled] == [int(r["pid"]) for r in first]  # the same processes ran both
+    assert {int(r["pid"]) for r in fresh}.isdisjoint(int(r["pid"]) for r in first)  # fresh=True: new ones
+    for rank, (got, want) in enumerate(zip(pooled, fresh)):
+        assert int(got["rank_env"]) == rank and int(got["dist_world"]) == 2
+        assert int(got["seed"]) != 1234  # a new process's seed is not fixed (the fresh one differs), only not left behind
+        for key in want:
+            if key not in ("pid", "seed"):
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"rank {rank}: {key}")
+
+
+def test_failing_rank_fails_its_case_and_the_next_case_runs(tmp_path):
+    with pytest.raises(AssertionError) as info:
+        spawn_world(_raise_on_rank1, 2, tmp_path / "fails", timeout_s=60)
+    assert "rank 1 of the world of 2 running _raise_on_rank1 failed" in str(info.value)
+    assert "ValueError: rank 1 refuses" in str(info.value)
+    two = spawn_world(_every_rank_arrives, 2, tmp_path / "after")
+    one = spawn_world(_observe_state, 1, tmp_path / "one")
+    assert [int(r["rank"]) for r in two] == [0, 1]
+    assert int(one[0]["dist_world"]) == 1 and int(one[0]["world_size_env"]) == 1
 
 
 def test_hung_world_is_killed_and_fails_with_each_rank_stack(tmp_path):

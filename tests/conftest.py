@@ -1,0 +1,82 @@
+"""Session-wide test setup: ``tests/`` importable (``_dist``, ``_launch``, ...), the cores shared out
+under pytest-xdist, and the session's checks on itself (``tests/_session_checks.py``).
+
+Under ``-n N --dist loadgroup`` (``scripts/test.sh``) every test that starts several processes (all
+of ``tests/functional`` and the spawn harness's own tests) is in one group, ``worlds``, run on one
+worker one case at a time with one pool of ranks, while the other workers take the unit modules,
+each module whole (its module-scoped fixtures built once). So worlds never overlap, and the cores
+they leave idle run unit tests.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS_DIR = Path(__file__).resolve().parent
+if str(_TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(_TESTS_DIR))
+
+import _session_checks  # noqa: E402
+
+REPO = _TESTS_DIR.parent
+WORLD_MODULES = ("tests/unit/test_dist_harness.py",)
+"""Unit modules that start worlds of processes: they run in the ``worlds`` group too."""
+
+_DURATIONS: dict[str, float] = {}
+"""Seconds per node id, all phases summed (on the controller under xdist, which receives every report)."""
+_SNAPSHOT = pytest.StashKey[dict]()
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")  # a pytest-xdist worker; the controller checks the session
+
+
+def _group_of(nodeid: str) -> str:
+    module = _session_checks.module_of(nodeid)
+    return "worlds" if module.startswith("tests/functional/") or module in WORLD_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup``: whole modules to whichever worker is free, every world in one group (xdist's own
+    loadgroup reads ``xdist_group`` marks through node ids that pytest 9 no longer rewrites)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorldsScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    return WorldsScheduling(config, log)  # the largest scope (the worlds) is handed out first
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _is_worker(session.config):
+        session.config.stash[_SNAPSHOT] = _session_checks.snapshot(REPO)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    nodeid = report.nodeid.split("@", 1)[0]  # loadgroup appends @group to the node id
+    _DURATIONS[nodeid] = _DURATIONS.get(nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _is_worker(session.config) or _SNAPSHOT not in session.config.stash:
+        return
+    problems = _session_checks.over_budget(_DURATIONS)
+    touched = _session_checks.changes(session.config.stash[_SNAPSHOT], _session_checks.snapshot(REPO))
+    if touched:
+        problems.append("the tests changed the repository's working folders (runs/, data/), which the README's "
+                        "quickstart uses; write under tmp_path instead:\n" + "\n".join(f"    {t}" for t in touched))
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter:
+            reporter.write("\n")
+        for problem in problems:
+            (reporter.write_line if reporter else print)(f"SESSION CHECK FAILED: {problem}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+

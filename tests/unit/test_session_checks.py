@@ -1,0 +1,63 @@
+"""tests/_session_checks.py: the module budgets and the working-folder guard that tests/conftest.py runs at the
+end of every session, on tables of made-up durations and on a scratch repository."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _session_checks import MODULE_BUDGETS_S, changes, over_budget, snapshot  # noqa: E402
+
+BUDGET_CASES = {
+    "unit_module_within_default": ({"tests/unit/test_a.py::t1": 40.0, "tests/unit/test_a.py::t2": 45.0}, []),
+    "unit_module_over_default": ({"tests/unit/test_a.py::t1": 70.0, "tests/unit/test_a.py::t2[x]": 25.0},
+                                 ["tests/unit/test_a.py took 95 s, over its budget of 90 s"]),
+    "functional_default_is_larger": ({"tests/functional/test_new.py::t": 300.0}, []),
+    "named_budget_wins": ({"tests/functional/test_lora_train_export.py::t": 500.0}, []),
+    "only_the_module_over_fails": ({"tests/unit/test_a.py::t": 91.0, "tests/unit/test_b.py::t": 89.0},
+                                   ["tests/unit/test_a.py took 91 s"]),
+}
+
+
+@pytest.mark.parametrize("durations,expected", BUDGET_CASES.values(), ids=list(BUDGET_CASES))
+def test_module_budgets(durations, expected):
+    messages = over_budget(durations)
+    assert len(messages) == len(expected)
+    for message, start in zip(messages, expected):
+        assert message.startswith(start), message
+        assert "MODULE_BUDGETS_S" in message and "Slowest items" in message
+    if expected:  # the module's slowest item is listed first
+        module = expected[0].split()[0]
+        items = sorted((n for n in durations if n.startswith(module)), key=durations.get, reverse=True)
+        assert [message.index(n) for n in items] == sorted(message.index(n) for n in items)
+
+
+def test_every_named_budget_is_a_module_that_exists():
+    repo = Path(__file__).resolve().parents[2]
+    missing = [m for m in MODULE_BUDGETS_S if not (repo / m).is_file()]
+    assert MODULE_BUDGETS_S and not missing, missing
+
+
+GUARD_CASES = {
+    "untouched": (lambda repo: None, []),
+    "file_created": (lambda repo: (repo / "runs" / "new.txt").write_text("x"), ["created runs/new.txt"]),
+    "folder_created": (lambda repo: (repo / "data" / "ds").mkdir(), ["created data/ds"]),
+    "file_changed": (lambda repo: (repo / "runs" / "old.txt").write_text("longer"), ["changed runs/old.txt"]),
+    "file_removed": (lambda repo: (repo / "runs" / "old.txt").unlink(), ["removed runs/old.txt"]),
+    "folder_removed": (lambda repo: (repo / "data").rmdir(), ["removed data"]),
+    "other_folder_ignored": (lambda repo: (repo / "src.txt").write_text("y"), []),
+}
+
+
+@pytest.mark.parametrize("act,expected", GUARD_CASES.values(), ids=list(GUARD_CASES))
+def test_working_folder_guard(tmp_path, act, expected):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "runs" / "old.txt").write_text("x")
+    before = snapshot(tmp_path)
+    assert set(before) == {"runs", "data", "runs/old.txt"}  # the snapshot really saw the folders
+    act(tmp_path)
+    assert changes(before, snapshot(tmp_path)) == expected
