@@ -44,9 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, candidates,  # noqa: F401
-                                                     checkpoint_problems, choose_checkpoint, digest, find_latest,
-                                                     owner, read_meta, step_dirname, write_manifest)
+from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, checkpoint_problems,
+                                                     digest, owner, read_meta, step_dirname, write_manifest)
 
 
 def rng_state() -> dict:
