@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from megatron_pack.data.batches.thd import collate_thd
-from megatron_pack.parallel.cp import pad_multiple, slice_thd_batch
+from megatron_pack.config.layout import pad_multiple
+from megatron_pack.parallel.cp import slice_thd_batch
 
 PACK_SIZES = (4096, 32768, 131072)
 CP_SIZES = (1, 2, 8)

@@ -50,7 +50,8 @@ def online(num_ids, num_samples: int, buffer_size: int) -> tuple[int, int, float
 def loader_rate(num_samples: int, workers: int, pack_size: int = 4096) -> tuple[float, float]:
     """(samples/s, packs/s) of one epoch's worth of packs from the online loader, stream source."""
     from megatron_pack.config import Config, DataConfig, PackingConfig, TrainConfig
-    from megatron_pack.data.batches.loader import build_loader, open_dataset
+    from megatron_pack.data.batches.loader import build_loader
+    from megatron_pack.data.batches.opening import open_dataset
 
     cfg = Config(data=DataConfig(source="synthetic", synthetic_num_samples=num_samples, num_workers=workers),
                  packing=PackingConfig(packed_sequence_size=pack_size, mode="online", online_source="stream",

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
 
     from megatron_pack.data.formats import fast_chat
     from megatron_pack.data.formats.sources import iter_chunks
-    from megatron_pack.data.formats.tokenizer import SampleSchema
+    from megatron_pack.data.formats.chat import SampleSchema
     from megatron_pack.data.store import token_store as ts
 
     work = Path(args.workdir)

@@ -154,7 +154,7 @@ def packed_logits(root: Path, args: list[str], weights: Path, samples: list[list
 
     from megatron_pack.cli.verify import load_model_weights, single_process_config
     from megatron_pack.config import load_config
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.step import get_packed_seq_params

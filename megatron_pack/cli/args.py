@@ -188,7 +188,7 @@ def _summary(module_name: str) -> str:
 
 def print_resolved(cfg, note: Optional[str] = None) -> int:
     """``--cfg job``: the resolved config as YAML on stdout (a note, if any, on stderr); exit code 0."""
-    from megatron_pack.config import config_to_yaml
+    from megatron_pack.config.loader import config_to_yaml
 
     print(config_to_yaml(cfg), end="")
     if note:

@@ -88,7 +88,8 @@ def _manifest_lines(plans: list[Path], metas: list[dict], named: bool) -> list[s
 def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
     """The text ``inspect`` prints (``plan``: only that one; ``keep``: only the plans whose manifest it
     accepts); every plan's report files are written when missing."""
-    from megatron_pack.data.batches.dataset import PackedSFTDataset, list_plans, read_metadata
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
+    from megatron_pack.data.store.metadata import list_plans, read_metadata
     from megatron_pack.data.packing.report import write_report
     from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION
 

@@ -160,7 +160,8 @@ def main(argv: list[str]) -> int:
 
     eager_jit_fuser_without_cuda()  # before megatron-core's first import: no torch.compile machinery on CPU
     from megatron_pack.training.eval import build_validation_loader
-    from megatron_pack.training.loop import build_loader, run_summary, run_training
+    from megatron_pack.training.loop import build_loader, run_training
+    from megatron_pack.training.summary import run_summary
     from megatron_pack.training.signals import configure
 
     configure(cfg.checkpoint.save_on_signal, list(cfg.checkpoint.signals))

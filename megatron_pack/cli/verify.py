@@ -217,7 +217,8 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
     matching ``cfg``); 0 when all pass, else 1."""
     if cfg.verify.reference == "transformers":  # against transformers' forward (below)
         return run_verify_transformers(cfg, out=out)
-    from megatron_pack.data.batches.loader import collate_from_config, open_dataset
+    from megatron_pack.data.batches.loader import collate_from_config
+    from megatron_pack.data.batches.opening import open_dataset
     from megatron_pack.model.builder import build_model
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -362,7 +363,8 @@ def run_verify_transformers(cfg, *, out=print) -> int:
 
     from megatron_pack.parallel.comm import broadcast
 
-    from megatron_pack.data.batches.loader import collate_from_config, open_dataset
+    from megatron_pack.data.batches.loader import collate_from_config
+    from megatron_pack.data.batches.opening import open_dataset
     from megatron_pack.model.builder import build_model
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel

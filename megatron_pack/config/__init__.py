@@ -6,9 +6,8 @@
     2
 """
 
-from megatron_pack.config.loader import config_dir, config_to_yaml, load_config
+from megatron_pack.config.loader import load_config
 from megatron_pack.config.schema import (
-    GROUPS,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -22,10 +21,9 @@ from megatron_pack.config.schema import (
     TrainConfig,
     VerifyConfig,
 )
-from megatron_pack.config.validate import effective_pad_multiple, validate
+from megatron_pack.config.validate import validate
 
 __all__ = [
-    "GROUPS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DDPConfig", "ExportConfig", "LoggingConfig",
-    "ModelConfig", "PackingConfig", "ParallelConfig", "TrainConfig", "VerifyConfig",
-    "config_dir", "config_to_yaml", "effective_pad_multiple", "load_config", "validate",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DDPConfig", "ExportConfig", "LoggingConfig",
+    "ModelConfig", "PackingConfig", "ParallelConfig", "TrainConfig", "VerifyConfig", "load_config", "validate",
 ]

@@ -20,8 +20,8 @@ the pack's token count ``T`` is padded (by a tail sub-sequence of zero real leng
     64
 
 
-``megatron_pack.parallel.cp.pad_multiple`` and ``megatron_pack.parallel.dims`` re-export these
-names (the public paths of DESIGN.md stay valid).
+DESIGN.md's path ``megatron_pack.parallel.cp.pad_multiple`` resolves to ``pad_multiple`` here
+through the table of moved public names (``megatron_pack._deprecated``), with a DeprecationWarning.
 """
 
 from __future__ import annotations

@@ -8,44 +8,13 @@
 ``prepare`` runs the offline steps (``megatron-pack prepare``); see docs/data.md. Submodules are
 imported on use so ``import megatron_pack.data`` stays light.
 
-The flat module paths of earlier releases (``megatron_pack.data.thd``, ``.dataset``, ``.plan``,
-...) still import: ``OLD_PATHS`` maps each to its new module, and importing the old name gives
-that very module object (so ``megatron_pack.data.thd.collate_thd`` is
-``megatron_pack.data.batches.thd.collate_thd``, and patching one patches the other). They are
-aliases rather than files so that version control sees each move as a rename.
-``megatron_pack.data.store`` and ``megatron_pack.data.packing`` are packages now; they re-export
-the names of the token store and of the packing algorithms.
+``megatron_pack.data.thd`` and ``megatron_pack.data.in_batch`` (DESIGN.md's paths of
+``collate_thd`` and ``pack_batch_sequences``, now in ``batches``) resolve through the one table of
+moved public names, ``megatron_pack._deprecated``, with a DeprecationWarning.
 """
 
-import importlib
-import importlib.abc
-import importlib.util
 import sys
 
-OLD_PATHS = {
-    "sources": "formats.sources", "tokenizer": "formats.tokenizer", "synthetic": "formats.synthetic",
-    "atomic": "store.atomic",
-    "plan": "packing.plan", "report": "packing.report", "bridge": "packing.bridge",
-    "dataset": "batches.dataset", "thd": "batches.thd", "in_batch": "batches.in_batch", "sampler": "batches.sampler",
-}
-"""Old module name under ``megatron_pack.data`` -> its module now (relative to ``megatron_pack.data``)."""
+from megatron_pack import _deprecated
 
-
-class _OldPathFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports ``megatron_pack.data.<old>`` as the module it moved to (the same object, imported on use)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        package, _, old = fullname.rpartition(".")
-        if package == __name__ and old in OLD_PATHS:
-            return importlib.util.spec_from_loader(fullname, self)
-        return None
-
-    def create_module(self, spec):
-        return importlib.import_module(f"{__name__}.{OLD_PATHS[spec.name.rpartition('.')[2]]}")
-
-    def exec_module(self, module):
-        pass  # already executed under its new name
-
-
-if not any(isinstance(f, _OldPathFinder) for f in sys.meta_path):
-    sys.meta_path.append(_OldPathFinder())
+_deprecated.register_old_modules(sys.modules[__name__])

@@ -28,9 +28,9 @@ from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION,
 from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore,
                                       default_num_workers, store_statistics, token_dtype_for, tokenize_stream,
                                       write_store)
+from megatron_pack.data.formats.chat import SampleSchema, schema_from_config
 from megatron_pack.data.formats.synthetic import GENERATOR_VERSION
-from megatron_pack.data.formats.chat import schema_from_config
-from megatron_pack.data.formats.tokenizer import SampleSchema, build_tokenizer
+from megatron_pack.data.formats.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 SYNTHETIC_CHUNK = 1000

@@ -330,7 +330,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     if cfg.model.pretrained:
         from megatron_pack.model.hf.load import load_pretrained
 
-        from megatron_pack.model.hf.mapping import Dims
+        from megatron_pack.model.hf.transforms import Dims
 
         p = cfg.parallel  # an expert-parallel rank reads only its own experts (the model's placement)
         dims = Dims.from_model_config(cfg.model, p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
@@ -339,7 +339,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
                                                   tp_size=p.tensor_model_parallel_size, etp_rank=pg.etp_rank,
                                                   dims=dims)
     if cfg.peft.method == "lora":  # after loading: the base is complete and then frozen
-        from megatron_pack.model.peft import apply_lora
+        from megatron_pack.model.peft.lora import apply_lora
 
         model.num_adapters = apply_lora(model, cfg.peft, seed=cfg.train.seed, tp_group=pg.tp_group,
                                         tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,

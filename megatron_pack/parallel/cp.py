@@ -22,7 +22,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from megatron_pack.config.layout import pad_multiple  # re-exported: the public path of the rule
+from megatron_pack._deprecated import module_getattr
+
+__getattr__ = module_getattr(__name__)
+"""``pad_multiple`` (DESIGN.md's path; it lives in ``megatron_pack.config.layout``), with a DeprecationWarning."""
 
 SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "token_source")
 """THD batch keys holding one value per token ([1, T]); ``slice_thd_batch`` cuts these
@@ -33,11 +36,11 @@ def _as_cu(cu_seqlens_padded: Any) -> torch.Tensor:
     cu = torch.as_tensor(cu_seqlens_padded).to(torch.int64).reshape(-1)
     if cu.numel() < 1 or int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens_padded must start with 0, got {cu.tolist()[:8]}; "
-                         "build the batch with megatron_pack.data.thd.collate_thd.")
+                         "build the batch with megatron_pack.data.batches.thd.collate_thd.")
     lengths = cu[1:] - cu[:-1]
     if bool((lengths < 0).any()):
         raise ValueError(f"cu_seqlens_padded must be non-decreasing, got {cu.tolist()[:16]}; "
-                         "build the batch with megatron_pack.data.thd.collate_thd.")
+                         "build the batch with megatron_pack.data.batches.thd.collate_thd.")
     return cu
 
 
@@ -49,7 +52,7 @@ def _check_divisible(cu: torch.Tensor, cp_size: int) -> None:
         raise ValueError(
             f"sub-sequence {i} has padded length {int(lengths[i])}, not divisible by 2*CP = {2 * cp_size} "
             f"({bad.numel()} sub-sequence(s) affected); pad every sub-sequence to "
-            f"megatron_pack.parallel.cp.pad_multiple(cp={cp_size}, tp, sequence_parallel) "
+            f"megatron_pack.config.layout.pad_multiple(cp={cp_size}, tp, sequence_parallel) "
             "(packing.pad_seq_to_mult) and re-run `megatron-pack prepare`.")
 
 
@@ -127,7 +130,7 @@ def slice_thd_batch(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dic
         raise ValueError(
             f"Packed THD batches expect micro-batch size 1 for context-parallel slicing, got tokens of shape "
             f"{tuple(tokens.shape)}; set train.micro_batch_size=1 (offline packs), or pack a right-padded "
-            "[B, S] batch into one row first with megatron_pack.data.in_batch.pack_batch_sequences "
+            "[B, S] batch into one row first with megatron_pack.data.batches.in_batch.pack_batch_sequences "
             "(packing.mode=in_batch).")
     num_tokens = tokens.shape[1]
     cu = _as_cu(batch["cu_seqlens_padded"])
@@ -135,7 +138,7 @@ def slice_thd_batch(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dic
         raise ValueError(
             f"cu_seqlens_padded[-1] ({int(cu[-1])}) != number of tokens T ({num_tokens}); the batch's "
             "cu_seqlens_padded must describe every physical token: build it with "
-            "megatron_pack.data.thd.collate_thd (with pad_to_max_length the tail is its own sub-sequence).")
+            "megatron_pack.data.batches.thd.collate_thd (with pad_to_max_length the tail is its own sub-sequence).")
     out = dict(batch)
     if cp_size == 1:
         return out

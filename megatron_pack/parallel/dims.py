@@ -18,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_pack.config.layout import (effective_pad_multiple, pad_rule_text, required_pad_multiple,
-                                         world_size_message, world_size_problem)
+from megatron_pack.config.layout import pad_rule_text, required_pad_multiple, world_size_problem
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 
-__all__ = ["ParallelDims", "effective_pad_multiple", "pad_rule_text", "required_pad_multiple", "world_size_message"]
+__all__ = ["ParallelDims"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,9 +45,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron_pack.parallel.comm import all_gather_object, barrier, gather_object, group_ranks
-from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, candidates,  # noqa: F401
-                                                     checkpoint_problems, choose_checkpoint, digest, find_latest,
-                                                     owner, read_meta, step_dirname, write_manifest)
+from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, checkpoint_problems,
+                                                     digest, owner, read_meta, step_dirname, write_manifest)
 
 
 def rng_state(device: torch.device = torch.device("cpu")) -> dict:

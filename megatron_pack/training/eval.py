@@ -38,7 +38,6 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_pack.data.batches.opening import open_validation  # noqa: F401  (its path before opening.py)
 from megatron_pack.parallel.comm import all_reduce, broadcast, group_ranks
 
 log = logging.getLogger("megatron_pack.train")

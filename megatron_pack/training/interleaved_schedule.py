@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import torch
 

@@ -40,7 +40,6 @@ import torch
 from megatron_pack.config.schema import Config
 from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
-from megatron_pack.data.batches.loader import open_dataset  # noqa: F401  (its path before data/batches/loader.py)
 from megatron_pack.data.batches.online import single_rank
 from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
 from megatron_pack.model.moe import pack_routing, set_step_tokens, step_moe_metrics
@@ -50,16 +49,10 @@ from megatron_pack.training.flops import device_peak_tflops, sum_sq_seqlens, thr
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
 from megatron_pack.training.outcome import StepOutcome, check_step_finite, step_outcome
-# the names below kept their import path when checkpointing, the schedule and the summary moved out
-from megatron_pack.training.resume import (DATA_SETTINGS, _check_resume_peft, changed_settings,  # noqa: F401
-                                           check_resume, check_resume_settings, checkpoint_dirs, layout_meta,
-                                           planned_train_iters, resolve_train_iters, resume_choice, run_settings,
-                                           save_dir)
-from megatron_pack.training.schedule import (PackInfo, RecordingIterator, forward_backward,  # noqa: F401
-                                             forward_backward_cpu, pack_info)
+from megatron_pack.training.resume import resolve_train_iters, save_dir
+from megatron_pack.training.schedule import PackInfo, RecordingIterator, forward_backward
 from megatron_pack.training.signals import StopRequest
-from megatron_pack.training.summary import run_summary  # noqa: F401
-from megatron_pack.training.trainer_checkpoint import start_or_resume  # noqa: F401
+from megatron_pack.training.trainer_checkpoint import start_or_resume
 
 HISTORY_WINDOW = 1000
 """Steps ``Trainer.history`` and ``Trainer.pack_log`` keep (the newest): a long run's memory stays flat.

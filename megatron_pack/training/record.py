@@ -61,7 +61,7 @@ def flat_config(cfg) -> dict[str, Any]:
 
 def write_run_record(cfg, state, train_iters: int) -> Path:
     """Write ``run.json`` and ``config.yaml`` into ``train.output_dir`` (rank 0 calls it); returns run.json."""
-    from megatron_pack.config import config_to_yaml
+    from megatron_pack.config.loader import config_to_yaml
 
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ def _cu_seqlens(batch: Mapping[str, Any], key: str) -> torch.Tensor:
         raise ValueError(f"batch['{key}'] has shape {list(cu.shape)}; get_packed_seq_params needs one THD row's "
                          f"cumulative lengths, shape [N+1] (or [1, N+1]) starting at 0. Collate with "
                          "micro_batch_size 1 (one pack per micro-batch), or pack the rows of a [B, S] batch into "
-                         "one row with megatron_pack.data.in_batch.pack_batch_sequences.")
+                         "one row with megatron_pack.data.batches.in_batch.pack_batch_sequences.")
     return cu.to(torch.int32)
 
 

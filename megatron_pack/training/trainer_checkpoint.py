@@ -103,7 +103,7 @@ def _train_state(trainer) -> dict:
 
 def save_trainer(trainer, root: str | Path) -> Path:
     """Collectively write a checkpoint any layout can resume (see docs/training.md); returns its folder."""
-    from megatron_pack.model.peft import peft_meta
+    from megatron_pack.model.peft.meta import peft_meta
 
     sharded = _sharded_state(trainer, with_optimizer=True)
     meta = {**layout(trainer.state, len(trainer.model_chunks)), "peft": peft_meta(trainer.cfg), "format": ckpt.SHARDED_FORMAT,

@@ -131,7 +131,7 @@ def _run(folder: str, tp: int, cp: int, sp: bool, batch, refs, rank: int) -> dic
 
 
 def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     samples = _samples()
     batch = collate_thd([{"input_ids": s, "loss_mask": [1] * len(s)} for s in samples], pack_size=PACK_SIZE,

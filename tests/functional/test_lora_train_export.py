@@ -123,7 +123,8 @@ def exported(runs) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_checkpoint_holds_adapters_and_base_path(runs):
-    from megatron_pack.training.checkpoint import SHARDED_FORMAT, checkpoint_reader, read_meta
+    from megatron_pack.training.checkpoint import SHARDED_FORMAT, checkpoint_reader
+    from megatron_pack.training.checkpoint_files import read_meta
 
     root, step = runs["root"], _step_dir(runs["root"], FULL_RUN, 3)
     meta = read_meta(step)
@@ -247,7 +248,8 @@ def test_pp2_lora_trains_like_cp2_resumes_and_exports_for_peft(runs, layout_runs
     import transformers as T
     from peft import PeftModel
 
-    from megatron_pack.training.checkpoint import read_full_model, read_meta
+    from megatron_pack.training.checkpoint import read_full_model
+    from megatron_pack.training.checkpoint_files import read_meta
     from megatron_pack.training.metrics import read_metrics
 
     root = runs["root"]  # LAYOUT_RUNS: cp2, then pp2 for one step, resumed at the preset's CP=2

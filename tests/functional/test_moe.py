@@ -99,7 +99,7 @@ def _mask(ids: list[int]) -> list[int]:
 
 
 def _pack(samples, *, pack_size=PACK_SIZE, pad_multiple=PAD_MULTIPLE):
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     return collate_thd([{"input_ids": s, "loss_mask": _mask(s)} for s in samples], pack_size=pack_size,
                        pad_multiple=pad_multiple, pad_to_max_length=True)

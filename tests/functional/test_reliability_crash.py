@@ -257,7 +257,8 @@ def _save(root: Path, step: int) -> Path:
 def _load_latest(root: Path) -> tuple[int, dict, dict]:
     import torch
 
-    from megatron_pack.training.checkpoint import find_latest, load_checkpoint
+    from megatron_pack.training.checkpoint import load_checkpoint
+    from megatron_pack.training.checkpoint_files import find_latest
 
     path = find_latest(root)
     assert path is not None, f"no loadable checkpoint left in {root}: {sorted(os.listdir(root))}"

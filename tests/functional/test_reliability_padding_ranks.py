@@ -31,7 +31,7 @@ CASES = {  # id -> (cp, pad multiple, THD lengths of the samples, pack size, cp 
 
 
 def make_pack(case: str) -> dict:
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     cp, multiple, lengths, pack_size, _ = CASES[case]
     rng = np.random.default_rng(sum(map(ord, case)))

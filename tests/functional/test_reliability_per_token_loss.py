@@ -51,7 +51,7 @@ def rank_packs(dp_rank: int) -> list[list[dict]]:
 
 def _step(tmp: str, dp_rank: int, *, per_token: bool) -> tuple[dict, dict]:
     from megatron_pack.config.schema import (CheckpointConfig, Config, LoggingConfig, ModelConfig, TrainConfig)
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.loop import build_trainer
 
@@ -71,7 +71,7 @@ def _step(tmp: str, dp_rank: int, *, per_token: bool) -> tuple[dict, dict]:
 def _alone_logits(tmp: str) -> torch.Tensor:
     """megatron-core's logits of the first sample run alone (checks the float64 reference itself)."""
     from megatron_pack.config.schema import Config
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.step import get_packed_seq_params

@@ -46,7 +46,8 @@ def _train(rank: int, world_size: int, tmp: str) -> dict:
     from megatron_pack.data.batches.dataset import PackedSFTDataset
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.eval import build_validation_loader, open_validation
+    from megatron_pack.data.batches.opening import open_validation
+    from megatron_pack.training.eval import build_validation_loader
     from megatron_pack.training.loop import build_loader, run_training
 
     enable_cpu_compat_without_cuda()
@@ -136,7 +137,7 @@ def test_breakdowns_match_across_cp_and_the_packs(tmp_path):
     assert set(records[0]["source_loss"]) == {"chat", "code"} and len(records[0]["bucket_real_tokens"]) == 2
 
     # the validation plan holds every held-out sample once (not mixed: no repeats, none left out)
-    from megatron_pack.training.eval import open_validation
+    from megatron_pack.data.batches.opening import open_validation
 
     validation = open_validation(cfg, ds)
     held = [s["sample_id"] for i in range(len(validation)) for s in validation[i]]

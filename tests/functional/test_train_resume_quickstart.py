@@ -38,7 +38,7 @@ def _run(dataset_dir: str, out: str, *extra: str):
     """One training run in this (already started) world; returns the trainer."""
     from megatron_pack.config import load_config
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
     from megatron_pack.training.loop import build_loader, run_training
 
     overrides = DATA_OVERRIDES + [f"data.dataset_dir={dataset_dir}", f"train.output_dir={out}", "train.train_iters=6",

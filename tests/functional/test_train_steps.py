@@ -35,7 +35,7 @@ def prepared_dataset(tmp_path_factory) -> str:
 
 def _run(dataset_dir: str, out: str, *extra: str, world_size: int = 2):
     from megatron_pack.config import load_config, validate
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.loop import build_loader, run_training
 

@@ -58,9 +58,10 @@ def _config(dataset_dir: str, out: str, tp: int, cp: int, world: int, *extra: st
 
 def _run(dataset_dir: str, out: str, tp: int, cp: int, world: int, *extra: str):
     """One training run in this (already started) world; returns the trainer."""
+    from megatron_pack.data.batches.opening import open_dataset, open_validation
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.eval import build_validation_loader, open_validation
-    from megatron_pack.training.loop import build_loader, open_dataset, run_training
+    from megatron_pack.training.eval import build_validation_loader
+    from megatron_pack.training.loop import build_loader, run_training
 
     cfg = _config(dataset_dir, out, tp, cp, world, *extra)
     state = initialize_parallel(cfg)
@@ -100,9 +101,10 @@ LAYOUTS = {"world1": (1, 1, 1), "cp2": (2, 1, 2), "dp2": (2, 1, 1), "tp2_cp2": (
 
 def _validation_case(dataset_dir: str, tmp: str, name: str) -> dict:
     world, tp, cp = LAYOUTS[name]
+    from megatron_pack.data.batches.opening import open_dataset, open_validation
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.eval import build_validation_loader, open_validation
-    from megatron_pack.training.loop import build_loader, build_trainer, open_dataset, run_training
+    from megatron_pack.training.eval import build_validation_loader
+    from megatron_pack.training.loop import build_loader, build_trainer, run_training
 
     cfg = _config(dataset_dir, f"{tmp}/{name}_init", tp, cp, world, "train.train_iters=2")
     state = initialize_parallel(cfg)
@@ -129,11 +131,10 @@ def _per_sample_reference(dataset_dir: str, tmp: str) -> dict:
     """Each validation sample alone (its own one-sample pack), world 1; loss sums added in float64."""
     import torch
 
+    from megatron_pack.data.batches.opening import open_dataset, open_validation
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.eval import open_validation
-    from megatron_pack.training.loop import open_dataset
     from megatron_pack.training.step import get_packed_seq_params
 
     cfg = _config(dataset_dir, f"{tmp}/reference", 1, 1, 1, "train.train_iters=2")
@@ -232,7 +233,9 @@ def _resume_world(rank: int, world: int, dataset_dir: str, tmp: str) -> dict:
 
 def _weights_only(dataset_dir: str, tmp: str, load: str) -> dict:
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.training.loop import build_loader, build_trainer, open_dataset, start_or_resume
+    from megatron_pack.data.batches.opening import open_dataset
+    from megatron_pack.training.loop import build_loader, build_trainer
+    from megatron_pack.training.trainer_checkpoint import start_or_resume
 
     cfg = _config(dataset_dir, f"{tmp}/weights", 1, 1, 1, *RESUME, load, "checkpoint.load_weights_only=true",
                   "train.lr=1e-3")  # a new run may change anything
@@ -303,7 +306,8 @@ def test_allow_changed_goes_on_with_the_new_lr(resume_results):
 ], ids=["lr", "global_batch", "schedule"])
 def test_changed_settings_refused_before_launch(resume_results, dataset_dir, change, fragment):
     from megatron_pack.config import ConfigError
-    from megatron_pack.training.loop import check_resume, open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
+    from megatron_pack.training.resume import check_resume
 
     tmp = resume_results["tmp"]
     args = [a for a in RESUME if a.split("=")[0] not in {c.split("=")[0] for c in change}]
@@ -373,7 +377,7 @@ def test_epochs_validation_and_run_record_through_the_entry(dataset_dir, tmp_pat
                       "train.eval_interval=2", "train.eval_iters=1", "checkpoint.save_interval=0")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
 
     records = read_metrics(out / "metrics.jsonl")
     num_steps = len(records)
@@ -414,7 +418,8 @@ def test_epochs_validation_and_run_record_through_the_entry(dataset_dir, tmp_pat
 def test_export_and_verify_read_a_tp2_cp2_checkpoint_as_the_tp1_model(resume_results):
     """``read_full_model`` (what ``export`` and ``verify.checkpoint`` read) gives the TP=1 tensors
     of a checkpoint written at TP2 x CP2: equal to the run's parameters gathered over TP."""
-    from megatron_pack.training.checkpoint import find_latest, read_full_model
+    from megatron_pack.training.checkpoint import read_full_model
+    from megatron_pack.training.checkpoint_files import find_latest
 
     full = read_full_model(find_latest(resume_results["tmp"] / "killed" / "checkpoints"))
     names = [k[len("param."):] for k in resume_results["full"] if k.startswith("param.")]

@@ -85,7 +85,7 @@ def train_losses(overrides: list[str], device: str, steps: int) -> dict:
 
     from megatron_pack.config import load_config
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
     from megatron_pack.training.loop import build_loader, build_trainer
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 on both sides: the CPU has no TF32

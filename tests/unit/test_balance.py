@@ -259,7 +259,8 @@ def prepared(tmp_path_factory):
 
 def _step_loader(overrides, *extra, dp_rank=0, dp_size=2):
     from megatron_pack.config import load_config
-    from megatron_pack.data.batches.loader import build_loader, open_dataset
+    from megatron_pack.data.batches.loader import build_loader
+    from megatron_pack.data.batches.opening import open_dataset
 
     cfg = load_config(overrides + list(extra))
     return build_loader(cfg, open_dataset(cfg), dp_rank=dp_rank, dp_size=dp_size)

@@ -22,7 +22,7 @@ from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.bridge import export_bridge
 from megatron_pack.data.prepare import prepare
-from megatron_pack.data.thd import collate_thd
+from megatron_pack.data.batches.thd import collate_thd
 
 SIX_FIELDS = ("pack_size", "max_samples_per_bin", "dataset_max_seqlen", "min_packed_seqlen", "packing_factor",
               "packing_efficiency")

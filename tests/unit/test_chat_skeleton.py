@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_pack.data.formats.chat import SampleSchema, chat_messages
+from megatron_pack.data.formats.chat import RecordError, SampleSchema, chat_messages
 from megatron_pack.data.formats.chat_skeleton import analyse
-from megatron_pack.data.formats.tokenizer import RecordError, build_tokenizer
+from megatron_pack.data.formats.tokenizer import build_tokenizer
 
 AUTO = SampleSchema("auto")
 

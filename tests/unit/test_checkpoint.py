@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_pack.training import checkpoint as ckpt
+from megatron_pack.training.checkpoint_files import find_latest
 
 META = {"world_size": 1, "tensor_model_parallel_size": 1}
 
@@ -27,7 +28,7 @@ def _save(root, step, seed, keep_last=2):
 
 def test_round_trip_in_place(tmp_path):
     path = _save(tmp_path, 3, seed=1)
-    assert path.name == "step_00000003" and ckpt.find_latest(tmp_path) == path
+    assert path.name == "step_00000003" and find_latest(tmp_path) == path
     model, optim = _states(seed=2)
     rank_state = ckpt.load_checkpoint(path, model_state=model, optim_state=optim, meta=META)
     ref_model, ref_optim = _states(seed=1)
@@ -79,10 +80,10 @@ def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated crash"):
         _save(tmp_path, 4, seed=2)
     assert (tmp_path / "tmp.step_00000004").exists()
-    assert ckpt.find_latest(tmp_path) == good
+    assert find_latest(tmp_path) == good
     monkeypatch.undo()
     _save(tmp_path, 4, seed=2)
-    assert not list(tmp_path.glob("tmp.*")) and ckpt.find_latest(tmp_path).name == "step_00000004"
+    assert not list(tmp_path.glob("tmp.*")) and find_latest(tmp_path).name == "step_00000004"
 
 
 def test_missing_latest_pointer_falls_back_to_newest_complete(tmp_path):
@@ -90,8 +91,8 @@ def test_missing_latest_pointer_falls_back_to_newest_complete(tmp_path):
     _save(tmp_path, 2, seed=1)
     (tmp_path / "latest").unlink()
     (tmp_path / "step_00000009").mkdir()  # incomplete: no meta.json
-    assert ckpt.find_latest(tmp_path).name == "step_00000002"
-    assert ckpt.find_latest(tmp_path / "nothing") is None
+    assert find_latest(tmp_path).name == "step_00000002"
+    assert find_latest(tmp_path / "nothing") is None
 
 
 def test_keep_last_prunes_old(tmp_path):

@@ -21,8 +21,8 @@ def test_help_lists_groups_presets_keys_and_the_docs(command, flag, capsys):
     assert main([command, flag]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: megatron-pack {command}")
-    from megatron_pack.config import config_dir
-    from megatron_pack.config.loader import presets
+    from megatron_pack.config.loader import config_dir
+    from megatron_pack.config.search_path import presets
 
     shipped = [f"  {group:<11} {', '.join(names)}" for group, names in presets(config_dir()).items()]
     assert len(shipped) >= 4 and "quickstart" in shipped[1]  # data, experiment, model, parallel
@@ -90,7 +90,7 @@ CFG_JOB = [  # (id, argv, key path, expected value) -- the resolved config, noth
 def test_cfg_job_prints_the_resolved_config(argv, path, value, tmp_path, capsys):
     assert main(argv) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
-    from megatron_pack.config import GROUPS
+    from megatron_pack.config.schema import GROUPS
 
     assert set(resolved) == set(GROUPS) and len(GROUPS) >= 9
     assert resolved[path[0]][path[1]] == value

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pack.config import GROUPS, Config, ConfigError, config_dir, load_config
-from megatron_pack.config.loader import presets
+from megatron_pack.config import Config, ConfigError, load_config
+from megatron_pack.config.loader import config_dir
+from megatron_pack.config.schema import GROUPS
+from megatron_pack.config.search_path import presets
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "configuration.md").read_text()

@@ -12,10 +12,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pack.config import (Config, ConfigError, DataConfig, ModelConfig, config_dir, config_to_yaml,
-                                  load_config)
-from megatron_pack.config.loader import presets
-from megatron_pack.parallel import ParallelDims
+from megatron_pack.config import Config, ConfigError, DataConfig, ModelConfig, load_config
+from megatron_pack.config.loader import config_dir, config_to_yaml
+from megatron_pack.config.search_path import presets
+from megatron_pack.parallel.dims import ParallelDims
 
 TYPOS = [
     ("key", ["packing.packed_sequnce_size=8"], "unknown key 'packing.packed_sequnce_size'",

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from megatron_pack.config import GROUPS, Config, ConfigError
+from megatron_pack.config import Config, ConfigError
+from megatron_pack.config.schema import GROUPS
 
 FIELD_CASES = [  # (id, group, fields, fragments of the problem; () = valid)
     ("model-defaults", "model", {}, ()),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_pack.config import Config, ConfigError, validate
 from megatron_pack.config.host import Host
-from megatron_pack.parallel.cp import pad_multiple
+from megatron_pack.config.layout import pad_multiple
 
 # The package re-exports the function ``validate``, which shadows the module's attribute name.
 validate_module = importlib.import_module("megatron_pack.config.validate")

@@ -9,13 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pack.parallel.cp import (
-    pad_multiple,
-    slice_thd_batch,
-    thd_gather_order,
-    thd_partition_indices,
-    thd_unslice,
-)
+from megatron_pack.config.layout import pad_multiple
+from megatron_pack.parallel.cp import slice_thd_batch, thd_gather_order, thd_partition_indices, thd_unslice
 
 PAD_MULTIPLE_CASES = [
     ((1, 1, False), 1), ((1, 4, False), 1), ((1, 4, True), 4), ((2, 1, False), 4), ((2, 1, True), 4),

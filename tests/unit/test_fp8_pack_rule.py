@@ -248,8 +248,7 @@ def test_train_check_refuses_fp8_on_cpu_in_one_line(bf16_plan):
 def test_planned_packs_never_overflow_after_the_tail(layout, lengths, packs, pad_to_max):
     """The packer packs padded lengths into pack_size (a multiple of the pack multiple); adding the tail never
     overflows, and every pack's T is a multiple of the pack multiple."""
-    from megatron_pack.data.packing import plan_packing
-    from megatron_pack.data.packing.algorithms import thd_lengths
+    from megatron_pack.data.packing.algorithms import plan_packing, thd_lengths
 
     cp, tp, sp, recipe = layout
     pad, whole = pad_multiple(cp, tp, sp), pack_multiple(cp, tp, sp, recipe)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_pack.config import ConfigError, load_config
-from megatron_pack.config.hf_config import (ARCH_KEYS, SUPPORTED_FAMILIES, UnsupportedModel, derive_model_keys,
+from megatron_pack.config.hf_config import (SUPPORTED_FAMILIES, UnsupportedModel, derive_model_keys,
                                             pretrained_model_keys, refusal)
+from megatron_pack.config.hf_config.record import ARCH_KEYS
 
 LLAMA31_8B = {  # Meta-Llama-3.1-8B-Instruct/config.json as published (transformers 4.x spelling)
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
@@ -242,7 +243,7 @@ def test_recipes_pass_validate_as_written(experiment, world_size, folders, tmp_p
     assert cfg.data.tokenizer == cfg.model.pretrained
     assert cfg.model.seq_length == cfg.packing.packed_sequence_size
     if experiment == "llama3_8b_sft_16k":
-        from megatron_pack.config import effective_pad_multiple
+        from megatron_pack.config.layout import effective_pad_multiple
 
         assert cfg.packing.packed_sequence_size == 16384 and effective_pad_multiple(cfg) == 4
     assert os.path.isdir(cfg.model.pretrained)

@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _hf import make_family  # noqa: E402
 
-from megatron_pack.config.hf_config import (FAMILIES, Family, Refuse, Rule, UnsupportedModel,  # noqa: E402
-                                            derive_model_keys, pretrained_model_keys, register_family)
+from megatron_pack.config.hf_config import UnsupportedModel, derive_model_keys, pretrained_model_keys  # noqa: E402
+from megatron_pack.config.hf_config.record import FAMILIES, Family, Refuse, Rule, register_family  # noqa: E402
 from megatron_pack.config.hf_config.families import DENSE_REFUSALS  # noqa: E402
 from megatron_pack.model.hf.transforms import TRANSFORMS, Transform, register_transform  # noqa: E402
 

@@ -14,7 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pack.model.hf.mapping import FAMILY_RULES, Dims, Rule, export_tensors, load_shard, rules_for
+from megatron_pack.config.hf_config.record import FAMILIES, Rule
+from megatron_pack.model.hf.mapping import export_tensors, load_shard
+from megatron_pack.model.hf.rules import rules_for
+from megatron_pack.model.hf.transforms import Dims
 
 
 class DictReader:
@@ -120,7 +123,7 @@ def test_property_was_not_vacuous():
     assert all(count > 0 for count in _SEEN.values()), _SEEN
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_RULES))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tables_cover_a_layer_once(family):
     from megatron_pack.model.hf.rules import Placement
 

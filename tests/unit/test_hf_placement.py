@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _hf import _COMMON, _randomise  # noqa: E402
 
-from megatron_pack.config.hf_config import FAMILIES, Family, Rule, register_family  # noqa: E402
-from megatron_pack.model.hf.mapping import (Dims, Placement, export_tensors, load_shard, rules_for,  # noqa: E402
-                                            shard_shape)
-from megatron_pack.model.hf.rules import shapes_for  # noqa: E402
+from megatron_pack.config.hf_config.record import FAMILIES, Family, Rule, register_family  # noqa: E402
+from megatron_pack.model.hf.mapping import export_tensors, load_shard, shard_shape  # noqa: E402
+from megatron_pack.model.hf.transforms import Dims  # noqa: E402
+from megatron_pack.model.hf.rules import Placement, rules_for, shapes_for  # noqa: E402
 
 NUM_LAYERS = 4
 STAGES = [  # (id, tied, layer offset, layers, pre_process, post_process)

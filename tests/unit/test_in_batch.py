@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from megatron_pack.data.batches.in_batch import IGNORE_INDEX, pack_batch_sequences
 from megatron_pack.data.batches.thd import THD_KEYS
-from megatron_pack.parallel.cp import pad_multiple, slice_thd_batch
+from megatron_pack.config.layout import pad_multiple
+from megatron_pack.parallel.cp import slice_thd_batch
 from megatron_pack.training.step import get_packed_seq_params
 
 PAD = 0
@@ -168,7 +169,8 @@ def test_collate_in_batch_equals_the_offline_collate_per_sample(lengths, mult, s
 def test_micro_batch_dataset_keeps_every_sample_once(tmp_path):
     from megatron_pack.cli.main import main
     from megatron_pack.config import load_config
-    from megatron_pack.data.batches.loader import collate_from_config, open_dataset
+    from megatron_pack.data.batches.loader import collate_from_config
+    from megatron_pack.data.batches.opening import open_dataset
 
     ds = tmp_path / "ds"
     assert main(["prepare", "data=synthetic", "data.synthetic_num_samples=50", "data.tokenize_workers=1",

@@ -1,9 +1,7 @@
-"""The package layout: old module paths still import the same objects, DESIGN.md's public names
-resolve, the layers import one way, and the shared value lists and rules are defined once."""
+"""The package layout: the layers import one way, and the shared value lists and rules are defined
+once (one home per name: tests/unit/test_one_home.py)."""
 
 import ast
-import importlib
-import inspect
 import pathlib
 import subprocess
 import sys
@@ -11,109 +9,6 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-# old flat path -> where the code lives now
-MOVED = [
-    ("megatron_pack.data.sources", "megatron_pack.data.formats.sources"),
-    ("megatron_pack.data.tokenizer", "megatron_pack.data.formats.tokenizer"),
-    ("megatron_pack.data.synthetic", "megatron_pack.data.formats.synthetic"),
-    ("megatron_pack.data.atomic", "megatron_pack.data.store.atomic"),
-    ("megatron_pack.data.plan", "megatron_pack.data.packing.plan"),
-    ("megatron_pack.data.report", "megatron_pack.data.packing.report"),
-    ("megatron_pack.data.bridge", "megatron_pack.data.packing.bridge"),
-    ("megatron_pack.data.dataset", "megatron_pack.data.batches.dataset"),
-    ("megatron_pack.data.thd", "megatron_pack.data.batches.thd"),
-    ("megatron_pack.data.in_batch", "megatron_pack.data.batches.in_batch"),
-    ("megatron_pack.data.sampler", "megatron_pack.data.batches.sampler"),
-]
-
-# old modules that are packages now, and the module whose names they re-export
-PACKAGES = [
-    ("megatron_pack.data.store", "megatron_pack.data.store.token_store"),
-    ("megatron_pack.data.packing", "megatron_pack.data.packing.algorithms"),
-]
-
-
-def _defined_public_names(module) -> list[str]:
-    tree = ast.parse(inspect.getsource(module))
-    names = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.append(node.name)
-        elif isinstance(node, ast.Assign):
-            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
-    return [n for n in names if not n.startswith("_")]
-
-
-# names that moved out of a module into the metadata format, the pad rules or the loader
-MOVED_NAMES = [
-    ("megatron_pack.data.dataset", "read_metadata", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.data.dataset", "verify_files", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.data.dataset", "list_plans", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.data.plan", "PLAN_FORMAT_VERSION", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.data.dataset", "check_tokenizer", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.data.plan", "PlanSettings", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.data.plan", "PLAN_FORMAT", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.data.prepare", "plan_settings", "megatron_pack.data.store.metadata"),
-    ("megatron_pack.parallel.cp", "pad_multiple", "megatron_pack.config.layout"),
-    ("megatron_pack.parallel.dims", "effective_pad_multiple", "megatron_pack.config.layout"),
-    ("megatron_pack.parallel.dims", "world_size_message", "megatron_pack.config.layout"),
-    ("megatron_pack.parallel", "effective_pad_multiple", "megatron_pack.config.layout"),
-    ("megatron_pack.config", "effective_pad_multiple", "megatron_pack.config.layout"),
-    ("megatron_pack.training.loop", "start_or_resume", "megatron_pack.training.trainer_checkpoint"),
-    ("megatron_pack.training.loop", "forward_backward_cpu", "megatron_pack.training.schedule"),
-    ("megatron_pack.training.loop", "RecordingIterator", "megatron_pack.training.schedule"),
-    ("megatron_pack.training.loop", "run_summary", "megatron_pack.training.summary"),
-    ("megatron_pack.training.loop", "check_resume", "megatron_pack.training.resume"),
-    ("megatron_pack.training.resharding", "core_model", "megatron_pack.training.chunks"),
-]
-
-# DESIGN.md "Public surface": module, name
-PUBLIC = [
-    ("megatron_pack.config", "load_config"), ("megatron_pack.config", "validate"),
-    ("megatron_pack.config", "ConfigError"), ("megatron_pack.config", "Config"),
-    ("megatron_pack.data.packing", "plan_packing"), ("megatron_pack.data.thd", "collate_thd"),
-    ("megatron_pack.parallel.cp", "pad_multiple"), ("megatron_pack.parallel.cp", "thd_partition_indices"),
-    ("megatron_pack.parallel.cp", "slice_thd_batch"), ("megatron_pack.training.step", "get_packed_seq_params"),
-    ("megatron_pack.training.step", "loss_func"), ("megatron_pack.data.in_batch", "pack_batch_sequences"),
-    ("megatron_pack.parallel.groups", "initialize_parallel"), ("megatron_pack.training.loop", "build_trainer"),
-]
-
-
-@pytest.mark.parametrize("old,new", MOVED, ids=[o.rsplit(".", 1)[1] for o, _ in MOVED])
-def test_old_module_path_imports_the_moved_module(old, new):
-    """``import megatron_pack.data.thd`` gives the module now at data/batches/thd.py: one object."""
-    old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
-    assert old_mod is new_mod
-    assert sys.modules[old] is new_mod
-
-
-@pytest.mark.parametrize("package,new", PACKAGES, ids=[p.rsplit(".", 1)[1] for p, _ in PACKAGES])
-def test_old_module_turned_package_reexports_every_public_name(package, new):
-    pkg, new_mod = importlib.import_module(package), importlib.import_module(new)
-    names = _defined_public_names(new_mod)
-    assert len(names) >= 4, f"{new} defines too few public names: the check would pass vacuously"
-    for name in names:
-        assert getattr(pkg, name) is getattr(new_mod, name), f"{package}.{name} is not {new}.{name}"
-
-
-def test_old_paths_table_matches_the_moves():
-    from megatron_pack.data import OLD_PATHS
-
-    assert {f"megatron_pack.data.{o}": f"megatron_pack.data.{n}" for o, n in OLD_PATHS.items()} == dict(MOVED)
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("megatron_pack.data.no_such_module")
-
-
-@pytest.mark.parametrize("old,name,new", MOVED_NAMES, ids=[f"{o.rsplit('.', 1)[1]}.{n}" for o, n, _ in MOVED_NAMES])
-def test_moved_names_are_the_same_objects(old, name, new):
-    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
-
-
-@pytest.mark.parametrize("module,name", PUBLIC, ids=[f"{m}.{n}" for m, n in PUBLIC])
-def test_design_public_surface_resolves(module, name):
-    assert callable(getattr(importlib.import_module(module), name))
-
 
 LAYERS = ["config", "data", "parallel", "model", "training", "cli"]
 
@@ -191,7 +86,7 @@ def test_parallel_does_not_import_model():
 def test_metadata_format_imports_neither_reader_nor_writer():
     found = _imports(ROOT / "megatron_pack/data/store/metadata.py")
     assert "megatron_pack.data.formats.sources" in found  # guard: the parse saw the module's imports
-    for forbidden in ("megatron_pack.data.prepare", "megatron_pack.data.batches.dataset", "megatron_pack.data.dataset"):
+    for forbidden in ("megatron_pack.data.prepare", "megatron_pack.data.batches.dataset"):
         assert forbidden not in found
 
 
@@ -213,7 +108,7 @@ WITH = {"model.recompute_method": dict(recompute_granularity="full")}
 
 @pytest.mark.parametrize("key,values", VALUE_LISTS, ids=[k for k, _ in VALUE_LISTS])
 def test_value_list_is_what_the_schema_accepts_and_the_docs_name(key, values):
-    from megatron_pack.config import GROUPS, ConfigError
+    from megatron_pack.config.schema import GROUPS, ConfigError
 
     assert len(values) >= 2
     group, field = key.split(".")
@@ -252,7 +147,7 @@ def test_value_lists_are_defined_once():
 @pytest.mark.parametrize("algorithm", ["bfd", "ffd", "first_fit_shuffle", "sequential"])
 def test_every_listed_algorithm_plans(algorithm):
     from megatron_pack.config.choices import PACKING_ALGORITHMS
-    from megatron_pack.data.packing import plan_packing
+    from megatron_pack.data.packing.algorithms import plan_packing
 
     assert algorithm in PACKING_ALGORITHMS
     plan = plan_packing([5, 3, 4, 2, 6], capacity=8, algorithm=algorithm, seed=0)
@@ -274,7 +169,7 @@ def test_packer_and_collate_round_alike():
     from hypothesis import given, settings, strategies as st
 
     from megatron_pack.data.batches.thd import collate_thd
-    from megatron_pack.data.packing import thd_lengths
+    from megatron_pack.data.packing.algorithms import thd_lengths
 
     @settings(max_examples=40, deadline=None)
     @given(st.lists(st.integers(2, 20), min_size=1, max_size=5), st.sampled_from([1, 2, 4, 8]))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_pack.config import Config, DataConfig, PackingConfig, ParallelConfig
-from megatron_pack.data.batches.loader import build_loader, collate_from_config, num_packs_left_out, open_dataset
+from megatron_pack.data.batches.loader import build_loader, collate_from_config, num_packs_left_out
+from megatron_pack.data.batches.opening import open_dataset
 from megatron_pack.data.batches.thd import collate_thd
 from megatron_pack.data.prepare import prepare
 

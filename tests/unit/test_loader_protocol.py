@@ -82,7 +82,7 @@ def bucketed(tmp_path_factory):
 
 
 def _open(overrides, *extra):
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
 
     cfg = load_config(overrides + list(extra))
     return cfg, open_dataset(cfg)
@@ -138,7 +138,7 @@ def test_num_epochs_with_online_packing_is_refused_by_validate():
 def test_num_epochs_counts_the_planned_steps_of_every_rule(bucketed, extra):
     """issue 23: with a budget or balancing the loader had no sampler and build_trainer raised ValueError."""
     from megatron_pack.data.batches.loader import build_loader
-    from megatron_pack.training.loop import check_resume, planned_train_iters, resolve_train_iters
+    from megatron_pack.training.resume import check_resume, planned_train_iters, resolve_train_iters
 
     cfg, dataset = _open(bucketed, "train.train_iters=null", "train.num_epochs=2", *extra)
     assert check_resume(cfg, 2, dataset) is None  # counted before any process group, here without error
@@ -151,7 +151,7 @@ def test_num_epochs_counts_the_planned_steps_of_every_rule(bucketed, extra):
 
 
 def test_num_epochs_below_one_step_is_refused_before_process_groups(bucketed):
-    from megatron_pack.training.loop import check_resume
+    from megatron_pack.training.resume import check_resume
 
     cfg, dataset = _open(bucketed, "train.train_iters=null", "train.num_epochs=1", "train.global_batch_size=512")
     with pytest.raises(ConfigError, match=r"train.num_epochs \(1\) over \d+ packs per epoch is less than one global"):
@@ -187,7 +187,7 @@ def _loaders(overrides):
     cfg, dataset = _open(overrides)
     budget_cfg, _ = _open(overrides, "train.global_batch_tokens=300", "packing.balance=dp")
     online_cfg = dataclasses.replace(cfg, packing=dataclasses.replace(cfg.packing, mode="online", buckets=None))
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
 
     return {"fixed": build_loader(cfg, dataset, dp_rank=0, dp_size=1),
             "budget": build_loader(budget_cfg, dataset, dp_rank=0, dp_size=1),

@@ -224,7 +224,7 @@ def test_export_adapter_and_merge_together_is_refused():
 def test_b_zero_logits_equal_base_exactly(tmp_path, family):
     from megatron_pack.config.hf_config import apply_pretrained
     from megatron_pack.config.schema import Config, ModelConfig
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.step import get_packed_seq_params

@@ -146,7 +146,7 @@ def test_validation_plan_holds_every_held_out_sample_once_and_an_old_mixed_one_i
     import dataclasses
 
     from megatron_pack.data.store.metadata import VALIDATION_DIRNAME
-    from megatron_pack.training.eval import open_validation
+    from megatron_pack.data.batches.opening import open_validation
 
     cfg, ds = _mixed(tmp_path)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, validation_fraction=0.2))

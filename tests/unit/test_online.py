@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pack.config import Config, DataConfig, PackingConfig, TrainConfig
-from megatron_pack.data.packing.online import (LengthStream, OnlinePacker, OnlinePackStream, best_fit_decreasing,
-                                               block_seeded)
+from megatron_pack.data.packing.algorithms import best_fit_decreasing
+from megatron_pack.data.packing.online import LengthStream, OnlinePacker, OnlinePackStream, block_seeded
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.metadata import PlanSettings
 
@@ -232,7 +232,8 @@ def prepared(tmp_path_factory):
 
 
 def _loader(cfg, dp_rank=0, dp_size=1):
-    from megatron_pack.data.batches.loader import build_loader, open_dataset
+    from megatron_pack.data.batches.loader import build_loader
+    from megatron_pack.data.batches.opening import open_dataset
 
     return build_loader(cfg, open_dataset(cfg), dp_rank=dp_rank, dp_size=dp_size)
 
@@ -350,7 +351,8 @@ class ThreadGather:
 
 def _dp_steps(cfg, dp_size: int, num_steps: int) -> list[list]:
     """Per rank, per step: (StepInfo, the batches), every rank in its own thread."""
-    from megatron_pack.data.batches.loader import build_loader, open_dataset
+    from megatron_pack.data.batches.loader import build_loader
+    from megatron_pack.data.batches.opening import open_dataset
 
     group, dataset = ThreadGather(dp_size), open_dataset(cfg)
     loaders = [build_loader(cfg, dataset, dp_rank=r, dp_size=dp_size, gather=group.for_rank(r)) for r in range(dp_size)]

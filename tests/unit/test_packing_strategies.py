@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from megatron_pack.config import Config, DataConfig, ModelConfig, PackingConfig
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.thd import collate_thd, make_collate_fn
-from megatron_pack.data.formats.tokenizer import ByteTokenizer, SampleSchema
-from megatron_pack.data.packing import plan_packing, thd_lengths
+from megatron_pack.data.formats.chat import SampleSchema
+from megatron_pack.data.formats.tokenizer import ByteTokenizer
+from megatron_pack.data.packing.algorithms import plan_packing, thd_lengths
 from megatron_pack.data.packing.buckets import assign_buckets, bucket_boundaries, plan_buckets
 from megatron_pack.data.packing.split import piece_loss_mask, split_entries, split_spans
 from megatron_pack.data.packing.wrapped import wrapped_entries

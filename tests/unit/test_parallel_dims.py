@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pack.config import Config, ConfigError, PackingConfig, ParallelConfig, effective_pad_multiple
-from megatron_pack.parallel import ParallelDims
+from megatron_pack.config import Config, ConfigError, PackingConfig, ParallelConfig
+from megatron_pack.config.layout import effective_pad_multiple
+from megatron_pack.parallel.dims import ParallelDims
 
 
 def config(cp=1, tp=1, sp=False, pp=1, pad=None) -> Config:

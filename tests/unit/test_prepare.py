@@ -19,7 +19,8 @@ from megatron_pack.data import prepare as prepare_module
 from megatron_pack.data.prepare import prepare
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.store.token_store import token_dtype_for
-from megatron_pack.data.formats.tokenizer import ByteTokenizer, SampleSchema
+from megatron_pack.data.formats.chat import SampleSchema
+from megatron_pack.data.formats.tokenizer import ByteTokenizer
 
 BYTE = ByteTokenizer()
 

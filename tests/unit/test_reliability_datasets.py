@@ -152,7 +152,7 @@ def test_the_undamaged_copy_is_accepted(prepared, tmp_path, monkeypatch, capsys)
     """Guard: the refusals above come from the damage, not from the setup (the same entry, the same plan)."""
     from megatron_pack.cli.train import main
     from megatron_pack.config import load_config, validate
-    from megatron_pack.data.batches.loader import open_dataset
+    from megatron_pack.data.batches.opening import open_dataset
 
     root, plan, *_ = prepared
     shutil.copytree(root / "good", tmp_path / "ds")

@@ -41,7 +41,7 @@ LAYOUTS = [(cp, tp, sp) for cp in (1, 2, 4) for tp in (1, 2, 4) for sp in (False
 @st.composite
 def scenarios(draw):
     cp, tp, sp = draw(st.sampled_from(LAYOUTS))
-    from megatron_pack.parallel.cp import pad_multiple
+    from megatron_pack.config.layout import pad_multiple
 
     multiple = pad_multiple(cp, tp, sp)
     pack_size = multiple * draw(st.integers(max(1, 24 // multiple), max(2, 160 // multiple)))
@@ -71,7 +71,9 @@ def _write_input(path: Path, lengths: list[tuple[int, int]], chat_every: int) ->
 def _prepare(tmp: Path, s: dict):
     from megatron_pack.config import Config, DataConfig, ModelConfig, PackingConfig, ParallelConfig
     from megatron_pack.data.batches.dataset import PackedSFTDataset
-    from megatron_pack.data.prepare import build_manifest, ensure_plan, ensure_store, plan_settings
+    from megatron_pack.data.prepare import ensure_plan, ensure_store
+    from megatron_pack.data.store.manifest import build_manifest
+    from megatron_pack.data.store.metadata import plan_settings
 
     _write_input(tmp / "train.jsonl", s["lengths"], s["chat_every"])
     cfg = Config(model=ModelConfig(seq_length=s["pack_size"]),

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from megatron_pack.config import load_config
 from megatron_pack.config.schema import ConfigError
 from megatron_pack.training.checkpoint_files import digest, write_manifest
-from megatron_pack.training.loop import check_resume
+from megatron_pack.training.resume import check_resume
 
 
 def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3, fmt: str | None = None,

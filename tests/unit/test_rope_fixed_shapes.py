@@ -53,7 +53,7 @@ def _logits(model, batch) -> torch.Tensor:
 
 def _probe_error(model, offset: int) -> tuple[float, int]:
     """(max |packed - alone| over the probe's logits, the packed batch's max_seqlen)."""
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     rng = np.random.default_rng(0)
     probe = _sample(rng, PROBE_IDS, 0)
@@ -78,7 +78,7 @@ def test_fixed_shape_pack_equals_sample_alone_at_any_offset(model, case):
 def test_rope_positions_restart_in_every_sample_with_fixed_shapes(model):
     """The rotation each token gets, read back from megatron-core's RoPE call: in-sequence positions."""
     import megatron.core.transformer.attention as mattn
-    from megatron_pack.data.thd import collate_thd
+    from megatron_pack.data.batches.thd import collate_thd
 
     rng = np.random.default_rng(1)
     batch = collate_thd([_sample(rng, 9, 0), _sample(rng, 5, 1)], pack_size=24, pad_to_max_length=True,

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_pack.data.batches.sampler import EpochOrder, PackSampler
+from megatron_pack.data.batches.sampler import PackSampler
+from megatron_pack.data.packing.order import EpochOrder
 from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule
 from megatron_pack.data.batches.thd import make_collate_fn
 

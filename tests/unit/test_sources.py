@@ -8,7 +8,7 @@ import pytest
 
 from megatron_pack.data.formats.sources import DataError, iter_chunks, parse_chunk, resolve_inputs
 from megatron_pack.data.store.token_store import init_worker, tokenize_chunk
-from megatron_pack.data.formats.tokenizer import SampleSchema
+from megatron_pack.data.formats.chat import SampleSchema
 
 GOOD = json.dumps({"prompt": "p", "completion": "c"})
 

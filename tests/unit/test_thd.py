@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pack.data.batches.thd import THD_KEYS, collate_thd, make_collate_fn
-from megatron_pack.parallel.cp import pad_multiple, slice_thd_batch, thd_gather_order
+from megatron_pack.config.layout import pad_multiple
+from megatron_pack.parallel.cp import slice_thd_batch, thd_gather_order
 
 A, B, C, D, EOS, P = 11, 12, 13, 14, 2, 0
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from megatron_pack.data.formats.tokenizer import ByteTokenizer, RecordError, SampleSchema, build_tokenizer
+from megatron_pack.data.formats.chat import RecordError, SampleSchema
+from megatron_pack.data.formats.tokenizer import ByteTokenizer, build_tokenizer
 
 BYTE = ByteTokenizer()
 PC = SampleSchema("prompt_completion")

@@ -49,7 +49,7 @@ def _cfg(**train) -> Config:
     (dict(num_epochs=1, global_batch_size=4), 10, 4, 2),  # 8 packs per epoch at dp 4
 ], ids=["iters", "epochs-dp2", "epochs-dp1", "epochs-drop-last"])
 def test_resolve_train_iters(train, num_packs, dp, expected):
-    from megatron_pack.training.loop import resolve_train_iters
+    from megatron_pack.training.resume import resolve_train_iters
 
     cfg = _cfg(**train)
     assert resolve_train_iters(cfg, _fixed_steps(cfg, num_packs, dp)) == expected
@@ -57,14 +57,14 @@ def test_resolve_train_iters(train, num_packs, dp, expected):
 
 def _fixed_steps(cfg, num_packs, dp):
     """The step planner of a fixed global batch over ``num_packs`` packs (what ``build_loader`` plans)."""
-    from megatron_pack.data.batches.sampler import EpochOrder
+    from megatron_pack.data.packing.order import EpochOrder
     from megatron_pack.data.batches.steps import StepPlanner, StepRule
 
     return StepPlanner(None, EpochOrder(num_packs, seed=0), StepRule(dp_size=dp, global_batch_size=cfg.train.global_batch_size))
 
 
 def test_resolve_train_iters_refuses_less_than_one_step():
-    from megatron_pack.training.loop import resolve_train_iters
+    from megatron_pack.training.resume import resolve_train_iters
 
     cfg = _cfg(num_epochs=1)
     with pytest.raises(ConfigError, match=r"train.num_epochs \(1\) over 6 packs per epoch is less than one global batch"):
@@ -72,7 +72,7 @@ def test_resolve_train_iters_refuses_less_than_one_step():
 
 
 def test_changed_settings_lists_each_change():
-    from megatron_pack.training.loop import changed_settings, run_settings
+    from megatron_pack.training.resume import changed_settings, run_settings
 
     before = run_settings(Config(), 50, "abc")
     after = run_settings(Config(train=TrainConfig(lr=1e-3, global_batch_size=16)), 50, "def")

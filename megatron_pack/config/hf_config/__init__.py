@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import megatron_pack.config.hf_config.families  # noqa: F401  (registers the supported families)
-from megatron_pack.config.hf_config.record import ARCH_KEYS, FAMILIES, Family, Refuse, Rule, register_family
+from megatron_pack.config.hf_config.record import FAMILIES, Family
 
-__all__ = ["ARCHITECTURES", "ARCH_KEYS", "FAMILIES", "Family", "Refuse", "Rule", "SUPPORTED_FAMILIES",
-           "UnsupportedModel", "apply_pretrained", "contradictions", "derive_model_keys", "family_of",
-           "hub_id_problem", "pretrained_model_keys", "read_hf_config", "refusal", "register_family", "rope_settings"]
+__all__ = ["ARCHITECTURES", "SUPPORTED_FAMILIES", "UnsupportedModel", "apply_pretrained", "contradictions",
+           "derive_model_keys", "family_of", "hub_id_problem", "pretrained_model_keys", "read_hf_config", "refusal",
+           "rope_settings"]
 
 
 class _FamilyField(Mapping):

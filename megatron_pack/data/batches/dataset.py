@@ -1,7 +1,7 @@
 """``PackedSFTDataset``: a token store plus a packing plan, read by O(1) memory-mapped slicing.
 
 ``len(ds)`` is the number of packs; ``ds[i]`` is pack ``i`` as the list of per-sample dicts that
-``megatron_pack.data.thd.collate_thd`` takes::
+``megatron_pack.data.batches.thd.collate_thd`` takes::
 
     >>> ds = PackedSFTDataset("data/synthetic")          # the only plan, or pass plan_dir
     >>> [s["sample_id"] for s in ds[0]]                   # store sample indices in this pack
@@ -32,7 +32,6 @@ from megatron_pack.data.store.atomic import read_json
 from megatron_pack.data.store.manifest import build_manifest, dirname, integrity_problems
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, check_tokenizer,
                                                list_plans, read_metadata)
-from megatron_pack.data.store.metadata import verify_files  # noqa: F401  (this module's name before the split)
 from megatron_pack.data.store.token_store import STORE_FORMAT, STORE_FORMAT_VERSION, TokenStore
 
 def _expected_tokenizer(cfg):

@@ -14,7 +14,7 @@ loss_mask 0; position ids keep counting through a row's padding. Example, rows o
                           labels on the p slots -100, loss_mask 0
                           cu_seqlens [0, 3, 8]   cu_seqlens_padded [0, 4, 12]   max_seqlen 8
 
-The result has the keys of a THD batch (``megatron_pack.data.thd.THD_KEYS``), so
+The result has the keys of a THD batch (``megatron_pack.data.batches.thd.THD_KEYS``), so
 ``slice_thd_batch`` and ``get_packed_seq_params`` take it unchanged; ``sample_ids`` holds the
 indices of the rows kept.
 """
@@ -78,7 +78,7 @@ def pack_batch_sequences(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: 
         raise ValueError(f"pack_batch_sequences expects [B, S] tokens, got shape {tuple(tokens.shape)}.")
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of ({pad_to_multiple_of}) must be >= 1; use "
-                         "megatron_pack.parallel.cp.pad_multiple(cp, tp, sequence_parallel).")
+                         "megatron_pack.config.layout.pad_multiple(cp, tp, sequence_parallel).")
     if pack_to_multiple_of < 1 or (pack_to_multiple_of > 1 and pack_to_multiple_of % pad_to_multiple_of):
         raise ValueError(f"pack_to_multiple_of ({pack_to_multiple_of}) must be a multiple of pad_to_multiple_of "
                          f"({pad_to_multiple_of}); use megatron_pack.config.layout.pack_multiple.")

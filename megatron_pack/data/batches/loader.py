@@ -39,7 +39,6 @@ from megatron_pack.data.batches.thd import make_collate_fn
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.order import EpochOrder
 
-from megatron_pack.data.batches.opening import open_dataset, open_validation  # noqa: F401  (their path before opening.py)
 
 log = logging.getLogger("megatron_pack.train")
 

@@ -31,7 +31,7 @@ from itertools import chain
 
 import numpy as np
 
-from megatron_pack.data.formats.chat_skeleton import Unsupported, analyse, build_skeleton
+from megatron_pack.data.formats.chat_skeleton import analyse, build_skeleton
 
 
 def assistant_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

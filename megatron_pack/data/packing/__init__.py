@@ -4,14 +4,10 @@ wrapped stream (``wrapped``), source mixing (``mixing``), the plan report (``rep
 Megatron-Bridge export (``bridge``), online packing from a bounded buffer (``online``), and the
 assignment of packs to data-parallel ranks by cost (``balance``).
 
-``megatron_pack.data.packing.plan_packing`` (public) and the other names of the algorithms
-module are re-exported here.
+``megatron_pack.data.packing.plan_packing`` (DESIGN.md's path) resolves to
+``algorithms.plan_packing`` through the table of moved public names (``megatron_pack._deprecated``).
 """
 
-from megatron_pack.data.packing.algorithms import (  # noqa: F401
-    ALGORITHMS, BIN_PACKING_ALGORITHMS, SMALL_PLAN, thd_lengths, PackingPlan, best_fit_decreasing, lower_bound_bins,
-    plan_packing,
-)
+from megatron_pack._deprecated import module_getattr
 
-__all__ = ['ALGORITHMS', 'BIN_PACKING_ALGORITHMS', 'SMALL_PLAN', 'thd_lengths', 'PackingPlan', 'best_fit_decreasing',
-           'lower_bound_bins', 'plan_packing']
+__getattr__ = module_getattr(__name__)

@@ -28,7 +28,8 @@ import numpy as np
 
 from megatron_pack.data.formats.sources import Chunk, DataError, parse_chunk
 from megatron_pack.data.formats.synthetic import synthetic_records
-from megatron_pack.data.formats.tokenizer import RecordError, SampleSchema, build_tokenizer
+from megatron_pack.data.formats.chat import RecordError, SampleSchema
+from megatron_pack.data.formats.tokenizer import build_tokenizer
 
 STORE_FORMAT = "megatron_pack.token_store"
 STORE_FORMAT_VERSION = 1

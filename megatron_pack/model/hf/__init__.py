@@ -12,15 +12,3 @@
 
 Importing this package does not import torch; import the submodules.
 """
-
-from megatron_pack.config.hf_config import (
-    ARCH_KEYS,
-    SUPPORTED_FAMILIES,
-    UnsupportedModel,
-    derive_model_keys,
-    pretrained_model_keys,
-    refusal,
-)
-
-__all__ = ["ARCH_KEYS", "SUPPORTED_FAMILIES", "UnsupportedModel", "derive_model_keys", "pretrained_model_keys",
-           "refusal"]

@@ -30,7 +30,9 @@ from torch import Tensor
 
 from megatron_pack.config.hf_config import read_hf_config
 from megatron_pack.model.hf.load import SafetensorsFolder
-from megatron_pack.model.hf.mapping import OUTPUT, TE_ALIASES, Dims, Placement, export_tensors, load_shard, rules_for
+from megatron_pack.model.hf.mapping import export_tensors, load_shard
+from megatron_pack.model.hf.transforms import Dims
+from megatron_pack.model.hf.rules import OUTPUT, TE_ALIASES, Placement, rules_for
 
 HF_SOURCE = "hf_source"
 SOURCE_JSON = "source.json"

@@ -26,8 +26,9 @@ from torch import Tensor
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
 from megatron_pack.model.hf.folder_check import INDEX, SINGLE
-from megatron_pack.model.hf.mapping import (TE_ALIASES, Dims, Placement, load_shard_into, rule_hf_shapes, rules_for,
-                                            shard_shape)
+from megatron_pack.model.hf.mapping import load_shard_into, shard_shape
+from megatron_pack.model.hf.transforms import Dims
+from megatron_pack.model.hf.rules import TE_ALIASES, Placement, rule_hf_shapes, rules_for
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 

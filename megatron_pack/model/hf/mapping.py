@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_pack.model.hf.rules import (EMBEDDING, FAMILY_RULES, IGNORED_HF, LLAMA, OUTPUT, QK_NORM,  # noqa: F401
-                                          QKV_BIAS, TE_ALIASES, Binding, Placement, Rule, rule_hf_shapes, rules_for)
-from megatron_pack.model.hf.transforms import TRANSFORMS, Dims, Reader, transform  # noqa: F401
+from megatron_pack.config.hf_config.record import Rule
+from megatron_pack.model.hf.transforms import Dims, Reader, transform
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -19,21 +19,16 @@ Example: Llama with 4 layers, the stage holding layers [2, 4) of a 2-stage pipel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
-from megatron_pack.config.hf_config import FAMILIES, derive_model_keys, family_of
-from megatron_pack.config.hf_config.families import LLAMA_RULES, QK_NORM_RULES, QKV_BIAS_RULES
+from megatron_pack.config.hf_config import derive_model_keys, family_of
 from megatron_pack.config.hf_config.record import Family, Rule
 from megatron_pack.model.hf.transforms import Dims, transform
 
-__all__ = ["Binding", "FAMILY_RULES", "IGNORED_HF", "LLAMA", "Placement", "QKV_BIAS", "QK_NORM", "Rule", "TE_ALIASES",
-           "hf_shapes", "rule_hf_shapes", "rules_for", "shapes_for"]
+__all__ = ["Binding", "IGNORED_HF", "Placement", "TE_ALIASES", "hf_shapes", "rule_hf_shapes", "rules_for", "shapes_for"]
 
-LLAMA, QKV_BIAS, QK_NORM = LLAMA_RULES, QKV_BIAS_RULES, QK_NORM_RULES
-"""The rule tuples under their names before the family records (``families.LLAMA_RULES``, ...)."""
 TE_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 """local-spec suffix -> Transformer Engine spec suffix of the same tensor."""
@@ -42,22 +37,6 @@ IGNORED_HF = ("rotary_emb.inv_freq",)
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 _LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
 """megatron-core names outside the layers that only the last pipeline stage holds."""
-
-
-class _RulesOf(Mapping):
-    """model_type -> its record's rules: the old ``FAMILY_RULES`` table, a view of the registry."""
-
-    def __getitem__(self, model_type: str) -> tuple[Rule, ...]:
-        return FAMILIES[model_type].rules
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(FAMILIES)
-
-    def __len__(self) -> int:
-        return len(FAMILIES)
-
-
-FAMILY_RULES = _RulesOf()
 
 
 @dataclass(frozen=True)

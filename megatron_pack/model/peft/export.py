@@ -35,7 +35,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_pack.model.hf.mapping import Dims, Placement, Rule, export_tensors, rules_for, transform
+from megatron_pack.config.hf_config.record import Rule
+from megatron_pack.model.hf.mapping import export_tensors
+from megatron_pack.model.hf.transforms import Dims, transform
+from megatron_pack.model.hf.rules import Placement, rules_for
 from megatron_pack.model.peft.lora import merged_shards
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
