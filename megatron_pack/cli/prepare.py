@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
     if isinstance(line, int):
         return line
     try:
-        cfg = load_config(expand_shorthands(line.overrides), config_dirs=line.config_dirs)
+        overrides = expand_shorthands(line.overrides)
+        cfg = _with_recorded(load_config(overrides, config_dirs=line.config_dirs), overrides, rank)
         from megatron_pack.config.validate import prepare_problems
 
         if prepare_problems(cfg):
@@ -90,6 +91,20 @@ def main(argv: list[str]) -> int:
         print("\n".join(summary_lines(cfg, plan_dir, read_json(Path(cfg.data.dataset_dir) / "metadata.json"),
                                        read_json(plan_dir / "metadata.json"))))
     return 0
+
+
+def _with_recorded(cfg, overrides: list[str], rank: int):
+    """``cfg`` completed from what the folder ``data.dataset_dir`` already holds (its plans' manifests), for every
+    key the command line leaves unset, with one line naming the values taken."""
+    from megatron_pack.data.store.recorded import apply_recorded_to_prepare, given_keys
+
+    dataset_dir = Path(cfg.data.dataset_dir)
+    if not (dataset_dir / "metadata.json").is_file():
+        return cfg
+    recorded = apply_recorded_to_prepare(cfg, dataset_dir, given_keys(overrides))
+    if recorded.notes and rank == 0:
+        print(f"settings from the dataset ({dataset_dir}): {', '.join(recorded.notes)}", file=sys.stderr)
+    return recorded.cfg
 
 
 def _warn_lost(dataset_dir: Path, plan_dir: Path) -> None:
