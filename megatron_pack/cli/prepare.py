@@ -130,16 +130,23 @@ def bad_record_lines(store_meta: dict) -> list[str]:
 def summary_lines(cfg, plan_dir: Path, store_meta: dict, meta: dict) -> list[str]:
     """What prepare prints when it is done: where, the packs, the accounting, what was kept and lost, the bad
     records, the report."""
+    from megatron_pack.cli.inspect import validation_text
+    from megatron_pack.data.packing.bridge import bridge_paths
     from megatron_pack.data.packing.report import lost_data_text
 
     acc = meta["accounting"]
+    held_out = f", held out {acc['num_samples_held_out']}" if acc.get("num_samples_held_out") else ""
+    validation = validation_text(plan_dir, meta)
+    bridge = ([f"bridge:  {', '.join(str(p) for p in bridge_paths(plan_dir, meta['pack_size']))}"]
+              if cfg.packing.export == "bridge" else [])
     return ([f"dataset: {cfg.data.dataset_dir}", f"plan:    {plan_dir}",
              f"packs: {meta['num_bins']} (lower bound {meta['lower_bound_bins']}), efficiency "
              f"{meta['packing_efficiency']}%, samples read {acc['num_samples_read']}, packed "
-             f"{acc['num_samples_packed']}, dropped {acc['num_samples_dropped']}, truncated "
+             f"{acc['num_samples_packed']}{held_out}, dropped {acc['num_samples_dropped']}, truncated "
              f"{acc['num_samples_truncated']}", f"data: {lost_data_text(meta['lost_data'])}"]
+            + ([f"validation: {validation}"] if validation else [])
             + bad_record_lines(store_meta)
-            + [f"report:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}"])
+            + [f"report:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}"] + bridge)
 
 
 if __name__ == "__main__":
