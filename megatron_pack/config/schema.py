@@ -649,7 +649,7 @@ class CheckpointConfig(_Group):
     """Resume even though lr, schedule, global batch or data plan differ from the checkpoint's (listed at start)."""
     save_on_signal: bool = True
     """On one of checkpoint.signals every rank finishes its step, saves a checkpoint and exits 0 (docs/launch.md)."""
-    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     """The signals that stop a run with a checkpoint (SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP)."""
 
     def field_problems(self) -> list[str]:
