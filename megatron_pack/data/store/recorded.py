@@ -211,7 +211,7 @@ SOURCE_KEYS = ("data.source", "data.input", "data.sources", "data.synthetic_num_
 
 def apply_recorded_to_prepare(cfg, dataset_dir: Path, given: set[str]) -> Recorded:
     """``prepare`` into a folder that holds a dataset: ``cfg`` with every recorded row the command line leaves
-    unset (a group chosen on it, ``data=files``, sets all its keys), so a command that names only what is new
+    unset (choosing the data preset, ``data=files``, sets the source keys), so a command that names only what is new
     (``packing.packed_sequence_size=1024``) adds a plan to the same token store. The store's rows come from
     the newest plan; a plan row only when every plan records the same value; never the pad multiple (the
     layout's) nor ``model.fp8``. A folder without plans gives nothing."""
@@ -221,9 +221,8 @@ def apply_recorded_to_prepare(cfg, dataset_dir: Path, given: set[str]) -> Record
         return Recorded(cfg)
     manifests_all = [m["manifest"] for _, m in plans]
     newest = manifests_all[-1]
-    given = set(given) | {e.key for e in manifests.ENTRIES if e.key.split(".")[0] in given}
-    if given & set(SOURCE_KEYS):
-        given |= set(SOURCE_KEYS)
+    if "data" in given or set(given) & set(SOURCE_KEYS):
+        given = set(given) | set(SOURCE_KEYS)
     settings: dict[str, Any] = {}
     for entry in manifests.ENTRIES:
         if entry.is_given(given) or entry.key == "packing.pad_seq_to_mult" or entry.key not in newest:
