@@ -49,6 +49,9 @@ def hf_config(family: str, num_layers: int = 2):
         return T.Qwen3Config(**_COMMON, head_dim=24)
     if family == "mistral":
         return T.MistralConfig(**_COMMON, sliding_window=None)
+    if family == "qwen3_moe":  # not in FAMILIES: the MoE case of the command-line matrix
+        return T.Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True)
     raise ValueError(family)
 
 

@@ -80,3 +80,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             (reporter.write_line if reporter else print)(f"SESSION CHECK FAILED: {problem}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_working_folder(tmp_path_factory):
+    """Every test session (each xdist worker's too) runs in a scratch working folder: no test reads or writes the
+    working folder it was started from (a checkout where the README's quickstart left ``runs/`` and ``data/``).
+    Paths a config gives relative to the working folder (``train.output_dir=runs/quickstart``,
+    ``data.dataset_dir=data/synthetic``) land in the scratch folder; a test that needs a folder of its own still
+    makes one (``tmp_path``). The session check above proves it from the outside."""
+    import os
+
+    started_in = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("working_folder"))
+    try:
+        yield
+    finally:
+        os.chdir(started_in)

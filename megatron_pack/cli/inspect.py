@@ -1,8 +1,8 @@
 """`megatron-pack inspect DIR` (or `data.dataset_dir=DIR`, `data.plan=NAME`): a prepared dataset's summary.
 
 Prints the token store's counts and length percentiles, one row per packing plan (pack size,
-pad multiple, algorithm, packs, efficiency, accounting), what each plan kept and lost, the settings
-that tell the plans apart (from their manifests), and the paths of every plan's ``report.json`` /
+pad multiple, algorithm, packs, efficiency, accounting with the samples held out for validation), each
+plan's validation set, what each plan kept and lost, the settings that tell the plans apart (from their manifests), and the paths of every plan's ``report.json`` /
 ``report.png`` (written now when missing). ``data.plan=NAME``, or manifest keys given on the command
 line (``packing.seed=3``), show only the plans they pick, a single one with its whole manifest.
 """
@@ -43,14 +43,38 @@ def _plan_row(plan_dir: Path, m: dict) -> list[str]:
     algorithm = m["algorithm"] + (f" ({m['wrapped_attention']})" if "wrapped_attention" in m else "")
     return [plan_dir.name, str(m["pack_size"]), str(m["pad_seq_to_mult"]), algorithm, str(m["seed"]),
             m["on_overflow"], str(m["num_bins"]), str(m["lower_bound_bins"]), f"{m['packing_efficiency']:.2f}",
-            str(acc["num_samples_read"]), str(acc["num_samples_packed"]),
+            str(acc["num_samples_read"]), str(acc["num_samples_packed"]), str(acc.get("num_samples_held_out", 0)),
             str(sum(acc["num_samples_dropped"].values())), str(acc["num_samples_truncated"]),
             str(acc.get("num_samples_split", 0))]
 
 
+def validation_text(plan_dir: Path, m: dict) -> str | None:
+    """A plan's validation set, or None when it has none: the samples ``data.validation_fraction`` held out and
+    the packs of its ``validation`` sub-plan, or the plan ``data.validation=FILE`` was prepared into. Example:
+    ``13 samples held out (data.validation_fraction=0.2), 4 packs in <plan>/validation``."""
+    from megatron_pack.data.store.atomic import read_json
+    from megatron_pack.data.store.metadata import VALIDATION_DIRNAME
+
+    manifest = m.get("manifest") or {}
+    held_out = int(m.get("accounting", {}).get("num_samples_held_out", 0))
+    if held_out and (plan_dir / VALIDATION_DIRNAME / "metadata.json").is_file():
+        packs = read_json(plan_dir / VALIDATION_DIRNAME / "metadata.json")["num_bins"]
+        return (f"{held_out} samples held out (data.validation_fraction={manifest.get('data.validation_fraction')}), "
+                f"{packs} packs in {plan_dir / VALIDATION_DIRNAME}")
+    recorded = manifest.get("data.validation")
+    if recorded and recorded.get("plan"):
+        where = plan_dir.parent.parent / recorded["plan"]
+        packs = read_json(where / "metadata.json")["num_bins"] if (where / "metadata.json").is_file() else "no"
+        return f"data.validation={recorded['input']}, {packs} packs in {where}"
+    return None
+
+
 def plan_details(plan_dir: Path, m: dict) -> list[str]:
-    """Lines for a plan's strategy: wrapped attention, split overlap, buckets, source mixture."""
+    """Lines for a plan's strategy: wrapped attention, split overlap, buckets, source mixture, validation set."""
     lines = []
+    validation = validation_text(plan_dir, m)
+    if validation is not None:
+        lines.append(f"  {plan_dir.name}: validation: {validation}")
     if m.get("wrapped_attention") == "cross":
         lines.append(f"  {plan_dir.name}: wrapped_attention=cross: attention crosses documents inside a row BY "
                      "DESIGN (pretraining style); verify reports it as leaking")
@@ -119,7 +143,7 @@ def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
     if not plans:
         return "\n".join(lines + ["no packing plans yet: run `megatron-pack prepare` with a pack size."])
     rows = [["plan", "pack", "mult", "algorithm", "seed", "overflow", "packs", "lower bd", "eff %", "read",
-             "packed", "dropped", "truncated", "split"]]
+             "packed", "held out", "dropped", "truncated", "split"]]
     reports, details, metas = [], [], []
     for plan_dir in plans:
         ds = PackedSFTDataset(dataset_dir, plan_dir)

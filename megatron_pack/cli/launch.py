@@ -8,11 +8,11 @@ ends, with its exit status. It owns the process tree:
   ``kill -9``) and each worker sets the same for torchrun (``worker_started``), so no worker outlives
   its launcher (torchrun itself starts every worker in a session of its own, out of reach of a
   process-group kill);
-- **signals**: SIGTERM, SIGUSR1 and SIGUSR2 go to the workers themselves, which finish the step,
-  save and exit 0 (``checkpoint.save_on_signal``, ``training.signals``); torchrun ignores them, so it
-  sees its workers end well and exits 0 too. SIGINT and SIGHUP go to torchrun, which stops the
-  workers as it always does. A second signal kills torchrun at once (and so every worker): nothing
-  more is saved. Under SLURM, ``--signal=USR1@120`` and the time limit's SIGTERM reach every
+- **signals**: SIGTERM, SIGUSR1, SIGUSR2 and SIGINT (Ctrl-C) go to the workers themselves, which finish
+  the step, save and exit 0 (``checkpoint.save_on_signal``, ``training.signals``); torchrun ignores them, so
+  it sees its workers end well and exits 0 too, and the guard exits 0, or 130 after a Ctrl-C (the shell's
+  code for a run stopped by SIGINT). SIGHUP goes to torchrun, which stops the workers as it always does.
+  A second signal (a second Ctrl-C) kills torchrun at once (and so every worker): nothing more is saved. Under SLURM, ``--signal=USR1@120`` and the time limit's SIGTERM reach every
   process of the step; the guard forwards again, which changes nothing.
 
 ``python -m megatron_pack.cli.launch backend`` prints ``nccl`` or ``gloo`` without importing torch
@@ -32,9 +32,9 @@ from typing import Optional
 
 from megatron_pack.config.host import gpu_visible
 
-WORKER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+WORKER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 """Signals the guard sends to the workers themselves (torchrun ignores them)."""
-AGENT_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+AGENT_SIGNALS = (signal.SIGHUP,)
 """Signals the guard passes to torchrun, which stops its workers its own way."""
 IGNORED_ENV = "MEGATRON_PACK_IGNORED_SIGNALS"
 """Names of the signals torchrun ignores for the guard; a worker inherits that and undoes it."""
@@ -94,6 +94,8 @@ class Guard:
         self.proc: Optional[subprocess.Popen] = None
         self.args = torchrun_args
         self.stops = 0
+        self.interrupted = False
+        """The stop was a Ctrl-C (SIGINT): the guard exits 130 once the workers have saved."""
 
     def _in_child(self) -> None:
         set_parent_death_signal(signal.SIGKILL)
@@ -109,6 +111,7 @@ class Guard:
         if self.stops > 1:  # asked twice: stop now; the workers die with torchrun (their death signal)
             self.proc.kill()
             return
+        self.interrupted = signum == signal.SIGINT
         if signum in AGENT_SIGNALS:
             self.proc.send_signal(signum)
             return
@@ -133,6 +136,8 @@ class Guard:
                 break
             except InterruptedError:
                 continue
+        if code == 0 and self.interrupted:
+            return 128 + signal.SIGINT  # 130: stopped by Ctrl-C, its checkpoint saved
         return code if code >= 0 else 128 - code
 
 

@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
     if isinstance(line, int):
         return line
     try:
-        cfg = load_config(expand_shorthands(line.overrides), config_dirs=line.config_dirs)
+        overrides = expand_shorthands(line.overrides)
+        cfg = _with_recorded(load_config(overrides, config_dirs=line.config_dirs), overrides, rank)
         from megatron_pack.config.validate import prepare_problems
 
         if prepare_problems(cfg):
@@ -98,6 +99,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _with_recorded(cfg, overrides: list[str], rank: int):
+    """``cfg`` completed from what the folder ``data.dataset_dir`` already holds (its plans' manifests), for every
+    key the command line leaves unset, with one line naming the values taken."""
+    from megatron_pack.data.store.recorded import apply_recorded_to_prepare, given_keys
+
+    dataset_dir = Path(cfg.data.dataset_dir)
+    if not (dataset_dir / "metadata.json").is_file():
+        return cfg
+    recorded = apply_recorded_to_prepare(cfg, dataset_dir, given_keys(overrides))
+    if recorded.notes and rank == 0:
+        print(f"settings from the dataset ({dataset_dir}): {', '.join(recorded.notes)}", file=sys.stderr)
+    return recorded.cfg
+
+
 def _warn_lost(dataset_dir: Path, plan_dir: Path) -> None:
     from megatron_pack.data.packing.report import plan_lost_warning
     from megatron_pack.data.store.atomic import read_json
@@ -121,16 +136,23 @@ def bad_record_lines(store_meta: dict) -> list[str]:
 def summary_lines(cfg, plan_dir: Path, store_meta: dict, meta: dict) -> list[str]:
     """What prepare prints when it is done: where, the packs, the accounting, what was kept and lost, the bad
     records, the report."""
+    from megatron_pack.cli.inspect import validation_text
+    from megatron_pack.data.packing.bridge import bridge_paths
     from megatron_pack.data.packing.report import lost_data_text
 
     acc = meta["accounting"]
+    held_out = f", held out {acc['num_samples_held_out']}" if acc.get("num_samples_held_out") else ""
+    validation = validation_text(plan_dir, meta)
+    bridge = ([f"bridge:  {', '.join(str(p) for p in bridge_paths(plan_dir, meta['pack_size']))}"]
+              if cfg.packing.export == "bridge" else [])
     return ([f"dataset: {cfg.data.dataset_dir}", f"plan:    {plan_dir}",
              f"packs: {meta['num_bins']} (lower bound {meta['lower_bound_bins']}), efficiency "
              f"{meta['packing_efficiency']}%, samples read {acc['num_samples_read']}, packed "
-             f"{acc['num_samples_packed']}, dropped {acc['num_samples_dropped']}, truncated "
+             f"{acc['num_samples_packed']}{held_out}, dropped {acc['num_samples_dropped']}, truncated "
              f"{acc['num_samples_truncated']}", f"data: {lost_data_text(meta['lost_data'])}"]
+            + ([f"validation: {validation}"] if validation else [])
             + bad_record_lines(store_meta)
-            + [f"report:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}"])
+            + [f"report:  {plan_dir / 'report.json'}, {plan_dir / 'report.png'}"] + bridge)
 
 
 if __name__ == "__main__":

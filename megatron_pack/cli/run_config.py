@@ -6,8 +6,9 @@
     validate(cfg, world_size, dataset_meta=plan metadata)
 
 so ``megatron-pack verify data.dataset_dir=D`` works right after any ``prepare`` into ``D``. In-batch
-packing (``packing.mode=in_batch``) has no plan: it reads the token store only; online packing from a
-stream (``packing.online_source=stream``) reads nothing prepared. ``--cfg job`` before
+packing (``packing.mode=in_batch``) has no plan: it reads the token store only, and so does online packing
+with ``data.validation_fraction=0`` typed (otherwise the plan gives it its held-out validation samples); online
+packing from a stream (``packing.online_source=stream``) reads nothing prepared. ``--cfg job`` before
 the dataset is prepared prints the command line's config and says which values the dataset will set.
 """
 
@@ -69,8 +70,8 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     problem = check_input_matches_store(cfg0, store_meta, dataset_dir)
     if problem:
         raise ConfigError([problem])
-    if cfg0.packing.mode == "in_batch":
-        return _in_batch_run(cfg0, store_meta, given, checks, open_data)
+    if cfg0.packing.mode == "in_batch" or _online_without_validation(cfg0, given):
+        return _store_run(cfg0, store_meta, given, checks, open_data)
     plan_dir = choose_plan(cfg0, dataset_dir, given)
     from megatron_pack.data.store.atomic import read_json
 
@@ -121,8 +122,17 @@ def _stream_run(cfg0, checks: dict, open_data: bool) -> RunConfig:
     return RunConfig(cfg, open_dataset(cfg))
 
 
-def _in_batch_run(cfg0, store_meta, given, checks, open_data) -> RunConfig:
-    """packing.mode=in_batch: no plan; the tokenizer and vocab size still come from the store."""
+def _online_without_validation(cfg0, given: set[str]) -> bool:
+    """Online packing from the store with ``data.validation_fraction=0`` typed and no other validation set: no
+    plan is read (the one thing online packing takes from a plan is its held-out validation samples)."""
+    d = cfg0.data
+    return (cfg0.packing.mode == "online" and "data.validation_fraction" in given and not d.validation_fraction
+            and d.validation is None and d.plan is None)
+
+
+def _store_run(cfg0, store_meta, given, checks: dict, open_data) -> RunConfig:
+    """packing.mode=in_batch, or online without a validation set: no plan; the tokenizer and vocab size still
+    come from the store."""
     from megatron_pack.data.store.recorded import apply_recorded
 
     recorded = apply_recorded(cfg0, {}, store_meta, given)

@@ -304,6 +304,9 @@ class DataConfig(_Group):
     plan: Optional[str] = None
     """Plan folder under data.dataset_dir/plans to train, verify, inspect or export with; None picks the one plan
     whose manifest agrees with the keys given on the command line."""
+    overwrite: bool = False
+    """Let prepare replace a token store built from other inputs (files, tokenizer, template, schema) in
+    data.dataset_dir, and with it every plan there; false refuses, naming what differs."""
     pad_to_max_length: bool = False
     """Pad every pack to packing.packed_sequence_size (fixed shapes; required for CUDA graphs)."""
     num_workers: int = 0
@@ -654,7 +657,7 @@ class CheckpointConfig(_Group):
     """Resume even though lr, schedule, global batch or data plan differ from the checkpoint's (listed at start)."""
     save_on_signal: bool = True
     """On one of checkpoint.signals every rank finishes its step, saves a checkpoint and exits 0 (docs/launch.md)."""
-    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     """The signals that stop a run with a checkpoint (SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP)."""
 
     def field_problems(self) -> list[str]:

@@ -155,9 +155,40 @@ def ensure_store(cfg, *, progress: bool = True) -> TokenStore:
             except DataError as exc:
                 log.warning("rebuilding the token store: %s", exc)
         else:
-            log.warning("data.dataset_dir %s holds a token store built from other inputs (sources, tokenizer, "
-                        "schema or answer_only_loss changed); replacing it and its plans.", target)
+            changed = store_differences(old, inputs)
+            if changed and not cfg.data.overwrite:
+                raise DataError(f"data.dataset_dir ({target}) holds a token store built from other inputs "
+                                f"({'; '.join(changed)}); set data.overwrite=true to replace it and all its plans, "
+                                "or choose another data.dataset_dir.")
+            log.warning("data.dataset_dir %s holds a token store built from other inputs (%s); replacing it and its "
+                        "plans.", target, "; ".join(changed) or "an older store format")
     return build_store(cfg, target, inputs, tokenizer, progress=progress)
+
+
+def _sources_text(sources: dict) -> str:
+    if sources.get("kind") == "synthetic":
+        return f"the synthetic set ({sources.get('num_samples')} samples, seed {sources.get('seed')})"
+    return ", ".join(Path(f["path"]).name for f in sources.get("files", [])) or "no files"
+
+
+def store_differences(old: dict, inputs: dict) -> list[str]:
+    """What differs between a store's recorded inputs ``old`` and ``inputs`` (``store_inputs``), one phrase each:
+    ``["data: the synthetic set (64 samples, seed 0) -> chat.jsonl"]``; empty when only the store format differs."""
+    keys = ("sources", "tokenizer", "answer_only_loss", "schema", "on_bad_record")
+    before = fingerprint({k: old[k] for k in keys if k in old} | {"sources": old.get("sources", {"files": []})})
+    if before == fingerprint({k: inputs[k] for k in keys if k in inputs}):
+        return []
+    out = []
+    if fingerprint({"sources": old.get("sources", {})}) != fingerprint({"sources": inputs["sources"]}):
+        out.append(f"data: {_sources_text(old.get('sources', {}))} -> {_sources_text(inputs['sources'])}")
+    if json.dumps(old.get("tokenizer"), sort_keys=True) != json.dumps(inputs["tokenizer"], sort_keys=True):
+        out.append(f"data.tokenizer / data.chat_template: {(old.get('tokenizer') or {}).get('name')} -> "
+                   f"{inputs['tokenizer'].get('name')}")
+    for key, name in (("schema", "the schema keys"), ("answer_only_loss", "data.answer_only_loss"),
+                      ("on_bad_record", "data.on_bad_record")):
+        if json.dumps(old.get(key), sort_keys=True) != json.dumps(inputs.get(key), sort_keys=True):
+            out.append(f"{name}: {old.get(key)} -> {inputs.get(key)}")
+    return out or ["the store's inputs"]
 
 
 def ensure_plan(store: TokenStore, settings: PlanSettings, manifest: dict) -> Path:

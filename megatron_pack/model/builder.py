@@ -130,7 +130,7 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         persist_layer_norm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
         **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
-        **moe_config_kwargs(m, on_gpu=on_gpu),
+        **moe_config_kwargs(m),
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
     )

@@ -1,6 +1,6 @@
 """megatron-core on a machine without CUDA: the one place that accommodates its device assumptions.
 
-megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
+megatron-core 0.16.1 assumes a GPU in these places the CPU path reaches:
 
 1. ``torch.cuda.current_device()`` names the device of new tensors (RoPE frequencies, TP
    collective buffers, its DDP grad buffers). Without CUDA that call raises; here it answers
@@ -26,6 +26,20 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
    the first stage's by ``LanguageModule.setup_embeddings_and_output_layer``, which moves it with
    ``weight.data.cuda()`` before the all-reduce. On CPU that move is the identity (the weight stays
    where the model is built); the all-reduce itself runs on gloo unchanged.
+
+6. megatron-core's all-to-all MoE dispatcher (the one dispatcher, on every device) copies its split sizes
+   device-to-host on a side CUDA stream it creates at construction (``cuda_dtoh_stream``) and waits on an
+   event before the exchange. On CPU the split sizes are host tensors already: ``_dtoh_without_streams``
+   turns them into the numpy arrays the GPU path hands ``all_to_all`` at the same point, with no stream, and
+   the class's stream slot holds a placeholder so construction creates none. gloo has ``all_to_all_single``
+   with unequal splits, so the exchange itself runs unchanged.
+
+7. With expert tensor parallelism that dispatcher gathers (and reduce-scatters back) each expert-TP rank's
+   routed tokens, counts that differ by rank, through ``torch.distributed.all_gather`` /
+   ``reduce_scatter`` on lists of unequal pieces, which gloo refuses. On CPU megatron-core's two helpers
+   take such split sizes through ``_gather_unequal`` / ``_reduce_scatter_unequal``: every piece padded to
+   the largest, the equal collective gloo has, the padding cut off (the same sums, so the same gradients:
+   megatron-core's autograd functions call these helpers both ways). Equal splits run megatron-core's own.
 
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
@@ -105,6 +119,57 @@ def _without_cuda_moves(method):
     return wrapped
 
 
+def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on CPU (item 6): at the dispatcher's
+    device-to-host point the split sizes become numpy arrays (as its GPU copies do); nothing to wait for."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _gather_unequal(original):
+    """megatron-core's ``_gather_along_first_dim`` with unequal ``output_split_sizes`` on gloo (item 7).
+
+    Example, 2 ranks, splits [3, 1]: each pads its rows to 3, the equal all-gather gives 6 rows, and rows
+    0-2 and 3 (of rank 1's padded 3-5) are kept: the 4 rows in rank order.
+    """
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        out = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[r * longest:r * longest + n] for r, n in enumerate(sizes)])
+
+    return gather
+
+
+def _reduce_scatter_unequal(original):
+    """megatron-core's ``_reduce_scatter_along_first_dim`` with unequal ``input_split_sizes`` on gloo (item 7):
+    each rank's piece ``r`` padded to the largest, the equal reduce-scatter, rank ``r``'s padding cut off."""
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest * len(sizes), *input_.shape[1:]))
+        for r, piece in enumerate(torch.split(input_, sizes, dim=0)):
+            padded[r * longest:r * longest + piece.shape[0]] = piece
+        out = input_.new_empty((longest, *input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[:sizes[group.rank()]]
+
+    return reduce_scatter
+
+
 def enable_cpu_compat() -> None:
     """Install the CPU answers to megatron-core's CUDA assumptions (hosts without CUDA only)."""
     global _ENABLED
@@ -123,6 +188,14 @@ def enable_cpu_compat() -> None:
 
     LanguageModule.setup_embeddings_and_output_layer = _without_cuda_moves(
         LanguageModule.setup_embeddings_and_output_layer)
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on this host"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_without_streams
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _gather_unequal(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_unequal(mappings._reduce_scatter_along_first_dim)
     _ENABLED = True
 
 

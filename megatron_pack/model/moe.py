@@ -167,13 +167,13 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
     return aux, z, routing_map.to(torch.float32).sum(0)
 
 
-def moe_config_kwargs(model_cfg, *, on_gpu: bool) -> dict:
+def moe_config_kwargs(model_cfg) -> dict:
     """megatron-core's MoE settings for ``model.*`` ({} for a dense model).
 
     The auxiliary losses are ours (``PackedTopKRouter``), so megatron-core's own are off
-    (load_balancing_type 'none', z-loss None); dropless (no capacity factor); the all-to-all
-    dispatcher on CUDA, all-gather on CPU (megatron-core's all-to-all dispatcher creates CUDA streams;
-    gloo itself has all_to_all).
+    (load_balancing_type 'none', z-loss None); dropless (no capacity factor); megatron-core's all-to-all
+    dispatcher on every device (it exchanges each rank's own token count, so the EP ranks' packs may differ in
+    length, the normal case of variable packs; its CUDA streams are ``model/cpu_compat.py``'s item 6 on CPU).
     """
     m = model_cfg
     if not m.num_experts:
@@ -183,7 +183,7 @@ def moe_config_kwargs(model_cfg, *, on_gpu: bool) -> dict:
             "moe_router_pre_softmax": m.moe_router_pre_softmax, "moe_router_score_function": "softmax",
             "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None,
             "moe_router_dtype": "fp32",
-            "moe_token_dispatcher_type": "alltoall" if on_gpu else "allgather", "moe_grouped_gemm": False,
+            "moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": False,
             "moe_permute_fusion": False, "moe_router_fusion": False,
             "moe_shared_expert_intermediate_size": m.moe_shared_expert_ffn_hidden_size,
             "moe_shared_expert_gate": m.moe_shared_expert_gate}

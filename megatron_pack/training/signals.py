@@ -9,9 +9,12 @@ saved), rank 0 prints ``stopped by SIGTERM after step 7: saved checkpoint ...``,
 as a finished one does (exit 0). Running the same command resumes at step 8 with the losses an
 uninterrupted run has (tests/functional/test_signals.py).
 
-The handlers are installed at the start of the worker (``install``; before the config is read,
-for the default signals) and kept to the end: a second signal while saving changes nothing. A
-signal not configured keeps its default action.
+SIGINT (Ctrl-C) is one of the default stop signals: the launch script's guard passes it to the workers
+(``cli.launch``) and exits 130 once they have saved. The handlers are installed at the start of the worker
+(``install``; before the config is read, for the default signals) and kept to the end: a second signal
+while saving changes nothing, except a second SIGINT, which ends the process at once (a second Ctrl-C of a
+run started without the launch scripts; under them the guard kills the whole tree). A signal not
+configured keeps its default action.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ _installed: set[int] = set()
 
 
 def _record(signum: int, _frame) -> None:
+    if signum == signal.SIGINT and signum in _received:  # Ctrl-C twice: stop now, nothing more saved
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     if signum not in _received:
         _received.append(signum)
 

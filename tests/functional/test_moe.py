@@ -98,11 +98,11 @@ def _mask(ids: list[int]) -> list[int]:
     return [0, 0] + [1] * (len(ids) - 2)
 
 
-def _pack(samples, *, pack_size=PACK_SIZE, pad_multiple=PAD_MULTIPLE):
+def _pack(samples, *, pack_size=PACK_SIZE, pad_multiple=PAD_MULTIPLE, pad_to_max_length=True):
     from megatron_pack.data.batches.thd import collate_thd
 
     return collate_thd([{"input_ids": s, "loss_mask": _mask(s)} for s in samples], pack_size=pack_size,
-                       pad_multiple=pad_multiple, pad_to_max_length=True)
+                       pad_multiple=pad_multiple, pad_to_max_length=pad_to_max_length)
 
 
 def _config(folder: str, cp: int, ep: int, tp: int = 1, etp=None, recompute=None):
@@ -218,8 +218,14 @@ def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
         load = torch.stack([pack_routing(model).load[i] for i in sorted(pack_routing(model).load)])
         torch.distributed.all_reduce(load, group=pg.cp_group)
         out["sparse_load"] = load.numpy()
-        step_samples = (samples[:2] if pg.dp_rank == 0 else samples[2:]) if pg.dp_size == 2 else samples
-        out.update(_train_step(model, pg, cfg, _pack(step_samples)))
+        # at DP=2 the ranks' packs have different lengths (32 and 8 tokens, no pad_to_max_length), the normal
+        # case of variable packs: EP=2 over DP exchanges unequal token counts in the MoE dispatcher
+        step_samples = (samples[:3] if pg.dp_rank == 0 else samples[3:]) if pg.dp_size == 2 else samples
+        step_pack = _pack(step_samples, pad_to_max_length=False)
+        lengths = [None] * pg.dp_size
+        torch.distributed.all_gather_object(lengths, int(step_pack["tokens"].shape[-1]), group=pg.dp_group)
+        out["step_pack_lengths"] = np.array(lengths)
+        out.update(_train_step(model, pg, cfg, step_pack))
         return {f"{layout}/{k}": v for k, v in out.items()} if rank == 0 else {}
     finally:
         destroy_parallel()
@@ -490,6 +496,9 @@ def test_a_mostly_padding_pack_routes_exactly_its_real_tokens(world, case):
 @pytest.mark.parametrize("case", CASES)
 def test_loss_aux_losses_and_grads_equal_a_float64_reference_run_per_sample(world, case):
     out, ref = world["out"], world["refs"][case.split("/")[0]]
+    cp, ep, tp, _ = LAYOUTS[case.split("/")[1]]
+    if cp * tp == 1:  # DP=2: the two ranks' packs differ in length (EP=2: the dispatcher's unequal exchange)
+        assert out[f"{case}/step_pack_lengths"].tolist() == [32, 8]
     norm = float(torch.sqrt(sum(g.double().square().sum() for g in ref["grads"].values())))
     for key, want in (("lm_loss", ref["lm"]), ("lb", ref["lb"]), ("z", ref["z"]), ("grad_norm", norm)):
         assert abs(float(out[f"{case}/{key}"]) - want) <= 1e-5 * abs(want), key

@@ -6,8 +6,8 @@ test compares with, ``single_node_losses``):
 1. SIGTERM to rank 1's worker alone, before step 1 ends: every rank stops after step 1 (rank 0
    never got the signal: the ranks agree through the per-step all-reduce), a checkpoint at step 1,
    exit 0 and the line saying so;
-2. the same command resumes at step 2; SIGUSR1 to the launcher (it forwards to its workers): a
-   checkpoint at step 2, exit 0;
+2. the same command resumes at step 2; SIGINT to the launcher's process group, as Ctrl-C in its terminal
+   sends it (the launcher forwards it to its workers): a checkpoint at step 2, exit 130 and one line;
 3. the same command again, ``kill -9`` of the launcher as soon as its two workers exist: no process
    of its tree survives a few seconds (torchrun dies with the launcher, the workers with torchrun, or,
    when torchrun died before a worker asked to die with it, the worker exits as it starts);
@@ -119,9 +119,9 @@ def _workers_started(launch: Launch) -> list[int]:
     raise AssertionError(f"no two workers within {LAUNCH_TIMEOUT_S} s")
 
 
-def _stopped(launch: Launch, workdir: Path, sig: str, step: int) -> None:
+def _stopped(launch: Launch, workdir: Path, sig: str, step: int, code: int = 0) -> None:
     log = launch.finish()
-    assert launch.proc.returncode == 0, log[-4000:]
+    assert launch.proc.returncode == code, log[-4000:]
     line = f"megatron-pack train: stopped by {sig} after step {step} of 3: saved checkpoint {RUN}/checkpoints/"
     assert log.count(line) == 1, log[-4000:]
     assert "Traceback" not in log, log[-4000:]
@@ -150,8 +150,8 @@ def signalled(launch_workdir, single_node_losses):
         second = Launch(launch_workdir)
         launches.append(second)
         second.wait_for("resumed from")
-        os.kill(second.proc.pid, signal.SIGUSR1)
-        _stopped(second, launch_workdir, "SIGUSR1", 2)
+        os.killpg(second.proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
+        _stopped(second, launch_workdir, "SIGINT", 2, code=130)
 
         third = Launch(launch_workdir)
         launches.append(third)

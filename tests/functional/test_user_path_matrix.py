@@ -17,7 +17,12 @@ and template) and chat files, CP=2.
   entry, process groups made and destroyed per case). Each checkpoint is then exported and loaded with
   transformers; its tokenizer carries the template the data was rendered with. One more case in the
   same world trains with virtual pipeline stages (``parallel=pp2_vp2``, a 4-layer copy of the model:
-  two stages of two chunks), validated, exported and loaded the same way.
+  two stages of two chunks), validated, exported and loaded the same way. Three more in the same world, each
+  on its own path: a tiny Qwen3-MoE folder at DP=2 x EP=2 (``parallel=cp1
+  parallel.expert_model_parallel_size=2``) on packs of different lengths (the two ranks' packs of a step
+  differ, which the MoE token dispatcher exchanges); online packing (``packing.mode=online``) from a dataset
+  prepared with ``data.validation_fraction``, which trains on the other samples and validates on the held-out
+  ones at the end; and the same store online with ``data.validation_fraction=0`` (no plan read, no validation).
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ RUN = ["model.pretrained=model", "parallel=cp2"]
 VIRTUAL = ("bfd", "fraction", "own")
 """The prepared case the virtual-stage run trains on (with a validation set)."""
 VIRTUAL_RUN = ["model.pretrained=model4", "parallel=pp2_vp2"]
+MOE_RUN = ["model.pretrained=moe", "parallel=cp1", "parallel.expert_model_parallel_size=2", "data.dataset_dir=ds_moe"]
+"""DP=2 x EP=2 over the two DP ranks: each rank holds 2 of the 4 experts and trains its own packs."""
+ONLINE = ("bfd", "fraction", "own")
+"""The prepared case (a validation_fraction plan) the online runs read the store of."""
 TRAIN = ["train.train_iters=2", "train.global_batch_size=2", "train.lr_warmup_iters=1", "logging.tensorboard=false",
          "train.device=cpu", "model.attention_backend=torch"]
 
@@ -102,6 +111,9 @@ def world(tmp_path_factory):
                  f"data.dataset_dir={_dataset(case)}", "packing.packed_sequence_size=128", "data.tokenize_workers=1")
         plans[case] = Path(next(ln for ln in out.splitlines() if ln.startswith("plan:")).split()[1]).name
     assert len(set(plans.values())) == len(CASES)  # 30 plans, several in each folder
+    make_family(root, "qwen3_moe", name="moe")
+    ok(root, "prepare", *MOE_RUN, "data=files", "data.input=train.jsonl", "packing.on_overflow=drop",
+       "packing.packed_sequence_size=128", "data.tokenize_workers=1")
     return root, plans
 
 
@@ -154,6 +166,11 @@ def test_pairwise_training_then_export(world, tmp_path):
                        f"train.output_dir=runs/{_id(c)}"]] for c in TRAINED]
     cases.append(["virtual-stages", [f"data.dataset_dir={_dataset(VIRTUAL)}", f"data.plan={plans[VIRTUAL]}",
                                      *VIRTUAL_RUN, *TRAIN, "train.output_dir=runs/virtual-stages"]])
+    cases.append(["moe-ep2", [*MOE_RUN, *TRAIN, "train.output_dir=runs/moe-ep2"]])
+    online = [f"data.dataset_dir={_dataset(ONLINE)}", *RUN, "packing.mode=online", "packing.buffer_size=16", *TRAIN]
+    cases.append(["online-held-out", [*online, f"data.plan={plans[ONLINE]}", "train.output_dir=runs/online-held-out"]])
+    cases.append(["online-no-validation", [*online, "data.validation_fraction=0",
+                                           "train.output_dir=runs/online-no-validation"]])
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -184,7 +201,32 @@ def test_pairwise_training_then_export(world, tmp_path):
             torch.tensor([ids["input_ids"]])).logits
         assert torch.isfinite(logits).all()
     _check_virtual_stages(root)
+    _check_moe(root)
+    _check_online(root)
     _check_console(log, len(cases))
+
+
+def _check_moe(root: Path) -> None:
+    """DP=2 x EP=2: two steps with the auxiliary losses and every real token routed, on packs of several lengths."""
+    from megatron_pack.data.batches.dataset import PackedSFTDataset
+
+    records = [json.loads(line) for line in (root / "runs/moe-ep2/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["lm_loss"] > 0 for r in records)
+    for record in records:  # top-2 in each of the 2 layers
+        assert [sum(layer) for layer in record["moe"]["tokens_per_expert"]] == [record["real_tokens"] * 2] * 2
+    assert "expert_model_parallel_size: 2" in (root / "runs/moe-ep2/config.yaml").read_text()
+    dataset = PackedSFTDataset(root / "ds_moe")
+    lengths = [sum(len(s["input_ids"]) for s in dataset[i]) for i in range(len(dataset))]
+    assert len(set(lengths)) > len(lengths) // 2, lengths  # most packs differ: the steps' two ranks' packs do
+
+
+def _check_online(root: Path) -> None:
+    """Online packing on a store prepared with a validation fraction: validated on the held-out plan at the end;
+    with data.validation_fraction=0 no validation."""
+    for run, validated in (("online-held-out", True), ("online-no-validation", False)):
+        records = [json.loads(line) for line in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2] and all(r["lm_loss"] > 0 for r in records), run
+        assert (records[-1].get("val_loss") is not None) == validated, run
 
 
 def _check_virtual_stages(root: Path) -> None:

@@ -1,6 +1,7 @@
 """The prepare and inspect commands end to end (in-process), with the report files."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,7 @@ def test_prepare_then_inspect(tmp_path, capsys):
     plan_dir = next((ds_dir / "plans").iterdir())
     assert plan_dir.name.startswith("pack512_mult4_bfd_seed0_error_")
     assert (plan_dir / "training_512.idx.parquet").is_file()
+    assert f"bridge:  {plan_dir / 'training_512.idx.parquet'}, {plan_dir / '512_metadata.jsonl'}" in out  # says where
     (plan_dir / "report.png").unlink()  # inspect writes missing reports
     for argv in (["inspect", str(ds_dir)], ["inspect", f"data.dataset_dir={ds_dir}"]):
         assert main(argv) == 0
@@ -44,6 +46,31 @@ def test_prepare_then_inspect(tmp_path, capsys):
     assert sum(report["sample_length_histogram"]["counts"]) == 300
     assert sum(report["pack_fill_histogram"]["counts"]) == report["num_packs"]
     assert 0 <= report["padding_share"] < 0.5 and (plan_dir / "report.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("validation", [["data.validation_fraction=0.25"], ["data.validation=valid.jsonl"]],
+                         ids=["fraction", "file"])
+def test_prepare_and_inspect_account_for_the_validation_set(tmp_path, capsys, monkeypatch, validation):
+    """The held-out samples are counted (read = packed + held out + dropped) and the validation plan named, by the
+    prepare summary and by inspect."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "completion": "ok " * (1 + i % 5)})
+                                                  + "\n" for i in range(12)))
+    common = ["data=synthetic", "data.synthetic_num_samples=40", "data.dataset_dir=ds", "data.tokenize_workers=1",
+              "packing.packed_sequence_size=256"]
+    assert main(["prepare", *common, *validation]) == 0
+    out = capsys.readouterr().out
+    plan_dir = next(p for p in (tmp_path / "ds" / "plans").iterdir())
+    if validation[0].startswith("data.validation_fraction"):
+        assert "samples read 40, packed 30, held out 10," in out
+        where = Path("ds/plans") / plan_dir.name / "validation"
+        assert "validation: 10 samples held out (data.validation_fraction=0.25), " in out and str(where) in out
+    else:
+        assert f"validation: data.validation={tmp_path / 'valid.jsonl'}, " in out and " packs in ds/validation/plans/" in out
+    assert main(["inspect", "ds"]) == 0
+    shown = capsys.readouterr().out
+    assert "held out" in shown.splitlines()[3] and f"{plan_dir.name}: validation: " in shown
+    assert ("held out 10" in out) == ("10 samples held out" in shown)
 
 
 def test_cli_errors_are_one_clear_line(tmp_path, capsys):

@@ -46,3 +46,23 @@ def test_a_stop_signal_is_recorded_not_acted_on():
         signal.signal(signal.SIGUSR1, before)
         signals._received.clear()
         signals._installed.discard(signal.SIGUSR1)
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    """SIGINT is a stop request (recorded, the run saves after its step); a second one ends the process at once,
+    with no traceback (the shell sees a run killed by SIGINT)."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from megatron_pack.training import signals\n"
+            "signals.install(['SIGINT'])\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "assert signals.received() == signal.SIGINT\n"
+            "print('recorded', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(5)\n"
+            "print('still running', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "recorded\n" and proc.returncode == -signal.SIGINT, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr

@@ -516,3 +516,21 @@ def test_stream_workers_parse_only_their_own_lines_of_a_file(tmp_path):
 def test_fewer_store_samples_than_dp_ranks_names_the_dp_size_not_workers(prepared):
     with pytest.raises(DataError, match=r"into 200 shards .* holds only 150 samples.*run on at most 150 data-parallel"):
         _loader(prepared, dp_rank=0, dp_size=200)
+
+
+def test_samples_held_out_for_validation_are_never_streamed(prepared):
+    """data.validation_fraction online: the stream of epoch 0 reads exactly the samples prepare's rule keeps for
+    training (``held_out_mask``, the same ones every plan of the store holds out), none of the held-out ones."""
+    from megatron_pack.data.batches.online import OnlineSource
+    from megatron_pack.data.store.metadata import held_out_mask
+
+    cfg = dataclasses.replace(prepared, data=dataclasses.replace(prepared.data, validation_fraction=0.25))
+    source = OnlineSource(cfg)
+    held = held_out_mask(len(source.store), 0.25, cfg.data.validation_seed)
+    stream = source.pack_stream(shard=0, num_shards=1)
+    seen = set()
+    while not seen or stream.stream.epoch == 0 and stream.stream.cursor < len(stream.stream._order):
+        seen.update(i for i, _ in stream.next_pack())
+    kept = {int(i) for i in np.flatnonzero(~held)}
+    assert held.sum() > 0 and not seen & {int(i) for i in np.flatnonzero(held)}
+    assert seen <= kept and len(seen) > len(kept) // 2

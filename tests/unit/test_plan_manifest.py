@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _hf import save_tokenizer  # noqa: E402
-from _user_path import CUSTOM_TEMPLATE, chat, ok, plan_names, refused, write_jsonl  # noqa: E402
+from _user_path import CUSTOM_TEMPLATE, chat, ok, plan_names, refused, run_cli, write_jsonl  # noqa: E402
 
 PACK = ["packing.packed_sequence_size=128", "data.tokenize_workers=1"]
 
@@ -179,3 +179,39 @@ def test_inspect_shows_the_plans_the_keys_pick(work, tmp_path):
     (seed3,) = [n for n in plan_names(ds) if "seed3" in n]
     assert seed3 in one and "seed0" not in one and "settings (manifest):" in one and "data.tokenizer=byte" in one
     assert "no plan in" in refused(work, "inspect", f"data.dataset_dir={ds}", "packing.seed=9")
+
+
+def test_the_prepare_hint_pasted_as_written_adds_a_plan_and_keeps_the_store(work, tmp_path):
+    """Issue 34 item 3: train's hint names only the pack size and layout; pasted, prepare takes every other
+    setting (the files, the tokenizer) from the folder, adds a plan beside the first and leaves the store as it was
+    (it used to replace the user's store with the synthetic demo set)."""
+    import shlex
+
+    ds = tmp_path / "chat"
+    ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=a.jsonl")
+    store, first = (ds / "metadata.json").read_text(), plan_names(ds)
+    two_ranks = {"WORLD_SIZE": "2", "RANK": "0"}
+    run = ["train", "--check", f"data.dataset_dir={ds}", "packing.packed_sequence_size=256",
+           "parallel.context_parallel_size=2"]
+    status, out = run_cli(work, *run, env=two_ranks)
+    assert status == 2 and "`megatron-pack prepare " in out, out
+    hint = shlex.split(out.split("`megatron-pack prepare ", 1)[1].split("`", 1)[0])
+    out = ok(work, "prepare", *hint)
+    assert "settings from the dataset" in out and "a.jsonl" in out
+    assert (ds / "metadata.json").read_text() == store
+    assert set(first) < set(plan_names(ds)) and len(plan_names(ds)) == 2
+    assert "config ok for 2 rank(s)" in ok(work, *run, env=two_ranks)
+
+
+def test_replacing_a_store_built_from_other_inputs_needs_data_overwrite(work, tmp_path):
+    ds = tmp_path / "ds"
+    ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=a.jsonl")
+    store, plans = (ds / "metadata.json").read_text(), plan_names(ds)
+    out = refused(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=b.jsonl")
+    assert "a.jsonl -> b.jsonl" in out and "data.overwrite=true" in out
+    assert (ds / "metadata.json").read_text() == store and plan_names(ds) == plans  # nothing touched
+    out = refused(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=synthetic")
+    assert "a.jsonl -> the synthetic set" in out
+    ok(work, "prepare", f"data.dataset_dir={ds}", *PACK, "data=files", "data.input=b.jsonl", "data.overwrite=true")
+    files = json.loads((ds / "metadata.json").read_text())["sources"]["files"]
+    assert [Path(f["path"]).name for f in files] == ["b.jsonl"] and len(plan_names(ds)) == 1

@@ -158,7 +158,8 @@ def test_the_undamaged_copy_is_accepted(prepared, tmp_path, monkeypatch, capsys)
     shutil.copytree(root / "good", tmp_path / "ds")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert main(["--check", *BASE, f"data.dataset_dir={tmp_path / 'ds'}", f"data.plan={plan.name}"]) == 0
+    assert main(["--check", *BASE, f"data.dataset_dir={tmp_path / 'ds'}", f"data.plan={plan.name}",
+                 f"train.output_dir={tmp_path / 'run'}"]) == 0  # never the working folder's runs/quickstart
     assert "config ok for 2 rank(s)" in capsys.readouterr().out
     cfg = load_config(BASE + [f"data.dataset_dir={tmp_path / 'ds'}"], world_size=2)
     dataset = open_dataset(cfg)

@@ -88,10 +88,15 @@ def max_samples_per_pack(cfg: Config) -> int:
 class OnlineSource:
     """Where online packs come from, and the metadata the collate and ``validate`` read."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, recorded_plan=None):
+        """``recorded_plan``: the prepared plan whose manifest completed ``cfg`` (store source); with
+        ``data.validation_fraction`` its held-out samples are left out of the stream and its ``validation``
+        sub-plan is the run's validation set (``held_out_plan``)."""
         self.cfg = cfg
         self.settings = online_settings(cfg)
         self.plan_dir = None
+        self.held_out_plan = None
+        self._held_out = None
         if cfg.packing.online_source == "store":
             dataset_dir = Path(cfg.data.dataset_dir)
             if not (dataset_dir / "metadata.json").is_file():
@@ -102,6 +107,8 @@ class OnlineSource:
             self.store = TokenStore(dataset_dir, meta)
             ids = {k: meta[k] for k in ("vocab_size", "pad_id", "eos_id", "bos_id")}
             tokenizer = meta["tokenizer"]
+            if cfg.data.validation_fraction:
+                self._hold_out(recorded_plan)
         else:
             from megatron_pack.data.formats.tokenizer import build_tokenizer
 
@@ -116,6 +123,16 @@ class OnlineSource:
                          "pack_multiple": effective_pack_multiple(cfg),
                          "dataset_max_seqlen": self.settings.truncate_to, "max_samples_per_bin": max_samples_per_pack(cfg),
                          "tokenizer": tokenizer, "mode": "online", **ids}
+
+    def _hold_out(self, recorded_plan) -> None:
+        """The samples ``data.validation_fraction`` holds out (prepare's rule, ``held_out_mask``: the same ones
+        every plan of this store with that fraction and seed holds out), never trained on here."""
+        from megatron_pack.data.store.metadata import VALIDATION_DIRNAME, held_out_mask
+
+        d = self.cfg.data
+        if recorded_plan is not None:
+            self.held_out_plan = Path(recorded_plan) / VALIDATION_DIRNAME
+        self._held_out = held_out_mask(len(self.store), float(d.validation_fraction), int(d.validation_seed))
 
     def first_packs(self, num_packs: int) -> OnlinePacks:
         """The first ``num_packs`` packs a single-rank run would train on."""
@@ -155,7 +172,8 @@ class OnlineSource:
     def pack_stream(self, *, shard: int, num_shards: int, announce: bool = False) -> OnlinePackStream:
         p = self.cfg.packing
         if self.store is not None:
-            stream = StoreStream(self.store, self.settings, shard=shard, num_shards=num_shards, seed=self.cfg.train.seed)
+            stream = StoreStream(self.store, self.settings, shard=shard, num_shards=num_shards, seed=self.cfg.train.seed,
+                                 held_out=self._held_out)
         else:
             from megatron_pack.data.prepare import _schema
 

@@ -27,7 +27,7 @@ def open_dataset(cfg: Config, *, plan_dir=None, check_tokenizer: bool = True
     if cfg.packing.mode == "online":
         from megatron_pack.data.batches.online import OnlineSource
 
-        return OnlineSource(cfg)
+        return OnlineSource(cfg, recorded_plan=plan_dir)
     if cfg.packing.mode == "in_batch":
         return MicroBatchDataset.from_config(cfg, check_tokenizer=check_tokenizer)
     return PackedSFTDataset.from_config(cfg, plan_dir=plan_dir, check_tokenizer=check_tokenizer)
@@ -51,24 +51,25 @@ def open_validation(cfg, train_dataset=None):
     if manifest.get("data.validation"):
         return _validation_file(train_dataset, manifest["data.validation"], identity)
     if manifest.get("data.validation_fraction"):
-        return _held_out(train_dataset, identity)
+        return _held_out(train_dataset.dataset_dir, Path(train_dataset.plan_dir), identity)
     return None
 
 
-def _held_out(train_dataset, identity):
+def _held_out(dataset_dir, train_plan: Path, identity):
+    """The held-out validation plan ``<train_plan>/validation`` of a plan prepared with data.validation_fraction."""
     from megatron_pack.data.formats.sources import DataError
     from megatron_pack.data.store.metadata import VALIDATION_DIRNAME
 
-    plan_dir = Path(train_dataset.plan_dir) / VALIDATION_DIRNAME
+    plan_dir = train_plan / VALIDATION_DIRNAME
     if not (plan_dir / "metadata.json").is_file():
-        raise DataError(f"the packing plan {train_dataset.plan_dir} records a data.validation_fraction but has no "
-                        f"held-out validation plan {plan_dir}; delete {train_dataset.plan_dir} and re-run "
+        raise DataError(f"the packing plan {train_plan} records a data.validation_fraction but has no "
+                        f"held-out validation plan {plan_dir}; delete {train_plan} and re-run "
                         "`megatron-pack prepare` with the same config.")
-    dataset = PackedSFTDataset(train_dataset.dataset_dir, plan_dir, expected_tokenizer=identity)
+    dataset = PackedSFTDataset(dataset_dir, plan_dir, expected_tokenizer=identity)
     if "mixture" in dataset.metadata:  # written before held-out samples were packed each once
         raise DataError(f"the validation plan {plan_dir} was written by an older prepare that resampled the held-out "
                         "samples to the data.sources shares (some never evaluated, others repeated); delete "
-                        f"{train_dataset.plan_dir} and re-run `megatron-pack prepare` with the same config.")
+                        f"{train_plan} and re-run `megatron-pack prepare` with the same config.")
     return dataset
 
 
@@ -100,4 +101,18 @@ def _validation_from_config(cfg, train_dataset):
         return PackedSFTDataset.from_config(validation_config(cfg))
     if not cfg.data.validation_fraction:
         return None
-    return _held_out(train_dataset, _expected_tokenizer(cfg))
+    if cfg.packing.mode == "online":  # the held-out samples of the plan whose manifest completed cfg
+        return _online_held_out(cfg, train_dataset)
+    return _held_out(train_dataset.dataset_dir, Path(train_dataset.plan_dir), _expected_tokenizer(cfg))
+
+
+def _online_held_out(cfg, source):
+    """Online packing from a prepared store: the validation plan of the samples its stream leaves out."""
+    from megatron_pack.data.formats.sources import DataError
+
+    if source.held_out_plan is None:
+        raise DataError(f"data.validation_fraction ({cfg.data.validation_fraction}) with packing.mode=online "
+                        "holds out samples of a prepared store; run `megatron-pack prepare data.dataset_dir="
+                        f"{cfg.data.dataset_dir} data.validation_fraction={cfg.data.validation_fraction}` and train "
+                        "with packing.online_source=store, or set data.validation=FILE.")
+    return _held_out(cfg.data.dataset_dir, source.held_out_plan.parent, source.metadata["tokenizer"])

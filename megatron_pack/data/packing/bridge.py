@@ -132,6 +132,11 @@ def _read_plan(plan_dir: Path, meta: dict) -> dict:
             "pieces": load("sample_piece") if "sample_piece.npy" in files else None}
 
 
+def bridge_paths(plan_dir: Path, pack_size: int) -> tuple[Path, Path]:
+    """Where ``export_bridge`` writes: ``(<plan>/training_<pack>.idx.parquet, <plan>/<pack>_metadata.jsonl)``."""
+    return Path(plan_dir) / f"training_{pack_size}.idx.parquet", Path(plan_dir) / f"{pack_size}_metadata.jsonl"
+
+
 def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
     """Write the Bridge parquet and metadata beside the plan; return their paths.
 
@@ -147,7 +152,7 @@ def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
                         "sequence of several documents, which Bridge would train to predict the next document's "
                         "first token; set packing.wrapped_attention=document or packing.export=none.")
     n, multiple, eos_id = meta["pack_size"], int(meta.get("pad_seq_to_mult", 1)), int(meta["eos_id"])
-    parquet_path, meta_path = plan_dir / f"training_{n}.idx.parquet", plan_dir / f"{n}_metadata.jsonl"
+    parquet_path, meta_path = bridge_paths(plan_dir, n)
     plan = _read_plan(plan_dir, meta)
     num_packs, overlap = len(plan["offsets"]) - 1, int(meta.get("split_overlap", 0))
     schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),

@@ -91,12 +91,14 @@ def _chunk(ids: np.ndarray, chosen: Chosen, settings: PlanSettings, end_of_epoch
 
 
 class StoreStream:
-    """One shard of a token store, epoch after epoch, in an order seeded by ``(seed, epoch)``."""
+    """One shard of a token store, epoch after epoch, in an order seeded by ``(seed, epoch)``; ``held_out``
+    (bool [samples], optional) marks the samples kept for validation, which the stream never yields."""
 
-    def __init__(self, store, settings: PlanSettings, *, shard: int, num_shards: int, seed: int):
+    def __init__(self, store, settings: PlanSettings, *, shard: int, num_shards: int, seed: int,
+                 held_out: Optional[np.ndarray] = None):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard ({shard}) must be in [0, num_shards={num_shards}).")
-        self.store, self.settings = store, settings
+        self.store, self.settings, self.held_out = store, settings, held_out
         self.shard, self.num_shards, self.seed = shard, num_shards, seed
         self._num_ids_all = store.num_ids()
         self.epoch, self.cursor = 0, 0
@@ -104,6 +106,8 @@ class StoreStream:
 
     def _shard_order(self, epoch: int) -> np.ndarray:
         order = EpochOrder(len(self.store), self.seed)(epoch)  # the one epoch order, over samples
+        if self.held_out is not None:
+            order = order[~self.held_out[order]]
         return order[self.shard::self.num_shards].copy()  # a copy: the view would keep the whole permutation
 
     def start_epoch(self, epoch: int, cursor: int = 0) -> None:

@@ -207,6 +207,39 @@ def apply_recorded(cfg, plan_meta: dict[str, Any], store_meta: dict[str, Any], g
     vocab = store_meta.get("vocab_size")
     if vocab is not None and vocab > cfg.model.vocab_size and "model.vocab_size" not in given:
         settings["model.vocab_size"] = round_up(int(vocab), VOCAB_MULTIPLE * cfg.parallel.tensor_model_parallel_size)
+    return _with_settings(cfg, settings, check_tokenizer="data.tokenizer" in given)
+
+
+SOURCE_KEYS = ("data.source", "data.input", "data.sources", "data.synthetic_num_samples", "data.synthetic_seed")
+"""What the token store was read from: one of them given names new inputs, so none is taken from the folder."""
+
+
+def apply_recorded_to_prepare(cfg, dataset_dir: Path, given: set[str]) -> Recorded:
+    """``prepare`` into a folder that holds a dataset: ``cfg`` with every recorded row the command line leaves
+    unset (choosing the data preset, ``data=files``, sets the source keys), so a command that names only what is new
+    (``packing.packed_sequence_size=1024``) adds a plan to the same token store. The store's rows come from
+    the newest plan; a plan row only when every plan records the same value; never the pad multiple (the
+    layout's) nor ``model.fp8``. A folder without plans gives nothing."""
+    plans = sorted((p for p in _plans(dataset_dir)[0] if isinstance(p[1].get("manifest"), dict)),
+                   key=lambda p: (p[0] / "metadata.json").stat().st_mtime)
+    if not plans:
+        return Recorded(cfg)
+    manifests_all = [m["manifest"] for _, m in plans]
+    newest = manifests_all[-1]
+    if "data" in given or set(given) & set(SOURCE_KEYS):
+        given = set(given) | set(SOURCE_KEYS)
+    settings: dict[str, Any] = {}
+    for entry in manifests.ENTRIES:
+        if entry.is_given(given) or entry.key == "packing.pad_seq_to_mult" or entry.key not in newest:
+            continue
+        if entry.plan and any(not manifests.same(m.get(entry.key), newest[entry.key]) for m in manifests_all):
+            continue
+        settings.update(entry.settings(newest[entry.key], newest))
+    return _with_settings(cfg, {k: v for k, v in settings.items() if k not in given}, check_tokenizer=True)
+
+
+def _with_settings(cfg, settings: dict[str, Any], *, check_tokenizer: bool) -> Recorded:
+    """``cfg`` with ``settings`` and a note for each value that changed."""
     changes: dict[str, dict[str, Any]] = {}
     notes = []
     for key, value in settings.items():
@@ -216,7 +249,7 @@ def apply_recorded(cfg, plan_meta: dict[str, Any], store_meta: dict[str, Any], g
             changes.setdefault(group, {})[name] = value
             notes.append(f"{key}={manifests.override_value(value)} (was {manifests.override_value(current)})")
     groups = {g: dataclasses.replace(getattr(cfg, g), **c) for g, c in changes.items()}
-    return Recorded(dataclasses.replace(cfg, **groups), notes, check_tokenizer="data.tokenizer" in given)
+    return Recorded(dataclasses.replace(cfg, **groups), notes, check_tokenizer=check_tokenizer)
 
 
 def _store_settings(store_meta: dict[str, Any], given: set[str]) -> dict[str, Any]:
