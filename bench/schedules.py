@@ -5,7 +5,9 @@ through the schedule, the step outcome and ``finalize_model_grads``) at PP=1, PP
 CPU, float32, gloo, one torch thread per process, a GPT of ``--layers`` layers (hidden ``--hidden``) on random
 THD packs of ``--pack`` tokens (samples of 16-512 tokens), built by ``training.loop.build_trainer`` over a
 ``BatchList``: the code path of ``megatron-pack train``, whichever schedule that path runs. Each row is the best
-of ``--repeats`` steps after one warm-up step (the slowest rank's time at PP=2). docs/benchmarks.md records this
+of ``--repeats`` steps after one warm-up step (the slowest rank's at PP=2), in wall-clock seconds and in
+the process's CPU seconds (``time.process_time``: what the step computed, less sensitive than the wall
+clock to other work on a shared machine; at PP=2 a rank waiting in a receive may spend none). docs/benchmarks.md records this
 script's numbers before and after the switch to megatron-core's schedules on every device.
 
 Run: ``.venv/bin/python bench/schedules.py [--layers 4] [--hidden 256] [--pack 2048] [--repeats 3]``.
@@ -67,22 +69,24 @@ def _worker(rank: int, world: int, args, vp, store: str, out: str) -> None:
         cfg = _config(args, world, vp, num)
         state = initialize_parallel(cfg)
         trainer = build_trainer(cfg, state, BatchList(_packs(args.pack, num) * (args.repeats + 1)))
-        best = float("inf")
+        best = best_cpu = float("inf")
         for _ in range(args.repeats + 1):  # the first step warms up
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             trainer.compute_gradients()
             best = min(best, time.perf_counter() - start)
-        rows.append((num, best))
+            best_cpu = min(best_cpu, time.process_time() - start_cpu)
+        rows.append((best, best_cpu))
         destroy_parallel()
     np.save(f"{out}/rank{rank}.npy", np.array(rows))
     dist.destroy_process_group()
 
 
-def _run(args, world: int, vp=None) -> float:
+def _run(args, world: int, vp=None) -> np.ndarray:
+    """[micro-batch counts, (wall s, CPU s)]: each the slowest rank's."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, args, vp, f"{tmp}/store", tmp), nprocs=world, join=True)
-        return np.max([np.load(f"{tmp}/rank{r}.npy")[:, 1] for r in range(world)], axis=0)
+        return np.max([np.load(f"{tmp}/rank{r}.npy") for r in range(world)], axis=0)
 
 
 def main() -> None:
@@ -98,10 +102,10 @@ def main() -> None:
     times = {"PP=1 (no pipelining)": _run(args, 1), "PP=2 (1F1B)": _run(args, 2),
              "PP=2 x VP=2 (interleaved)": _run(args, 2, vp=2)}
     print(f"{args.layers} layers, hidden {args.hidden}, {args.pack}-token packs, best of {args.repeats} steps")
-    print("| schedule | " + " | ".join(f"M={m} step s" for m in MICROBATCHES) + " |")
-    print("|---|" + "---|" * len(MICROBATCHES))
-    for name, row in times.items():
-        print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in row) + " |")
+    print("| schedule | " + " | ".join(f"M={m} wall s | M={m} CPU s" for m in MICROBATCHES) + " |")
+    print("|---|" + "---|---|" * len(MICROBATCHES))
+    for name, rows in times.items():
+        print(f"| {name} | " + " | ".join(f"{wall:.3f} | {cpu:.3f}" for wall, cpu in rows) + " |")
 
 
 if __name__ == "__main__":

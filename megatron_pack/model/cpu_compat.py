@@ -27,6 +27,22 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
    ``weight.data.cuda()`` before the all-reduce. On CPU that move is the identity (the weight stays
    where the model is built); the all-reduce itself runs on gloo unchanged.
 
+6. megatron-core's schedules (``get_forward_backward_func``: no pipelining, 1F1B, interleaved) and its
+   ``P2PCommunicator`` make their token counter with ``torch.zeros(..., device="cuda")`` and call
+   ``torch.cuda.synchronize()`` after the shape exchange of variable-length packs. While one of the
+   three schedules runs, ``CudaAsCpu`` (a ``TorchFunctionMode``) maps a CUDA ``device=`` argument (and
+   ``Tensor.cuda`` / ``Tensor.to("cuda")``) to the CPU; ``torch.cuda.synchronize`` is a no-op (CPU work
+   is synchronous). gloo has no coalesced ``batch_isend_irecv``, so the model config keeps
+   ``batch_p2p_comm=False`` on every device (the communicator then posts plain ``isend`` / ``irecv``).
+   The mode is on only inside the schedule call: the model's own ops see it too (the forward step
+   runs inside), but nothing outside a step pays for it.
+
+7. megatron-core's optimizer (``get_megatron_optimizer``: the plain one and the distributed one) keeps
+   its loss scale and found-inf flag on ``device="cuda"`` and asserts that parameters and gradients are
+   ``torch.cuda.*Tensor`` types. Its construction and its ``step`` run under ``CudaAsCpu`` too (where
+   ``Tensor.type()`` names a CPU tensor's CUDA type), so the GPU's optimizer object is built and stepped on a CPU (without Transformer
+   Engine and apex megatron-core falls back to ``torch.optim.AdamW``).
+
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
 
@@ -40,10 +56,12 @@ never goes through here. Both are idempotent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _ENABLED = False
 
@@ -105,6 +123,70 @@ def _without_cuda_moves(method):
     return wrapped
 
 
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+class CudaAsCpu(TorchFunctionMode):
+    """Tensors megatron-core asks for on ``"cuda"`` are made on the CPU (item 6)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # asked to check: "is it on the GPU?"
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
+            args = tuple("cpu" if i and _is_cuda(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+def _cuda_as_cpu(schedule):
+    """``schedule`` (one of megatron-core's forward-backward functions) run under ``CudaAsCpu``."""
+
+    @functools.wraps(schedule)
+    def wrapped(*args, **kwargs):
+        with CudaAsCpu():
+            return schedule(*args, **kwargs)
+
+    return wrapped
+
+
+_SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+              "forward_backward_pipelining_with_interleaving")
+"""megatron-core's schedules, which ``get_forward_backward_func`` picks by module global at call time."""
+
+
+def _no_synchronize(*args, **kwargs) -> None:
+    return None
+
+
+def _schedules_on_cpu() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in _SCHEDULES:
+        setattr(schedules, name, _cuda_as_cpu(getattr(schedules, name)))
+    torch.cuda.synchronize = _no_synchronize
+
+
+def _optimizer_on_cpu() -> None:
+    """Item 7: ``get_megatron_optimizer`` and every megatron-core optimizer class's own ``step``."""
+    import megatron.core.optimizer as moptim
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    moptim.get_megatron_optimizer = _cuda_as_cpu(moptim.get_megatron_optimizer)
+    classes = {cls for module in (optimizer, distrib_optimizer) for cls in vars(module).values()
+               if isinstance(cls, type) and issubclass(cls, optimizer.MegatronOptimizer)}
+    for cls in classes:
+        if "step" in vars(cls):
+            cls.step = _cuda_as_cpu(vars(cls)["step"])
+
+
 def enable_cpu_compat() -> None:
     """Install the CPU answers to megatron-core's CUDA assumptions (hosts without CUDA only)."""
     global _ENABLED
@@ -123,6 +205,8 @@ def enable_cpu_compat() -> None:
 
     LanguageModule.setup_embeddings_and_output_layer = _without_cuda_moves(
         LanguageModule.setup_embeddings_and_output_layer)
+    _schedules_on_cpu()
+    _optimizer_on_cpu()
     _ENABLED = True
 
 

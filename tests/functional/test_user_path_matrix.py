@@ -58,7 +58,8 @@ PIPELINED = {(s, v, t) for i, (s, v, t) in enumerate(TRAINED) if i // len(VALIDA
 RUN = ["model.pretrained=model", "parallel=cp2"]
 VIRTUAL = ("bfd", "fraction", "own")
 """The prepared case the virtual-stage run trains on (with a validation set)."""
-VIRTUAL_RUN = ["model.pretrained=model4", "parallel=pp2_vp2"]
+VIRTUAL_RUN = ["model.pretrained=model4", "parallel=pp2_vp2", "train.global_batch_size=4"]
+"""4 micro-batches: with 2 megatron-core's interleaved schedule runs all in its warm-up (refused by validate())."""
 TRAIN = ["train.train_iters=2", "train.global_batch_size=2", "train.lr_warmup_iters=1", "logging.tensorboard=false",
          "train.device=cpu", "model.attention_backend=torch"]
 

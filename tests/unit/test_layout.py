@@ -61,7 +61,6 @@ MOVED_NAMES = [
     ("megatron_pack.parallel", "effective_pad_multiple", "megatron_pack.config.layout"),
     ("megatron_pack.config", "effective_pad_multiple", "megatron_pack.config.layout"),
     ("megatron_pack.training.loop", "start_or_resume", "megatron_pack.training.trainer_checkpoint"),
-    ("megatron_pack.training.loop", "forward_backward_cpu", "megatron_pack.training.schedule"),
     ("megatron_pack.training.loop", "RecordingIterator", "megatron_pack.training.schedule"),
     ("megatron_pack.training.loop", "run_summary", "megatron_pack.training.summary"),
     ("megatron_pack.training.loop", "check_resume", "megatron_pack.training.resume"),
