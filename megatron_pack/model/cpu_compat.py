@@ -34,8 +34,8 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
    ``Tensor.cuda`` / ``Tensor.to("cuda")``) to the CPU; ``torch.cuda.synchronize`` is a no-op (CPU work
    is synchronous). gloo has no coalesced ``batch_isend_irecv``, so the model config keeps
    ``batch_p2p_comm=False`` on every device (the communicator then posts plain ``isend`` / ``irecv``).
-   The mode is on only inside the schedule call: the model's own ops see it too (the forward step
-   runs inside), but nothing outside a step pays for it.
+   The mode is on only inside the schedule call, and off again inside its ``forward_step_func`` (the
+   model's forward makes no CUDA tensors, and a mode costs a Python call per torch op).
 
 7. megatron-core's optimizer (``get_megatron_optimizer``: the plain one and the distributed one) keeps
    its loss scale and found-inf flag on ``device="cuda"`` and asserts that parameters and gradients are
@@ -146,11 +146,29 @@ class CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _outside_mode(func):
+    """``func`` run with the innermost ``TorchFunctionMode`` (the ``CudaAsCpu`` of the schedule) off: the
+    model's forward runs at full speed (a mode costs a Python call per torch op), its tensors on the CPU."""
+
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        mode = torch._C._pop_torch_function_stack()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch._C._push_on_torch_function_stack(mode)
+
+    return run
+
+
 def _cuda_as_cpu(schedule):
-    """``schedule`` (one of megatron-core's forward-backward functions) run under ``CudaAsCpu``."""
+    """``schedule`` (one of megatron-core's forward-backward functions, or its optimizer's construction or
+    step) run under ``CudaAsCpu``; a schedule's ``forward_step_func`` runs outside it."""
 
     @functools.wraps(schedule)
     def wrapped(*args, **kwargs):
+        if "forward_step_func" in kwargs:
+            kwargs = {**kwargs, "forward_step_func": _outside_mode(kwargs["forward_step_func"])}
         with CudaAsCpu():
             return schedule(*args, **kwargs)
 

@@ -714,7 +714,7 @@ def _resume_chain(rank: int, root: str) -> dict:
     return out
 
 
-TRAINER_LAYOUTS = {"world1": (1, 1), "pp2_dp2": (2, 2)}
+TRAINER_LAYOUTS = {"world1": (1, 1), "pp2_dp2": (4, 2)}
 """build_trainer's layouts checked against the float64 reference: id -> (world size, PP); DP = world / PP."""
 TRAINER_STEPS, TRAINER_PACKS_PER_STEP, TRAINER_LAYERS = 2, 4, 2
 
@@ -736,7 +736,9 @@ def _trainer_case(rank: int, world: int, pp: int) -> dict:
                  parallel=ParallelConfig(pipeline_model_parallel_size=pp))
     packs = random_packs(7, TRAINER_STEPS * TRAINER_PACKS_PER_STEP, samples=(1, 4), length=(5, 20))
     state = initialize_parallel(cfg)
-    trainer = build_trainer(cfg, state, ListLoader([collate_thd(p, pack_size=64, pad_multiple=8) for p in packs]))
+    per_step = [packs[s * TRAINER_PACKS_PER_STEP:(s + 1) * TRAINER_PACKS_PER_STEP] for s in range(TRAINER_STEPS)]
+    mine = [p for step in per_step for p in step[state.dp_rank::state.dp_size]]  # this DP rank's share of each step
+    trainer = build_trainer(cfg, state, ListLoader([collate_thd(p, pack_size=64, pad_multiple=8) for p in mine]))
     offset = stage_of(cfg, state).layer_offset
     named = list(trainer.model.module.named_parameters())
     out = {"dp_size": state.dp_size, "pp_size": state.pp_size}
@@ -744,10 +746,9 @@ def _trainer_case(rank: int, world: int, pp: int) -> dict:
         params = _whole_model({n: full_param(p.detach(), p, state) for n, p in named}, offset, state)
         metrics = trainer.train_step()
         grads = _whole_model({n: full_param(p.main_grad, p, state) for n, p in named}, offset, state)
-        mine = packs[step * TRAINER_PACKS_PER_STEP:(step + 1) * TRAINER_PACKS_PER_STEP]
         out[f"loss{step}"] = metrics.lm_loss
-        if rank == 0:
-            ref = _against_reference(params, grads, mine, TRAINER_LAYERS, True)
+        if rank == 0:  # the global batch: every DP rank's packs of the step
+            ref = _against_reference(params, grads, per_step[step], TRAINER_LAYERS, True)
             out.update({f"{k}{step}": v for k, v in ref.items()})
     return out
 
