@@ -40,8 +40,8 @@ megatron-core 0.16.1 assumes a GPU in two places the CPU path reaches:
 7. megatron-core's optimizer (``get_megatron_optimizer``: the plain one and the distributed one) keeps
    its loss scale and found-inf flag on ``device="cuda"`` and asserts that parameters and gradients are
    ``torch.cuda.*Tensor`` types. Its construction and its ``step`` run under ``CudaAsCpu`` too (where
-   ``Tensor.type()`` names a CPU tensor's CUDA type), so the GPU's optimizer object is built and stepped on a CPU (without Transformer
-   Engine and apex megatron-core falls back to ``torch.optim.AdamW``).
+   ``Tensor.type()`` names a CPU tensor's CUDA type), so the GPU's optimizer object is built and stepped
+   on a CPU (without Transformer Engine and apex megatron-core falls back to ``torch.optim.AdamW``).
 
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.

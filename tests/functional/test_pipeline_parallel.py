@@ -4,7 +4,8 @@ One spawned world of 6 CPU processes. Its first 4 ranks (``_dist.sub_world``) ru
 layout in ``CASES`` in turn (megatron-core's groups rebuilt between them), the HF load and the
 trainer's resumes across layouts (``_resume_chain``); then all 6 run ``PP3_TP2``. Each case builds
 the stage's GPTModel chunk, runs one step of megatron-core's 1F1B schedule and P2P communicator
-(``training.schedule.forward_backward``, on CPU through ``model.cpu_compat``) over this DP rank's packs and megatron-core's ``finalize_model_grads``, and compares with
+(``training.schedule.forward_backward``, on CPU through ``model.cpu_compat``) over this DP rank's packs
+and megatron-core's ``finalize_model_grads``, and compares with
 ``tests/_float64_gpt.py`` (plain torch, float64, each sample alone) evaluated on the weights the
 stages hold (gathered from every stage and TP rank):
 
