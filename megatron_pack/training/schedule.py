@@ -143,6 +143,8 @@ def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, mo
     if num_microbatches == 0:  # a DP rank without packs (validation); megatron-core's loop would read one
         return []
     config = model_chunks[0].config
+    if config.num_moe_experts:
+        _reset_moe_loss_scale()
     vp_size = len(model_chunks) if len(model_chunks) > 1 else None
     num_run = num_microbatches
     if vp_size and forward_only and num_microbatches % state.pp_size:
@@ -195,6 +197,16 @@ def _stage_communicator_class() -> type:
             return tuple(shapes[name].tolist() if name in shapes else [0, 0, 0] for name in ("prev", "next"))
 
     return StageCommunicator
+
+
+def _reset_moe_loss_scale() -> None:
+    """megatron-core's schedule sets the MoE auxiliary-loss scale (``MoEAuxLossAutoScaler.set_loss_scale``, a
+    [1] tensor) by copying into the one the class holds; a MoE backward run outside a schedule first (a
+    reference, a test's own step) leaves a [] tensor there, which that copy refuses. The schedule sets the
+    scale before any backward of the step, so each step starts from none."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def _repeat_last(data_iterator: Iterator, num_extra: int) -> Iterator:
