@@ -133,7 +133,27 @@ def _validate_virtual_pipeline(cfg: Config, world_size: Optional[int] = None) ->
                             f"data-parallel rank (/ (dp {dp} * train.micro_batch_size {mbs})), which {key} needs as a "
                             f"multiple of parallel.pipeline_model_parallel_size ({pp}) (megatron-core 0.16.1's "
                             f"interleaved schedule); set train.global_batch_size={_ceil_to(num, pp) * dp * mbs}.")
+        elif not (cfg.data.pad_to_max_length and cfg.packing.pad_cu_seqlens):
+            problems += _all_in_warmup(cfg, num, dp * mbs)
     return problems
+
+
+def _all_in_warmup(cfg: Config, num: int, per_microbatch: int) -> list[str]:
+    """megatron-core 0.16.1's interleaved schedule deadlocks when pipeline rank 0 runs every virtual micro-batch
+    in its warm-up, ``2 (PP - 1) + (VP - 1) PP >= M VP``, and the packs vary in shape: the last stage's shape
+    exchange waits for a gradient shape that rank 0 sends only after its own exchange, which waits for the
+    last stage (with fixed shapes every message is posted at once, and nothing waits)."""
+    par = cfg.parallel
+    pp, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    warmup = 2 * (pp - 1) + (vp - 1) * pp
+    if num * vp > warmup:
+        return []
+    least = next(m for m in range(pp, warmup + pp + 1, pp) if m * vp > warmup)
+    return [f"train.global_batch_size ({cfg.train.global_batch_size}) gives {num} micro-batches per data-parallel rank, "
+            f"which megatron-core's interleaved schedule runs all in its warm-up with parallel."
+            f"virtual_pipeline_model_parallel_size ({vp}) and {pp} stages, and with packs of varying shape "
+            f"that deadlocks; set train.global_batch_size={least * per_microbatch} (or data.pad_to_max_length=true with "
+            "packing.pad_cu_seqlens=true)."]
 
 
 def _value_of(cfg: Config, key: str) -> Any:

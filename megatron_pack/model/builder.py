@@ -113,7 +113,9 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         gated_linear_unit=m.activation == "swiglu", activation_func=_activation(m.activation),
         add_bias_linear=False, init_method_std=m.init_method_std,
         attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
-        params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16, pipeline_dtype=_DTYPES[m.params_dtype],
+        params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16,
+        # the stages exchange what Float16Module's chunks produce: bfloat16 activations with train.bf16
+        pipeline_dtype=torch.bfloat16 if cfg.train.bf16 else _DTYPES[m.params_dtype],
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         context_parallel_size=p.context_parallel_size, pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size if p.num_model_chunks > 1 else None,
@@ -128,6 +130,10 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         # apex's fused weight-gradient accumulation into DDP's main_grad (GPU, when apex is built)
         bias_activation_fusion=False, gradient_accumulation_fusion=apex_wgrad_fusion_available(on_gpu),
         persist_layer_norm=False,
+        # stage links as plain isend/irecv, posted even/odd so both ends of a link match them in order (the
+        # batched ops cross a forward and a backward tensor where the previous and next stage are one rank:
+        # the interleaved ring at PP=2; gloo has no coalesced batch either)
+        batch_p2p_comm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
         **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
         **moe_config_kwargs(m),

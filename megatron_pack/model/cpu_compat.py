@@ -41,6 +41,22 @@ megatron-core 0.16.1 assumes a GPU in these places the CPU path reaches:
    the largest, the equal collective gloo has, the padding cut off (the same sums, so the same gradients:
    megatron-core's autograd functions call these helpers both ways). Equal splits run megatron-core's own.
 
+8. megatron-core's schedules (``get_forward_backward_func``: no pipelining, 1F1B, interleaved) and its
+   ``P2PCommunicator`` make their token counter with ``torch.zeros(..., device="cuda")`` and call
+   ``torch.cuda.synchronize()`` after the shape exchange of variable-length packs. While one of the
+   three schedules runs, ``CudaAsCpu`` (a ``TorchFunctionMode``) maps a CUDA ``device=`` argument (and
+   ``Tensor.cuda`` / ``Tensor.to("cuda")``) to the CPU; ``torch.cuda.synchronize`` is a no-op (CPU work
+   is synchronous). gloo has no coalesced ``batch_isend_irecv``, so the model config keeps
+   ``batch_p2p_comm=False`` on every device (the communicator then posts plain ``isend`` / ``irecv``).
+   The mode is on only inside the schedule call, and off again inside its ``forward_step_func`` (the
+   model's forward makes no CUDA tensors, and a mode costs a Python call per torch op).
+
+9. megatron-core's optimizer (``get_megatron_optimizer``: the plain one and the distributed one) keeps
+   its loss scale and found-inf flag on ``device="cuda"`` and asserts that parameters and gradients are
+   ``torch.cuda.*Tensor`` types. Its construction and its ``step`` run under ``CudaAsCpu`` too (where
+   ``Tensor.type()`` names a CPU tensor's CUDA type), so the GPU's optimizer object is built and stepped
+   on a CPU (without Transformer Engine and apex megatron-core falls back to ``torch.optim.AdamW``).
+
 gloo on torch >= 2.4 already has the ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 collectives megatron-core uses for sequence parallelism, so nothing is needed for them.
 
@@ -54,10 +70,12 @@ never goes through here. Both are idempotent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _ENABLED = False
 
@@ -170,6 +188,88 @@ def _reduce_scatter_unequal(original):
     return reduce_scatter
 
 
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+class CudaAsCpu(TorchFunctionMode):
+    """Tensors megatron-core asks for on ``"cuda"`` are made on the CPU (item 8)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # asked to check: "is it on the GPU?"
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
+            args = tuple("cpu" if i and _is_cuda(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+def _outside_mode(func):
+    """``func`` run with the innermost ``TorchFunctionMode`` (the ``CudaAsCpu`` of the schedule) off: the
+    model's forward runs at full speed (a mode costs a Python call per torch op), its tensors on the CPU."""
+
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        mode = torch._C._pop_torch_function_stack()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch._C._push_on_torch_function_stack(mode)
+
+    return run
+
+
+def _cuda_as_cpu(schedule):
+    """``schedule`` (one of megatron-core's forward-backward functions, or its optimizer's construction or
+    step) run under ``CudaAsCpu``; a schedule's ``forward_step_func`` runs outside it."""
+
+    @functools.wraps(schedule)
+    def wrapped(*args, **kwargs):
+        if "forward_step_func" in kwargs:
+            kwargs = {**kwargs, "forward_step_func": _outside_mode(kwargs["forward_step_func"])}
+        with CudaAsCpu():
+            return schedule(*args, **kwargs)
+
+    return wrapped
+
+
+_SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+              "forward_backward_pipelining_with_interleaving")
+"""megatron-core's schedules, which ``get_forward_backward_func`` picks by module global at call time."""
+
+
+def _no_synchronize(*args, **kwargs) -> None:
+    return None
+
+
+def _schedules_on_cpu() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in _SCHEDULES:
+        setattr(schedules, name, _cuda_as_cpu(getattr(schedules, name)))
+    torch.cuda.synchronize = _no_synchronize
+
+
+def _optimizer_on_cpu() -> None:
+    """Item 9: ``get_megatron_optimizer`` and every megatron-core optimizer class's own ``step``."""
+    import megatron.core.optimizer as moptim
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    moptim.get_megatron_optimizer = _cuda_as_cpu(moptim.get_megatron_optimizer)
+    classes = {cls for module in (optimizer, distrib_optimizer) for cls in vars(module).values()
+               if isinstance(cls, type) and issubclass(cls, optimizer.MegatronOptimizer)}
+    for cls in classes:
+        if "step" in vars(cls):
+            cls.step = _cuda_as_cpu(vars(cls)["step"])
+
+
 def enable_cpu_compat() -> None:
     """Install the CPU answers to megatron-core's CUDA assumptions (hosts without CUDA only)."""
     global _ENABLED
@@ -196,6 +296,8 @@ def enable_cpu_compat() -> None:
 
     mappings._gather_along_first_dim = _gather_unequal(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_unequal(mappings._reduce_scatter_along_first_dim)
+    _schedules_on_cpu()
+    _optimizer_on_cpu()
     _ENABLED = True
 
 

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_pack.parallel.comm import all_reduce, broadcast, group_ranks
+from megatron_pack.parallel.comm import all_reduce, broadcast, group_ranks, group_size
 
 log = logging.getLogger("megatron_pack.train")
 
@@ -137,50 +137,32 @@ def build_validation_loader(cfg, state, dataset) -> Optional[ValidationLoader]:
     return ValidationLoader(dataset, collate, num_packs=num, dp_rank=state.dp_rank, dp_size=state.dp_size)
 
 
-def _reports(chunks: list[torch.nn.Module], forward_step_func: Callable, batches: Iterable[dict], link):
+def _reports(chunks: list[torch.nn.Module], forward_step_func: Callable, batches: Iterable[dict],
+             schedule: Callable):
     """(batch, report) of every batch whose loss this rank holds (every batch without a pipeline;
-    on the last stage with one, none on the others)."""
-    if link is None or link.pp_size == 1:
-        for batch in batches:
-            yield batch, _forward_report(chunks[0], forward_step_func, batch)
-        return
+    on the last stage with one, none on the others): the forwards of the training schedule."""
     batches = list(batches)
-    if len(chunks) > 1:  # virtual stages: the forwards of the interleaved schedule, in its order
-        from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
-
-        reports, _ = forward_backward_interleaved(forward_step_func=forward_step_func,
-                                                  data_iterators=chunk_iterators(iter(batches), len(chunks)),
-                                                  model_chunks=chunks, num_microbatches=len(batches), link=link,
-                                                  forward_only=True)
-    else:
-        from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
-
-        reports, _ = forward_backward_1f1b(forward_step_func=forward_step_func, data_iterator=iter(batches),
-                                           model=chunks[0], num_microbatches=len(batches), link=link,
-                                           forward_only=True)
+    reports = schedule(forward_step_func=forward_step_func, data_iterator=iter(batches), model_chunks=chunks,
+                       num_microbatches=len(batches), forward_only=True)
     yield from zip(batches, reports)
-
-
-def _forward_report(model: torch.nn.Module, forward_step_func: Callable, batch: dict) -> dict:
-    output, loss_fn = forward_step_func(iter([batch]), model)
-    _, _, report = loss_fn(output)
-    return report
 
 
 def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
              group: Optional[dist.ProcessGroup], num_packs: int = 0,
-             source_names: Sequence[str] = (), link=None) -> EvalResult:
+             schedule: Callable, pp_group: Optional[dist.ProcessGroup] = None, source_names: Sequence[str] = ()
+             ) -> EvalResult:
     """Token-weighted validation loss of ``batches`` (this rank's packs), reduced over ``group`` (DP x CP).
-    ``model`` is this rank's model chunk, or the list of its chunks (virtual pipeline stages: ``link``
-    is then a ``parallel.pipeline.RingLink``).
+    ``model`` is this rank's model chunk, or the list of its chunks (virtual pipeline stages).
 
     With ``source_names`` (the dataset's data.sources names, the same list on every rank) each
     batch's report must carry ``"source loss"`` (``forward_step`` adds it for batches with
     ``token_source``), and the result holds each source's loss and target count.
 
-    ``link`` (a ``parallel.pipeline.StageLink`` of more than one stage): the packs run forward
-    through the pipeline (``pipeline_schedule.forward_backward_1f1b(forward_only=True)``), the
-    last stage's sums are reduced over ``group`` and broadcast to every stage.
+    ``schedule`` runs the forwards: the training step's (``schedule.forward_backward`` with the run's
+    state; megatron-core's, ``forward_only=True``), called with ``forward_step_func``, ``data_iterator``,
+    ``model_chunks``, ``num_microbatches`` and ``forward_only``; it returns the reports of the rank holding
+    the loss. With ``pp_group`` (more than one stage) the last stage's sums, reduced over ``group``, are
+    broadcast to every stage.
     """
     from megatron_pack.training.breakdown import source_metrics
 
@@ -193,7 +175,7 @@ def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
         chunk.eval()
     try:
         with torch.no_grad():
-            for batch, report in _reports(chunks, forward_step_func, batches, link):
+            for batch, report in _reports(chunks, forward_step_func, batches, schedule):
                 sums[:2] += report["lm loss"].double().cpu()
                 if names:
                     if "source loss" not in report:
@@ -206,8 +188,8 @@ def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
             chunk.train(was_training)
     if group is not None:
         all_reduce(sums, group=group)
-    if link is not None and link.pp_size > 1:  # the last stage's sums, on every stage
-        broadcast(sums, src=group_ranks(link.group)[-1], group=link.group)
+    if pp_group is not None and group_size(pp_group) > 1:  # the last stage's sums, on every stage
+        broadcast(sums, src=group_ranks(pp_group)[-1], group=pp_group)
     values = sums.tolist()
     loss = values[0] / values[1] if values[1] > 0 else 0.0
     source_loss, _ = source_metrics(values[2:], names)

@@ -9,9 +9,9 @@ One optimizer step on every rank:
    ``packing.mode=in_batch`` micro_batch_size samples packed at collate (or as many as the
    loader's ``begin_step()`` plans: a token budget, a balanced deal, online packs)
    (``forward_step``: next row, this CP rank's slice, ``PackedSeqParams``), backward on the
-   pack's loss SUM. Nothing divides by the number of micro-batches, CP or DP size. On GPU this
-   is megatron-core's ``get_forward_backward_func()``; on CPU ``schedule.forward_backward_cpu``
-   runs the same logic without its CUDA-only pieces;
+   pack's loss SUM. Nothing divides by the number of micro-batches, CP or DP size. On every device
+   this is megatron-core's ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved) with
+   its ``P2PCommunicator`` (``schedule.forward_backward``);
 3. the step outcome (``outcome.py``): on the ranks that hold the loss, one float64 all-reduce over
    DP x CP of the loss sums and token counts; then broadcast to the rest of the pipeline group,
    so every rank takes the same branch in the non-finite check that stops the run at this step;
@@ -114,8 +114,6 @@ class Trainer:
     """The signal that stopped the run after a step (``training.signals``), or None."""
     stop_checkpoint: Optional[Path] = None
     """The checkpoint saved at that stop (None: checkpoint.enabled=false)."""
-    link: Any = None
-    """This rank's ``parallel.pipeline.StageLink`` to its neighbour stages (None without pipeline stages)."""
     moe_metrics: Optional[dict] = None
     """The last step's MoE routing numbers (``model.moe.step_moe_metrics``), None for a dense model."""
     peak_tflops: Optional[float] = None
@@ -134,6 +132,12 @@ class Trainer:
         THD row: a pack (offline, micro_batch_size 1) or micro_batch_size samples packed at collate."""
         return self.cfg.train.global_batch_size // (self.state.dp_size * self.cfg.train.micro_batch_size)
 
+    @property
+    def seq_length(self) -> int:
+        """Tokens of a pack, which the pipeline stages exchange without a shape header when every pack has
+        that length (``model.builder.fixed_pack_shapes``; otherwise the shapes travel with the activations)."""
+        return self.cfg.packing.packed_sequence_size
+
     def compute_gradients(self) -> tuple[StepCounts, list[PackInfo]]:
         """Forward/backward over this step's micro-batches, the step outcome every rank agrees on, the
         loss check, and ``finalize_model_grads``: afterwards ``param.main_grad`` holds the gradient of
@@ -151,7 +155,7 @@ class Trainer:
             set_step_tokens(self.model, self.data_iterator.peek(num_microbatches), self.state.dp_group)
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model_chunks=self.model_chunks, num_microbatches=num_microbatches,
-                                   state=self.state, seq_length=self.cfg.model.seq_length, link=self.link)
+                                   state=self.state, seq_length=self.seq_length)
         packs, batches = self.data_iterator.take()
         self.outcome = step_outcome(reports, packs, self.state, num_buckets=self.num_buckets,
                                     num_sources=len(self.source_names),
@@ -216,11 +220,15 @@ class Trainer:
         """Validation loss over the validation packs (``eval.evaluate``); None without a validation set."""
         if self.validation is None:
             return None
+        from functools import partial
+
         from megatron_pack.training.eval import evaluate
 
+        schedule = partial(forward_backward, state=self.state, seq_length=self.seq_length)
         result = evaluate(self.model_chunks, self.validation, forward_step_func=self.forward_step_func,
                           group=self.state.dp_cp_group, num_packs=self.validation.packs_per_epoch,
-                          source_names=self.validation.info.source_names, link=self.link)
+                          source_names=self.validation.info.source_names, schedule=schedule,
+                          pp_group=self.state.pp_group)
         self.val_history.append([self.step, result.loss])
         return result
 
@@ -261,7 +269,6 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     is this DP rank's ``eval.ValidationLoader`` (or None)."""
     from megatron_pack.training.chunks import build_model_chunks, named_parameters
     from megatron_pack.training.determinism import apply_determinism
-    from megatron_pack.training.pipeline_schedule import stage_link
     from megatron_pack.training.step import forward_step
 
     train_iters = resolve_train_iters(cfg, loader)
@@ -277,7 +284,7 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                    schedule=LRSchedule(cfg, train_iters), loader=loader,
                    forward_step_func=forward_step_func or forward_step, train_iters=train_iters,
                    validation=validation, plan_fingerprint=info.fingerprint, num_buckets=info.num_buckets,
-                   source_names=list(info.source_names), link=stage_link(cfg, state),
+                   source_names=list(info.source_names),
                    peak_tflops=device_peak_tflops(state.device, cfg.train.peak_tflops))
 
 

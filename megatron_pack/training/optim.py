@@ -411,7 +411,14 @@ class MegatronTrainOptimizer:
             adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
             params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
             use_distributed_optimizer=cfg.ddp.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(config, model_chunks)
+        # the model's own groups (``initialize_parallel``'s collection: megatron-core's gloo groups are not
+        # created, create_gloo_process_groups=False), and no gloo copies of them: megatron-core's default
+        # use_gloo_process_groups=True reads parallel_state's gloo groups and stops at "Intra partial data
+        # parallel group is not initialized"
+        from megatron_pack.training.chunks import core_model
+
+        self.optimizer = get_megatron_optimizer(config, model_chunks, use_gloo_process_groups=False,
+                                                pg_collection=core_model(model_chunks[0]).pg_collection)
 
     def step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:

@@ -1,4 +1,4 @@
-"""One step's forward and backward over its micro-batches: megatron-core's schedule on GPU, the CPU loop otherwise.
+"""One step's forward and backward over its micro-batches: megatron-core's schedules, on every device.
 
 Each micro-batch is one THD row (a pack, or micro_batch_size samples packed at collate):
 ``forward_step`` reads it from the data iterator, keeps this CP rank's slice and returns the
@@ -9,7 +9,8 @@ step outcome can count their real tokens and samples.
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -67,28 +68,6 @@ class RecordingIterator:
         return packs, batches
 
 
-def forward_backward_cpu(*, forward_step_func: Callable, data_iterator: Iterator, model: torch.nn.Module,
-                         num_microbatches: int, per_token_loss: bool = True) -> list[dict]:
-    """megatron-core's ``forward_backward_no_pipelining``, without CUDA pieces.
-
-    With ``per_token_loss`` (``model.calculate_per_token_loss``, always with packing) backward runs
-    on each micro-batch's loss sum as returned; without it, as megatron-core's schedule does, on
-    the sum divided by the micro-batch's target count and by ``num_microbatches``. Gradient sync
-    is deferred to the last micro-batch (``no_sync``). Returns the per-micro-batch loss reports.
-    """
-    reports = []
-    for i in range(num_microbatches):
-        sync = contextlib.nullcontext() if i == num_microbatches - 1 else model.no_sync()
-        with sync:
-            output, loss_fn = forward_step_func(data_iterator, model)
-            loss_sum, num_tokens, report = loss_fn(output)
-            if not per_token_loss:
-                loss_sum = loss_sum / torch.clamp(num_tokens, min=1) / num_microbatches
-            loss_sum.backward()
-        reports.append(report)
-    return reports
-
-
 def agree_on_microbatches(num_microbatches: int, state: ParallelState) -> None:
     """Every stage of the pipeline plans the same number of micro-batches this step (each reads its own
     loader): one small all-reduce over ``state.pp_group``; a mismatch stops every stage at once instead
@@ -104,70 +83,138 @@ def agree_on_microbatches(num_microbatches: int, state: ParallelState) -> None:
                          "DP rank must read the same packs (the same dataset, plan, train.seed and DP rank).")
 
 
+class _Replay:
+    """One data iterator per chunk: chunk 0 reads the source, the others replay what it read, in order."""
+
+    def __init__(self, source: Iterator, num_chunks: int):
+        self.source = source
+        self.queues = [deque() for _ in range(num_chunks)]
+
+    def next_for(self, chunk: int):
+        if chunk == 0:
+            batch = next(self.source)
+            for queue in self.queues[1:]:
+                queue.append(batch)
+            return batch
+        if not self.queues[chunk]:
+            raise RuntimeError(f"model chunk {chunk} asked for a micro-batch before chunk 0 read it (schedule bug)")
+        return self.queues[chunk].popleft()
+
+
+class _ChunkIterator:
+    def __init__(self, replay: _Replay, chunk: int):
+        self.replay, self.chunk = replay, chunk
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.replay.next_for(self.chunk)
+
+
+def chunk_iterators(data_iterator: Iterator, num_chunks: int) -> list[Iterator]:
+    """One iterator per model chunk over the same packs (megatron-core's interleaved schedule takes a list):
+    every chunk reads each micro-batch's pack for its boundaries; chunk 0 reads the loader, the others
+    replay what it read (the loader and the step's pack record see each pack once). Example, 2 chunks
+    over packs a, b: chunk 0 yields a, b; chunk 1 then yields a, b."""
+    replay = _Replay(iter(data_iterator), num_chunks)
+    return [_ChunkIterator(replay, chunk) for chunk in range(num_chunks)]
+
+
 def forward_backward(*, forward_step_func: Callable, data_iterator: Iterator, model_chunks: list[torch.nn.Module],
-                     num_microbatches: int, state: ParallelState, seq_length: int, link=None) -> list[dict]:
-    """Run one step's micro-batches over this rank's model chunks; returns the loss reports, one per
-    micro-batch on the ranks that hold the loss (the last pipeline stage; every rank at PP=1) and
-    none elsewhere (megatron-core's schedules return an empty list there).
+                     num_microbatches: int, state: ParallelState, seq_length: int,
+                     forward_only: bool = False) -> list[dict]:
+    """Run one step's micro-batches over this rank's model chunks with megatron-core's schedule
+    (``get_forward_backward_func``: no pipelining, 1F1B, or the interleaved 1F1B with several chunks per
+    rank) and its ``P2PCommunicator`` over ``state.pp_group``, on every device (``model.cpu_compat``
+    lets it run without CUDA). Returns the loss reports, one per micro-batch on the ranks that hold the
+    loss (the last pipeline stage; every rank at PP=1) and none elsewhere.
 
-    With pipeline stages (``state.pp_size > 1``): on CPU the 1F1B schedule of ``pipeline_schedule``
-    over ``link`` (a ``parallel.pipeline.StageLink``, ``pipeline_schedule.stage_link``); on GPU
-    megatron-core's, with its point-to-point communicator over ``state.pp_group``. With several
-    chunks per rank (virtual stages) the interleaved 1F1B: on CPU ``interleaved_schedule``'s over a
-    ``parallel.pipeline.RingLink``, on GPU megatron-core's; each chunk reads the packs through
-    ``interleaved_schedule.chunk_iterators``.
+    ``forward_only`` runs the forwards alone (validation, any number of micro-batches: with virtual stages
+    the last group of PP is filled by ``_repeat_last``). ``seq_length`` is the pack size the stages
+    exchange when every pack has one shape (``model.builder.fixed_pack_shapes``); otherwise the shapes
+    travel with each activation (``config.variable_seq_lengths``). With per-token loss backward runs on
+    each micro-batch's loss SUM; the step normalises once (``finalize_model_grads``, called by the loop).
     """
-    model = model_chunks[0]
-    if state.pp_size > 1:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if state.pp_size > 1 and not forward_only:
         agree_on_microbatches(num_microbatches, state)
-    if len(model_chunks) > 1:
-        return _forward_backward_interleaved(forward_step_func, data_iterator, model_chunks, num_microbatches,
-                                             state, seq_length, link)
-    if state.device.type != "cuda":
-        if state.pp_size > 1:
-            from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
-
-            if link is None:
-                raise ValueError("forward_backward with pipeline stages needs link (pipeline_schedule.stage_link)")
-            reports, _ = forward_backward_1f1b(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                                               model=model, num_microbatches=num_microbatches, link=link,
-                                               per_token_loss=model.config.calculate_per_token_loss)
-            return reports
-        return forward_backward_cpu(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                                    model=model, num_microbatches=num_microbatches,
-                                    per_token_loss=model.config.calculate_per_token_loss)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    extra = {}
-    if state.pp_size > 1:  # with pg_collection given, megatron-core's pipelined schedule needs its communicator too
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        extra["p2p_communicator"] = P2PCommunicator(pp_group=state.pp_group, config=model.config)
-    return get_forward_backward_func(pp_size=state.pp_size)(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model_chunks,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=1, forward_only=False,
-        pg_collection=state.pg_collection, **extra)
-
-
-def _forward_backward_interleaved(forward_step_func: Callable, data_iterator: Iterator,
-                                  model_chunks: list[torch.nn.Module], num_microbatches: int, state: ParallelState,
-                                  seq_length: int, link) -> list[dict]:
-    """Virtual pipeline stages: the interleaved 1F1B over every chunk (CPU: ours, GPU: megatron-core's)."""
-    from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
-
-    iterators = chunk_iterators(data_iterator, len(model_chunks))
+    if num_microbatches == 0:  # a DP rank without packs (validation); megatron-core's loop would read one
+        return []
     config = model_chunks[0].config
-    if state.device.type != "cuda":
-        if link is None:
-            raise ValueError("forward_backward with virtual pipeline stages needs link (pipeline_schedule.stage_link)")
-        reports, _ = forward_backward_interleaved(forward_step_func=forward_step_func, data_iterators=iterators,
-                                                  model_chunks=model_chunks, num_microbatches=num_microbatches,
-                                                  link=link, per_token_loss=config.calculate_per_token_loss)
-        return reports
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    if config.num_moe_experts:
+        _reset_moe_loss_scale()
+    vp_size = len(model_chunks) if len(model_chunks) > 1 else None
+    num_run = num_microbatches
+    if vp_size and forward_only and num_microbatches % state.pp_size:
+        num_run = -(-num_microbatches // state.pp_size) * state.pp_size
+        data_iterator = _repeat_last(data_iterator, num_run - num_microbatches)
+    iterators = chunk_iterators(data_iterator, len(model_chunks)) if vp_size else data_iterator
+    extra = {}
+    if state.pp_size > 1:  # with pg_collection given, megatron-core's pipelined schedules need their communicator
+        extra["p2p_communicator"] = stage_communicator(state.pp_group, config)
+    reports = get_forward_backward_func(pp_size=state.pp_size, vp_size=vp_size)(
+        forward_step_func=forward_step_func, data_iterator=iterators, model=model_chunks,
+        num_microbatches=num_run, seq_length=seq_length, micro_batch_size=1, forward_only=forward_only,
+        pg_collection=state.pg_collection, **extra)
+    return reports[:num_microbatches]
+
+
+def stage_communicator(pp_group, config):
+    """megatron-core's ``P2PCommunicator`` over ``pp_group``, with the shape exchange of variable-length packs
+    posted in an order both ends of a link agree on (``_stage_communicator_class``)."""
+    return _stage_communicator_class()(pp_group=pp_group, config=config)
+
+
+@functools.cache
+def _stage_communicator_class() -> type:
+    """megatron-core 0.16.1's ``_communicate_shapes`` posts send-prev, recv-prev, send-next, recv-next. Point-to-
+    point messages between two ranks match in posting order, so where a rank's previous and next stage are the
+    same rank (the ring of the interleaved schedule at PP=2) a forward shape and a backward shape exchanged in
+    one call cross: rank 0's recv-prev (the forward shape) takes rank 1's send-prev (the gradient's). Here the
+    sends go next-then-prev and the receives prev-then-next, so the k-th message from A to B is always the one
+    B's k-th receive from A expects; the tensors themselves already travel in a matching order
+    (``batch_p2p_comm=False``: megatron-core posts them even/odd). Made once, on first use (megatron-core is
+    imported when a step first runs, not when this module is)."""
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    return get_forward_backward_func(pp_size=state.pp_size, vp_size=len(model_chunks))(
-        forward_step_func=forward_step_func, data_iterator=iterators, model=model_chunks,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=1, forward_only=False,
-        pg_collection=state.pg_collection, p2p_communicator=P2PCommunicator(pp_group=state.pp_group, config=config))
+    class StageCommunicator(P2PCommunicator):
+        def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+            device = torch.cuda.current_device()  # megatron-core's choice (the CPU under model.cpu_compat)
+            ops, shapes = [], {}
+            for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
+                if tensor is not None:
+                    shape = torch.tensor(tensor.size(), dtype=torch.int64, device=device)
+                    ops.append(torch.distributed.P2POp(torch.distributed.isend, shape, peer, self.pp_group))
+            for wanted, name, peer in ((recv_prev, "prev", self.prev_rank), (recv_next, "next", self.next_rank)):
+                if wanted:
+                    shapes[name] = torch.empty(3, dtype=torch.int64, device=device)
+                    ops.append(torch.distributed.P2POp(torch.distributed.irecv, shapes[name], peer, self.pp_group))
+            for req in torch.distributed.batch_isend_irecv(ops) if ops else []:
+                req.wait()
+            torch.cuda.synchronize()  # as megatron-core's, against batch_isend_irecv's race
+            return tuple(shapes[name].tolist() if name in shapes else [0, 0, 0] for name in ("prev", "next"))
+
+    return StageCommunicator
+
+
+def _reset_moe_loss_scale() -> None:
+    """megatron-core's schedule sets the MoE auxiliary-loss scale (``MoEAuxLossAutoScaler.set_loss_scale``, a
+    [1] tensor) by copying into the one the class holds; a MoE backward run outside a schedule first (a
+    reference, a test's own step) leaves a [] tensor there, which that copy refuses. The schedule sets the
+    scale before any backward of the step, so each step starts from none."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def _repeat_last(data_iterator: Iterator, num_extra: int) -> Iterator:
+    """``data_iterator``, then its last item ``num_extra`` more times. megatron-core's interleaved schedule
+    runs micro-batches in groups of PP (at least PP of them); validation reads any count, so its last group
+    is filled with copies of its last pack, whose reports ``forward_backward`` drops."""
+    last = None
+    for last in data_iterator:
+        yield last
+    for _ in range(num_extra):
+        yield last

@@ -3,15 +3,17 @@
 One spawned world of 6 CPU processes. Its first 4 ranks (``_dist.sub_world``) run every pipeline
 layout in ``CASES`` in turn (megatron-core's groups rebuilt between them), the HF load and the
 trainer's resumes across layouts (``_resume_chain``); then all 6 run ``PP3_TP2``. Each case builds
-the stage's GPTModel chunk, runs one step of the CPU 1F1B schedule (``training.pipeline_schedule``)
-over this DP rank's packs and megatron-core's ``finalize_model_grads``, and compares with
+the stage's GPTModel chunk, runs one step of megatron-core's 1F1B schedule and P2P communicator
+(``training.schedule.forward_backward``, on CPU through ``model.cpu_compat``) over this DP rank's packs
+and megatron-core's ``finalize_model_grads``, and compares with
 ``tests/_float64_gpt.py`` (plain torch, float64, each sample alone) evaluated on the weights the
 stages hold (gathered from every stage and TP rank):
 
 1. the global per-token loss and every parameter gradient, relative <= 1e-5;
 2. the step outcome (loss, target count) is the same on every rank of the world;
 3. the validation loss (forward only through the stages) equals the reference on every rank;
-4. the shape exchange runs for variable packs and is skipped with fixed shapes;
+4. the shape exchange runs for variable packs and is skipped with fixed shapes, and the schedule that
+   ran is megatron-core's (``_Seen`` counts its calls in every rank);
 5. the Megatron-Bridge #2952 trap: the activation a middle stage sends on for a pack equals, row
    for row, the activation of each of its samples run alone (and a model that attends across
    the pack's boundaries, ``pack_causal``, does not pass: the check can fail); at PP=3 x TP=2 on
@@ -22,9 +24,9 @@ The packs include a micro-batch without target tokens and a sample that leaves C
 padding only; DP ranks run unequal numbers of micro-batches (5 packs over 2 DP ranks).
 
 ``VP_CASES`` run virtual pipeline stages (two model chunks per rank, 4 layers: rank r's chunk v holds
-layer v * 2 + r) through the CPU interleaved 1F1B (``training.interleaved_schedule``) over 6 packs
+layer v * 2 + r) through megatron-core's interleaved 1F1B over 6 packs
 (the interleaved schedule needs a multiple of PP micro-batches per DP rank): at PP=2 x CP=2 (the
-padding-only CP rank, the pack without targets), at PP=2 x DP=2 with 2 and 4 micro-batches on
+padding-only CP rank, the pack without targets), at PP=2 x DP=2 with 4 and 6 micro-batches on
 the two DP ranks and at PP=4 x VP=2 (8 layers, two middle stages, 8 micro-batches), against the same float64 reference (loss, gradients, validation loss); in
 ``_resume_chain`` a PP=2 x VP=2 x CP=2 trainer resumes the PP=1 checkpoint and PP=1 resumes its own.
 """
@@ -51,10 +53,13 @@ CASES = [  # (id, pp, tp, cp, sequence_parallel, num_layers, fixed shapes, tied 
 CASE_IDS = [c[0] for c in CASES]
 VP_CASES = [  # (id, pp, vp, cp, DP rank -> indices of the packs it runs); dp = 4 / (pp*cp), pp*vp layers
     ("pp2_vp2_cp2", 2, 2, 2, [[0, 1, 2, 3, 4, 5]]),
-    ("pp2_vp2_dp2", 2, 2, 1, [[0, 1], [2, 3, 4, 5]]),
+    ("pp2_vp2_dp2", 2, 2, 1, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]),  # 2 would all be warm-up (validate() refuses)
     ("pp4_vp2", 4, 2, 1, [[0, 1, 2, 3, 4, 5, 6, 7]]),  # 8 layers: two middle stages, 8 chunks round the ring
 ]
 VP_CASE_IDS = [c[0] for c in VP_CASES]
+ONE_F_ONE_B = "forward_backward_pipelining_without_interleaving"
+INTERLEAVED = "forward_backward_pipelining_with_interleaving"
+"""megatron-core's schedules (``megatron.core.pipeline_parallel.schedules``) that the cases must run."""
 
 
 def _vp_layers(case_id: str) -> int:
@@ -134,19 +139,65 @@ def _reference(params: dict, packs: list[list[dict]], num_layers: int, tied: boo
     return float(total / count), {n: t.grad for n, t in p.items()}
 
 
-def _step(cfg, state, model, batches, link):
+class _Seen:
+    """In this process: megatron-core's schedule calls by name, and the shape exchanges of its stage links
+    (``batch_isend_irecv``: the activations themselves go as plain isend / irecv, ``batch_p2p_comm=False``)."""
+
+    schedules: dict = {}
+    shape_exchanges = 0
+
+    @classmethod
+    def install(cls) -> None:
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import schedules
+
+        from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
+
+        enable_cpu_compat_without_cuda()  # first: its wrappers go inside these counters
+        for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+                     "forward_backward_pipelining_with_interleaving"):
+            setattr(schedules, name, cls._counted(name, getattr(schedules, name)))
+        batch = dist.batch_isend_irecv
+
+        def counted(ops):
+            cls.shape_exchanges += 1
+            return batch(ops)
+
+        dist.batch_isend_irecv = counted
+
+    @classmethod
+    def _counted(cls, name, schedule):
+        def run(*args, **kwargs):
+            cls.schedules[name] = cls.schedules.get(name, 0) + 1
+            return schedule(*args, **kwargs)
+
+        return run
+
+
+def _schedule(model_chunks, state, batches, forward_only=False):
+    """``training.schedule.forward_backward`` over ``batches`` with ``forward_step``; returns its reports."""
+    from megatron_pack.training.schedule import forward_backward
+    from megatron_pack.training.step import forward_step
+
+    return forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model_chunks=model_chunks,
+                            num_microbatches=len(batches), state=state, seq_length=PACK_SIZE,
+                            forward_only=forward_only)
+
+
+def _target_tokens(reports) -> torch.Tensor:
+    """The target tokens of this rank's reports (the last stage's; 0 elsewhere), as finalize_model_grads takes."""
+    return torch.tensor(int(sum(float(r["lm loss"][1]) for r in reports)), dtype=torch.int32)
+
+
+def _step(cfg, state, model, batches):
     """One pipelined step on this rank: 1F1B + finalize_model_grads; returns (loss, count) of the world."""
     import torch.distributed as dist
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
-    from megatron_pack.training.step import forward_step
-
     model.zero_grad_buffer()
     mine = batches[state.dp_rank::state.dp_size]
-    reports, num_tokens = forward_backward_1f1b(forward_step_func=forward_step, data_iterator=iter(mine),
-                                                model=model, num_microbatches=len(mine), link=link)
-    finalize_model_grads([model], num_tokens=num_tokens.clone(), pg_collection=state.pg_collection)
+    reports = _schedule([model], state, mine)
+    finalize_model_grads([model], num_tokens=_target_tokens(reports), pg_collection=state.pg_collection)
     outcome = torch.zeros(2, dtype=torch.float64)
     for report in reports:
         outcome += report["lm loss"].double()
@@ -154,9 +205,22 @@ def _step(cfg, state, model, batches, link):
     return outcome / state.tp_size
 
 
-def _stage_outputs(cfg, state, model, link, batch) -> torch.Tensor:
+def _evaluate(model_chunks, state, batches) -> float:
+    """``eval.evaluate`` as the trainer calls it (the training schedule's forwards, the last stage's sums)."""
+    from functools import partial
+
+    from megatron_pack.training.eval import evaluate
+    from megatron_pack.training.schedule import forward_backward
+    from megatron_pack.training.step import forward_step
+
+    return evaluate(model_chunks, batches, forward_step_func=forward_step, group=state.pg_collection.dp_cp,
+                    schedule=partial(forward_backward, state=state, seq_length=PACK_SIZE),
+                    pp_group=state.pp_group).loss
+
+
+def _stage_outputs(cfg, state, model, batch) -> torch.Tensor:
     """The activation stage 1 (a middle stage at PP=4) sends on for ``batch``, forward only."""
-    from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
+    from megatron_pack.training.schedule import forward_backward
     from megatron_pack.training.step import forward_step
 
     captured = []
@@ -166,8 +230,9 @@ def _stage_outputs(cfg, state, model, link, batch) -> torch.Tensor:
         captured.append(output.detach())
         return output, loss_fn
 
-    forward_backward_1f1b(forward_step_func=capture, data_iterator=iter([batch]), model=model,
-                          num_microbatches=1, link=link, forward_only=True)
+    with torch.no_grad():
+        forward_backward(forward_step_func=capture, data_iterator=iter([batch]), model_chunks=[model],
+                         num_microbatches=1, state=state, seq_length=PACK_SIZE, forward_only=True)
     return captured[0]
 
 
@@ -186,7 +251,7 @@ def _boundaries_seen(model) -> tuple[list, object]:
     return seen, handles
 
 
-def _trap(cfg, state, model, link, packs) -> dict:
+def _trap(cfg, state, model, packs) -> dict:
     """#2952 / #4092: middle-stage rows of a pack == each sample alone on every TP rank (and the leaky
     attention differs); every rank's attention layers got the pack's own boundaries."""
     from megatron_pack.model.builder import build_model
@@ -194,16 +259,16 @@ def _trap(cfg, state, model, link, packs) -> dict:
     batch = _batches([packs[0]], False)[0]
     alone = [_batches([[s]], False)[0] for s in packs[0]]
     seen, handles = _boundaries_seen(model)
-    packed = _stage_outputs(cfg, state, model, link, batch)
+    packed = _stage_outputs(cfg, state, model, batch)
     for h in handles:
         h.remove()
     want = ("thd", batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist(), int(batch["max_seqlen"]))
     out = {"trap_num_params_seen": len(seen), "trap_params_equal": all(p == want for p in seen),
            "trap_num_layers_here": cfg.model.num_layers // state.pp_size}
-    solo = [_stage_outputs(cfg, state, model, link, a) for a in alone]
+    solo = [_stage_outputs(cfg, state, model, a) for a in alone]
     leaky_model = build_model(cfg, state, attention_mode="pack_causal")
     leaky_model.load_state_dict(model.state_dict())
-    leaky = _stage_outputs(cfg, state, leaky_model, link, batch)
+    leaky = _stage_outputs(cfg, state, leaky_model, batch)
     if leaky_model.post_process:  # the last stage's outputs are losses, not activations
         return out
     cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
@@ -218,9 +283,8 @@ def _trap(cfg, state, model, link, packs) -> dict:
 
 
 def _run_case(case, rank: int, packs) -> dict:
-    from megatron_pack.model.builder import build_model, fixed_pack_shapes, stage_of
+    from megatron_pack.model.builder import build_model, stage_of
     from megatron_pack.parallel.groups import initialize_parallel
-    from megatron_pack.parallel.pipeline import StageLink, fixed_activation_shape
     from megatron_pack.training.chunks import wrap_ddp
 
     case_id, pp, tp, cp, sp, num_layers, fixed, tied = case
@@ -228,26 +292,21 @@ def _run_case(case, rank: int, packs) -> dict:
     state = initialize_parallel(cfg)
     stage = stage_of(cfg, state)
     model = build_model(cfg, state)
-    shape = (fixed_activation_shape(PACK_SIZE, cp=cp, tp=tp, sequence_parallel=sp, hidden_size=cfg.model.hidden_size)
-             if fixed_pack_shapes(cfg) else None)
-    link = StageLink(state.pg_collection.pp, fixed_shape=shape)
     out = {}
     if pp >= 3:  # stage 1 is a middle stage
-        out.update(_trap(cfg, state, model, link, packs))
+        out.update(_trap(cfg, state, model, packs))
     params = _whole_model({n: full_param(p, p, state) for n, p in model.named_parameters()},
                           stage.layer_offset, state)
-    from megatron_pack.training.eval import evaluate
-    from megatron_pack.training.step import forward_step
-
     mine = _batches(packs, fixed)[state.dp_rank::state.dp_size]
-    out["eval_loss"] = evaluate(model, mine, forward_step_func=forward_step, group=state.pg_collection.dp_cp,
-                                link=link).loss  # before the step: the reference's weights
+    out["eval_loss"] = _evaluate([model], state, mine)  # before the step: the reference's weights
     ddp = wrap_ddp(cfg, model, state)
-    outcome = _step(cfg, state, ddp, _batches(packs, fixed), link)
+    exchanges, runs = _Seen.shape_exchanges, _Seen.schedules.get(ONE_F_ONE_B, 0)
+    outcome = _step(cfg, state, ddp, _batches(packs, fixed))
     grads = _whole_model({n: full_param(p.main_grad, p, state) for n, p in model.named_parameters()},
                          stage.layer_offset, state)
     out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
-                "shape_exchanges": link.num_shape_exchanges, "pp_rank": stage.pp_rank})
+                "shape_exchanges": _Seen.shape_exchanges - exchanges, "pp_rank": stage.pp_rank,
+                "core_schedule_runs": _Seen.schedules.get(ONE_F_ONE_B, 0) - runs})
     if rank == 0:
         out.update(_against_reference(params, grads, packs, num_layers, tied))
     return out
@@ -257,7 +316,7 @@ def _against_reference(params: dict, grads: dict, packs, num_layers: int, tied: 
     """The float64 reference's loss, and the largest relative gradient difference (every tensor)."""
     ref_loss, ref_grads = _reference(params, packs, num_layers, tied)
     if tied:  # megatron-core keeps the embedding's gradient on both stages, summed: compare it once
-        grads.pop("output_layer.weight")
+        grads.pop("output_layer.weight", None)  # (PP=1 has no second copy)
         ref_grads.pop("output_layer.weight")
     return {"ref_loss": ref_loss, "num_params": len(params),
             "grad_rel": max(float((grads[n] - ref_grads[n].float()).abs().max()) /
@@ -266,7 +325,7 @@ def _against_reference(params: dict, grads: dict, packs, num_layers: int, tied: 
 
 
 def _vp_packs(num: int = 6) -> list[list[dict]]:
-    """The 5 packs of ``_samples`` and ``num - 5`` more with targets (6 or 8 micro-batches: a multiple of PP)."""
+    """The 5 packs of ``_samples`` and ``num - 5`` more with targets (6 to 10 micro-batches: a multiple of PP)."""
     return _samples() + _samples(seed=12)[:num - 5]
 
 
@@ -286,11 +345,7 @@ def _run_vp_case(case, rank: int, packs) -> dict:
 
     from megatron_pack.model.builder import build_model, stage_of
     from megatron_pack.parallel.groups import initialize_parallel
-    from megatron_pack.parallel.pipeline import RingLink
     from megatron_pack.training.chunks import wrap_ddp
-    from megatron_pack.training.eval import evaluate
-    from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
-    from megatron_pack.training.step import forward_step
 
     case_id, pp, vp, cp, split = case
     layers = pp * vp
@@ -298,27 +353,26 @@ def _run_vp_case(case, rank: int, packs) -> dict:
     state = initialize_parallel(cfg)
     layouts = [stage_of(cfg, state, v) for v in range(vp)]
     chunks = [build_model(cfg, state, vp_stage=v) for v in range(vp)]
-    link = RingLink(state.pg_collection.pp, num_chunks=vp)
     out = {"pp_rank": state.pp_rank, "layers": np.array([layer.layer_number - 1 for c in chunks
                                                          for layer in c.decoder.layers])}
     params = _chunk_names(chunks, layouts, lambda p: p, state)
     mine = [_batches(packs, False)[i] for i in split[state.dp_rank]]
-    out["eval_loss"] = evaluate(chunks, mine, forward_step_func=forward_step, group=state.pg_collection.dp_cp,
-                                link=link).loss
+    out["eval_loss"] = _evaluate(chunks, state, mine)
     ddps = [wrap_ddp(cfg, chunk, state) for chunk in chunks]
+    ddps[0].module.config.no_sync_func = [ddp.no_sync for ddp in ddps]  # as chunks.build_model_chunks
     for ddp in ddps:
         ddp.zero_grad_buffer()
-    reports, num_tokens = forward_backward_interleaved(
-        forward_step_func=forward_step, data_iterators=chunk_iterators(iter(mine), vp), model_chunks=ddps,
-        num_microbatches=len(mine), link=link)
-    finalize_model_grads(ddps, num_tokens=num_tokens.clone(), pg_collection=state.pg_collection)
+    exchanges, runs = _Seen.shape_exchanges, _Seen.schedules.get(INTERLEAVED, 0)
+    reports = _schedule(ddps, state, mine)
+    finalize_model_grads(ddps, num_tokens=_target_tokens(reports), pg_collection=state.pg_collection)
     outcome = torch.zeros(2, dtype=torch.float64)
     for report in reports:
         outcome += report["lm loss"].double()
     dist.all_reduce(outcome)
     grads = _chunk_names(chunks, layouts, lambda p: p.main_grad, state)
     out.update({"loss": float(outcome[0] / outcome[1]), "count": float(outcome[1]),
-                "num_reports": len(reports), "shape_exchanges": link.num_shape_exchanges})
+                "num_reports": len(reports), "shape_exchanges": _Seen.shape_exchanges - exchanges,
+                "core_schedule_runs": _Seen.schedules.get(INTERLEAVED, 0) - runs})
     if rank == 0:
         out.update(_against_reference(params, grads, packs, layers, False))
     return out
@@ -342,9 +396,8 @@ def _hf_case(rank: int, folder: str, vp=None) -> dict:
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.cp import slice_thd_batch
     from megatron_pack.parallel.groups import gather_full_logits, initialize_parallel
-    from megatron_pack.parallel.pipeline import StageLink
     from megatron_pack.training.chunks import core_model
-    from megatron_pack.training.pipeline_schedule import forward_backward_1f1b
+    from megatron_pack.training.schedule import forward_backward
     from megatron_pack.training.step import get_packed_seq_params
 
     cfg = apply_pretrained(Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=64),
@@ -368,21 +421,14 @@ def _hf_case(rank: int, folder: str, vp=None) -> dict:
             captured.append(out)
         return out, lambda o: (o.sum() * 0, torch.zeros((), dtype=torch.int32), {"lm loss": torch.zeros(2)})
 
-    if vp:
-        from megatron_pack.parallel.pipeline import RingLink
-        from megatron_pack.training.interleaved_schedule import chunk_iterators, forward_backward_interleaved
-
-        forward_backward_interleaved(forward_step_func=logits_step, data_iterators=chunk_iterators(iter([batch]), vp),
-                                     model_chunks=chunks, num_microbatches=1,
-                                     link=RingLink(state.pp_group, num_chunks=vp), forward_only=True)
-    else:
-        forward_backward_1f1b(forward_step_func=logits_step, data_iterator=iter([batch]), model=chunks[0],
-                              num_microbatches=1, link=StageLink(state.pp_group), forward_only=True)
+    with torch.no_grad():  # one pack: the interleaved schedule repeats it to fill its group of PP, once more
+        forward_backward(forward_step_func=logits_step, data_iterator=iter([batch]), model_chunks=chunks,
+                         num_microbatches=1, state=state, seq_length=64, forward_only=True)
     key = "hf" if vp is None else "hfvp"
     out = {f"{key}/pp_rank": state.pp_rank, f"{key}/read": read[0],
            **{f"{key}/read{v}": names for v, names in enumerate(read)}}
     if state.is_last_stage:
-        assert len(captured) == 1  # the output layer's chunk
+        assert len(captured) == (2 if vp else 1)  # the output layer's chunk (VP: the pack and its repeat)
         logits = gather_full_logits(captured[0], batch["cu_seqlens_padded"], state)[0]
         cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
         for i in range(len(cu) - 1):
@@ -398,6 +444,7 @@ def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str, r
 
     packs = _samples()
     out = {}
+    _Seen.install()
     with sub_world(rank, WORLD_SIZE, root, "four") as member:
         if member:
             for case in CASES:
@@ -414,6 +461,7 @@ def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str, r
             out.update(_hf_case(rank, hf_folder4, vp=2))
             destroy_parallel()
             out.update(_resume_chain(rank, f"{root}/ckpt"))
+            out.update(_trainer_cases(rank, root))
     out.update({f"pp3_tp2/{k}": v for k, v in _run_case(PP3_TP2, rank, packs).items()})
     destroy_parallel()
     return out
@@ -498,6 +546,7 @@ def test_every_rank_reaches_the_same_step_outcome(world, case):
 
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_shape_exchange_only_for_variable_packs(world, case):
+    assert all(int(r[f"{case}/core_schedule_runs"]) == 1 for r in world)  # megatron-core's 1F1B ran the step
     exchanges = [int(r[f"{case}/shape_exchanges"]) for r in world]
     if "_fixed" in case:
         assert exchanges == [0] * WORLD_SIZE
@@ -525,6 +574,7 @@ def test_virtual_stages_loss_and_gradients_equal_float64_reference(world, case):
     assert all(abs(float(r[f"{case}/eval_loss"]) - ref) <= 1e-5 * ref for r in world)  # forward only, every rank
     assert len({(float(r[f"{case}/loss"]), float(r[f"{case}/count"])) for r in world}) == 1
     assert all(int(r[f"{case}/shape_exchanges"]) > 0 for r in world)  # the ring carried variable shapes
+    assert all(int(r[f"{case}/core_schedule_runs"]) == 1 for r in world)  # megatron-core's interleaved 1F1B
 
 
 @pytest.mark.parametrize("case", VP_CASE_IDS)
@@ -626,8 +676,9 @@ def _resume_chain(rank: int, root: str) -> dict:
     b = _trainer("b", distributed_optimizer=True)
     b.load(a_start)
     b_start = b.save(f"{root}/b")  # A's step-0 weights, written by the two stages
+    exchanges = _Seen.shape_exchanges
     out["resume/b"] = steps(b, 1)
-    out["resume/b_exchanges"] = b.link.num_shape_exchanges
+    out["resume/b_exchanges"] = _Seen.shape_exchanges - exchanges
     saved = {"b": b.save(f"{root}/b")}
     destroy_parallel()
     for name, source in (("d", "b"), ("e", "d"), ("f", "d")):
@@ -641,9 +692,10 @@ def _resume_chain(rank: int, root: str) -> dict:
     g = _trainer("g", distributed_optimizer=True)
     g.load(a_start)
     g_start = g.save(f"{root}/g")  # A's step-0 weights, written by two chunks on each of the two stages
+    exchanges = _Seen.shape_exchanges
     out["resume/g"] = steps(g, 2)
     out["resume/g_step"], out["resume/g_chunks"] = g.step, len(g.model_chunks)
-    out["resume/g_exchanges"] = g.link.num_shape_exchanges
+    out["resume/g_exchanges"] = _Seen.shape_exchanges - exchanges
     g_end = g.save(f"{root}/g")
     destroy_parallel()
     h = _trainer("h")
@@ -661,6 +713,79 @@ def _resume_chain(rank: int, root: str) -> dict:
             out[f"resume/{key}_same_names"] = sorted(pp1) == sorted(other)
             out[f"resume/{key}_equal"] = all(torch.equal(pp1[n], other[n]) for n in pp1)
     return out
+
+
+TRAINER_LAYOUTS = {"world1": (1, 1), "pp2_dp2": (4, 2)}
+"""build_trainer's layouts checked against the float64 reference: id -> (world size, PP); DP = world / PP."""
+TRAINER_STEPS, TRAINER_PACKS_PER_STEP, TRAINER_LAYERS = 2, 4, 2
+
+
+def _trainer_case(rank: int, world: int, pp: int) -> dict:
+    """``build_trainer`` (megatron-core's schedule, DDP, optimizer, tied embeddings) takes ``TRAINER_STEPS``
+    steps; before each, the float64 reference's loss and gradients on the weights every stage holds then
+    (gathered), against the step's logged loss and ``main_grad`` after it."""
+    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import stage_of
+    from megatron_pack.parallel.groups import initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = Config(model=ModelConfig(attention_backend="torch", num_layers=TRAINER_LAYERS,
+                                   untie_embeddings_and_output_weights=False),
+                 train=TrainConfig(seed=1234, lr=3e-3, global_batch_size=TRAINER_PACKS_PER_STEP,
+                                   train_iters=TRAINER_STEPS, lr_warmup_iters=0, clip_grad=1e9),
+                 parallel=ParallelConfig(pipeline_model_parallel_size=pp))
+    packs = random_packs(7, TRAINER_STEPS * TRAINER_PACKS_PER_STEP, samples=(1, 4), length=(5, 20))
+    state = initialize_parallel(cfg)
+    per_step = [packs[s * TRAINER_PACKS_PER_STEP:(s + 1) * TRAINER_PACKS_PER_STEP] for s in range(TRAINER_STEPS)]
+    mine = [p for step in per_step for p in step[state.dp_rank::state.dp_size]]  # this DP rank's share of each step
+    trainer = build_trainer(cfg, state, ListLoader([collate_thd(p, pack_size=64, pad_multiple=8) for p in mine]))
+    offset = stage_of(cfg, state).layer_offset
+    named = list(trainer.model.module.named_parameters())
+    out = {"dp_size": state.dp_size, "pp_size": state.pp_size}
+    for step in range(TRAINER_STEPS):
+        params = _whole_model({n: full_param(p.detach(), p, state) for n, p in named}, offset, state)
+        metrics = trainer.train_step()
+        grads = _whole_model({n: full_param(p.main_grad, p, state) for n, p in named}, offset, state)
+        out[f"loss{step}"] = metrics.lm_loss
+        if rank == 0:  # the global batch: every DP rank's packs of the step
+            ref = _against_reference(params, grads, per_step[step], TRAINER_LAYERS, True)
+            out.update({f"{k}{step}": v for k, v in ref.items()})
+    return out
+
+
+def _trainer_cases(rank: int, root: str) -> dict:
+    """``_trainer_case`` at world 1 (rank 0 alone, ``sub_world``) and at PP=2 x DP=2 on the 4 ranks."""
+    from megatron_pack.parallel.groups import destroy_parallel
+
+    out = {}
+    for name, (world, pp) in TRAINER_LAYOUTS.items():
+        with sub_world(rank, world, root, f"trainer_{name}") as member:
+            if member:
+                out.update({f"trainer_{name}/{k}": v for k, v in _trainer_case(rank, world, pp).items()})
+                destroy_parallel()
+    return out
+
+
+@pytest.mark.parametrize("name", list(TRAINER_LAYOUTS))
+def test_trainer_steps_equal_float64_reference(world, name):
+    """The trainer ``megatron-pack train`` builds (megatron-core's schedule and P2P, DDP, the optimizer) at
+    world 1 and at PP=2 x DP=2: each step's loss and every gradient equal the float64 reference of each
+    sample alone on the weights before that step (relative 1e-5); every rank logs the same loss."""
+    rank0 = world[0]
+    assert (int(rank0[f"trainer_{name}/pp_size"]), int(rank0[f"trainer_{name}/dp_size"])) == \
+        {"world1": (1, 1), "pp2_dp2": (2, 2)}[name]
+    num_params = 2 + 6 * TRAINER_LAYERS  # tied: no output layer
+    for step in range(TRAINER_STEPS):
+        copies = int(TRAINER_LAYOUTS[name][1] > 1)  # the last stage's copy of the tied embedding
+        assert int(rank0[f"trainer_{name}/num_params{step}"]) == num_params + copies
+        assert int(rank0[f"trainer_{name}/num_grads{step}"]) >= num_params - 1  # guard: gradients compared
+        ref = float(rank0[f"trainer_{name}/ref_loss{step}"])
+        members = [r for r in world if f"trainer_{name}/loss{step}" in r]
+        assert len(members) == TRAINER_LAYOUTS[name][0]
+        assert all(abs(float(r[f"trainer_{name}/loss{step}"]) - ref) <= 1e-5 * ref for r in members)
+        assert float(rank0[f"trainer_{name}/grad_rel{step}"]) <= 1e-5
+    assert float(rank0[f"trainer_{name}/loss0"]) != float(rank0[f"trainer_{name}/loss1"])  # the step moved
 
 
 def _rel(got, want) -> float:

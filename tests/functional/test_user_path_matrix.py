@@ -63,7 +63,8 @@ PIPELINED = {(s, v, t) for i, (s, v, t) in enumerate(TRAINED) if i // len(VALIDA
 RUN = ["model.pretrained=model", "parallel=cp2"]
 VIRTUAL = ("bfd", "fraction", "own")
 """The prepared case the virtual-stage run trains on (with a validation set)."""
-VIRTUAL_RUN = ["model.pretrained=model4", "parallel=pp2_vp2"]
+VIRTUAL_RUN = ["model.pretrained=model4", "parallel=pp2_vp2", "train.global_batch_size=4"]
+"""4 micro-batches: with 2 megatron-core's interleaved schedule runs all in its warm-up (refused by validate())."""
 MOE_RUN = ["model.pretrained=moe", "parallel=cp1", "parallel.expert_model_parallel_size=2", "data.dataset_dir=ds_moe"]
 """DP=2 x EP=2 over the two DP ranks: each rank holds 2 of the 4 experts and trains its own packs."""
 ONLINE = ("bfd", "fraction", "own")

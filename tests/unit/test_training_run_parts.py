@@ -147,6 +147,16 @@ def _fake_forward(data_iterator, model):
     return batch["losses"], partial(loss_func, batch["loss_mask"])
 
 
+def _one_by_one(*, forward_step_func, data_iterator, model_chunks, num_microbatches, forward_only):
+    """``evaluate``'s schedule without a model: each pack's forward, in order (the trainer's is megatron-core's)."""
+    assert forward_only
+    reports = []
+    for _ in range(num_microbatches):
+        output, loss_fn = forward_step_func(data_iterator, model_chunks[0])
+        reports.append(loss_fn(output)[2])
+    return reports
+
+
 def _pack(losses, mask, sources=None, num_sources=0):
     batch = {"losses": torch.tensor([losses], dtype=torch.float32), "loss_mask": torch.tensor([mask], dtype=torch.float32)}
     if sources is not None:
@@ -161,16 +171,16 @@ def test_evaluate_per_source_hand_computed():
     names = ["chat", "code", "math"]
     packs = [_pack([1.0, 3.0, 2.0, float("inf")], [1, 1, 1, 0], [0, 0, 1, 1], 3), _pack([4.0, 7.0], [1, 0], [1, -1], 3)]
     model = _Model().train()
-    result = evaluate(model, packs, forward_step_func=_fake_forward, group=None, num_packs=2, source_names=names)
+    result = evaluate(model, packs, forward_step_func=_fake_forward, group=None, schedule=_one_by_one, num_packs=2, source_names=names)
     assert model.training  # the training mode is restored
     assert (result.loss, result.target_tokens, result.num_packs) == (2.5, 4, 2)
     assert result.source_loss == {"chat": 2.0, "code": 3.0, "math": None}  # math: nothing measured, not 0
     assert result.source_target_tokens == {"chat": 2, "code": 2, "math": 0}
     assert result.source_target_share == {"chat": 0.5, "code": 0.5, "math": 0.0}
-    plain = evaluate(model, [_pack([1.0, 3.0], [1, 1])], forward_step_func=_fake_forward, group=None)
+    plain = evaluate(model, [_pack([1.0, 3.0], [1, 1])], forward_step_func=_fake_forward, group=None, schedule=_one_by_one)
     assert (plain.loss, plain.source_loss, plain.source_target_tokens) == (2.0, {}, {})
     with pytest.raises(ValueError, match="has no token_source"):
-        evaluate(model, [_pack([1.0], [1])], forward_step_func=_fake_forward, group=None, source_names=names)
+        evaluate(model, [_pack([1.0], [1])], forward_step_func=_fake_forward, group=None, schedule=_one_by_one, source_names=names)
 
 
 @settings(max_examples=40, deadline=None)
@@ -181,7 +191,7 @@ def test_evaluate_per_source_equals_a_float64_reference(packs):
 
     names = ["a", "b", "c"]
     batches = [_pack([t[0] for t in p], [int(t[1]) for t in p], [t[2] for t in p], 3) for p in packs]
-    result = evaluate(_Model(), batches, forward_step_func=_fake_forward, group=None, source_names=names)
+    result = evaluate(_Model(), batches, forward_step_func=_fake_forward, group=None, schedule=_one_by_one, source_names=names)
     tokens = [t for p in packs for t in p if t[1] and t[2] >= 0]  # padding (-1) counts in the total only
     total = [t for p in packs for t in p if t[1]]
     assume(tokens)  # guard: some source holds a target
