@@ -34,7 +34,7 @@ from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.config.validate import vocab_problems
 from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
 from megatron_pack.model.fp8 import fp8_config_kwargs, te_recipe_problem, zero_padding_rows
-from megatron_pack.model.moe import attach_pack_routing, moe_config_kwargs, moe_mlp_spec
+from megatron_pack.model.moe import attach_pack_routing, moe_config_kwargs
 from megatron_pack.model.norms import SequenceParallelNorm
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.parallel.pipeline import StageLayout, stage_layout
@@ -186,6 +186,8 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layerno
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+    from megatron_pack.model.moe_router import moe_mlp_spec
+
     if attention_mode not in ATTENTION_MODES:
         raise ValueError(f"verify.attention ({attention_mode!r}) must be one of {list(ATTENTION_MODES)}.")
     attention = ModuleSpec(
@@ -208,6 +210,8 @@ def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None)
     """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears); a MoE model's
     MLP is megatron-core's MoE layer with our router (``model/moe.py``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from megatron_pack.model.moe_router import moe_mlp_spec
 
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                       qk_layernorm=qk_layernorm)

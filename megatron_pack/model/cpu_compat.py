@@ -62,8 +62,8 @@ collectives megatron-core uses for sequence parallelism, so nothing is needed fo
 
 The entry points (``megatron-pack train`` / ``verify``) call ``enable_cpu_compat_without_cuda()``
 before they start process groups, and ``megatron_pack.model.builder.build_model`` calls it too, so
-no model is built without it. Nothing else imports this module (it imports nothing of the
-package: a leaf). ``enable_cpu_compat()`` refuses to run when CUDA is present, so the GPU path
+no model is built without it. Nothing else imports this module (at import it imports nothing of the
+package: a leaf; the two gloo collectives of item 7 go through ``parallel/comm.py`` when they run). ``enable_cpu_compat()`` refuses to run when CUDA is present, so the GPU path
 never goes through here. Both are idempotent.
 """
 
@@ -162,8 +162,9 @@ def _gather_unequal(original):
         longest = max(sizes)
         padded = input_.new_zeros((longest, *input_.shape[1:]))
         padded[:input_.shape[0]] = input_
-        out = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
-        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        from megatron_pack.parallel.comm import all_gather_into_tensor
+
+        out = all_gather_into_tensor(padded, group)
         return torch.cat([out[r * longest:r * longest + n] for r, n in enumerate(sizes)])
 
     return gather
@@ -181,8 +182,9 @@ def _reduce_scatter_unequal(original):
         padded = input_.new_zeros((longest * len(sizes), *input_.shape[1:]))
         for r, piece in enumerate(torch.split(input_, sizes, dim=0)):
             padded[r * longest:r * longest + piece.shape[0]] = piece
-        out = input_.new_empty((longest, *input_.shape[1:]))
-        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        from megatron_pack.parallel.comm import reduce_scatter_tensor
+
+        out = reduce_scatter_tensor(padded, group)
         return out[:sizes[group.rank()]]
 
     return reduce_scatter

@@ -189,25 +189,6 @@ def moe_config_kwargs(model_cfg) -> dict:
             "moe_shared_expert_gate": m.moe_shared_expert_gate}
 
 
-def moe_mlp_spec():
-    """megatron-core's ``MoELayer`` spec with local linears (``SequentialMLP`` experts, a ``SharedExpertMLP``
-    when ``moe_shared_expert_intermediate_size`` is set) and our router."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
-    from megatron_pack.model.moe_router import PackedTopKRouter
-
-    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=linears),
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears), router=PackedTopKRouter))
-
-
 def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:
     """Give every router of ``model`` one shared ``PackRouting`` (``model.pack_routing``); None when dense."""
     routers = [m for m in model.modules() if hasattr(m, "pack") and hasattr(m, "topk")]

@@ -1,6 +1,6 @@
 """``PackedTopKRouter``: megatron-core's top-k router on packed THD batches (``model/moe.py`` says what it does).
 
-Its own module so that megatron-core is imported only when a MoE model is built (``moe.moe_mlp_spec``
+Its own module so that megatron-core is imported only when a MoE model is built (``moe_mlp_spec``
 imports it), while the class itself is defined once, at module level.
 """
 
@@ -70,3 +70,20 @@ class PackedTopKRouter(TopKRouter):
         assert seq.numel() == num_tokens * tp, (seq.numel(), num_tokens, tp)
         rank = self.tp_group.rank()
         return seq[rank * num_tokens:(rank + 1) * num_tokens]
+
+
+def moe_mlp_spec():
+    """megatron-core's ``MoELayer`` spec with local linears (``SequentialMLP`` experts, a ``SharedExpertMLP``
+    when ``moe_shared_expert_intermediate_size`` is set) and our router."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears), router=PackedTopKRouter))

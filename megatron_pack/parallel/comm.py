@@ -119,6 +119,18 @@ def reduce_scatter_tensor(full: torch.Tensor, group: ProcessGroup = None) -> tor
     return out.to(full.device)
 
 
+def exchange(sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[torch.Tensor, int]],
+             group: ProcessGroup = None) -> None:
+    """Point-to-point: post every ``(tensor, global peer rank)`` send, then every receive into its tensor, in
+    one batch, and wait for all of them. Messages between two ranks match in posting order, so both ends
+    must post theirs in an agreed order. The tensors must already be on ``group``'s communication device
+    (megatron-core's P2P shapes are made on its current device, which is that device)."""
+    ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+    ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in receives]
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+
+
 def barrier(group: ProcessGroup = None) -> None:
     """Wait for every rank of ``group``."""
     if group_size(group) > 1:

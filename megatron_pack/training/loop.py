@@ -32,6 +32,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -60,10 +61,6 @@ Every step's metrics are in ``<train.output_dir>/metrics.jsonl`` (``read_metrics
 ids in the ``logging.log_sample_ids`` lines."""
 
 
-def _window() -> deque:
-    return deque(maxlen=HISTORY_WINDOW)
-
-
 log = logging.getLogger("megatron_pack.train")
 sample_log = logging.getLogger("megatron_pack.train.samples")
 """logging.log_sample_ids lines; INFO on every rank (each DP rank reads other packs), see cli/train.py."""
@@ -89,10 +86,10 @@ class Trainer:
     plan_fingerprint: Optional[str] = None
     step: int = 0
     data_iterator: Optional[RecordingIterator] = None
-    pack_log: deque[list[list[int]]] = field(default_factory=_window)
+    pack_log: deque[list[list[int]]] = field(default_factory=partial(deque, maxlen=HISTORY_WINDOW))
     """Sample ids of the packs this rank consumed, per step: the last ``HISTORY_WINDOW`` steps of this process
     (all of them: ``logging.log_sample_ids``)."""
-    history: deque[StepMetrics] = field(default_factory=_window)
+    history: deque[StepMetrics] = field(default_factory=partial(deque, maxlen=HISTORY_WINDOW))
     """Metrics of the last ``HISTORY_WINDOW`` steps run in this process (every step: metrics.jsonl)."""
     outcome: Optional[StepOutcome] = None
     """The last step's outcome, the same on every rank (its ``reports`` carry any extra loss reports)."""
@@ -220,8 +217,6 @@ class Trainer:
         """Validation loss over the validation packs (``eval.evaluate``); None without a validation set."""
         if self.validation is None:
             return None
-        from functools import partial
-
         from megatron_pack.training.eval import evaluate
 
         schedule = partial(forward_backward, state=self.state, seq_length=self.seq_length)

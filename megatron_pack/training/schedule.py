@@ -72,11 +72,10 @@ def agree_on_microbatches(num_microbatches: int, state: ParallelState) -> None:
     """Every stage of the pipeline plans the same number of micro-batches this step (each reads its own
     loader): one small all-reduce over ``state.pp_group``; a mismatch stops every stage at once instead
     of leaving one waiting for an activation that never comes."""
-    import torch.distributed as dist
+    from megatron_pack.parallel.comm import all_reduce
 
-    bounds = torch.tensor([num_microbatches, -num_microbatches], dtype=torch.int64,
-                          device=state.device if state.device.type == "cuda" else "cpu")
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=state.pp_group)
+    bounds = torch.tensor([num_microbatches, -num_microbatches], dtype=torch.int64)
+    all_reduce(bounds, group=state.pp_group, op="max")
     most, least = int(bounds[0]), -int(bounds[1])
     if most != least:
         raise ValueError(f"the pipeline stages planned {least} to {most} micro-batches for this step; every stage of a "
@@ -179,20 +178,18 @@ def _stage_communicator_class() -> type:
     imported when a step first runs, not when this module is)."""
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+    from megatron_pack.parallel.comm import exchange
+
     class StageCommunicator(P2PCommunicator):
         def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
             device = torch.cuda.current_device()  # megatron-core's choice (the CPU under model.cpu_compat)
-            ops, shapes = [], {}
-            for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
-                if tensor is not None:
-                    shape = torch.tensor(tensor.size(), dtype=torch.int64, device=device)
-                    ops.append(torch.distributed.P2POp(torch.distributed.isend, shape, peer, self.pp_group))
-            for wanted, name, peer in ((recv_prev, "prev", self.prev_rank), (recv_next, "next", self.next_rank)):
-                if wanted:
-                    shapes[name] = torch.empty(3, dtype=torch.int64, device=device)
-                    ops.append(torch.distributed.P2POp(torch.distributed.irecv, shapes[name], peer, self.pp_group))
-            for req in torch.distributed.batch_isend_irecv(ops) if ops else []:
-                req.wait()
+            sends = [(torch.tensor(tensor.size(), dtype=torch.int64, device=device), peer)
+                     for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank))
+                     if tensor is not None]
+            shapes = {name: torch.empty(3, dtype=torch.int64, device=device)
+                      for wanted, name in ((recv_prev, "prev"), (recv_next, "next")) if wanted}
+            peers = {"prev": self.prev_rank, "next": self.next_rank}
+            exchange(sends, [(shapes[name], peers[name]) for name in ("prev", "next") if name in shapes], self.pp_group)
             torch.cuda.synchronize()  # as megatron-core's, against batch_isend_irecv's race
             return tuple(shapes[name].tolist() if name in shapes else [0, 0, 0] for name in ("prev", "next"))
 

@@ -30,11 +30,8 @@ COLLECTIVES = frozenset({
 """torch.distributed's collectives and point-to-point calls."""
 
 HOME = "parallel/comm.py"
-EXEMPT = {
-    # Being removed (megatron-core's schedules and P2P communicator replace them); drop when they go.
-    "training/schedule.py", "training/pipeline_schedule.py", "training/interleaved_schedule.py",
-    "parallel/pipeline.py",
-}
+EXEMPT: set[str] = set()
+"""None: even the CPU accommodation of megatron-core's collectives (model/cpu_compat.py) goes through HOME."""
 
 
 def _dist_aliases(tree: ast.Module) -> tuple[set[str], dict[str, str]]:
