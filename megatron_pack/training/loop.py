@@ -219,6 +219,9 @@ class Trainer:
             return None
         from megatron_pack.training.eval import evaluate
 
+        if self.state.rank == 0:  # a few seconds to minutes without output otherwise: say what runs
+            log.info("validation at step %d: %d pack(s) over %d data-parallel rank(s)", self.step,
+                     self.validation.packs_per_epoch, self.state.dp_size)
         schedule = partial(forward_backward, state=self.state, seq_length=self.seq_length)
         result = evaluate(self.model_chunks, self.validation, forward_step_func=self.forward_step_func,
                           group=self.state.dp_cp_group, num_packs=self.validation.packs_per_epoch,

@@ -540,6 +540,10 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path, monkeypatch, cap
                                             "checkpoint.save_interval=2"])
     out = torchrun_train(tmp_path, RUN)  # resumes the EP=2 checkpoint at EP=1
     assert "resumed from" in out and "| lb " in first and "load max/mean" in out and "val loss" in first
+    # one progress line per validation run, from rank 0 of the 2 (step 2 in the first run, step 3 at the end of
+    # the second): validation no longer runs silently
+    assert first.count("validation at step") == 1 and "validation at step 2: " in first, first
+    assert out.count("validation at step") == 1 and "validation at step 3: " in out, out
     records = [json.loads(line) for line in (tmp_path / "runs/pretrained_tiny/metrics.jsonl").read_text().splitlines()]
     moe = [r["moe"] for r in records if "moe" in r]
     assert len(moe) == 3 and all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in moe)

@@ -22,20 +22,25 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _session_checks import changes, snapshot  # noqa: E402
 from _user_path import copy_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = Path(sys.executable)
 CHEAP_TRAIN = ["train.train_iters=2", "checkpoint.save_interval=0"]
+TRAINING_RUNS = ("quickstart", "online", "balanced", "in_batch")
+"""The README's training runs on CPU, in its order: each names its own train.output_dir, so none resumes another."""
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def readme_commands() -> list[list[str]]:
-    """Each command line of README.md's '## Commands' bash block, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
-    block = text.split("## Commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    """Each command line of README.md's '## Commands' bash block, continuation lines joined, then the training
+    variants the section's prose gives in backticks (in-batch packing): in the README's order, one folder."""
+    section = (ROOT / "README.md").read_text().split("## Commands", 1)[1].split("\n## ", 1)[0]
+    block, prose = section.split("```bash", 1)[1].split("```", 1)
     joined = re.sub(r"\\\n\s*", " ", block)
-    return [shlex.split(line) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    commands = [shlex.split(line) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return commands + [shlex.split(c) for c in re.findall(r"`(bash launch/single_node\.sh [^`]+)`", prose)]
 
 
 def _stand_ins(argv: list[str], work: Path, tokenizer: Path) -> list[str] | None:
@@ -87,8 +92,24 @@ def _check_outputs(work: Path, log: str) -> None:
     assert (work / "data" / "synthetic" / "metadata.json").is_file() and (work / "data" / "mine" / "plans").is_dir()
     assert "verify: 4/4 packs PASS" in log and "packing.pad_seq_to_mult=4 (was null)" in log
     assert list((work / "data" / "mine" / "plans").glob("*/training_4096.idx.parquet"))  # export=bridge ran
-    metrics = [json.loads(line) for line in (work / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2] and all(m["lm_loss"] > 0 for m in metrics)
+    for run in TRAINING_RUNS:  # the quickstart and each documented variant after it: its own run, 2 fresh steps
+        metrics = [json.loads(line) for line in (work / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [1, 2] and all(m["lm_loss"] > 0 for m in metrics), run
+
+
+def _test_command_after(work: Path) -> None:
+    """The README's test command (``bash scripts/test.sh``: pytest over tests/unit and tests/functional) after its
+    commands, from the folder holding their ``runs/`` and ``data/``: the session works in a scratch folder
+    (tests/conftest.py), shown by the test that checks it, and leaves ``runs/`` and ``data/`` as they were."""
+    readme = (ROOT / "README.md").read_text()
+    assert "bash scripts/test.sh" in readme and "pytest" in (ROOT / "scripts" / "test.sh").read_text()
+    before = snapshot(work)
+    assert any(path.startswith("runs/quickstart/") for path in before) and any(p.startswith("data/") for p in before)
+    probe = f"{ROOT / 'tests/unit/test_session_checks.py'}::test_the_session_runs_in_a_scratch_working_folder"
+    done = subprocess.run([str(PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", probe], cwd=work,
+                          env=_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith(". "), done.stdout + done.stderr  # one test, passed
+    assert changes(before, snapshot(work)) == []
 
 
 def _env(**extra) -> dict:
@@ -136,3 +157,4 @@ def test_readme_commands_from_a_wheel_in_another_folder(tmp_path):
 
     log = _run_all(work, _env(), tokenizer, [str(venv / "bin" / "megatron-pack")], launch)
     _check_outputs(work, log)
+    _test_command_after(work)

@@ -207,3 +207,29 @@ def test_online_stream_follows_the_same_policy(tmp_path, policy):
     epoch = stream.finished_epochs[0]
     assert sorted(packed) == [0, 2, 4] and epoch["num_samples_read"] == 5
     assert epoch["num_samples_dropped"]["bad_record"] == 2
+
+
+def _prepare_process(cwd: Path, *argv: str) -> tuple[int, str]:
+    """``megatron-pack prepare ARGV`` in a new process, as typed: exit status and stderr, bar and all."""
+    import os
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_pack.cli.main", "prepare", *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["inline", "forked"])
+def test_the_error_stands_on_its_own_line_after_the_bar(tmp_path, workers):
+    """Issue 34 item 12: the bad-record error was written after the tokenize bar's carriage return, glued to it.
+    It now starts a line of its own (column 0), one line; the bar above it counts records of a known total."""
+    write_jsonl(tmp_path / "t.jsonl", [GOOD] * 600 + [REASONS[6][1]] + [GOOD] * 5)
+    status, err = _prepare_process(tmp_path, *PREPARE[:3], f"data.tokenize_workers={workers}", "data.schema=chat",
+                                   "data.dataset_dir=ds")
+    assert status == 2 and "Traceback" not in err, err
+    lines = err.split("\n")
+    errors = [i for i, line in enumerate(lines) if "t.jsonl: line 601:" in line]
+    assert len(errors) == 1, err  # one line
+    assert lines[errors[0]].startswith("megatron-pack prepare: ") and "must be one of" in lines[errors[0]], err
+    bars = [line for line in lines if "tokenize" in line]
+    assert bars and "/606" in bars[-1], err  # a total: the file's 606 records

@@ -61,3 +61,14 @@ def test_working_folder_guard(tmp_path, act, expected):
     assert set(before) == {"runs", "data", "runs/old.txt"}  # the snapshot really saw the folders
     act(tmp_path)
     assert changes(before, snapshot(tmp_path)) == expected
+
+
+def test_the_session_runs_in_a_scratch_working_folder(request, tmp_path_factory):
+    """tests/conftest.py's guard is on: a test's working folder is the session's scratch folder under pytest's
+    base temp, not the folder pytest started in (a checkout where the README's quickstart left ``runs/`` and
+    ``data/``), so a relative ``runs/quickstart`` or ``data/synthetic`` in a test never reaches them.
+    tests/functional/test_readme_commands.py runs this test from a folder holding them, after the README's
+    commands."""
+    here, started = Path.cwd().resolve(), Path(request.config.invocation_params.dir).resolve()
+    assert here != started and here.is_relative_to(tmp_path_factory.getbasetemp().resolve()), (here, started)
+    assert here.name.startswith("working_folder"), here  # the guard's folder (other tests may write in it)

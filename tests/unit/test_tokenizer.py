@@ -1,5 +1,7 @@
 """Tokenizers: the byte tokenizer's masks token by token, and a tiny Hugging Face tokenizer built here."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,114 @@ def test_hf_prompt_completion_and_identity(hf_dirs):
     assert ident["vocab_hash"] != other["vocab_hash"]  # the chat template is part of the identity
     assert ident["special_ids"]["eos"] == tok.eos_id and tok.pad_id == ident["special_ids"]["pad"]
     assert isinstance(ids, np.ndarray)
+
+
+# ----- a full model folder loads as its tokenizer-only copy does (issue 34 item 13) ---------------------
+
+MODEL_FOLDERS = [  # (id, config.json model_type, tokenizer_config class, pre-tokenizer, loaded without AutoTokenizer)
+    ("llama-generic-fast", "llama", "TokenizersBackend", "byte_level", True),
+    ("llama-LlamaTokenizer-metaspace", "llama", "LlamaTokenizer", "metaspace", True),
+    ("llama-LlamaTokenizer-byte-level", "llama", "LlamaTokenizer", "byte_level", False),  # AutoTokenizer swaps it
+    ("qwen3-Qwen2Tokenizer", "qwen3", "Qwen2Tokenizer", "byte_level", True),
+    ("qwen3_moe-generic-fast", "qwen3_moe", "PreTrainedTokenizerFast", "byte_level", False),  # registered: Qwen2
+    ("mistral-LlamaTokenizer", "mistral", "LlamaTokenizer", "metaspace", False),  # its own registered backend
+]
+TEXTS = ["hello world", " what is two plus two?", "the answer is four\n", "<s>system user</s> assistant"]
+
+
+def _model_folder(path, model_type: str, tokenizer_class: str, pre: str):
+    """A tiny model folder as a hub download holds it: config.json + tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if pre == "metaspace" else None))
+    if pre == "metaspace":
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = []
+    else:
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    corpus = ["hello world", "what is two plus two", "four", "the answer is", "system user assistant"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        initial_alphabet=alphabet))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHATML.replace("<|im_start|>", "<s>").replace("<|im_end|>", "</s>")
+    fast.save_pretrained(path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "tokenizer_class": tokenizer_class, "add_bos_token": True}))
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 300, "hidden_size": 8,
+                                                  "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                  "bos_token_id": 1, "eos_token_id": 2}))
+    return path
+
+
+def _what_it_encodes(tok) -> dict:
+    chat = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"}]
+    return {"class": type(tok).__name__, "vocab": tok.get_vocab(), "len": len(tok),
+            "special": (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id),
+            "with_special": [tok.encode(t, add_special_tokens=True) for t in TEXTS],
+            "without": [tok.encode(t, add_special_tokens=False) for t in TEXTS],
+            "chat": list(tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]),
+            "template": tok.chat_template}
+
+
+@pytest.mark.parametrize("name,model_type,tokenizer_class,pre,direct", MODEL_FOLDERS, ids=[c[0] for c in MODEL_FOLDERS])
+def test_a_model_folder_loads_as_auto_tokenizer_loads_it(tmp_path, monkeypatch, name, model_type, tokenizer_class,
+                                                        pre, direct):
+    """The same class, vocabulary, special ids, ids with and without special tokens and chat-template ids as
+    ``AutoTokenizer`` (which reads config.json and imports torch); the folders of a Llama or Qwen model are loaded
+    without it (``AutoTokenizer`` made to fail proves the direct path ran), the others through it."""
+    import transformers
+
+    from megatron_pack.data.formats.tokenizer import load_hf_tokenizer
+
+    folder = _model_folder(tmp_path / name, model_type, tokenizer_class, pre)
+    want = _what_it_encodes(transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    assert all(want["without"]) and len(want["chat"]) > 10 and want["special"][1] is not None  # something to compare
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("AutoTokenizer was used")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+        try:
+            got = _what_it_encodes(load_hf_tokenizer(str(folder)))
+            took_direct = True
+        except AssertionError:
+            took_direct = False
+    assert took_direct == direct
+    if not direct:
+        got = _what_it_encodes(load_hf_tokenizer(str(folder)))
+    assert got == want
+
+
+def test_the_registered_classes_are_transformers_own():
+    """``_REGISTERED_CLASSES`` says what transformers' table says for each model type (none for llama)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from megatron_pack.data.formats.tokenizer import _REGISTERED_CLASSES
+
+    assert len(_REGISTERED_CLASSES) >= 5
+    for model_type, registered in _REGISTERED_CLASSES.items():
+        theirs = TOKENIZER_MAPPING_NAMES.get(model_type)
+        assert (theirs.removesuffix("Fast") if theirs else None) == registered, model_type
+
+
+def test_prepare_with_a_model_folder_does_not_import_torch(tmp_path):
+    """``prepare tokenizer=<model folder>`` spent 2 s importing torch through AutoTokenizer; now it loads the
+    tokenizer as a tokenizer-only copy's, and the process never imports torch (sys.modules at its end)."""
+    import os
+    import subprocess
+    import sys
+
+    folder = _model_folder(tmp_path / "llama", "llama", "LlamaTokenizer", "metaspace")
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in MESSAGES * 4))
+    code = ("import sys; from megatron_pack.cli.main import main; "
+            f"rc = main(['prepare', 'input=t.jsonl', 'tokenizer={folder}', 'output=ds', "
+            "'packing.packed_sequence_size=256', 'data.tokenize_workers=1']); "
+            "assert rc == 0, rc; print('imported torch:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and (tmp_path / "ds" / "metadata.json").is_file(), out.stdout + out.stderr
+    assert "imported torch: False" in out.stdout, out.stdout + out.stderr

@@ -119,27 +119,53 @@ _DIRECT_CLASSES = {"PreTrainedTokenizerFast": "PreTrainedTokenizerFast", "Tokeni
 """``tokenizer_class`` of a tokenizer-only folder -> the transformers class ``AutoTokenizer`` loads it with."""
 
 
+_REGISTERED_CLASSES = {"llama": None, "qwen2": "Qwen2Tokenizer", "qwen2_moe": "Qwen2Tokenizer",
+                       "qwen3": "Qwen2Tokenizer", "qwen3_moe": "Qwen2Tokenizer"}
+"""``model_type`` of a model folder's ``config.json`` -> the tokenizer class ``AutoTokenizer`` registers for it
+(None: none, so the folder's ``tokenizer_class`` decides). ``AutoTokenizer`` reads ``config.json`` only to
+replace a declared class by the registered one when they differ (Mistral and Mixtral register their own
+backend, so they are not listed); for these types and a declared class they agree with, the model folder
+loads as its tokenizer-only copy does (tests/unit/test_tokenizer.py compares the two, and this table with
+transformers' own)."""
+
+
+def _model_type_agrees(folder: Path, class_name: str) -> bool:
+    """True when the folder has no ``config.json``, or one whose ``model_type`` leaves ``class_name`` as is."""
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        return True
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if model_type not in _REGISTERED_CLASSES:
+        return False
+    registered = _REGISTERED_CLASSES[model_type]
+    return registered is None or registered == class_name
+
+
 def load_hf_tokenizer(path: str):
     """``AutoTokenizer.from_pretrained(path)``, without importing torch where the result is known.
 
-    A tokenizer-only folder (``tokenizer.json`` and ``tokenizer_config.json``, no ``config.json``,
-    no ``auto_map``) whose ``tokenizer_class`` is the generic fast class, ``LlamaTokenizer`` or
-    ``Qwen2Tokenizer`` (Llama 2, Mistral, Qwen 2 and 3 and most folders saved by transformers) is
-    what ``AutoTokenizer`` loads with that class; loading it directly skips ``AutoTokenizer``'s
-    config machinery, which imports torch (1.5-2 s of the time ``prepare`` spends before its first
-    record; tested equal). ``AutoTokenizer`` itself loads a ``LlamaTokenizer`` folder whose
-    ``tokenizer.json`` is byte-level as ``TokenizersBackend``, and a folder whose path matches a
-    model id it special-cases the same way: those, and every other folder, go through it.
+    A folder with ``tokenizer.json`` and ``tokenizer_config.json`` (no ``auto_map``) whose
+    ``tokenizer_class`` is the generic fast class, ``LlamaTokenizer`` or ``Qwen2Tokenizer`` (Llama 2,
+    Mistral, Qwen 2 and 3 and most folders saved by transformers) is what ``AutoTokenizer`` loads with
+    that class, when the folder has no ``config.json`` (a tokenizer-only copy) or a model's whose type
+    agrees with the class (``_REGISTERED_CLASSES``: a Llama or Qwen model folder). Loading it directly
+    skips ``AutoTokenizer``'s config machinery, which imports torch (1.5-2 s of the time ``prepare``
+    spends before its first record; tested equal). ``AutoTokenizer`` itself loads a ``LlamaTokenizer``
+    folder whose ``tokenizer.json`` is byte-level as ``TokenizersBackend``, and a folder whose path
+    matches a model id it special-cases the same way: those, and every other folder, go through it.
     """
     folder = Path(path)
     config_file = folder / "tokenizer_config.json"
-    if config_file.is_file() and (folder / "tokenizer.json").is_file() and not (folder / "config.json").exists():
+    if config_file.is_file() and (folder / "tokenizer.json").is_file():
         try:
             config = json.loads(config_file.read_text())
         except ValueError:
             config = {}
         name = _DIRECT_CLASSES.get(config.get("tokenizer_class"))
-        if name is not None and "auto_map" not in config:
+        if name is not None and "auto_map" not in config and _model_type_agrees(folder, name):
             import transformers
 
             cls = getattr(transformers, name)

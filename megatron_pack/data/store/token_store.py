@@ -207,7 +207,11 @@ def usable_cpus() -> int:
 
 def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, total: int | None = None,
                 progress: bool = True) -> dict:
-    """Append tokenized chunks to the store arrays in ``out_dir``; return counts for the metadata."""
+    """Append tokenized chunks to the store arrays in ``out_dir``; return counts for the metadata.
+
+    The bar counts records read (samples, blank lines and bad records) against ``total``, the input's
+    record count where known; it is closed before an error leaves, so the error prints on a line of its own.
+    """
     from tqdm import tqdm
 
     files = {name: NpyAppender(out_dir / f"{name}.npy", dtype) for name, dtype in (
@@ -216,22 +220,21 @@ def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, t
     files["offsets"].append([0])
     num_tokens, num_blank, num_samples = 0, 0, 0
     bad = BadRecords()
-    bar = tqdm(total=total, unit="samples", desc="tokenize", disable=not progress, mininterval=1.0)
     start = time.perf_counter()
-    for result in results:
-        files["tokens"].append(result.ids)
-        files["answer_mask"].append(result.mask)
-        files["offsets"].append(num_tokens + np.cumsum(result.num_ids))
-        files["num_targets"].append(result.num_targets)
-        files["source_file"].append(np.full(len(result.num_ids), result.file_index))
-        files["source_line"].append(result.positions)
-        num_tokens += int(result.num_ids.sum())
-        num_samples += len(result.num_ids)
-        num_blank += result.num_blank
-        bad.add(result.bad)
-        bar.update(len(result.num_ids))
-        bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s", refresh=False)
-    bar.close()
+    with tqdm(total=total, unit="records", desc="tokenize", disable=not progress, mininterval=1.0) as bar:
+        for result in results:
+            files["tokens"].append(result.ids)
+            files["answer_mask"].append(result.mask)
+            files["offsets"].append(num_tokens + np.cumsum(result.num_ids))
+            files["num_targets"].append(result.num_targets)
+            files["source_file"].append(np.full(len(result.num_ids), result.file_index))
+            files["source_line"].append(result.positions)
+            num_tokens += int(result.num_ids.sum())
+            num_samples += len(result.num_ids)
+            num_blank += result.num_blank
+            bad.add(result.bad)
+            bar.update(len(result.num_ids) + result.num_blank + len(result.bad))
+            bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s", refresh=False)
     for f in files.values():
         f.close()
     return {"num_samples": num_samples, "num_tokens": num_tokens, "num_blank_lines_skipped": num_blank,
