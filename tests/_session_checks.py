@@ -32,7 +32,7 @@ MODULE_BUDGETS_S = {
     "tests/functional/test_reliability_restart.py": 360.0,
     "tests/functional/test_user_path_matrix.py": 360.0,
     "tests/functional/test_moe.py": 450.0,
-    "tests/functional/test_readme_commands.py": 360.0,
+    "tests/functional/test_readme_commands.py": 900.0,  # the README in order (issue 34): 833 s at load ~300
     "tests/functional/test_pipeline_parallel.py": 450.0,
     "tests/functional/test_hf_models.py": 450.0,
     "tests/functional/test_lora_parallel.py": 360.0,
@@ -45,8 +45,27 @@ MODULE_BUDGETS_S = {
     "tests/unit/test_dist_harness.py": 300.0,  # starts the pool three times (two cases kill it on purpose)
     "tests/unit/test_reliability_fuzz.py": 180.0,
     "tests/unit/test_reliability_properties.py": 180.0,
-    "tests/unit/test_bad_records.py": 180.0,
-    "tests/unit/test_cli_help.py": 180.0,
+        "tests/unit/test_cli_help.py": 180.0,
+    # modules that gained command-line cases with issues 32 and 34, at the times they took on a machine
+    # loaded 20-100x over its 2 cores (no quiet measurement yet: lower them with one)
+    "tests/unit/test_user_refusals.py": 600.0,
+    "tests/unit/test_plan_manifest.py": 600.0,
+    "tests/unit/test_online.py": 360.0,
+    "tests/unit/test_bad_records.py": 360.0,
+    "tests/unit/test_launch_scripts.py": 360.0,
+    "tests/unit/test_tokenizer.py": 240.0,
+    "tests/unit/test_first_minutes.py": 240.0,
+    "tests/unit/test_resume_check.py": 240.0,
+    "tests/unit/test_builder.py": 240.0,
+    "tests/unit/test_checkpoint.py": 240.0,
+    "tests/unit/test_rope_fixed_shapes.py": 240.0,
+    "tests/unit/test_collectives_module.py": 240.0,
+    "tests/unit/test_one_home.py": 240.0,
+    "tests/unit/test_optim.py": 240.0,
+    "tests/unit/test_training_run_parts.py": 240.0,
+    "tests/unit/test_inspect.py": 240.0,
+    "tests/unit/test_config_validate.py": 240.0,
+    "tests/unit/test_layout.py": 240.0,
 }
 
 
