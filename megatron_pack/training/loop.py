@@ -86,10 +86,10 @@ class Trainer:
     plan_fingerprint: Optional[str] = None
     step: int = 0
     data_iterator: Optional[RecordingIterator] = None
-    pack_log: deque[list[list[int]]] = field(default_factory=partial(deque, maxlen=HISTORY_WINDOW))
+    pack_log: deque[list[list[int]]] = field(default_factory=lambda: deque(maxlen=HISTORY_WINDOW))
     """Sample ids of the packs this rank consumed, per step: the last ``HISTORY_WINDOW`` steps of this process
     (all of them: ``logging.log_sample_ids``)."""
-    history: deque[StepMetrics] = field(default_factory=partial(deque, maxlen=HISTORY_WINDOW))
+    history: deque[StepMetrics] = field(default_factory=lambda: deque(maxlen=HISTORY_WINDOW))
     """Metrics of the last ``HISTORY_WINDOW`` steps run in this process (every step: metrics.jsonl)."""
     outcome: Optional[StepOutcome] = None
     """The last step's outcome, the same on every rank (its ``reports`` carry any extra loss reports)."""

@@ -55,7 +55,8 @@ def test_second_identical_run_builds_no_tokenizer(prepared, monkeypatch, capsys,
 
 
 CHANGES = [  # (id, what changes before the second run)
-    ("input-file", lambda root, args: _write_input(root, 31) or args),
+    # a changed input replaces the store, which takes data.overwrite=true (issue 34: never replaced silently)
+    ("input-file", lambda root, args: _write_input(root, 31) or args + ["data.overwrite=true"]),
     ("config-key", lambda root, args: args + ["packing.seed=1"]),
     ("output-removed", lambda root, args: next((root / "ds" / "plans").glob("*/report.png")).unlink() or args),
 ]
@@ -117,7 +118,8 @@ def test_what_issue_21_records_is_in_the_record(tmp_path, monkeypatch, caplog):
         calls.clear()
     (tmp_path / "b.jsonl").write_text((tmp_path / "b.jsonl").read_text() + json.dumps({"prompt": "new", "completion": "y"}) + "\n")
     caplog.clear()
-    assert prepare_main(args + [_sources(0.7)]) == 0 and calls and "nothing changed" not in caplog.text
+    assert prepare_main(args + [_sources(0.7)]) == 2  # a source file's contents changed: the store is not replaced
+    assert prepare_main(args + [_sources(0.7), "data.overwrite=true"]) == 0 and calls and "nothing changed" not in caplog.text
 
 
 def test_a_no_op_prepare_warns_of_lost_data_again(tmp_path, monkeypatch, caplog):

@@ -139,7 +139,8 @@ def test_every_answer_names_a_real_key_and_the_docs_show_the_table():
 @pytest.fixture(scope="module")
 def folders(work) -> Path:
     """``work`` plus a 2-layer Hugging Face folder ``model``, ``ds_model`` prepared for it, chat records with
-    long answers, and ``ds256``: the synthetic set planned at pack 256 for CP 1."""
+    long answers, and ``ds256``: the synthetic set planned at pack 256 for CP 1 (and its copy ``ds256_cp2``, which the CP
+    refusal's suggested prepare adds a plan to)."""
     from _hf import make_family
     from _user_path import chat, write_jsonl
 
@@ -148,6 +149,9 @@ def folders(work) -> Path:
     write_jsonl(work / "long.jsonl", [chat(i, 40) for i in range(24)])
     ok(work, "prepare", "model=pretrained", "model.pretrained=model", "input=chat.jsonl", "output=ds_model")
     ok(work, "prepare", "data.dataset_dir=ds256", "data.synthetic_num_samples=64", "packing.packed_sequence_size=256")
+    import shutil
+
+    shutil.copytree(work / "ds256", work / "ds256_cp2")  # the CP refusal's pasted prepare adds its plan here
     return work
 
 
@@ -168,7 +172,7 @@ SUGGESTED = [
     ("overflow-with-the-readme-seq-length", 1, ["prepare", "input=long.jsonl", "output=ds_long",
                                                 "packing.packed_sequence_size=64", "model.seq_length=64"],
      "sample(s) are longer than the pack allows", None, "overflow"),
-    ("cp2-on-a-plan-made-at-256", 2, ["train", "--check", "data.dataset_dir=ds256", "parallel=cp2"],
+    ("cp2-on-a-plan-made-at-256", 2, ["train", "--check", "data.dataset_dir=ds256_cp2", "parallel=cp2"],
      "needs a multiple of 4", "packing.packed_sequence_size=256 parallel.context_parallel_size=2", "prepare"),
     ("fp8-on-a-cpu-host", 1, ["train", "--check", "data.dataset_dir=ds", "model.fp8=delayed"],
      "model.fp8 (delayed)", None, ["model.fp8=none"]),
