@@ -64,7 +64,8 @@ PREPARE_DRIVER = textwrap.dedent("""
             module, name, fake = patches[point]
             setattr(module, name, fake)
             target = os.path.join(base, point, "ds")
-            cfg = Config(data=DataConfig(source="files", input=source, dataset_dir=target, tokenize_workers=1),
+            cfg = Config(data=DataConfig(source="files", input=source, dataset_dir=target, tokenize_workers=1,
+                                         overwrite=True),  # B replaces A's store: said explicitly
                          packing=PackingConfig(packed_sequence_size=128))
             prepare.prepare(cfg, progress=False)
             os._exit(3)  # prepare finished without reaching the kill point
@@ -97,7 +98,8 @@ def _write(path: Path, records: list[dict]) -> Path:
 def _cfg(source: Path, target: Path):
     from megatron_pack.config import Config, DataConfig, PackingConfig
 
-    return Config(data=DataConfig(source="files", input=str(source), dataset_dir=str(target), tokenize_workers=1),
+    return Config(data=DataConfig(source="files", input=str(source), dataset_dir=str(target), tokenize_workers=1,
+                                  overwrite=True),  # B replaces A's store (data.overwrite, issue 34)
                   packing=PackingConfig(packed_sequence_size=128))
 
 
