@@ -166,7 +166,7 @@ def test_pairwise_training_then_export(world, tmp_path):
     cases = [[_id(c), [f"data.dataset_dir={_dataset(c)}", f"data.plan={plans[c]}", *_layout(c), *TRAIN,
                        f"train.output_dir=runs/{_id(c)}"]] for c in TRAINED]
     cases.append(["virtual-stages", [f"data.dataset_dir={_dataset(VIRTUAL)}", f"data.plan={plans[VIRTUAL]}",
-                                     *VIRTUAL_RUN, *TRAIN, "train.output_dir=runs/virtual-stages"]])
+                                     *TRAIN, *VIRTUAL_RUN, "train.output_dir=runs/virtual-stages"]])
     cases.append(["moe-ep2", [*MOE_RUN, *TRAIN, "train.output_dir=runs/moe-ep2"]])
     online = [f"data.dataset_dir={_dataset(ONLINE)}", *RUN, "packing.mode=online", "packing.buffer_size=16", *TRAIN]
     cases.append(["online-held-out", [*online, f"data.plan={plans[ONLINE]}", "train.output_dir=runs/online-held-out"]])
