@@ -125,7 +125,8 @@ def main(argv: list[str]) -> int:
 
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     # a plain --check may be for another host (a cluster's config on a laptop); the launch scripts' is for this one
-    host = Host.probe(checks_declared_gpu=check_only and os.environ.get(CHECK_HOST_ENV) != "here")
+    for_declared_host = (check_only or line.print_config) and os.environ.get(CHECK_HOST_ENV) != "here"
+    host = Host.probe(checks_declared_gpu=for_declared_host)
     # --cfg job outside torchrun prints the config without the world-size rules (no world yet)
     checked_world = None if line.print_config and "WORLD_SIZE" not in os.environ else world_size
     try:

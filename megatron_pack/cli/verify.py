@@ -421,7 +421,7 @@ def main(argv: list[str]) -> int:
         launched = "WORLD_SIZE" in os.environ  # under torchrun (verify.reference=transformers runs at TP/CP)
         run = load_run_config(line.overrides, config_dirs=line.config_dirs, open_data=not line.print_config,
                               world_size=int(os.environ["WORLD_SIZE"]) if launched else None,
-                              host=Host.probe(), command="verify")
+                              host=Host.probe(checks_declared_gpu=line.print_config), command="verify")
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists

@@ -49,9 +49,9 @@ class Host:
     nvte_allow_nondeterministic: Optional[str] = None
     """The environment's NVTE_ALLOW_NONDETERMINISTIC_ALGO (train.deterministic with Transformer Engine needs 0)."""
     checks_declared_gpu: bool = False
-    """``train --check``: a config that names ``train.device=cuda`` is checked for the GPU host it names (with
-    Transformer Engine) when this host has no GPU, so a cluster's config can be checked on a laptop; a run
-    (``train``) is always checked for this host."""
+    """``train --check`` and ``--cfg job``: a config that names ``train.device=cuda`` is checked for the GPU host it
+    names (with Transformer Engine) when this host has no GPU, so a cluster's config can be checked on a laptop; a
+    run (``train``, ``verify``) is always checked for this host."""
 
     @classmethod
     def probe(cls, *, checks_declared_gpu: bool = False) -> "Host":
