@@ -172,7 +172,7 @@ def schedule_logits(chunks: list, batches: list[dict], state, seq_length: int
     layers = [n for counts in routed.values() if counts is not None for n in counts]
     if state.pp_size > 1:  # each stage routed its own layers
         layers = [n for part in all_gather_object(layers, group=state.pp_group) for n in part]
-    logits = [_full_logits(out, b, state) for out, b in zip(captured, batches)] if state.is_last_stage else None
+    logits = [_full_logits(out.cpu(), b, state) for out, b in zip(captured, batches)] if state.is_last_stage else None
     return logits, layers or None
 
 
@@ -430,12 +430,17 @@ def agree_on_reference(load: Callable[[], Any], *, holder: bool, what: str) -> A
         try:
             loaded = load()
         except Exception as exc:  # ImportError, OSError (a folder transformers cannot read), ValueError, ...
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = _first_line(exc)
             problem = text if isinstance(exc, ValueError) and text.startswith("verify.") else (
                 f"verify.reference=transformers: transformers could not load {what} ({type(exc).__name__}: {text}); "
                 "fix the folder, or set verify.reference=self to compare packed with unpacked in our model alone.")
     stop_together(problem)
     return loaded
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def stop_together(problem: Optional[str]) -> None:
@@ -475,8 +480,8 @@ def run_verify_transformers(cfg, *, dataset=None, out=print) -> int:
                                     what=f"model.pretrained ({cfg.model.pretrained})")
         reference, version = loaded if loaded is not None else (None, None)
         if holder:
-            out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); ours: {cfg.model.pretrained} "
-                f"at {_layout(state, len(chunks))} ({chunks[0].attention_backend} attention, "
+            out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); ours: "
+                f"{cfg.model.pretrained} at {_layout(state, len(chunks))} ({chunks[0].attention_backend} attention, "
                 f"{cfg.model.params_dtype}); reference: transformers {version} float32, each sample alone")
         for i in range(num_packs):
             batch = collate(dataset[i])
@@ -487,7 +492,7 @@ def run_verify_transformers(cfg, *, dataset=None, out=print) -> int:
                     result = compare_with_transformers(logits[0], batch, reference, cfg.model.vocab_size, i)
                 except Exception as exc:  # transformers' forward: every rank stops with this line
                     problem = (f"verify.reference=transformers: transformers' forward of pack {i} failed "
-                               f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})")
+                               f"({type(exc).__name__}: {_first_line(exc)})")
                 else:
                     result.routed_tokens = routed
                     out(format_pack(result, tol))

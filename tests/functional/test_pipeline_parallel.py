@@ -458,8 +458,8 @@ def _verify_case(case, rank: int, folder: str) -> dict:
     rng = np.random.default_rng(5)
     packs = [[rng.integers(3, 300, size=n).tolist() + [2] for n in lengths] for lengths in ((9, 17, 6), (20, 11))]
     cfg = apply_pretrained(Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=64),
-                                  parallel=ParallelConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
-                                                          context_parallel_size=cp,
+                                  parallel=ParallelConfig(pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                                                          tensor_model_parallel_size=tp,
                                                           virtual_pipeline_model_parallel_size=vp),
                                   verify=VerifyConfig(reference="transformers", num_packs=2, tolerance=tol)), [])
     lines: list[str] = []
