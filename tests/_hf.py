@@ -200,3 +200,21 @@ def docs_tiny_llama(work: Path | str) -> Path:
     finally:
         os.chdir(cwd)
     return Path(work) / "models" / "tiny-llama"
+
+
+class MemoryPacks:
+    """An in-memory packed dataset: what ``megatron-pack verify`` reads (packs of samples, the plan's metadata),
+    for a spawned world that verifies without a prepared folder. The first 3 ids of a sample are prompt."""
+
+    plan_dir = "in-memory packs"
+
+    def __init__(self, packs: list[list[list[int]]], *, pack_size: int, pad_multiple: int):
+        self.packs = [[{"input_ids": ids, "loss_mask": [0] * 3 + [1] * (len(ids) - 3), "sample_id": 10 * p + i}
+                       for i, ids in enumerate(pack)] for p, pack in enumerate(packs)]
+        self.metadata = {"pack_size": pack_size, "pad_seq_to_mult": pad_multiple, "pad_id": 0}
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __getitem__(self, index: int) -> list[dict]:
+        return self.packs[index]

@@ -5,13 +5,13 @@ multiple, tokenizer and vocab size as prepare recorded them unless given), build
 from ``model.*`` (the weights of ``model.pretrained`` when set, else a random init with ``train.seed``;
 ``verify.checkpoint`` loads a training checkpoint's over them), and
 for the first ``verify.num_packs`` packs runs the pack once (THD, as training does) and each of
-its samples alone (a pack of one, no padding). For every pack it prints the largest absolute
+its samples alone (a pack of one, padded only to the pad multiple). For every pack it prints the largest absolute
 logit difference over the real tokens, each sample's mean answer-token loss packed and alone,
 and PASS when both the largest logit difference and the largest loss difference are within
 ``verify.tolerance``. Exit code 0 only when every pack passes.
 
 ``verify.reference=transformers`` (with ``model.pretrained``) compares our packed forward, at any
-TP / CP under torchrun, with transformers' forward of each sample alone (docs/models.md).
+layout under torchrun, with transformers' forward of each sample alone (docs/models.md).
 
 A ``packing.algorithm=wrapped`` plan with ``packing.wrapped_attention=cross`` lets attention
 cross documents on purpose: verify still measures the difference per piece, prints ``LEAKS BY
@@ -26,7 +26,10 @@ count differs from its real tokens in any layer FAILs.
 ``verify.attention=pack_causal`` builds the model with plain causal attention over the whole
 pack (samples see the samples before them): the broken setting verify exists to catch; it FAILs.
 
-Against itself it runs in one process (a world of one: TP = CP = 1, whatever ``parallel.*`` says). Example::
+Launched by torchrun, verify runs at the layout train would (pipeline and virtual stages, TP, CP, EP, DP):
+the packs go through megatron-core's forward-only schedule, the training step's; the last stage gathers the
+logits over TP and CP, its first rank of DP rank 0 compares and prints, and every rank returns its verdict.
+Without torchrun it runs in one process (a world of one: TP = CP = 1, whatever ``parallel.*`` says). Example::
 
     megatron-pack verify data.dataset_dir=data/synthetic verify.num_packs=4
     pack 0: 5 samples, 497 real tokens  max |logit diff| 2.4e-07  max |loss diff| 1.2e-07  PASS
@@ -110,20 +113,6 @@ def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
     return reader.path
 
 
-def _forward(model, batch: dict, local: dict, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
-    """This rank's logits of ``local`` (its CP slice of the THD ``batch``); a MoE model's routers read the
-    pack's boundaries and padding is not routed, as in training (``model.moe.set_pack``)."""
-    from megatron_pack.model.moe import set_pack
-    from megatron_pack.training.step import get_packed_seq_params
-
-    params = get_packed_seq_params(batch, device=device)
-    padding_mask = set_pack(model, batch, cp_size, cp_rank, device)
-    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
-    with torch.no_grad():
-        return model(local["tokens"].to(device), local["position_ids"].to(device), None, packed_seq_params=params,
-                     **extra)
-
-
 def routed_tokens(model, cp_group=None) -> Optional[list[int]]:
     """Real tokens routed in each MoE layer by the last forward (summed over ``cp_group``, whose ranks all call
     it); None for a dense model."""
@@ -139,9 +128,82 @@ def routed_tokens(model, cp_group=None) -> Optional[list[int]]:
     return [int(round(float(n) / model.config.moe_router_topk)) for n in load]
 
 
-def _logits(model, batch: dict, device: torch.device) -> torch.Tensor:
-    """[T, V] float32 logits of a THD batch (TP = CP = 1)."""
-    return _forward(model, batch, batch, 1, 0, device)[0].float()
+def _no_loss(output_tensor: torch.Tensor):
+    """The schedule's loss function for a forward that only wants the logits (nothing backpropagates)."""
+    return output_tensor.sum() * 0, torch.zeros((), dtype=torch.int32), {"lm loss": torch.zeros(2)}
+
+
+def schedule_logits(chunks: list, batches: list[dict], state, seq_length: int
+                    ) -> tuple[Optional[list[torch.Tensor]], Optional[list[int]]]:
+    """Every batch through megatron-core's forward-only schedule (the training step's, at this rank's layout:
+    pipeline and virtual stages, TP, CP, EP), one micro-batch each. Returns, on the last stage, each batch's
+    whole logits [T, V_padded] float32 (gathered over TP and CP; None on the other stages), and a MoE model's
+    real tokens routed in each MoE layer of every stage by the first batch's forward (None for a dense model).
+    A MoE model's routers read each pack's boundaries and padding is not routed, as in training
+    (``model.moe.set_pack``). Every rank of the world calls it with the same batches."""
+    from megatron_pack.model.moe import set_pack
+    from megatron_pack.parallel.comm import all_gather_object
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.training.chunks import core_model
+    from megatron_pack.training.schedule import forward_backward
+    from megatron_pack.training.step import get_packed_seq_params
+
+    captured, routed = [], {}
+
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        core, device = core_model(model), state.device
+        local = slice_thd_batch(batch, state.cp_size, state.cp_rank)
+        params = get_packed_seq_params(batch, device=device)
+        padding_mask = set_pack(core, batch, state.cp_size, state.cp_rank, device)
+        extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+        tokens = local["tokens"].to(device) if core.pre_process else None
+        output = model(tokens, local["position_ids"].to(device), None, packed_seq_params=params, **extra)
+        counts = routed_tokens(core, state.cp_group)  # every CP rank of the stage runs the same forwards
+        if batch is batches[0]:
+            routed.setdefault(id(core), counts)
+        if core.post_process:
+            captured.append(output)
+        return output, _no_loss
+
+    with torch.no_grad():
+        forward_backward(forward_step_func=step, data_iterator=iter(batches), model_chunks=chunks,
+                         num_microbatches=len(batches), state=state, seq_length=seq_length, forward_only=True)
+    layers = [n for counts in routed.values() if counts is not None for n in counts]
+    if state.pp_size > 1:  # each stage routed its own layers
+        layers = [n for part in all_gather_object(layers, group=state.pp_group) for n in part]
+    logits = [_full_logits(out.cpu(), b, state) for out, b in zip(captured, batches)] if state.is_last_stage else None
+    return logits, layers or None
+
+
+def holds_logits(state) -> bool:
+    """The rank that compares: the last pipeline stage's first TP and CP rank of DP rank 0 (every DP rank runs
+    the same packs; the last stage holds the logits, gathered over TP and CP)."""
+    return state.is_last_stage and state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0
+
+
+def _holder_rank(state) -> int:
+    """The global rank of ``holds_logits`` (one all-reduce over the world)."""
+    from megatron_pack.parallel.comm import all_reduce
+
+    rank = torch.tensor([state.rank if holds_logits(state) else -1], dtype=torch.int64)
+    return int(all_reduce(rank, op="max").item())
+
+
+def build_chunks(cfg, state, **kwargs) -> list:
+    """This rank's model chunks (``parallel.num_model_chunks``; one without virtual stages), in eval mode."""
+    from megatron_pack.model.builder import build_model
+
+    chunks = [build_model(cfg, state, vp_stage=v, **kwargs) for v in range(cfg.parallel.num_model_chunks)]
+    for chunk in chunks:
+        chunk.eval()
+    return chunks
+
+
+def _layout(state, num_chunks: int) -> str:
+    vp = f" x VP={num_chunks}" if num_chunks > 1 else ""
+    return (f"PP={state.pp_size}{vp} TP={state.tp_size} CP={state.cp_size} EP={state.pg_collection.ep.size()} "
+            f"DP={state.dp_size}")
 
 
 def _mean_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> Optional[float]:
@@ -151,14 +213,21 @@ def _mean_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -
     return float((losses * mask.to(losses)).sum() / mask.sum())
 
 
-def compare_pack(model, samples: list[dict], collate, *, pack_size: int, pad_id: int, device: torch.device,
-                 index: int = 0) -> PackResult:
-    """Run one pack packed and each of its samples alone; the differences per sample."""
+def alone_batches(samples: list[dict], batch: dict, *, pack_size: int, pad_id: int, pad_multiple: int,
+                  fixed: bool) -> list[dict]:
+    """Each sample of a pack as a pack of one (THD, padded to ``pad_multiple`` for the CP slices; with ``fixed``
+    shapes to the pack's size and cu_seqlens length, so pipeline stages exchange one shape)."""
     from megatron_pack.data.batches.thd import collate_thd
 
-    batch = collate(samples)
-    packed = _logits(model, batch, device)
-    result = PackResult(index=index, routed_tokens=routed_tokens(model), real_tokens=int(batch["cu_seqlens"][-1]))
+    num_cu = len(batch["cu_seqlens"]) if fixed else None
+    return [collate_thd([sample], pack_size=pack_size, pad_id=pad_id, pad_multiple=pad_multiple,
+                        pad_to_max_length=fixed, num_cu_seqlens=num_cu) for sample in samples]
+
+
+def compare_pack(packed: torch.Tensor, alone: list[torch.Tensor], samples: list[dict], batch: dict,
+                 alone_batches: list[dict], *, index: int = 0) -> PackResult:
+    """One pack's logits [T, V] packed against each of its samples' logits alone; the differences per sample."""
+    result = PackResult(index=index, real_tokens=int(batch["cu_seqlens"][-1]))
     lengths = [len(s["input_ids"]) - 1 for s in samples]
     if len(batch["cu_seqlens"]) - 1 < len(samples):  # a wrapped_attention=cross row: pieces laid end to end
         starts = [sum(lengths[:i]) for i in range(len(samples))]
@@ -166,14 +235,13 @@ def compare_pack(model, samples: list[dict], collate, *, pack_size: int, pad_id:
         starts = batch["cu_seqlens_padded"].tolist()[:len(samples)]
     for i, sample in enumerate(samples):
         start, num_tokens = starts[i], lengths[i]
-        alone_batch = collate_thd([sample], pack_size=pack_size, pad_id=pad_id)
-        alone = _logits(model, alone_batch, device)[:num_tokens]
+        logits, labels = alone[i][:num_tokens], alone_batches[i]["labels"][0, :num_tokens]
         rows = slice(start, start + num_tokens)
         result.samples.append(SampleResult(
             sample_id=int(sample.get("sample_id", -1)), num_tokens=num_tokens,
-            max_logit_diff=float((packed[rows] - alone).abs().max()) if num_tokens else 0.0,
+            max_logit_diff=float((packed[rows] - logits).abs().max()) if num_tokens else 0.0,
             loss_packed=_mean_loss(packed[rows], batch["labels"][0, rows], batch["loss_mask"][0, rows]),
-            loss_alone=_mean_loss(alone, alone_batch["labels"][0, :num_tokens], alone_batch["loss_mask"][0, :num_tokens])))
+            loss_alone=_mean_loss(logits, labels, alone_batches[i]["loss_mask"][0, :num_tokens])))
     return result
 
 
@@ -201,25 +269,32 @@ def format_pack(result: PackResult, tolerance: float, *, leaks_by_design: bool =
     return "\n".join(lines)
 
 
-def describe_weights(cfg, model) -> str:
-    """Load ``verify.checkpoint`` when set; say which weights the model runs on (build_model already read
+def describe_weights(cfg, chunks: list) -> str:
+    """Load ``verify.checkpoint`` when set (into the whole model of one rank: TP = PP = EP = 1, a rule of
+    ``config.validate``); say which weights the model runs on (build_model already read
     ``model.pretrained``'s, when set: the default is the folder's weights, never a random init)."""
     if cfg.verify.checkpoint:
         base = f" on model.pretrained ({cfg.model.pretrained})" if cfg.model.pretrained else ""
+        (model,) = chunks
         return f"checkpoint {load_model_weights(model, cfg.verify.checkpoint)}{base}"
     if cfg.model.pretrained:
         return f"model.pretrained ({cfg.model.pretrained})"
     return f"random init (train.seed={cfg.train.seed})"
 
 
+def launched_config(cfg):
+    """``cfg`` under torchrun (its layout: every parallel.* setting train accepts), else a world of one."""
+    return cfg if int(os.environ.get("WORLD_SIZE", "1")) > 1 else single_process_config(cfg)
+
+
 def run_verify(cfg, *, dataset=None, out=print) -> int:
     """Verify ``cfg.verify.num_packs`` packs of ``dataset`` (default: the plan of ``cfg.data.dataset_dir``
-    matching ``cfg``); 0 when all pass, else 1."""
+    matching ``cfg``) at the launched layout; 0 when all pass, else 1 (the same on every rank)."""
     if cfg.verify.reference == "transformers":  # against transformers' forward (below)
-        return run_verify_transformers(cfg, out=out)
+        return run_verify_transformers(cfg, dataset=dataset, out=out)
     from megatron_pack.data.batches.loader import collate_from_config
     from megatron_pack.data.batches.opening import open_dataset
-    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.builder import fixed_pack_shapes
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
@@ -230,47 +305,67 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
     collate = collate_from_config(cfg, meta)
     import torch.distributed as dist
 
-    local_cfg = single_process_config(cfg)
+    run_cfg = launched_config(cfg)
     owns_process_group = not dist.is_initialized()
     enable_cpu_compat_without_cuda()
-    state = initialize_parallel(local_cfg)
+    state = initialize_parallel(run_cfg)
+    holder, cross = holds_logits(state), meta.get("wrapped_attention") == "cross"
+    pack_size, pad_id = int(meta["pack_size"]), int(meta.get("pad_id", 0))
+    tol, num_passed = cfg.verify.tolerance, 0
     try:
-        model = build_model(local_cfg, state, attention_mode=cfg.verify.attention)
-        weights = describe_weights(cfg, model)
+        chunks = build_chunks(run_cfg, state, attention_mode=cfg.verify.attention)
+        weights = describe_weights(cfg, chunks)
         if cfg.peft.method == "lora":
             weights += (f", LoRA active (dim {cfg.peft.dim}, alpha {cfg.peft.alpha}, "
-                        f"{getattr(model, 'num_adapters', 0)} adapters on {','.join(cfg.peft.target_modules)})")
-        model.eval()
+                        f"{sum(getattr(c, 'num_adapters', 0) for c in chunks)} adapters on "
+                        f"{','.join(cfg.peft.target_modules)})")
         num_packs = min(cfg.verify.num_packs, len(dataset))
-        out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); model {cfg.model.name}, "
-            f"{model.attention_backend} attention backend, attention {cfg.verify.attention}, weights {weights}")
-        tol, num_passed = cfg.verify.tolerance, 0
-        cross = meta.get("wrapped_attention") == "cross"
+        src = _holder_rank(state)
+        if holder:
+            out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); model {cfg.model.name} "
+                f"at {_layout(state, len(chunks))}, {chunks[0].attention_backend} attention backend, attention "
+                f"{cfg.verify.attention}, weights {weights}")
         for i in range(num_packs):
-            result = compare_pack(model, dataset[i], collate, pack_size=int(meta["pack_size"]),
-                                  pad_id=int(meta.get("pad_id", 0)), device=state.device, index=i)
-            out(format_pack(result, tol, leaks_by_design=cross))
-            num_passed += result.passed(tol) and not cross
+            samples = dataset[i]
+            batch = collate(samples)
+            alone = alone_batches(samples, batch, pack_size=pack_size, pad_id=pad_id,
+                                  pad_multiple=int(meta.get("pad_seq_to_mult", 1)), fixed=fixed_pack_shapes(cfg))
+            logits, routed = schedule_logits(chunks, [batch, *alone], state, pack_size)
+            if holder:
+                result = compare_pack(logits[0], logits[1:], samples, batch, alone, index=i)
+                result.routed_tokens = routed
+                out(format_pack(result, tol, leaks_by_design=cross))
+                num_passed += result.passed(tol) and not cross
+        passed = agree_on_verdict(num_packs > 0 and num_passed == num_packs, src)
     finally:
         destroy_parallel(destroy_process_group=owns_process_group)
     if cross:
-        out(f"verify: {num_packs} packs of a packing.wrapped_attention=cross plan: attention crosses documents by "
-            "design, so packed != alone is expected: LEAKS BY DESIGN (not PASS); use wrapped_attention=document "
-            "or another packing.algorithm for isolated samples")
+        if holder:
+            out(f"verify: {num_packs} packs of a packing.wrapped_attention=cross plan: attention crosses documents "
+                "by design, so packed != alone is expected: LEAKS BY DESIGN (not PASS); use "
+                "wrapped_attention=document or another packing.algorithm for isolated samples")
         return 1
-    verdict = "PASS" if num_passed == num_packs else "FAIL"
-    out(f"verify: {num_passed}/{num_packs} packs PASS (tolerance {tol}, attention {cfg.verify.attention}): {verdict}")
-    return 0 if num_packs and num_passed == num_packs else 1
+    if holder:
+        out(f"verify: {num_passed}/{num_packs} packs PASS (tolerance {tol}, attention {cfg.verify.attention}): "
+            f"{'PASS' if passed else 'FAIL'}")
+    return 0 if passed else 1
+
+
+def agree_on_verdict(passed: bool, src: int) -> bool:
+    """The comparing rank's (global rank ``src``) PASS / FAIL on every rank of the world."""
+    from megatron_pack.parallel.comm import broadcast
+
+    return bool(broadcast(torch.tensor([int(passed)], dtype=torch.int64), src=src).item())
 
 
 # ----- verify.reference=transformers -------------------------------------------------------
 # `megatron-pack verify model.pretrained=DIR verify.reference=transformers`: our packed THD forward of
-# the model loaded from DIR (at the configured TP / CP when launched by torchrun, else TP = CP = 1)
+# the model loaded from DIR (at the configured layout when launched by torchrun, else a world of one)
 # against transformers' ``AutoModelForCausalLM.from_pretrained(DIR)`` forward of each sample alone,
 # float32, no remote code. Per pack: the largest logit difference over every real token (the real
 # vocabulary; TP padding columns excluded), each sample's mean answer-token loss both ways, PASS /
-# FAIL against ``verify.tolerance``. Rank 0 runs transformers and prints; every rank runs our forward
-# (its TP / CP collectives need them all). Example::
+# FAIL against ``verify.tolerance``. The rank holding the logits runs transformers and prints; every rank
+# runs our forward (the schedule and its TP / CP / EP collectives need them all). Example::
 #
 #     torchrun --nproc-per-node 4 -m megatron_pack.cli.main verify model.pretrained=models/Llama-3.2-1B \
 #         verify.reference=transformers parallel=tp2_cp2_sp data.dataset_dir=data/llama
@@ -282,15 +377,6 @@ def _full_logits(logits: torch.Tensor, batch: dict, state) -> torch.Tensor:
     from megatron_pack.parallel.groups import gather_full_logits
 
     return gather_full_logits(logits.float(), batch["cu_seqlens_padded"], state)[0]
-
-
-def _ours(model, batch: dict, state) -> tuple[torch.Tensor, Optional[list[int]]]:
-    """Our full packed logits [T, V'] and a MoE model's routed real tokens per layer (every rank calls it)."""
-    from megatron_pack.parallel.cp import slice_thd_batch
-
-    local = slice_thd_batch(batch, state.cp_size, state.cp_rank)
-    logits = _forward(model, batch, local, state.cp_size, state.cp_rank, state.device)
-    return _full_logits(logits.cpu(), batch, state), routed_tokens(model, state.cp_group)
 
 
 def compare_with_transformers(packed: torch.Tensor, batch: dict, reference, vocab: int, index: int):
@@ -334,75 +420,91 @@ def _load_reference(path: str):
     return reference.eval(), transformers.__version__
 
 
-def agree_on_reference(load: Callable[[], Any], *, rank: int, what: str) -> Any:
-    """Rank 0 runs ``load`` (transformers' model of ``what``); every rank of the world learns whether it
-    worked (one all-reduce of an ok flag), so a failure ends every rank at once, with one line from rank 0,
-    instead of leaving the others in the logits all-gather until the process-group timeout. Returns
-    rank 0's result (None on the other ranks); raises ``VerifyStopped`` on every rank when it failed."""
-    from megatron_pack.parallel.comm import all_reduce
-
+def agree_on_reference(load: Callable[[], Any], *, holder: bool, what: str) -> Any:
+    """The comparing rank (``holder``: the one that holds the logits) runs ``load`` (transformers' model of
+    ``what``); every rank of the world learns whether it worked (``stop_together``), so a failure ends every
+    rank at once, with one line from the holder, instead of leaving the others in the schedule or the logits
+    gather until the process-group timeout. Returns the holder's result (None on the other ranks)."""
     loaded, problem = None, None
-    if rank == 0:
+    if holder:
         try:
             loaded = load()
         except Exception as exc:  # ImportError, OSError (a folder transformers cannot read), ValueError, ...
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = _first_line(exc)
             problem = text if isinstance(exc, ValueError) and text.startswith("verify.") else (
                 f"verify.reference=transformers: transformers could not load {what} ({type(exc).__name__}: {text}); "
                 "fix the folder, or set verify.reference=self to compare packed with unpacked in our model alone.")
-    ok = all_reduce(torch.tensor([0 if problem else 1], dtype=torch.int64), op="min")
-    if not int(ok.item()):
-        raise VerifyStopped(problem if rank == 0 else None)
+    stop_together(problem)
     return loaded
 
 
-def run_verify_transformers(cfg, *, out=print) -> int:
-    """Verify against transformers; 0 when every pack passes, else 1 (rank 0 decides, all ranks return it).
-    ``VerifyStopped`` on every rank when rank 0 cannot load the reference."""
-    import torch.distributed as dist
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
-    from megatron_pack.parallel.comm import broadcast
+
+def stop_together(problem: Optional[str]) -> None:
+    """One all-reduce of an ok flag over the world: ``VerifyStopped`` on every rank when any rank has a
+    ``problem`` (its line kept where it arose, None elsewhere: one line)."""
+    from megatron_pack.parallel.comm import all_reduce
+
+    ok = all_reduce(torch.tensor([0 if problem else 1], dtype=torch.int64), op="min")
+    if not int(ok.item()):
+        raise VerifyStopped(problem)
+
+
+def run_verify_transformers(cfg, *, dataset=None, out=print) -> int:
+    """Verify against transformers at the launched layout; 0 when every pack passes, else 1 (the comparing
+    rank decides, every rank returns it). ``VerifyStopped`` on every rank when the comparing rank cannot load
+    the reference or compare."""
+    import torch.distributed as dist
 
     from megatron_pack.data.batches.loader import collate_from_config
     from megatron_pack.data.batches.opening import open_dataset
-    from megatron_pack.model.builder import build_model
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
-    dataset = open_dataset(cfg)
+    dataset = dataset if dataset is not None else open_dataset(cfg)
     collate = collate_from_config(cfg, dataset.metadata)
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    run_cfg = cfg if launched else single_process_config(cfg)
+    run_cfg = launched_config(cfg)
     owns_process_group = not dist.is_initialized()
     enable_cpu_compat_without_cuda()  # megatron-core's CUDA assumptions, answered on a CPU host
     state = initialize_parallel(run_cfg)
+    holder = holds_logits(state)
     tol, num_packs = cfg.verify.tolerance, min(cfg.verify.num_packs, len(dataset))
+    num_passed = 0
     try:
-        model = build_model(run_cfg, state)
-        model.eval()
-        loaded = agree_on_reference(lambda: _load_reference(cfg.model.pretrained), rank=state.rank,
+        chunks = build_chunks(run_cfg, state)
+        src = _holder_rank(state)
+        loaded = agree_on_reference(lambda: _load_reference(cfg.model.pretrained), holder=holder,
                                     what=f"model.pretrained ({cfg.model.pretrained})")
         reference, version = loaded if loaded is not None else (None, None)
-        if state.rank == 0:
-            out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); ours: {cfg.model.pretrained} "
-                f"at TP={state.tp_size} CP={state.cp_size} ({model.attention_backend} attention, "
+        if holder:
+            out(f"verify: {dataset.plan_dir} ({len(dataset)} packs, checking {num_packs}); ours: "
+                f"{cfg.model.pretrained} at {_layout(state, len(chunks))} ({chunks[0].attention_backend} attention, "
                 f"{cfg.model.params_dtype}); reference: transformers {version} float32, each sample alone")
-        num_passed = 0
         for i in range(num_packs):
             batch = collate(dataset[i])
-            packed, routed = _ours(model, batch, state)
-            if state.rank == 0:
-                result = compare_with_transformers(packed, batch, reference, cfg.model.vocab_size, i)
-                result.routed_tokens = routed
-                out(format_pack(result, tol))
-                num_passed += result.passed(tol)
-        verdict = broadcast(torch.tensor([int(num_packs > 0 and num_passed == num_packs)]), src=0)
+            logits, routed = schedule_logits(chunks, [batch], state, int(dataset.metadata["pack_size"]))
+            problem = None
+            if holder:
+                try:
+                    result = compare_with_transformers(logits[0], batch, reference, cfg.model.vocab_size, i)
+                except Exception as exc:  # transformers' forward: every rank stops with this line
+                    problem = (f"verify.reference=transformers: transformers' forward of pack {i} failed "
+                               f"({type(exc).__name__}: {_first_line(exc)})")
+                else:
+                    result.routed_tokens = routed
+                    out(format_pack(result, tol))
+                    num_passed += result.passed(tol)
+            stop_together(problem)
+        passed = agree_on_verdict(num_packs > 0 and num_passed == num_packs, src)
     finally:
         destroy_parallel(destroy_process_group=owns_process_group)
-    if state.rank == 0:
+    if holder:
         out(f"verify: {num_passed}/{num_packs} packs PASS (tolerance {tol}, reference transformers): "
-            f"{'PASS' if verdict.item() else 'FAIL'}")
-    return 0 if verdict.item() else 1
+            f"{'PASS' if passed else 'FAIL'}")
+    return 0 if passed else 1
 
 
 def main(argv: list[str]) -> int:

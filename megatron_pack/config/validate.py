@@ -767,13 +767,20 @@ def _validate_evaluation(cfg: Config) -> list[str]:
 
 
 def _validate_verify_layout(cfg: Config, command: Optional[str], world_size: Optional[int]) -> list[str]:
-    """verify under torchrun runs the whole model on every rank (its comparison needs every layer's logits)."""
-    pp = cfg.parallel.pipeline_model_parallel_size
-    if command != "verify" or world_size is None or pp == 1:
+    """verify runs at every layout train accepts; only ``verify.checkpoint`` reads its weights into the whole
+    model of one rank (no TP, pipeline or expert split)."""
+    p = cfg.parallel
+    split = {"tensor_model_parallel_size": p.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+             "expert_model_parallel_size": p.expert_model_parallel_size}
+    split = {key: size for key, size in split.items() if size > 1}
+    if command != "verify" or world_size is None or not cfg.verify.checkpoint or not split:
         return []
-    return [f"parallel.pipeline_model_parallel_size ({pp}) > 1: verify runs the whole model on every rank (its "
-            "comparison needs every layer's logits in one place); launch it with "
-            "parallel.pipeline_model_parallel_size=1 (tensor and context parallel layouts run)."]
+    key, size = next(iter(split.items()))
+    return [f"parallel.{key} ({size}) > 1 with verify.checkpoint ({cfg.verify.checkpoint}): verify loads a "
+            "checkpoint into the whole model of each rank; launch it with TP = PP = EP = 1 (CP and DP run), or "
+            "export the checkpoint and verify the folder at this layout with model.pretrained=... "
+            "verify.reference=transformers."]
 
 
 def _validate_prepare_input(cfg: Config, command: Optional[str]) -> list[str]:

@@ -142,6 +142,7 @@ def _worker(rank: int, world_size: int, folders: dict, refs: dict) -> dict:
             result = _run(folders[family], tp, cp, sp, batch, refs[family], rank)
             out.update({f"{family}/{layout}/{k}": v for k, v in result.items()})
     out.update(_moe_run(folders["moe"], refs["moe"]))
+    out.update(_moe_verify(folders["moe"]))
     out.update(_moe_distributed_optimizer(folders["moe"], rank))
     return out
 
@@ -193,6 +194,27 @@ def _moe_run(folder: str, refs: list) -> dict:
         destroy_parallel()
 
 
+def _moe_verify(folder: str) -> dict:
+    """``megatron-pack verify verify.reference=transformers`` (``cli.verify.run_verify``) at EP=2 x CP=2 x DP=2:
+    its exit code and the lines this rank printed."""
+    import dataclasses
+
+    from _hf import MemoryPacks
+    from test_moe import PACK_SIZE as MOE_PACK_SIZE
+    from test_moe import _config
+    from test_moe import _samples as moe_samples
+
+    from megatron_pack.cli.verify import run_verify
+    from megatron_pack.config.schema import VerifyConfig
+
+    samples = moe_samples()
+    cfg = dataclasses.replace(_config(folder, cp=2, ep=2), verify=VerifyConfig(reference="transformers", num_packs=2))
+    lines: list[str] = []
+    rc = run_verify(cfg, dataset=MemoryPacks([samples[:2], samples[2:]], pack_size=MOE_PACK_SIZE, pad_multiple=4),
+                    out=lines.append)
+    return {"verify_ep2/rc": rc, "verify_ep2/out": "\n".join(lines)}
+
+
 def _reference_loss(logits: list[torch.Tensor], samples: list[list[int]]) -> float:
     total = 0.0
     for lg, ids in zip(logits, samples):
@@ -215,6 +237,7 @@ def world(tmp_path_factory) -> dict:
     ranks = spawn_world(_worker, WORLD_SIZE, root, folders, refs)
     out = ranks[0]
     out["moe_distopt_ranks"] = [{k: v for k, v in r.items() if k.startswith("moe/dp4_ep2/")} for r in ranks]
+    out["verify_ep2_ranks"] = [{k: v for k, v in r.items() if k.startswith("verify_ep2/")} for r in ranks]
     out["folders"] = folders
     out["ref_loss"] = {f: _reference_loss(refs[f], samples) for f in FAMILIES}
     for case in CASES:  # the numbers behind docs/models.md (pytest -s shows them)
@@ -236,6 +259,23 @@ def test_moe_logits_match_transformers_at_ep2_cp2_dp2(world):
     # DP 2, CP 2, EP 2, expert-DP 2, 2 of the 4 experts on each rank
     assert world["moe/ep2_cp2_dp2/groups"].tolist() == [2, 2, 2, 2, 2]
     assert float(world["moe/ep2_cp2_dp2/packed"]) <= 1e-4 and float(world["moe/ep2_cp2_dp2/alone"]) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_moe_verify_against_transformers_at_ep2_cp2_dp2(world):
+    """verify at EP=2 x CP=2 x DP=2: rank 0 compares and prints (routing only the real tokens), every rank PASSes."""
+    ranks = world["verify_ep2_ranks"]
+    assert [int(r["verify_ep2/rc"]) for r in ranks] == [0] * WORLD_SIZE
+    assert [bool(str(r["verify_ep2/out"])) for r in ranks] == [True, False, False, False]
+    text = str(ranks[0]["verify_ep2/out"])
+    assert "at PP=1 TP=1 CP=2 EP=2 DP=2 " in text.splitlines()[0]
+    packs = [line for line in text.splitlines() if line.startswith("pack ")]
+    assert len(packs) == 2 and all(line.endswith("PASS") for line in packs), text
+    for line in packs:  # "pack 0: 2 samples, 30 real tokens ... routed 30/30 real tokens"
+        real = line.split(" real tokens")[0].rsplit(" ", 1)[1]
+        assert f"routed {real}/{real} real tokens" in line, line
+    assert text.splitlines()[-1].endswith(": PASS")
 
 
 @pytest.mark.slow

@@ -139,12 +139,16 @@ def test_verify_against_transformers_catches_a_wrong_mapping(trained, capsys, mo
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_verify_against_transformers_at_cp2_under_torchrun(trained):
+def test_verify_against_transformers_at_pp2_tp2_under_torchrun(trained):
+    """The user's command at the layout PP=2 x TP=2 (4 ranks, pipeline stages of one layer each): one line per
+    pack from the last stage, PASS, exit 0 on every rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_pack.cli.main", "verify", *VERIFY]
+    layout = ["parallel.pipeline_model_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+              "parallel.context_parallel_size=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "megatron_pack.cli.main", "verify", *VERIFY, *layout]
     proc = subprocess.run(cmd, cwd=trained, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "at TP=1 CP=2" in proc.stdout
+    assert proc.stdout.count("at PP=2 TP=2 CP=1 EP=1 DP=1 ") == 1  # one rank (the last stage's first) prints
     lines = _verify_lines(proc.stdout)
     assert len(lines) == 2 and all(verdict == "PASS" and diff <= 1e-4 for _, diff, verdict in lines)

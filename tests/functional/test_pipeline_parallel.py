@@ -437,6 +437,40 @@ def _hf_case(rank: int, folder: str, vp=None) -> dict:
     return out
 
 
+VERIFY_CASES = [  # (id, pp, vp, tp, cp, 4-layer folder, verify.tolerance)
+    ("verify_pp2_tp2", 2, None, 2, 1, False, 1e-4),
+    ("verify_pp2_tp2_fails", 2, None, 2, 1, False, 1e-12),  # float32 rounding exceeds it: every rank FAILs
+    ("verify_pp2_vp2_cp2", 2, 2, 1, 2, True, 1e-4),
+]
+
+
+def _verify_case(case, rank: int, folder: str) -> dict:
+    """``megatron-pack verify verify.reference=transformers`` (``cli.verify.run_verify``) at a pipeline layout
+    of this 4-rank world: its exit code, the lines this rank printed, and the schedules and shape exchanges
+    it ran (the guard that the stages were really two, linked by megatron-core's P2P)."""
+    from _hf import MemoryPacks
+
+    from megatron_pack.cli.verify import run_verify
+    from megatron_pack.config.hf_config import apply_pretrained
+    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig, VerifyConfig
+
+    name, pp, vp, tp, cp, _, tol = case
+    rng = np.random.default_rng(5)
+    packs = [[rng.integers(3, 300, size=n).tolist() + [2] for n in lengths] for lengths in ((9, 17, 6), (20, 11))]
+    cfg = apply_pretrained(Config(model=ModelConfig(pretrained=folder, attention_backend="torch", seq_length=64),
+                                  parallel=ParallelConfig(pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                                                          tensor_model_parallel_size=tp,
+                                                          virtual_pipeline_model_parallel_size=vp),
+                                  verify=VerifyConfig(reference="transformers", num_packs=2, tolerance=tol)), [])
+    lines: list[str] = []
+    before, exchanges = dict(_Seen.schedules), _Seen.shape_exchanges
+    rc = run_verify(cfg, dataset=MemoryPacks(packs, pack_size=64, pad_multiple=2 * cp if cp > 1 else 1),
+                    out=lines.append)
+    ran = {k: v - before.get(k, 0) for k, v in _Seen.schedules.items() if v > before.get(k, 0)}
+    return {f"{name}/rc": rc, f"{name}/out": "\n".join(lines), f"{name}/schedules": repr(sorted(ran.items())),
+            f"{name}/shape_exchanges": _Seen.shape_exchanges - exchanges}
+
+
 def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str, root: str) -> dict:
     """The 4-rank layouts (pipeline and virtual stages, HF loads, the trainer's resumes) on ranks 0..3
     (``sub_world``), then PP=3 x TP=2 on all 6."""
@@ -460,6 +494,8 @@ def _world_worker(rank: int, world_size: int, hf_folder: str, hf_folder4: str, r
             destroy_parallel()
             out.update(_hf_case(rank, hf_folder4, vp=2))
             destroy_parallel()
+            for case in VERIFY_CASES:
+                out.update(_verify_case(case, rank, hf_folder4 if case[5] else hf_folder))
             out.update(_resume_chain(rank, f"{root}/ckpt"))
             out.update(_trainer_cases(rank, root))
     out.update({f"pp3_tp2/{k}": v for k, v in _run_case(PP3_TP2, rank, packs).items()})
@@ -857,3 +893,24 @@ def test_pp3_tp2_step_equals_float64_reference_on_every_rank(world6):
     assert len({(float(r["pp3_tp2/loss"]), float(r["pp3_tp2/count"])) for r in world6}) == 1
     assert all(abs(float(r["pp3_tp2/eval_loss"]) - ref) <= 1e-5 * ref for r in world6)
     assert sorted(int(r["pp3_tp2/pp_rank"]) for r in world6) == [0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in VERIFY_CASES])
+def test_verify_against_transformers_through_the_pipeline(world, case):
+    """verify at PP=2 x TP=2 and PP=2 x VP=2 x CP=2: one rank (the last stage's first TP / CP rank) compares
+    and prints, every rank returns its verdict; both stages ran megatron-core's schedule over P2P."""
+    vp = next(c[2] for c in VERIFY_CASES if c[0] == case)
+    fails = case.endswith("_fails")
+    assert [int(r[f"{case}/rc"]) for r in world] == [int(fails)] * WORLD_SIZE
+    printing = [i for i, r in enumerate(world) if str(r[f"{case}/out"])]
+    assert printing == [2]  # the last stage's first TP / CP rank (stages are ranks 0-1 and 2-3)
+    text = str(world[2][f"{case}/out"])
+    assert f"at PP=2{' x VP=2' if vp else ''} " in text.splitlines()[0]
+    packs = [line for line in text.splitlines() if line.startswith("pack ")]
+    assert [line.split(":")[1].split(",")[0].strip() for line in packs] == ["3 samples", "2 samples"]
+    assert all(line.endswith("FAIL" if fails else "PASS") for line in packs), text
+    assert text.splitlines()[-1].endswith(": FAIL" if fails else ": PASS")
+    schedule = INTERLEAVED if vp else ONE_F_ONE_B
+    for r in world:  # two stages: every rank ran the pipelined schedule, once per pack, and exchanged shapes
+        assert str(r[f"{case}/schedules"]) == repr([(schedule, 2)])
+        assert int(r[f"{case}/shape_exchanges"]) > 0

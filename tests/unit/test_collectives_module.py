@@ -159,7 +159,7 @@ def _reference_outcome(rank: int, fails: bool) -> dict:
         return "reference"
 
     try:
-        return {"returned": str(agree_on_reference(load, rank=rank, what="model.pretrained (/x)")), "line": ""}
+        return {"returned": str(agree_on_reference(load, holder=rank == 0, what="model.pretrained (/x)")), "line": ""}
     except VerifyStopped as exc:
         return {"returned": "stopped", "line": exc.line or ""}
 
