@@ -1,4 +1,4 @@
-"""A float64 plain-torch forward of the tiny GPT (RMSNorm, RoPE, GQA, SwiGLU, untied output).
+"""A float64 plain-torch forward of the tiny GPT (RMSNorm, RoPE, GQA, SwiGLU or top-k MoE, untied output).
 
 It shares no code with megatron-core or megatron_pack: it reads a ``{name: tensor}`` dict in
 megatron-core's parameter names (TP=1) and runs each sample alone, with its own positions
@@ -7,6 +7,10 @@ megatron-core's parameter names (TP=1) and runs each sample alone, with its own 
 * ``linear_qkv.weight`` [(heads + 2*groups) * d, H]: per query group, its ``heads/groups`` query
   heads, then one key head, then one value head (megatron-core's interleaved QKV);
 * ``linear_fc1.weight`` [2F, H]: ``[gate; up]``, output ``silu(gate) * up``;
+* a MoE layer (``mlp.router.weight`` [E, H] present): each token goes to the ``topk`` experts of the largest
+  router logits, weighted by the softmax over those k logits (megatron-core's ``moe_router_pre_softmax=False``,
+  HF's ``norm_topk_prob``); expert ``e`` is ``mlp.experts.local_experts.<e>.linear_fc1/2.weight``, a SwiGLU
+  MLP as above (``e`` the global expert index);
 * RoPE on the whole head dim, not interleaved: ``x * cos + rotate_half(x) * sin`` with
   ``rotate_half([a, b]) = [-b, a]`` and ``angle = position * base**(-2i/d)``.
 
@@ -32,6 +36,7 @@ class Shape:
     head_dim: int = 16
     rotary_base: float = 10000.0
     eps: float = 1e-5
+    topk: int = 2
 
 
 TINY = Shape()
@@ -73,6 +78,26 @@ def _attention(h: torch.Tensor, p: dict, prefix: str, shape: Shape) -> torch.Ten
     return out @ p[prefix + "linear_proj.weight"].T
 
 
+def _swiglu(x: torch.Tensor, p: dict, prefix: str) -> torch.Tensor:
+    gate, up = (x @ p[prefix + "linear_fc1.weight"].T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ p[prefix + "linear_fc2.weight"].T
+
+
+def _mlp(x: torch.Tensor, p: dict, prefix: str, shape: Shape) -> torch.Tensor:
+    """The dense SwiGLU, or the top-k mixture of SwiGLU experts when the layer has a router."""
+    if prefix + "mlp.router.weight" not in p:
+        return _swiglu(x, p, prefix + "mlp.")
+    top, experts = (x @ p[prefix + "mlp.router.weight"].T).topk(shape.topk, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    out = torch.zeros_like(x)
+    for k in range(shape.topk):
+        for e in experts[:, k].unique().tolist():
+            rows = (experts[:, k] == e).nonzero().flatten()
+            routed = _swiglu(x[rows], p, f"{prefix}mlp.experts.local_experts.{e}.")
+            out = out.index_add(0, rows, weights[rows, k:k + 1] * routed)
+    return out
+
+
 def logits(p: dict, tokens: list[int], shape: Shape = TINY) -> torch.Tensor:
     """[n, V] float64 logits of one sequence run alone."""
     h = p["embedding.word_embeddings.weight"][torch.as_tensor(tokens)]
@@ -80,9 +105,7 @@ def logits(p: dict, tokens: list[int], shape: Shape = TINY) -> torch.Tensor:
         prefix = f"decoder.layers.{layer}."
         h = h + _attention(_rms(h, p[prefix + "input_layernorm.weight"], shape.eps), p,
                            prefix + "self_attention.", shape)
-        x = _rms(h, p[prefix + "pre_mlp_layernorm.weight"], shape.eps)
-        gate, up = (x @ p[prefix + "mlp.linear_fc1.weight"].T).chunk(2, dim=-1)
-        h = h + (F.silu(gate) * up) @ p[prefix + "mlp.linear_fc2.weight"].T
+        h = h + _mlp(_rms(h, p[prefix + "pre_mlp_layernorm.weight"], shape.eps), p, prefix, shape)
     return _rms(h, p["decoder.final_layernorm.weight"], shape.eps) @ p["output_layer.weight"].T
 
 

@@ -45,12 +45,14 @@ def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch
     """megatron-core ``DistributedDataParallel`` with ``average_in_collective`` from ``cfg.ddp``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from megatron_pack.training import optim
+
     d = cfg.ddp
-    # On CPU the distributed optimizer is ours (optim.ShardedTrainOptimizer): it shards the AdamW
-    # state over its own flat layout and needs the whole all-reduced gradient, so DDP all-reduces.
+    # Without megatron-core's optimizer the distributed optimizer is ours (optim.ShardedTrainOptimizer): it
+    # shards the AdamW state over its own flat layout and needs the whole all-reduced gradient, so DDP all-reduces.
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-        use_distributed_optimizer=d.use_distributed_optimizer and state.device.type == "cuda",
+        use_distributed_optimizer=d.use_distributed_optimizer and optim.megatron_optimizer_on(state.device.type),
         check_for_nan_in_grad=d.check_for_nan_in_grad, bucket_size=d.bucket_size,
         average_in_collective=d.average_in_collective)
     # the expert groups DDP asks for are in state.pg_collection (initialize_parallel), not megatron's globals

@@ -450,6 +450,13 @@ class MegatronTrainOptimizer:
         self.optimizer.load_state_dict(state)
 
 
+def megatron_optimizer_on(device: str) -> bool:
+    """Whether a run on ``device`` (``ParallelState.device.type``) steps megatron-core's optimizer: on CUDA,
+    where its fused step runs; elsewhere ours (``TrainOptimizer`` / ``ShardedTrainOptimizer``). DDP's buffers
+    follow the same choice (``chunks.wrap_ddp``): megatron-core's distributed optimizer shards them."""
+    return device == "cuda"
+
+
 def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Parameter]],
                     tp_group: Optional[dist.ProcessGroup] = None, *, ddp_model=None,
                     device: str = "cpu", dp_group: Optional[dist.ProcessGroup] = None,
@@ -461,7 +468,7 @@ def build_optimizer(cfg: Config, named_params: list[tuple[str, torch.nn.Paramete
     DDP-wrapped chunk or the list of this rank's chunks) on CUDA. ``expert_group`` (megatron-core's ``tp_ep``)
     makes the norm count every expert-parallel rank's experts (``grad_norm``); the sharded optimizer shards
     the experts over ``expert_dp_group`` (``pg_collection.expt_dp``)."""
-    if device == "cuda":
+    if megatron_optimizer_on(device):
         if ddp_model is None:
             raise ValueError("build_optimizer(device='cuda') needs ddp_model (the megatron-core DDP-wrapped model).")
         return MegatronTrainOptimizer(cfg, ddp_model if isinstance(ddp_model, list) else [ddp_model])
