@@ -31,7 +31,8 @@ def device_problems(requested: str, *, gpu_present: bool, backend: str = "auto")
     that computes on one."""
     if requested == "cuda" and not gpu_present:
         return ["train.device (cuda) needs a GPU, but this host has none visible to torch (no CUDA/ROCm build "
-                "of torch, or no GPU device, or CUDA_VISIBLE_DEVICES hides them); set train.device=cpu (or auto)."]
+                "of torch, or no GPU device, or CUDA_VISIBLE_DEVICES hides them); set train.device=cpu (or auto), or run "
+                "on a GPU host."]
     if backend == "nccl" and device_type(requested, gpu_present=gpu_present) == "cpu":
         return [f"parallel.backend (nccl) needs the run on a GPU, but train.device ({requested}) resolves to the CPU "
                 "on this host; set parallel.backend=gloo (or auto)."]

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megatron_pack.config.device import device_type
+
 
 def torch_build_has_gpu(version_py: Optional[str] = None) -> bool:
     """torch was built with CUDA or ROCm: ``cuda`` or ``hip`` set in ``torch/version.py`` (its text, or
@@ -68,9 +70,7 @@ class Host:
 
     def device(self, requested: str) -> str:
         """``train.device`` as a run here resolves it: 'auto' is cuda with a GPU, else cpu."""
-        if requested != "auto":
-            return requested
-        return "cuda" if self.gpu else "cpu"
+        return device_type(requested, gpu_present=self.gpu)
 
     def describe(self, requested: str) -> str:
         """How the device was chosen, for a message: ``train.device=cpu`` or ``train.device=auto finds no GPU here``."""

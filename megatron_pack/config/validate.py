@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megatron_pack.config.device import device_problems
 from megatron_pack.config.host import Host
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_multiple, fp8_rule_text,
@@ -589,9 +590,7 @@ def _validate_device(cfg: Config, host: Optional[Host] = None) -> list[str]:
     if host is None or device != "cuda":
         return []
     if not host.gpu:
-        return ["train.device (cuda) needs a GPU, but this host has none visible to torch (no CUDA/ROCm build of "
-                "torch, or no GPU device, or CUDA_VISIBLE_DEVICES hides them); set train.device=cpu (or auto), or run "
-                "on a GPU host."]
+        return device_problems("cuda", gpu_present=False)
     return _gpu_host_problems(cfg, host)
 
 
