@@ -195,6 +195,12 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     # a MoE model's routers read the pack's boundaries; padding (from cu_seqlens) is never routed
     padding_mask = set_pack(core, batch, cp_group.size(), cp_group.rank(), device)
     extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+    if getattr(core, "vision_language", False):  # images into the whole pack's embeddings, then the CP slice
+        from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
+
+        if core.pre_process:
+            extra["decoder_input"] = vlm_decoder_input(core, batch, cp_group.size(), cp_group.rank(), device)
+        tokens, position_ids = None, mrope_positions(batch, device)
     output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params, **extra)
     if "token_source" in local:  # data.sources: the report also carries the per-source loss
         loss = partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))
