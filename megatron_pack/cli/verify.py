@@ -120,6 +120,11 @@ def _forward(model, batch: dict, local: dict, cp_size: int, cp_rank: int, device
     padding_mask = set_pack(model, batch, cp_size, cp_rank, device)
     extra = {} if padding_mask is None else {"padding_mask": padding_mask}
     with torch.no_grad():
+        if getattr(model, "vision_language", False):  # images into the whole pack, then the CP slice (model/vlm.py)
+            from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
+
+            return model(None, mrope_positions(batch, device), None, packed_seq_params=params,
+                         decoder_input=vlm_decoder_input(model, batch, cp_size, cp_rank, device))
         return model(local["tokens"].to(device), local["position_ids"].to(device), None, packed_seq_params=params,
                      **extra)
 
@@ -166,7 +171,8 @@ def compare_pack(model, samples: list[dict], collate, *, pack_size: int, pad_id:
         starts = batch["cu_seqlens_padded"].tolist()[:len(samples)]
     for i, sample in enumerate(samples):
         start, num_tokens = starts[i], lengths[i]
-        alone_batch = collate_thd([sample], pack_size=pack_size, pad_id=pad_id)
+        alone_batch = _alone(model, batch, i) if getattr(model, "vision_language", False) else \
+            collate_thd([sample], pack_size=pack_size, pad_id=pad_id)
         alone = _logits(model, alone_batch, device)[:num_tokens]
         rows = slice(start, start + num_tokens)
         result.samples.append(SampleResult(
@@ -175,6 +181,13 @@ def compare_pack(model, samples: list[dict], collate, *, pack_size: int, pad_id:
             loss_packed=_mean_loss(packed[rows], batch["labels"][0, rows], batch["loss_mask"][0, rows]),
             loss_alone=_mean_loss(alone, alone_batch["labels"][0, :num_tokens], alone_batch["loss_mask"][0, :num_tokens])))
     return result
+
+
+def _alone(model, batch: dict, index: int) -> dict:
+    """A VLM pack's sub-sequence ``index`` alone, its images with it (``model.vlm.sample_alone``)."""
+    from megatron_pack.model.vlm import sample_alone
+
+    return sample_alone(batch, index, model.image_token_id, model.vision_model.spatial_merge_size)
 
 
 def _fmt_loss(value: Optional[float]) -> str:
@@ -304,7 +317,7 @@ def compare_with_transformers(packed: torch.Tensor, batch: dict, reference, voca
             continue
         rows = slice(start, start + num_tokens)
         with torch.no_grad():
-            theirs = reference(batch["tokens"][:, rows]).logits[0].float()
+            theirs = reference(batch["tokens"][:, rows], **_reference_images(reference, batch, i)).logits[0].float()
         ours = packed[rows, :vocab]
         labels, mask = batch["labels"][0, rows], batch["loss_mask"][0, rows]
         result.samples.append(SampleResult(
@@ -312,6 +325,20 @@ def compare_with_transformers(packed: torch.Tensor, batch: dict, reference, voca
             max_logit_diff=float((ours - theirs).abs().max()),
             loss_packed=_mean_loss(ours, labels, mask), loss_alone=_mean_loss(theirs, labels, mask)))
     return result
+
+
+def _reference_images(reference, batch: dict, index: int) -> dict:
+    """transformers' image inputs of sub-sequence ``index`` of a VLM pack (nothing for a text batch): its
+    pixel values and grids, and the token types its processor would return (1 on the image tokens)."""
+    if "pixel_values" not in batch:
+        return {}
+    from megatron_pack.model.vlm import sample_alone
+
+    config = reference.config
+    alone = sample_alone(batch, index, config.image_token_id, config.vision_config.spatial_merge_size)
+    images = {"pixel_values": alone["pixel_values"], "image_grid_thw": alone["image_grid_thw"]} \
+        if alone["image_grid_thw"].shape[0] else {}
+    return {"mm_token_type_ids": (alone["tokens"] == config.image_token_id).to(torch.int32), **images}
 
 
 class VerifyStopped(Exception):
@@ -329,8 +356,11 @@ def _load_reference(path: str):
     except ImportError:
         raise ValueError("verify.reference=transformers needs the transformers package; install "
                          "megatron_pack[hf] (or set verify.reference=self).") from None
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    from megatron_pack.config.hf_config import read_hf_config
+
+    vision = "vision_config" in read_hf_config(path)  # a vision-language model: images in, logits out
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+    reference = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
     return reference.eval(), transformers.__version__
 
 

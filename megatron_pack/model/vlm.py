@@ -171,3 +171,32 @@ def mrope_positions(batch: Mapping[str, Any], device) -> torch.Tensor:
         raise ValueError(f"batch['mrope_position_ids'] has shape {list(rows.shape)}; a VLM THD batch needs [3, T] "
                          f"with T = {batch['tokens'].shape[-1]} tokens (the collate's M-RoPE rows).")
     return rows[:, None, :].to(device, non_blocking=True)
+
+
+def sample_alone(batch: Mapping[str, Any], index: int, image_token_id: int, merge_size: int) -> dict:
+    """Sub-sequence ``index`` of a VLM THD batch as a batch of its own (no padding): its tokens, labels, mask,
+    positions 0..n-1, its M-RoPE rows (per sample by the batch contract), and its images, taken in order by
+    counting the image tokens of the sub-sequences before it. Example: sub-sequences with 6, 0 and 4 image
+    tokens and grids [(1, 4, 6), (1, 4, 4)] (merge 2: 6 and 4 tokens) -> sample 2 gets the second image."""
+    cu, cu_pad = (torch.as_tensor(batch[k]).reshape(-1).tolist() for k in ("cu_seqlens", "cu_seqlens_padded"))
+    tokens = batch["tokens"].reshape(-1)
+    grids = batch["image_grid_thw"].reshape(-1, 3)
+    per_image = (grids.prod(-1) // merge_size ** 2).tolist()
+    before = int((tokens[:cu_pad[index]] == image_token_id).sum())
+    start, n = cu_pad[index], cu[index + 1] - cu[index]
+    mine = int((tokens[start:start + n] == image_token_id).sum())
+    seen, first, last = 0, 0, 0
+    while first < len(per_image) and seen < before:
+        seen, first = seen + per_image[first], first + 1
+    seen, last = 0, first
+    while last < len(per_image) and seen < mine:
+        seen, last = seen + per_image[last], last + 1
+    patches = (grids.prod(-1)).tolist()
+    rows = slice(sum(patches[:first]), sum(patches[:last]))
+    return {"tokens": tokens[None, start:start + n], "labels": batch["labels"].reshape(-1)[None, start:start + n],
+            "loss_mask": batch["loss_mask"].reshape(-1)[None, start:start + n],
+            "position_ids": torch.arange(n)[None], "cu_seqlens": torch.tensor([0, n], dtype=torch.int32),
+            "cu_seqlens_padded": torch.tensor([0, n], dtype=torch.int32), "max_seqlen": n,
+            "pixel_values": batch["pixel_values"].reshape(-1, batch["pixel_values"].shape[-1])[rows],
+            "image_grid_thw": grids[first:last], "sample_ids": batch["sample_ids"].reshape(-1)[index:index + 1],
+            "mrope_position_ids": batch["mrope_position_ids"].reshape(3, -1)[:, start:start + n]}

@@ -14,7 +14,9 @@ tp2_cp1_sp = DP 2 with sequence parallelism), loading the folder with our stream
    a text-only pack and a CP rank's slice holds no image token (both guarded): their tower gradients are
    zero, not missing;
 3. the default ``model.freeze_vision``: only the merger of the tower trains; a pack whose image-token count
-   differs from its images' features is refused naming its sample ids.
+   differs from its images' features is refused naming its sample ids;
+4. ``megatron-pack verify``'s comparisons at each layout: its transformers reference per sample alone
+   (images cut from the pack) PASSes, and at world 1 packed equals each sample alone (<= 1e-5).
 """
 
 from __future__ import annotations
@@ -135,13 +137,42 @@ def _checks_at_default(folder, batches, pg) -> dict:
                                           if not n.startswith("vision_model."))}
 
 
+def _verify(model, pg, batches, reference, case_id: str, rank: int) -> dict:
+    """``megatron-pack verify``'s comparisons on the packs: against transformers (its ``_ours`` at this layout,
+    its reference per sample alone, images included) and, at world 1 (rank 0), packed against each sample
+    alone in our model (``compare_pack``, the samples' images cut from the pack)."""
+    from megatron_pack.cli.verify import _ours, compare_pack, compare_with_transformers
+
+    out, worst, passed = {}, 0.0, 0
+    for i, batch in enumerate(batches):
+        packed, _ = _ours(model, batch, pg)
+        if rank == 0:
+            result = compare_with_transformers(packed, batch, reference, 301, i)
+            worst, passed = max(worst, result.max_logit_diff), passed + result.passed(1e-4)
+    if rank == 0:
+        out[f"{case_id}/verify_transformers"], out[f"{case_id}/verify_passed"] = worst, passed
+    if case_id == "tp1_cp1" and rank == 0:
+        results = []
+        for batch in batches:
+            cu = batch["cu_seqlens"].tolist()
+            samples = [{"input_ids": [0] * (b - a + 1)} for a, b in zip(cu, cu[1:])]
+            results.append(compare_pack(model, samples, lambda _, b=batch: b, pack_size=0, pad_id=0,
+                                        device=torch.device("cpu")))
+        out["verify_self"] = max(r.max_logit_diff for r in results)
+        out["verify_self_samples"] = sum(len(r.samples) for r in results)
+    return out
+
+
 def _world_worker(rank: int, world_size: int, folder: str, batches: list[dict], refs: list[list[torch.Tensor]]) -> dict:
     import torch.distributed as dist
 
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
+    from megatron_pack.cli.verify import _load_reference
+
     out, ref = {}, {}
+    reference = _load_reference(folder)[0] if rank == 0 else None  # verify's own transformers reference
     for case_id, tp, cp, sp in LAYOUTS:
         pg = initialize_parallel(_config(folder, tp, cp, sp))
         if case_id == "tp1_cp1" and rank == 0:
@@ -155,6 +186,7 @@ def _world_worker(rank: int, world_size: int, folder: str, batches: list[dict], 
             logits, cu = _logits(model, batch, pg), batch["cu_seqlens_padded"].tolist()
             diffs += [float((logits[cu[i]:cu[i] + len(r) - 1, :r.shape[1]] - r[:-1]).abs().max())
                       for i, r in enumerate(pack_refs)]
+        out.update(_verify(model, pg, batches, reference, case_id, rank))
         grads, loss, images = _grads(model, pg, batches, ddp=True)
         flags = torch.tensor([int(any(n == 0 for n in images)), int(any(n > 0 for n in images))])
         dist.all_reduce(flags, group=pg.dp_cp_group)  # every rank's packs, over DP and CP
@@ -214,3 +246,25 @@ def test_freeze_vision_default_and_count_refusal(world):
     assert world["trainable_tower"] == "merger"
     assert int(world["num_language_trainable"]) == 17  # 2 layers x 7 (QKV bias) + embedding, final norm, output
     assert "sample_ids [0]" in str(world["refusal"]) and "image tokens" in str(world["refusal"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LAYOUT_IDS)
+def test_verify_against_transformers_and_alone(world, case):
+    assert int(world[f"{case}/verify_passed"]) == 4  # every pack PASSes verify's transformers comparison
+    assert float(world[f"{case}/verify_transformers"]) <= 1e-4
+    assert int(world["verify_self_samples"]) == 8 and float(world["verify_self"]) <= 1e-5
+
+
+if __name__ == "__main__":  # print every number the tests assert on
+    import tempfile
+    from pathlib import Path
+
+    import _vlm as V
+
+    root = Path(tempfile.mkdtemp())
+    folder = V.make_vlm(root)
+    batches, groups = _packs(folder)
+    refs = [[V.reference_logits(folder, s) for s in g] for g in groups]
+    for key, value in sorted(spawn_world(_world_worker, WORLD_SIZE, root, str(folder), batches, refs)[0].items()):
+        print(f"{key}: {value}")
