@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+from pathlib import Path
+
 from _dist import full_param, spawn_world
 
 WORLD_SIZE = 4
@@ -163,7 +165,55 @@ def _verify(model, pg, batches, reference, case_id: str, rank: int) -> dict:
     return out
 
 
-def _world_worker(rank: int, world_size: int, folder: str, batches: list[dict], refs: list[list[torch.Tensor]]) -> dict:
+def _trainer_export(folder: str, batches: list[dict], root: str, rank: int) -> dict:
+    """The trainer ``megatron-pack train`` builds (schedule, DDP, optimizer) at CP=2 x DP=2 takes one step on
+    the 4 packs and saves its checkpoint; rank 0 exports it with ``megatron-pack export checkpoint=...``: the
+    frozen tower leaves as it came, the merger and the language model as trained, and transformers loads it."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from _dist import ListLoader
+    from megatron_pack.config.schema import TrainConfig
+    from megatron_pack.model.hf.export import save_hf_source
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = _config(folder, 1, 2, False, freeze=True)
+    cfg = dataclasses.replace(cfg, train=TrainConfig(seed=3, lr=1e-3, global_batch_size=4, train_iters=1,
+                                                     lr_warmup_iters=0))
+    state = initialize_parallel(cfg)
+    trainer = build_trainer(cfg, state, ListLoader(batches[state.dp_rank::state.dp_size]))
+    loss = trainer.train_step().lm_loss
+    trained = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()}
+    if rank == 0:
+        save_hf_source(folder, f"{root}/ckpt")
+    dist.barrier()
+    trainer.save(f"{root}/ckpt")
+    destroy_parallel()
+    if rank != 0:
+        return {}
+    import transformers as T
+    from safetensors.torch import load_file
+
+    from megatron_pack.cli.export import main
+
+    assert main([f"checkpoint={root}/ckpt", f"output={root}/exported"]) == 0
+    exported = {k: v for f in sorted(Path(root, "exported").glob("*.safetensors")) for k, v in load_file(f).items()}
+    source = {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+    tower = [k for k in source if k.startswith("visual.")]
+    frozen = [k for k in tower if not k.startswith("visual.merger.")]
+    T.Qwen2_5_VLForConditionalGeneration.from_pretrained(f"{root}/exported")  # loads, every tensor used
+    return {"trainer/loss": loss, "trainer/num_tower": len(tower),
+            "trainer/frozen_same": all(torch.equal(exported[k], source[k]) for k in frozen),
+            "trainer/merger_trained": all(torch.equal(exported[k], trained["vision_model." + k[len("visual."):]])
+                                          and not torch.equal(exported[k], source[k])
+                                          for k in tower if k.startswith("visual.merger.")),
+            "trainer/processor_kept": (Path(root, "exported", "preprocessor_config.json")).is_file()}
+
+
+def _world_worker(rank: int, world_size: int, folder: str, batches: list[dict], refs: list[list[torch.Tensor]],
+                  root: str) -> dict:
     import torch.distributed as dist
 
     from megatron_pack.model.builder import build_model
@@ -203,6 +253,7 @@ def _world_worker(rank: int, world_size: int, folder: str, batches: list[dict], 
             out[f"{case_id}/num_vision_grads"] = sum(n.startswith("vision_model.") for n in grads)
             out[f"{case_id}/ranks_without_image"], out[f"{case_id}/ranks_with_image"] = flags.tolist()
         destroy_parallel()
+    out.update(_trainer_export(folder, batches, root, rank))
     return out
 
 
@@ -214,7 +265,7 @@ def world(tmp_path_factory) -> dict:
     folder = V.make_vlm(root)
     batches, groups = _packs(folder)
     refs = [[V.reference_logits(folder, s) for s in g] for g in groups]
-    return spawn_world(_world_worker, WORLD_SIZE, root, str(folder), batches, refs)[0]
+    return spawn_world(_world_worker, WORLD_SIZE, root, str(folder), batches, refs, str(root))[0]
 
 
 @pytest.mark.slow
@@ -266,5 +317,14 @@ if __name__ == "__main__":  # print every number the tests assert on
     folder = V.make_vlm(root)
     batches, groups = _packs(folder)
     refs = [[V.reference_logits(folder, s) for s in g] for g in groups]
-    for key, value in sorted(spawn_world(_world_worker, WORLD_SIZE, root, str(folder), batches, refs)[0].items()):
+    for key, value in sorted(spawn_world(_world_worker, WORLD_SIZE, root, str(folder), batches, refs,
+                                         str(root))[0].items()):
         print(f"{key}: {value}")
+
+
+
+@pytest.mark.slow
+def test_trainer_checkpoint_exports_to_transformers(world):
+    assert np.isfinite(float(world["trainer/loss"])) and int(world["trainer/num_tower"]) == 30
+    assert bool(world["trainer/frozen_same"]) and bool(world["trainer/merger_trained"])
+    assert bool(world["trainer/processor_kept"])
