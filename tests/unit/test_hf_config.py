@@ -292,3 +292,14 @@ def test_recipes_pass_validate_as_written(experiment, world_size, folders, tmp_p
 
         assert cfg.packing.packed_sequence_size == 16384 and effective_pad_multiple(cfg) == 4
     assert os.path.isdir(cfg.model.pretrained)
+
+
+@pytest.mark.parametrize("case, keys, match", [
+    ("sections_do_not_sum", {"mrope_section": [2, 3, 2]}, r"model.mrope_section \(\[2, 3, 2\]\) must be three numbers summing"),
+    ("without_a_vlm_folder", {"mrope_section": [2, 3, 3]}, r"comes with a vision-language model.pretrained"),
+], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else "")
+def test_mrope_section_alone_is_refused(case, keys, match):
+    from megatron_pack.config.schema import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(hidden_size=64, num_attention_heads=4, kv_channels=16, **keys)
