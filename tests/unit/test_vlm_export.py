@@ -184,3 +184,18 @@ def test_lora_adapter_exports_in_the_peft_format_of_the_vlm_class(vlm, tmp_path)
         with model.disable_adapter():
             plain = base(input_ids=torch.tensor([samples[1]["input_ids"]])).logits[0]
     assert float((plain - ref).abs().max()) > 1e-3
+
+
+def test_a_nan_in_the_vision_tower_is_refused_before_launch(vlm, tmp_path):
+    """train --check reads every weight the model loads, the tower's too (folder_check.nonfinite_problems)."""
+    from safetensors.torch import save_file
+
+    from megatron_pack.model.hf.folder_check import folder_problems, nonfinite_problems
+
+    broken = _module_layout(vlm, tmp_path / "nan")  # one file, transformers' module names
+    tensors = _tensors(broken)
+    tensors["model.visual.blocks.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    assert folder_problems(broken) == [] and nonfinite_problems(vlm) == []
+    problems = nonfinite_problems(broken)
+    assert len(problems) == 1 and "visual.blocks.1.mlp.down_proj.weight with 1 NaN" in problems[0], problems

@@ -217,8 +217,10 @@ def nonfinite_problems(folder: str | Path, *, where: Optional[str] = None, hf: O
 
     folder = Path(folder)
     where = where or f"model.pretrained ({folder})"
-    expected = hf_shapes(hf if hf is not None else read_hf_config(folder))
+    hf = hf if hf is not None else read_hf_config(folder)
     tensors = read_tensors(folder, where)
+    tower = family_of(hf["model_type"]).vision
+    expected = list(hf_shapes(hf)) + ([n for n in tensors if n.startswith(tower.hf_prefix)] if tower else [])
     problems = []
     for file in sorted({tensors[n].file for n in expected}):
         data = np.memmap(folder / file, dtype=np.uint8, mode="r")
