@@ -7,15 +7,18 @@ tp2_cp1_sp = DP 2 with sequence parallelism), loading the folder with our stream
 
 1. logits: the packed forward (vision tower -> features at the image tokens -> CP slice -> SP scatter ->
    GPTModel with M-RoPE), TP vocab shards and CP chunks gathered back, against transformers' forward of each
-   sample alone, max abs diff <= 1e-4 on every text position;
+   sample alone, max abs diff <= 1e-4 on every position of every sample;
 2. loss and gradients: ``forward_step`` (the trainer's) under megatron-core DDP + ``finalize_model_grads``
    over this DP rank's packs, every parameter's full gradient (the vision tower's included, with
    ``model.freeze_vision=false``) against rank 0's world-1 run of all packs, relative <= 1e-5. A DP rank gets
    a text-only pack and a CP rank's slice holds no image token (both guarded): their tower gradients are
    zero, not missing;
-3. the default ``model.freeze_vision``: only the merger of the tower trains; a pack whose image-token count
+3. the trainer (schedule, DDP, optimizer) at CP=2 x DP=2: a step, its checkpoint exported and loaded by
+   transformers (the frozen tower unchanged, the merger trained); at PP=2 x DP=2 (the tower on stage 0 only)
+   the same first-step loss;
+4. the default ``model.freeze_vision``: only the merger of the tower trains; a pack whose image-token count
    differs from its images' features is refused naming its sample ids;
-4. ``megatron-pack verify``'s comparisons at each layout: its transformers reference per sample alone
+5. ``megatron-pack verify``'s comparisons at each layout: its transformers reference per sample alone
    (images cut from the pack) PASSes, and at world 1 packed equals each sample alone (<= 1e-5).
 """
 
@@ -254,7 +257,29 @@ def _world_worker(rank: int, world_size: int, folder: str, batches: list[dict], 
             out[f"{case_id}/ranks_without_image"], out[f"{case_id}/ranks_with_image"] = flags.tolist()
         destroy_parallel()
     out.update(_trainer_export(folder, batches, root, rank))
+    out.update(_pipeline_loss(folder, batches))
     return out
+
+
+def _pipeline_loss(folder: str, batches: list[dict]) -> dict:
+    """The trainer at PP=2 x DP=2 (the tower on stage 0, M-RoPE on both) logs the first step's loss of CP=2."""
+    import dataclasses
+
+    from _dist import ListLoader
+    from megatron_pack.config.schema import ParallelConfig, TrainConfig
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.loop import build_trainer
+
+    cfg = _config(folder, 1, 1, False, freeze=True)
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(pipeline_model_parallel_size=2),
+                              train=TrainConfig(seed=3, lr=1e-3, global_batch_size=4, train_iters=1, lr_warmup_iters=0))
+    state = initialize_parallel(cfg)
+    trainer = build_trainer(cfg, state, ListLoader(batches[state.dp_rank::state.dp_size]))
+    placed = torch.tensor([int(hasattr(trainer.model.module, "vision_model") == (state.pp_rank == 0))])
+    torch.distributed.all_reduce(placed, op=torch.distributed.ReduceOp.MIN)  # every rank of both stages
+    loss = trainer.train_step().lm_loss
+    destroy_parallel()
+    return {"pp2/loss": loss, "pp2/tower_on_stage0_only": bool(placed.item())}
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +353,9 @@ def test_trainer_checkpoint_exports_to_transformers(world):
     assert np.isfinite(float(world["trainer/loss"])) and int(world["trainer/num_tower"]) == 30
     assert bool(world["trainer/frozen_same"]) and bool(world["trainer/merger_trained"])
     assert bool(world["trainer/processor_kept"])
+
+
+@pytest.mark.slow
+def test_pipeline_stages_train_the_same_first_step(world):
+    assert bool(world["pp2/tower_on_stage0_only"])
+    assert abs(float(world["pp2/loss"]) - float(world["trainer/loss"])) <= 1e-5 * abs(float(world["trainer/loss"]))
