@@ -116,8 +116,13 @@ def run_export(argv: list[str], *, out=print, config_dirs: list[str] | None = No
     what = f"checkpoint {step_dir}" if step_dir else f"{cfg.model.pretrained} (round trip, no checkpoint)"
     _write_template(cfg, template, out)
     out(f"export: {what} -> {cfg.export.output} ({dtype}, {len(files)} files: {', '.join(files)})")
-    out(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({str(cfg.export.output)!r})")
+    out(f"load it with: transformers.{_auto_class(cfg.model)}.from_pretrained({str(cfg.export.output)!r})")
     return 0
+
+
+def _auto_class(model_cfg) -> str:
+    """The transformers auto class of the exported model (a vision-language model takes images too)."""
+    return "AutoModelForImageTextToText" if model_cfg.mrope_section is not None else "AutoModelForCausalLM"
 
 
 def _dataset_template(cfg, argv: list[str]) -> Optional[dict]:

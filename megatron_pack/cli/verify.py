@@ -141,12 +141,11 @@ def schedule_logits(chunks: list, batches: list[dict], state, seq_length: int
     real tokens routed in each MoE layer of every stage by the first batch's forward (None for a dense model).
     A MoE model's routers read each pack's boundaries and padding is not routed, as in training
     (``model.moe.set_pack``). Every rank of the world calls it with the same batches."""
-    from megatron_pack.model.moe import set_pack
     from megatron_pack.parallel.comm import all_gather_object
     from megatron_pack.parallel.cp import slice_thd_batch
     from megatron_pack.training.chunks import core_model
     from megatron_pack.training.schedule import forward_backward
-    from megatron_pack.training.step import get_packed_seq_params
+    from megatron_pack.training.step import get_packed_seq_params, model_inputs
 
     captured, routed = [], {}
 
@@ -155,10 +154,8 @@ def schedule_logits(chunks: list, batches: list[dict], state, seq_length: int
         core, device = core_model(model), state.device
         local = slice_thd_batch(batch, state.cp_size, state.cp_rank)
         params = get_packed_seq_params(batch, device=device)
-        padding_mask = set_pack(core, batch, state.cp_size, state.cp_rank, device)
-        extra = {} if padding_mask is None else {"padding_mask": padding_mask}
-        tokens = local["tokens"].to(device) if core.pre_process else None
-        output = model(tokens, local["position_ids"].to(device), None, packed_seq_params=params, **extra)
+        tokens, position_ids, extra = model_inputs(core, batch, local, state.cp_size, state.cp_rank, device)
+        output = model(tokens, position_ids, None, packed_seq_params=params, **extra)
         counts = routed_tokens(core, state.cp_group)  # every CP rank of the stage runs the same forwards
         if batch is batches[0]:
             routed.setdefault(id(core), counts)
@@ -214,14 +211,62 @@ def _mean_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -
 
 
 def alone_batches(samples: list[dict], batch: dict, *, pack_size: int, pad_id: int, pad_multiple: int,
-                  fixed: bool) -> list[dict]:
+                  fixed: bool, vision: Optional[tuple[int, int]] = None) -> list[dict]:
     """Each sample of a pack as a pack of one (THD, padded to ``pad_multiple`` for the CP slices; with ``fixed``
-    shapes to the pack's size and cu_seqlens length, so pipeline stages exchange one shape)."""
+    shapes to the pack's size and cu_seqlens length, so pipeline stages exchange one shape). ``vision``
+    (image token id, merge size): a vision-language pack, each sample cut from it with its own images."""
     from megatron_pack.data.batches.thd import collate_thd
 
     num_cu = len(batch["cu_seqlens"]) if fixed else None
+    if vision is not None:
+        return [_vlm_alone(batch, i, vision, pad_multiple=pad_multiple, pad_id=pad_id,
+                           total=pack_size if fixed else None, num_cu=num_cu) for i in range(len(samples))]
     return [collate_thd([sample], pack_size=pack_size, pad_id=pad_id, pad_multiple=pad_multiple,
                         pad_to_max_length=fixed, num_cu_seqlens=num_cu) for sample in samples]
+
+
+def _vlm_alone(batch: dict, index: int, vision: tuple[int, int], *, pad_multiple: int, pad_id: int,
+               total: Optional[int], num_cu: Optional[int]) -> dict:
+    """Sub-sequence ``index`` of a VLM pack with its images (``model.vlm.sample_alone``), padded as the collate
+    pads a pack of one: to ``pad_multiple``, then (``total``: fixed shapes) a zero-length tail sub-sequence up
+    to ``total`` tokens and ``num_cu`` cu_seqlens entries. Padding continues the M-RoPE positions.
+
+    Example: 5 tokens, pad multiple 4, total 16 -> 8 + a tail of 8; cu_seqlens [0, 5, 5],
+    cu_seqlens_padded [0, 8, 16]."""
+    from megatron_pack.model.vlm import sample_alone
+
+    alone = sample_alone(batch, index, *vision)
+    n = alone["tokens"].shape[-1]
+    padded = -(-n // pad_multiple) * pad_multiple
+    size = max(total or padded, padded)
+    grow = size - n
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, torch.full((1, grow), value, dtype=t.dtype)], dim=-1)
+
+    mrope = alone["mrope_position_ids"]
+    start = int(mrope.max()) + 1 if n else 0
+    tail = torch.arange(start, start + grow, dtype=mrope.dtype).expand(3, grow)
+    real, physical = [0, n], [0, padded]
+    if size > padded:
+        real, physical = real + [n], physical + [size]
+    if num_cu is not None:
+        real, physical = (c + [c[-1]] * (num_cu - len(c)) for c in (real, physical))
+    alone.update(tokens=pad(alone["tokens"], pad_id), labels=pad(alone["labels"], pad_id),
+                 loss_mask=pad(alone["loss_mask"], 0), position_ids=torch.arange(size)[None],
+                 mrope_position_ids=torch.cat([mrope, tail], dim=1), max_seqlen=max(padded, size - padded),
+                 cu_seqlens=torch.tensor(real, dtype=torch.int32),
+                 cu_seqlens_padded=torch.tensor(physical, dtype=torch.int32), num_pad_tokens=size - n)
+    return alone
+
+
+def _vision(cfg) -> Optional[tuple[int, int]]:
+    """(image token id, spatial merge size) of a vision-language ``model.pretrained``, else None."""
+    if cfg.model.image_token_id is None:
+        return None
+    from megatron_pack.config.hf_config import read_hf_config
+
+    return cfg.model.image_token_id, int(read_hf_config(cfg.model.pretrained)["vision_config"]["spatial_merge_size"])
 
 
 def compare_pack(packed: torch.Tensor, alone: list[torch.Tensor], samples: list[dict], batch: dict,
@@ -329,7 +374,8 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
             samples = dataset[i]
             batch = collate(samples)
             alone = alone_batches(samples, batch, pack_size=pack_size, pad_id=pad_id,
-                                  pad_multiple=int(meta.get("pad_seq_to_mult", 1)), fixed=fixed_pack_shapes(cfg))
+                                  pad_multiple=int(meta.get("pad_seq_to_mult", 1)), fixed=fixed_pack_shapes(cfg),
+                                  vision=_vision(run_cfg))
             logits, routed = schedule_logits(chunks, [batch, *alone], state, pack_size)
             if holder:
                 result = compare_pack(logits[0], logits[1:], samples, batch, alone, index=i)
@@ -390,7 +436,7 @@ def compare_with_transformers(packed: torch.Tensor, batch: dict, reference, voca
             continue
         rows = slice(start, start + num_tokens)
         with torch.no_grad():
-            theirs = reference(batch["tokens"][:, rows]).logits[0].float()
+            theirs = reference(batch["tokens"][:, rows], **_reference_images(reference, batch, i)).logits[0].float()
         ours = packed[rows, :vocab]
         labels, mask = batch["labels"][0, rows], batch["loss_mask"][0, rows]
         result.samples.append(SampleResult(
@@ -398,6 +444,20 @@ def compare_with_transformers(packed: torch.Tensor, batch: dict, reference, voca
             max_logit_diff=float((ours - theirs).abs().max()),
             loss_packed=_mean_loss(ours, labels, mask), loss_alone=_mean_loss(theirs, labels, mask)))
     return result
+
+
+def _reference_images(reference, batch: dict, index: int) -> dict:
+    """transformers' image inputs of sub-sequence ``index`` of a VLM pack (nothing for a text batch): its
+    pixel values and grids, and the token types its processor would return (1 on the image tokens)."""
+    if "pixel_values" not in batch:
+        return {}
+    from megatron_pack.model.vlm import sample_alone
+
+    config = reference.config
+    alone = sample_alone(batch, index, config.image_token_id, config.vision_config.spatial_merge_size)
+    images = {"pixel_values": alone["pixel_values"], "image_grid_thw": alone["image_grid_thw"]} \
+        if alone["image_grid_thw"].shape[0] else {}
+    return {"mm_token_type_ids": (alone["tokens"] == config.image_token_id).to(torch.int32), **images}
 
 
 class VerifyStopped(Exception):
@@ -415,8 +475,11 @@ def _load_reference(path: str):
     except ImportError:
         raise ValueError("verify.reference=transformers needs the transformers package; install "
                          "megatron_pack[hf] (or set verify.reference=self).") from None
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    from megatron_pack.config.hf_config import read_hf_config
+
+    vision = "vision_config" in read_hf_config(path)  # a vision-language model: images in, logits out
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+    reference = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
     return reference.eval(), transformers.__version__
 
 

@@ -177,6 +177,15 @@ class ModelConfig(_Group):
     """Weight of the load-balancing loss (per sample, over its real tokens; docs/training.md); 0: off."""
     moe_z_loss_coeff: float = 0.0
     """Weight of the router z-loss (mean over real tokens of logsumexp(router logits)^2); 0: off."""
+    mrope_section: Optional[list[int]] = None
+    """Multimodal RoPE (Qwen2.5-VL): rotary frequency pairs per (temporal, height, width) position row, summing to
+    kv_channels / 2 (config.json rope_scaling.mrope_section); None: 1-D RoPE. Set by a vision-language model.pretrained."""
+    image_token_id: Optional[int] = None
+    """The image placeholder token whose positions receive the vision features (config.json image_token_id);
+    set by a vision-language model.pretrained."""
+    freeze_vision: bool = True
+    """Vision-language models: the vision tower's patch embedding and blocks do not train (the merger and the
+    language model do); false trains the whole tower."""
 
     def field_problems(self) -> list[str]:
         g = self.GROUP
@@ -206,7 +215,20 @@ class ModelConfig(_Group):
                 problems.append(f"model.{name} ({getattr(self, name)}) must be in [0, 1); set model.{name}=0.0.")
         if not problems:
             problems += self._head_problems()
-        return problems
+        return problems + self._mrope_problems()
+
+    def _mrope_problems(self) -> list[str]:
+        if self.mrope_section is None:
+            return []
+        head_dim = self.kv_channels or self.hidden_size // self.num_attention_heads
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != head_dim:
+            return [f"model.mrope_section ({list(self.mrope_section)}) must be three numbers summing to kv_channels / 2 "
+                    f"({head_dim // 2}); leave it to model.pretrained's config.json (rope_scaling.mrope_section)."]
+        if self.pretrained is None or self.image_token_id is None:
+            return [f"model.mrope_section ({list(self.mrope_section)}) comes with a vision-language model.pretrained "
+                    "(its vision tower and image_token_id); set model.pretrained to a Qwen2.5-VL folder or "
+                    "model.mrope_section=null."]
+        return []
 
     def _head_problems(self) -> list[str]:
         """Head-shape checks; run only once every size is a positive integer."""

@@ -126,7 +126,9 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         # megatron-core's deterministic paths (TE attention, the embedding's gather) where they differ: a GPU
         deterministic_mode=cfg.train.deterministic and (fused or on_gpu),
-        bias_dropout_fusion=fused, apply_rope_fusion=fused, masked_softmax_fusion=False,
+        # M-RoPE: megatron-core's unfused THD RoPE reads per-token frequencies of the whole pack (model/vlm.py)
+        bias_dropout_fusion=fused, apply_rope_fusion=fused and m.mrope_section is None, masked_softmax_fusion=False,
+        mrope_section=list(m.mrope_section) if m.mrope_section is not None else None,
         # apex's fused weight-gradient accumulation into DDP's main_grad (GPU, when apex is built)
         bias_activation_fusion=False, gradient_accumulation_fusion=apex_wgrad_fusion_available(on_gpu),
         persist_layer_norm=False,
@@ -319,12 +321,17 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
         pre_process=stage.is_first, post_process=stage.is_last, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-        position_embedding_type="rope", rotary_base=cfg.model.rotary_base,
+        position_embedding_type="rope" if cfg.model.mrope_section is None else "mrope",
+        rotary_base=cfg.model.rotary_base,
         pg_collection=pg.pg_collection, vp_stage=vp_stage if stage.vp_size > 1 else None,
     )
     if not config.perform_initialization:
         mark_tensor_parallel(model)
-    if backend == "torch":  # TE's fused RoPE already rotates by in-sequence position
+    if cfg.model.mrope_section is not None:  # a vision-language model (model/vlm.py)
+        from megatron_pack.model.vlm import attach_vision
+
+        attach_vision(model, cfg.model.pretrained, cfg.model.image_token_id, _DTYPES[cfg.model.params_dtype])
+    elif backend == "torch":  # TE's fused RoPE already rotates by in-sequence position
         from megatron_pack.model.rope import use_in_sequence_rope
 
         use_in_sequence_rope(model)
@@ -348,6 +355,10 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         model.pretrained_report = load_pretrained(model, cfg.model.pretrained, cfg.model, tp_rank=pg.tp_rank,
                                                   tp_size=p.tensor_model_parallel_size, etp_rank=pg.etp_rank,
                                                   dims=dims)
+    if cfg.model.mrope_section is not None:
+        from megatron_pack.model.vlm import freeze_vision
+
+        freeze_vision(model, cfg.model.pretrained, cfg.model.freeze_vision)
     if cfg.peft.method == "lora":  # after loading: the base is complete and then frozen
         from megatron_pack.model.peft.lora import apply_lora
 

@@ -17,6 +17,9 @@ stage, in bytes:
   ``ddp.use_distributed_optimizer`` (which on CPU also keeps an fp32 copy of its shard:
   ``optim.ShardedTrainOptimizer``); routed experts are replicated only over the expert-data-parallel
   ranks (world / (expert TP x EP x PP)), so their state is sharded over those.
+- a vision-language model's first stage adds its vision tower (``vision_memory``): parameters, the
+  gradients and optimizer state of the part that trains (the merger with ``model.freeze_vision``), and the
+  tower's activations for a pack of image tokens only.
 - activations: the tensors autograd keeps for backward, per token of a micro-batch (a pack of
   ``packing.packed_sequence_size`` tokens, ``/ CP`` per rank), per layer, times the micro-batches a
   stage holds under 1F1B: ``min(PP - stage, micro-batches)``; with virtual stages (VP chunks of
@@ -272,15 +275,31 @@ def estimate_stage(cfg, stage: int, world_size: int) -> StageMemory:
     dp = max(1, world_size // model_parallel)
     num, experts = stage_params(cfg, stage), stage_expert_params(cfg, stage)
     element = _element_bytes(cfg)
+    vision, frozen, vision_acts = _vision_share(cfg, stage, element)
     master = element < 4 or (dist_opt and cfg.train.device != "cuda")
     state = ADAM_MOMENT_BYTES + (MASTER_BYTES if master else 0)
     shards = dp * (par.context_parallel_size if cfg.train.device == "cuda" else 1) if dist_opt else 1
     # routed experts are replicated only over the expert-data-parallel ranks: their state is sharded over those
     expert_shards = expert_data_parallel(cfg, world_size) if dist_opt else 1
-    optimizer = -(-(num - experts) * state // shards) + -(-experts * state // expert_shards)
-    return StageMemory(stage=stage, num_params=num, params=num * element,
-                       grads=num * (4 if cfg.ddp.grad_reduce_in_fp32 else element),
-                       optimizer=optimizer, activations=stage_activation_bytes(cfg, stage, dp))
+    optimizer = -(-(num + vision - frozen - experts) * state // shards) + -(-experts * state // expert_shards)
+    return StageMemory(stage=stage, num_params=num + vision, params=(num + vision) * element,
+                       grads=(num + vision - frozen) * (4 if cfg.ddp.grad_reduce_in_fp32 else element),
+                       optimizer=optimizer,
+                       activations=stage_activation_bytes(cfg, stage, dp) + vision_acts * microbatches_in_flight(
+                           cfg, stage, dp))
+
+
+def _vision_share(cfg, stage: int, element: int) -> tuple[int, int, int]:
+    """(vision tower parameters, of them frozen, activation bytes per micro-batch) on a rank of ``stage``:
+    a vision-language model's first stage holds the whole tower (``vision_memory``)."""
+    from megatron_pack.training.vision_memory import vision_activation_bytes, vision_config, vision_params, \
+        vision_trainable_params
+
+    vc = vision_config(cfg) if stage == 0 else None
+    if vc is None:
+        return 0, 0, 0
+    total = vision_params(vc)
+    return total, total - vision_trainable_params(vc, cfg.model.freeze_vision), vision_activation_bytes(cfg, vc, element)
 
 
 def estimate_memory(cfg, world_size: int = 1) -> StageMemory:

@@ -167,6 +167,25 @@ def _check_stage_input(core: torch.nn.Module, num_local_tokens: int) -> None:
                          "data: same dataset, plan, seed and DP rank).")
 
 
+def model_inputs(core: torch.nn.Module, batch: Mapping[str, Any], local: Mapping[str, Any], cp_size: int,
+                 cp_rank: int, device) -> tuple[Optional[torch.Tensor], torch.Tensor, dict]:
+    """``(tokens, position_ids, keyword arguments)`` of the model's forward for this rank's slice ``local`` of
+    ``batch`` (training's step and verify's): the tokens where they enter (the first stage); a MoE model's
+    ``padding_mask`` (its routers read the pack's boundaries; padding is never routed); a vision-language
+    model's ``decoder_input`` (the images in the whole pack's embeddings, then the CP slice: ``model/vlm.py``)
+    with the whole pack's M-RoPE positions instead of tokens."""
+    padding_mask = set_pack(core, batch, cp_size, cp_rank, device)
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+    if getattr(core, "vision_language", False):
+        from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
+
+        if core.pre_process:
+            extra["decoder_input"] = vlm_decoder_input(core, batch, cp_size, cp_rank, device)
+        return None, mrope_positions(batch, device), extra
+    tokens = local["tokens"].to(device, non_blocking=True) if core.pre_process else None
+    return tokens, local["position_ids"].to(device, non_blocking=True), extra
+
+
 def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Module):
     """megatron-core's ``forward_step_func``: next pack, this CP rank's slice, per-token losses.
 
@@ -187,14 +206,12 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     params = get_packed_seq_params(batch, device=device)
     # a pipeline stage uses the tokens only where they enter (first stage), labels and the loss
     # mask where the loss is (last stage); every stage uses the boundaries in ``params``
-    tokens = local["tokens"].to(device, non_blocking=True) if core.pre_process else None
     labels = local["labels"].to(device, non_blocking=True) if core.post_process else None
-    position_ids, loss_mask = (local[k].to(device, non_blocking=True) for k in ("position_ids", "loss_mask"))
+    loss_mask = local["loss_mask"].to(device, non_blocking=True)
     if not core.pre_process:
         _check_stage_input(core, local["tokens"].shape[-1])
-    # a MoE model's routers read the pack's boundaries; padding (from cu_seqlens) is never routed
-    padding_mask = set_pack(core, batch, cp_group.size(), cp_group.rank(), device)
-    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+    tokens, position_ids, extra = model_inputs(core, batch, local, cp_group.size(), cp_group.rank(), device)
+    padding_mask = extra.get("padding_mask")
     output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params, **extra)
     if "token_source" in local:  # data.sources: the report also carries the per-source loss
         loss = partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))

@@ -4,6 +4,7 @@ every refusal with its message, command-line contradictions, and the recipes pas
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -30,6 +31,19 @@ QWEN25_7B = {  # Qwen2.5-7B-Instruct/config.json as published
     "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
     "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "use_sliding_window": False, "vocab_size": 152064}
+QWEN25_VL_7B = {  # Qwen2.5-VL-7B-Instruct/config.json as published (the language model's keys at the top)
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
+    "max_window_layers": 28, "model_type": "qwen2_5_vl", "num_attention_heads": 28, "num_hidden_layers": 28,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064}
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128, "hidden_act": "silu",
     "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36,
@@ -183,9 +197,40 @@ def test_missing_folder_names_the_key(tmp_path):
 
 def test_every_family_listed_is_derivable():
     examples = {"llama": LLAMA31_8B, "qwen2": QWEN25_7B, "qwen3": QWEN3_8B, "mistral": MISTRAL_V03,
-                "qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B, "qwen2_moe": QWEN15_MOE_A27B}
+                "qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B, "qwen2_moe": QWEN15_MOE_A27B,
+                "qwen2_5_vl": QWEN25_VL_7B}
     assert set(examples) == set(SUPPORTED_FAMILIES)
     assert all(refusal(hf, "x") is None for hf in examples.values())
+
+
+def _nested_like_transformers5(hub: dict) -> dict:
+    """The Hub's Qwen2.5-VL config.json as transformers 5's save_pretrained writes it: the language model's
+    keys under text_config, rope_parameters instead of rope_theta + rope_scaling."""
+    text_keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+                 "rms_norm_eps", "vocab_size", "max_position_embeddings", "hidden_act", "use_sliding_window",
+                 "sliding_window")
+    text = {k: hub[k] for k in text_keys}
+    text["rope_parameters"] = {"rope_theta": hub["rope_theta"], "rope_type": "default", "type": "mrope",
+                               "mrope_section": hub["rope_scaling"]["mrope_section"]}
+    rest = {k: v for k, v in hub.items() if k not in text_keys + ("rope_theta", "rope_scaling")}
+    return {**rest, "text_config": text}
+
+
+def test_qwen2_5_vl_both_config_layouts_derive_the_same_keys():
+    hub = derive_model_keys(QWEN25_VL_7B)
+    assert hub == derive_model_keys(_nested_like_transformers5(QWEN25_VL_7B))
+    assert (hub["mrope_section"], hub["image_token_id"], hub["add_qkv_bias"], hub["kv_channels"],
+            hub["rotary_base"], hub["rope_scaling"]) == ([16, 24, 24], 151655, True, 128, 1000000, "none")
+
+
+@pytest.mark.parametrize("case, change, match", [
+    ("mrope_on_a_text_family", {**QWEN25_7B, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+     "mrope_section .* is not supported for qwen2"),
+    ("vl_without_mrope", {**QWEN25_VL_7B, "rope_scaling": None}, "qwen2_5_vl without rope_scaling mrope_section"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v and "." not in v else "")
+def test_mrope_refusals(case, change, match):
+    problem = refusal(change, "x")
+    assert problem is not None and re.search(match, problem), problem
 
 
 @pytest.fixture()
@@ -247,3 +292,14 @@ def test_recipes_pass_validate_as_written(experiment, world_size, folders, tmp_p
 
         assert cfg.packing.packed_sequence_size == 16384 and effective_pad_multiple(cfg) == 4
     assert os.path.isdir(cfg.model.pretrained)
+
+
+@pytest.mark.parametrize("case, keys, match", [
+    ("sections_do_not_sum", {"mrope_section": [2, 3, 2]}, r"model.mrope_section \(\[2, 3, 2\]\) must be three numbers summing"),
+    ("without_a_vlm_folder", {"mrope_section": [2, 3, 3]}, r"comes with a vision-language model.pretrained"),
+], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else "")
+def test_mrope_section_alone_is_refused(case, keys, match):
+    from megatron_pack.config.schema import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(hidden_size=64, num_attention_heads=4, kv_channels=16, **keys)

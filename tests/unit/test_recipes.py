@@ -40,8 +40,17 @@ _QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3
                   "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
                   "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
                   "torch_dtype": "bfloat16"}
+_QWEN25_VL_7B = {**_QWEN25_7B, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+                 "max_position_embeddings": 128000, "image_token_id": 151655, "video_token_id": 151656,
+                 "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+                 "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                                   "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                                   "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                                   "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                                   "temporal_patch_size": 2}}
 PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B,
-              "models/Llama-3.3-70B-Instruct": _LLAMA33_70B, "models/Qwen3-30B-A3B": _QWEN3_30B_A3B}
+              "models/Llama-3.3-70B-Instruct": _LLAMA33_70B, "models/Qwen3-30B-A3B": _QWEN3_30B_A3B,
+              "models/Qwen2.5-VL-7B-Instruct": _QWEN25_VL_7B}
 
 RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
 
@@ -130,3 +139,22 @@ def test_qwen3_moe_recipe_is_expert_parallel():
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_router_pre_softmax) == (128, 8, 768, False)
     assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.context_parallel_size) == (16, 1, 2)
     assert p.tensor_model_parallel_size == 2 and p.sequence_parallel
+
+
+def test_qwen2_5_vl_recipe_counts_the_vision_tower(tmp_path):
+    """The 7B VLM recipe: M-RoPE and the image token from config.json, and the memory estimate's first stage
+    holds the 0.68B-parameter tower, of which only the merger (45M) has gradients and optimizer state."""
+    from megatron_pack.training.memory_estimate import estimate_stage
+
+    path = config_dir() / "experiment" / "qwen2_5_vl_7b_sft.yaml"
+    cfg = load_config(["experiment=qwen2_5_vl_7b_sft", "data.input=train.jsonl",
+                       *_pretrained_folder(path, tmp_path)], world_size=_world_size(path))
+    assert (cfg.model.mrope_section, cfg.model.image_token_id, cfg.model.freeze_vision) == ([16, 24, 24], 151655, True)
+    text = load_config(["experiment=qwen2.5_7b_sft", "data.input=train.jsonl",
+                        *_pretrained_folder(config_dir() / "experiment" / "qwen2.5_7b_sft.yaml", tmp_path / "t")],
+                       world_size=8)
+    vlm, plain = estimate_stage(cfg, 0, 8), estimate_stage(text, 0, 8)
+    tower, merger = vlm.num_params - plain.num_params, 1280 + 5120 * 5120 + 5120 + 3584 * 5120 + 3584
+    assert 0.66e9 < tower < 0.70e9  # Qwen2.5-VL's vision encoder, ~0.67B parameters
+    assert vlm.grads - plain.grads == merger * 4  # fp32 gradient buffer of the merger only
+    assert vlm.activations > plain.activations

@@ -29,7 +29,7 @@ from megatron_pack.config.hf_config.record import FAMILIES, Family
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_FAMILIES", "UnsupportedModel", "apply_pretrained", "contradictions",
            "derive_model_keys", "family_of", "hub_id_problem", "pretrained_model_keys", "read_hf_config", "refusal",
-           "rope_settings"]
+           "rope_settings", "text_view"]
 
 
 class _FamilyField(Mapping):
@@ -92,8 +92,19 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
                                "folder.") from None
 
 
+def text_view(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json as its language model reads it: a vision-language config saved by transformers 5 nests the
+    language model's keys under ``text_config`` (the Hub's Qwen2.5-VL files keep them at the top)."""
+    text = hf.get("text_config")
+    return {**hf, **text} if isinstance(text, dict) else hf
+
+
 def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, rope scaling dict with 'rope_type') from either transformers spelling."""
+    """(rope_theta, rope scaling dict with 'rope_type') from either transformers spelling.
+
+    Multimodal RoPE (``{"type": "mrope", "mrope_section": [16, 24, 24]}``) is rope_type 'default' with
+    an ``mrope_section``: the frequencies are the default ones, split over three position rows."""
+    hf = text_view(hf)
     params = hf.get("rope_parameters")
     if isinstance(params, dict):
         scaling = dict(params)
@@ -101,7 +112,8 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     else:
         scaling = dict(hf.get("rope_scaling") or {})
         theta = hf.get("rope_theta", 10000.0)
-    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    kind = scaling.get("type", "default")
+    scaling.setdefault("rope_type", "default" if kind == "mrope" else kind)
     return float(theta), scaling
 
 
@@ -121,6 +133,7 @@ def refusal(hf: dict[str, Any], where: str) -> str | None:
     if model_type not in FAMILIES:
         return f"{where}: model_type {model_type!r} is not supported; {_supported_text()}."
     family = FAMILIES[model_type]
+    hf = text_view(hf)
     archs = hf.get("architectures") or [family.architectures[0]]
     if len(archs) != 1 or archs[0] not in family.architectures:
         return (f"{where}: architectures {archs} is not supported for {model_type}; "
@@ -129,7 +142,7 @@ def refusal(hf: dict[str, Any], where: str) -> str | None:
         problem = refuse.problem(hf, where, model_type, _supported_text())
         if problem:
             return problem
-    return _layer_types_refusal(hf, where) or _rope_refusal(hf, where)
+    return _layer_types_refusal(hf, where) or _rope_refusal(hf, where) or _mrope_refusal(hf, where, family)
 
 
 def _layer_types_refusal(hf: dict[str, Any], where: str) -> str | None:
@@ -153,10 +166,25 @@ def _rope_refusal(hf: dict[str, Any], where: str) -> str | None:
     return None
 
 
+def _mrope_refusal(hf: dict[str, Any], where: str, family: Family) -> str | None:
+    section = rope_settings(hf)[1].get("mrope_section")
+    if section is not None and family.vision is None:
+        return (f"{where}: rope_scaling mrope_section {section} (multimodal RoPE) is not supported for "
+                f"{family.model_type}; a vision-language model needs its family ({_vision_families()}).")
+    if family.vision is not None and section is None:
+        return f"{where}: {family.model_type} without rope_scaling mrope_section is not supported; re-download config.json."
+    return None
+
+
+def _vision_families() -> str:
+    return ", ".join(t for t, f in FAMILIES.items() if f.vision is not None) or "none"
+
+
 def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     """The ``model.*`` architecture keys (``ARCH_KEYS``) for a supported config.json: the common
     derivation, then the keys the family's record fixes."""
     theta, scaling = rope_settings(hf)
+    model_type, hf = hf.get("model_type"), text_view(hf)
     heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
     llama3 = scaling["rope_type"] == "llama3"
@@ -177,8 +205,9 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         if llama3 else 8192,
         "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
         "moe_shared_expert_ffn_hidden_size": None, "moe_shared_expert_gate": False,
-        **family_of(hf.get("model_type")).model_keys,
-        **(family.derive(hf) if (family := family_of(hf.get("model_type"))).derive else {}),
+        "mrope_section": None, "image_token_id": None,
+        **family_of(model_type).model_keys,
+        **(family.derive(hf) if (family := family_of(model_type)).derive else {}),
     }
 
 

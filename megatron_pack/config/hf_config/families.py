@@ -9,7 +9,7 @@ registered transform does). Shapes in ``record.SHAPE_SIZES`` names; for Llama 3.
 
 from __future__ import annotations
 
-from megatron_pack.config.hf_config.record import Family, Refuse, Rule, register_family
+from megatron_pack.config.hf_config.record import Family, Refuse, Rule, VisionTower, register_family
 
 _L, _A, _M = "decoder.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}."
 LLAMA_RULES = (
@@ -161,3 +161,17 @@ QWEN2_MOE = register_family(Family(
     rules=MOE_ATTENTION_RULES + QKV_BIAS_RULES + expert_rules("mlp", "gate_proj", "up_proj", "down_proj", "gate")
     + SHARED_EXPERT_RULES,
     refused=tuple(r for r in MOE_REFUSALS if r.key != "shared_expert_intermediate_size"), derive=_qwen2_moe_keys))
+
+
+def _qwen2_5_vl_keys(hf: dict) -> dict:
+    # hf is the language model's view (text_config merged over the top level); the M-RoPE sections
+    # are rope_scaling's (Hub) or rope_parameters' (transformers 5)
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else hf.get("rope_scaling")
+    return {"mrope_section": [int(n) for n in params["mrope_section"]], "image_token_id": int(hf["image_token_id"])}
+
+
+QWEN2_5_VL = register_family(Family(
+    model_type="qwen2_5_vl", summary="Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration; images; M-RoPE; QKV bias)",
+    architectures=("Qwen2_5_VLForConditionalGeneration",), rules=LLAMA_RULES + QKV_BIAS_RULES,
+    model_keys={"add_qkv_bias": True}, refused=DENSE_REFUSALS, derive=_qwen2_5_vl_keys,
+    vision=VisionTower("Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLVisionConfig")))

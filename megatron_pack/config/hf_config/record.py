@@ -29,7 +29,8 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "rotary_base", "norm_epsilon", "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
              "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
              "rope_original_max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-             "moe_router_pre_softmax", "moe_shared_expert_ffn_hidden_size", "moe_shared_expert_gate")
+             "moe_router_pre_softmax", "moe_shared_expert_ffn_hidden_size", "moe_shared_expert_gate",
+             "mrope_section", "image_token_id")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
 
 SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one")
@@ -118,6 +119,45 @@ def _show(value: Any) -> str:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """A vision tower and merger used as transformers builds them, under one name prefix on each side.
+
+    Its tensors keep their transformers names: ``visual.blocks.0.attn.qkv.weight`` (the Hub's layout) is
+    the parameter ``vision_model.blocks.0.attn.qkv.weight`` of the first pipeline stage, replicated on every
+    TP and CP rank (no transform). Example (Qwen2.5-VL): ``VisionTower("Qwen2_5_VisionTransformerPretrainedModel",
+    "Qwen2_5_VLVisionConfig")``.
+    """
+
+    module_class: str
+    """transformers class of the tower (built from config.json's ``vision_config``)."""
+    config_class: str
+    """transformers class of ``vision_config``."""
+    mcore_prefix: str = "vision_model."
+    """Prefix of its parameters in the megatron-core model chunk."""
+    hf_prefix: str = "visual."
+    """Prefix of its tensors in the Hugging Face folder."""
+    trainable_when_frozen: tuple[str, ...] = ("merger.",)
+    """Parameter prefixes (inside the tower) that still train with ``model.freeze_vision``."""
+
+
+HF_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+"""(other spelling, the one the rules use) of HF tensor names: a vision-language folder saved with
+transformers' module names (``model.language_model.layers.0...``) reads as the Hub's (``model.layers.0...``)."""
+
+
+def canonical_hf_name(name: str) -> str:
+    """``name`` in the Hub spelling the rules use (``HF_ALIASES``).
+
+    >>> canonical_hf_name("model.language_model.norm.weight"), canonical_hf_name("model.norm.weight")
+    ('model.norm.weight', 'model.norm.weight')
+    """
+    for other, ours in HF_ALIASES:
+        if name.startswith(other):
+            return ours + name[len(other):]
+    return name
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything about one Hugging Face model family (``families.py`` holds the supported ones)."""
 
@@ -135,6 +175,8 @@ class Family:
     """config.json keys refused, in order, after the checks every family shares."""
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
     """HF tensor name endings that are not weights (buffers recomputed from config.json)."""
+    vision: Optional["VisionTower"] = None
+    """A vision-language family's vision tower and merger (taken from transformers as they are); None: text only."""
     derive: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None
     """config.json -> the ``model.*`` keys that depend on its values (a MoE family's experts, top-k, router
     normalisation), applied after ``model_keys``; torch-free."""

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from megatron_pack.config.hf_config import read_hf_config
+from megatron_pack.config.hf_config import family_of, read_hf_config
 from megatron_pack.model.hf.load import SafetensorsFolder
 from megatron_pack.model.hf.mapping import export_tensors, load_shard
 from megatron_pack.model.hf.transforms import Dims
@@ -37,7 +37,9 @@ from megatron_pack.model.hf.rules import OUTPUT, TE_ALIASES, Placement, rules_fo
 HF_SOURCE = "hf_source"
 SOURCE_JSON = "source.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+"""The tokenizer's files, and a vision-language model's processor files (image / video preprocessing)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -100,10 +102,16 @@ def shards_from_pretrained(folder: str | Path, model_cfg, tp: int, *,
     tied = not model_cfg.untie_embeddings_and_output_weights
     placement = Placement.whole(model_cfg) if placement is None else placement
     out: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    tower = family_of(hf["model_type"]).vision
     with SafetensorsFolder(folder) as source:
         for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, placement=placement):
             for rank in range(tp):
                 out[rank][mcore] = load_shard(rule, hf_names, source, dims, rank, etp_rank=rank)
+        if tower is not None and placement.pre_process:  # replicated: the same tensor on every rank
+            for name in (n for n in source.weight_map if n.startswith(tower.hf_prefix)):
+                tensor = source.read(name)
+                for rank in range(tp):
+                    out[rank][tower.mcore_prefix + name[len(tower.hf_prefix):]] = tensor
     return out
 
 
@@ -137,6 +145,11 @@ def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, *,
         if tied and mcore == OUTPUT:
             continue
         out.update(zip(hf_names, export_tensors(rule, [shard[mcore] for shard in shards], dims)))
+    tower = family_of(model_type).vision
+    if tower is not None:  # the vision tower: transformers' own names, replicated (rank 0's copy)
+        for name in (n for n in shards[0] if n.startswith(tower.mcore_prefix)):
+            out[tower.hf_prefix + name[len(tower.mcore_prefix):]] = shards[0][name]
+            used.add(name)
     extra = sorted(set(shards[0]) - used)
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:3]} have no Hugging Face name in the {model_type} table; "

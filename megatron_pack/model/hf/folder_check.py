@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
+from megatron_pack.config.hf_config.record import canonical_hf_name
 from megatron_pack.model.hf.rules import hf_shapes
 
 INDEX = "model.safetensors.index.json"
@@ -154,7 +155,8 @@ def weight_map(folder: Path, where: str) -> dict[str, str]:
 
 
 def read_tensors(folder: str | Path, where: str) -> dict[str, TensorEntry]:
-    """Every tensor of the folder by name, each header read once; ``FolderProblem`` on the first bad file."""
+    """Every tensor of the folder by name (the Hub spelling, ``record.canonical_hf_name``), each header read
+    once; ``FolderProblem`` on the first bad file."""
     folder = Path(folder)
     mapping = weight_map(folder, where)
     headers = {file: read_header(folder / file, where) for file in sorted(set(mapping.values()))}
@@ -163,7 +165,7 @@ def read_tensors(folder: str | Path, where: str) -> dict[str, TensorEntry]:
         if name not in headers[file]:
             raise FolderProblem(f"{where}: {INDEX} places {name} in {file}, whose header does not hold it; "
                                 f"the folder is incomplete: {REDOWNLOAD}.")
-        out[name] = headers[file][name]
+        out[canonical_hf_name(name)] = headers[file][name]
     return out
 
 
@@ -193,9 +195,14 @@ def folder_problems(folder: str | Path, *, where: Optional[str] = None, hf: Opti
                             f"({', '.join(LOADED_DTYPES)}); save the folder again in one of those (transformers: "
                             "from_pretrained(dir, dtype=torch.bfloat16).save_pretrained(dir)).")
     tied = bool(hf.get("tie_word_embeddings", False))
-    ignored = family_of(hf["model_type"]).ignored
+    family = family_of(hf["model_type"])
+    tower = family.vision.hf_prefix if family.vision is not None else None
+    if tower is not None and not any(n.startswith(tower) for n in tensors):
+        problems.append(f"{where} has no {tower}* tensors (the vision tower of {hf['model_type']}); the folder is "
+                        f"incomplete: {REDOWNLOAD}.")
     extra = sorted(n for n in set(tensors) - set(expected)
-                   if not n.endswith(ignored) and not (tied and n == "lm_head.weight"))
+                   if not n.endswith(family.ignored) and not (tied and n == "lm_head.weight")
+                   and not (tower is not None and n.startswith(tower)))
     if extra:
         problems.append(f"{where}: tensors {extra[:3]} ({len(extra)} in all) map to no megatron-core parameter; the "
                         "folder holds more than its config.json describes (an unsupported variant).")
@@ -210,8 +217,10 @@ def nonfinite_problems(folder: str | Path, *, where: Optional[str] = None, hf: O
 
     folder = Path(folder)
     where = where or f"model.pretrained ({folder})"
-    expected = hf_shapes(hf if hf is not None else read_hf_config(folder))
+    hf = hf if hf is not None else read_hf_config(folder)
     tensors = read_tensors(folder, where)
+    tower = family_of(hf["model_type"]).vision
+    expected = list(hf_shapes(hf)) + ([n for n in tensors if n.startswith(tower.hf_prefix)] if tower else [])
     problems = []
     for file in sorted({tensors[n].file for n in expected}):
         data = np.memmap(folder / file, dtype=np.uint8, mode="r")

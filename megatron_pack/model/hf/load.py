@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
+from megatron_pack.config.hf_config.record import canonical_hf_name
 from megatron_pack.model.hf.folder_check import INDEX, SINGLE
 from megatron_pack.model.hf.mapping import load_shard_into, shard_shape
 from megatron_pack.model.hf.transforms import Dims
@@ -47,6 +48,12 @@ class SafetensorsFolder:
         self.bytes_read = 0
 
     def _weight_map(self) -> dict[str, str]:
+        """Tensor name (the Hub spelling the rules use) -> file; ``self.stored`` keeps the name in the file."""
+        mapping = self._stored_weight_map()
+        self.stored = {canonical_hf_name(name): name for name in mapping}
+        return {canonical_hf_name(name): file for name, file in mapping.items()}
+
+    def _stored_weight_map(self) -> dict[str, str]:
         from safetensors import safe_open
 
         if (self.root / INDEX).is_file():
@@ -74,7 +81,7 @@ class SafetensorsFolder:
             raise KeyError(f"model.pretrained ({self.root}) has no tensor {name!r}; the folder does not match its "
                            "config.json (re-download it).")
         with safe_open(self.root / self.weight_map[name], framework="pt") as handle:
-            yield handle.get_slice(name)
+            yield handle.get_slice(self.stored[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
         with self._slice(name) as part:
@@ -168,7 +175,10 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
             load_shard_into(rule, hf_names, source, dims, tp_rank, param.data, etp_rank=etp_rank)
             filled.add(name)
             used.update(dict.fromkeys(hf_names))
-        _check_coverage(folder, source, params, filled, _whole_model_names(hf, dims, tied),
+        tower = family_of(hf["model_type"]).vision
+        if tower is not None:
+            used.update(dict.fromkeys(_load_vision(params, tower, source, folder, filled)))
+        _check_coverage(folder, source, params, filled, _whole_model_names(hf, dims, tied, source),
                         family_of(hf["model_type"]).ignored, tied)
         source_dtype = source.dtype(next(iter(used)))
         bytes_read = source.bytes_read
@@ -176,10 +186,36 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
                       source_dtype=source_dtype, hf_names=tuple(used))
 
 
-def _whole_model_names(hf: dict, dims: Dims, tied: bool) -> set[str]:
-    """Every HF tensor some chunk of the model reads (a stage's folder check is the whole model's)."""
+def _load_vision(params: dict, tower, source: SafetensorsFolder, folder, filled: set[str]) -> list[str]:
+    """Fill the vision tower's parameters (a first pipeline stage's; replicated: the whole tensor on every
+    rank, one read each) from the folder's tensors of the same transformers name; returns the HF names read."""
+    names = []
+    for name, param in params.items():
+        if not name.startswith(tower.mcore_prefix):
+            continue
+        hf_name = tower.hf_prefix + name[len(tower.mcore_prefix):]
+        if hf_name not in source.weight_map:
+            raise ValueError(f"{folder} has no tensor {hf_name} for the vision tower's {name}; the folder does not "
+                             "match its config.json's vision_config (re-download it).")
+        shape = source.shape(hf_name)
+        if tuple(shape) != tuple(param.shape):
+            raise ValueError(f"{folder}: {hf_name} {tuple(shape)} does not give {name} {tuple(param.shape)}; the "
+                             "safetensors do not match config.json's vision_config.")
+        param.data.copy_(source.read(hf_name))
+        filled.add(name)
+        names.append(hf_name)
+    return names
+
+
+def _whole_model_names(hf: dict, dims: Dims, tied: bool, source: SafetensorsFolder) -> set[str]:
+    """Every HF tensor some chunk of the model reads (a stage's folder check is the whole model's): the
+    rules' names, and a vision tower's tensors (the first stage's, whichever stage this is)."""
     whole = Placement(derive_model_keys(hf)["num_layers"], num_experts=dims.num_experts)
-    return {n for _, _, names in rules_for(hf["model_type"], tied=tied, placement=whole) for n in names}
+    names = {n for _, _, names in rules_for(hf["model_type"], tied=tied, placement=whole) for n in names}
+    tower = family_of(hf["model_type"]).vision
+    if tower is not None:
+        names |= {n for n in source.weight_map if n.startswith(tower.hf_prefix)}
+    return names
 
 
 def _check_shapes(folder, rule, hf_names, source: SafetensorsFolder, dims: Dims, name: str, param, tp_rank: int) -> None:

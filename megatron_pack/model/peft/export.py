@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron_pack.config.hf_config import family_of
 from megatron_pack.config.hf_config.record import Rule
 from megatron_pack.model.hf.mapping import export_tensors
 from megatron_pack.model.hf.transforms import Dims, transform
@@ -58,11 +59,20 @@ def adapter_targets(model_type: str, targets, *, num_layers: Optional[int] = Non
     """(base rule, megatron prefix, HF prefixes) of every adapted dense linear of the model (or of the
     chunk at ``placement``), from the family table; the experts' are ``expert_targets``."""
     out = []
+    vision = family_of(model_type).vision is not None
     for rule, mcore, hf_names in rules_for(model_type, tied=False, num_layers=num_layers, placement=placement):
         leaf = mcore.removesuffix(".weight").rsplit(".", 1)[-1]
         if mcore.endswith(".weight") and leaf in targets and not rule.per_expert:
-            out.append((rule, mcore.removesuffix(".weight"), tuple(h.removesuffix(".weight") for h in hf_names)))
+            out.append((rule, mcore.removesuffix(".weight"),
+                        tuple(_module_path(h.removesuffix(".weight"), vision) for h in hf_names)))
     return out
+
+
+def _module_path(name: str, vision: bool) -> str:
+    """The HF module that peft adapts: a vision-language model's language model sits under
+    ``model.language_model.`` in transformers 5's module tree (``model.layers.0.self_attn.q_proj`` ->
+    ``model.language_model.layers.0.self_attn.q_proj``), which is where peft looks for the adapter."""
+    return "model.language_model." + name[len("model."):] if vision and name.startswith("model.") else name
 
 
 def expert_targets(model_type: str, targets, placement: Placement) -> list[tuple[str, list[str]]]:
@@ -169,10 +179,18 @@ def adapter_config(peft_meta: dict, model_type: str, base: Optional[str]) -> dic
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
             "r": int(peft_meta["dim"]), "lora_alpha": float(peft_meta["alpha"]),
             "lora_dropout": float(peft_meta["dropout"]), "bias": "none", "fan_in_fan_out": False,
-            "target_modules": hf_module_names(model_type, peft_meta["target_modules"]) or None,
+            "target_modules": _target_modules(model_type, hf_module_names(model_type, peft_meta["target_modules"])),
             "target_parameters": hf_parameter_names(model_type, peft_meta["target_modules"]) or None,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
             "modules_to_save": None, "layers_to_transform": None}
+
+
+def _target_modules(model_type: str, names: list[str]):
+    """peft's ``target_modules``: the module names, or for a vision-language model a regex over the language
+    model's modules only (the vision tower's MLP has gate_proj / up_proj / down_proj too, which must stay bare)."""
+    if not names or family_of(model_type).vision is None:
+        return names or None
+    return rf".*language_model\.layers\.\d+\..*\.({'|'.join(names)})"
 
 
 def write_adapter_folder(output: str | Path, tensors: dict[str, Tensor], config: dict, *, dtype: torch.dtype,
