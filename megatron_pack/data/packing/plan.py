@@ -228,6 +228,7 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
         "num_padding_tokens": int(plan.num_bins * settings.pack_size - thd.sum()),
         "vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"], "pad_id": meta["pad_id"],
         "eos_id": meta["eos_id"], "bos_id": meta["bos_id"],
+        **({"images": meta["images"]} if "images" in meta else {}),
         "accounting": {"num_samples_read": num_read, "num_samples_packed": entries.num_samples,
                        "num_samples_dropped": selection.dropped, "num_samples_truncated": selection.num_truncated,
                        "num_samples_split": entries.num_split or selection.num_split,

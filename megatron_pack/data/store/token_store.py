@@ -27,10 +27,10 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from megatron_pack.data.formats.sources import Chunk, DataError, parse_chunk
-from megatron_pack.data.formats.synthetic import synthetic_records
+from megatron_pack.data.formats.synthetic import synthetic_image_records, synthetic_records
 from megatron_pack.data.formats.chat import RecordError, SampleSchema
 from megatron_pack.data.formats.tokenizer import build_tokenizer
-from megatron_pack.data.store.images import IMAGE_ARRAYS, ImageWriter, StoreImages  # noqa: F401
+from megatron_pack.data.store.images import ImageWriter, StoreImages
 
 STORE_FORMAT = "megatron_pack.token_store"
 STORE_FORMAT_VERSION = 1
@@ -94,9 +94,10 @@ def init_worker(tokenizer: str, schema: SampleSchema | tuple, answer_only_loss: 
 
 
 def _records(chunk: Chunk) -> Iterator[tuple[int, dict | DataError]]:
-    if chunk.kind == "synthetic":
+    if chunk.kind == "synthetic":  # with a vision-language folder, the set with generated images
         seed, start, stop, max_length = chunk.items
-        yield from zip(range(start, stop), synthetic_records(seed, start, stop, max_length))
+        generate = synthetic_image_records if _WORKER.get("images") is not None else synthetic_records
+        yield from zip(range(start, stop), generate(seed, start, stop, max_length))
     else:
         yield from parse_chunk(chunk, keep_errors=True)
 
