@@ -260,6 +260,7 @@ def test_images_count_in_the_plan_lengths(tmp_path, folder):
     make_image(tmp_path / "img" / "ok.png", 112, 112)
     write_jsonl(tmp_path / "t.jsonl", [GOOD, {"messages": [{"role": "user", "content": "what?"}, ANSWER]}])
     ok(tmp_path, *_prepare_args(folder, "t.jsonl", 64))
+    assert "images: 1 in 1 samples, 16 image tokens" in ok(tmp_path, "inspect", "data.dataset_dir=ds")
     store = _store(tmp_path)
     num_ids = store.num_ids()
     assert num_ids[0] - num_ids[1] == 16 + 2  # 16 pads and the vision start / end; the texts are equal
