@@ -233,9 +233,10 @@ def test_truncation_drops_a_sample_it_would_cut_through_an_image(tmp_path, folde
 
 
 @pytest.mark.parametrize("setting,fragment", [("packing.on_overflow=split", "packing.on_overflow=split cuts"),
-                                              ("packing.algorithm=wrapped", "packing.algorithm=wrapped cuts")],
-                         ids=["split", "wrapped"])
-def test_plans_that_cut_samples_are_refused(tmp_path, folder, setting, fragment):
+                                              ("packing.algorithm=wrapped", "packing.algorithm=wrapped cuts"),
+                                              ("packing.export=bridge", "has no place for the 1 images")],
+                         ids=["split", "wrapped", "bridge-export"])
+def test_plans_that_cut_or_lose_images_are_refused(tmp_path, folder, setting, fragment):
     write_jsonl(tmp_path / "t.jsonl", [GOOD])
     make_image(tmp_path / "img" / "ok.png", 40, 40)
     out = refused(tmp_path, *_prepare_args(folder, "t.jsonl", 64, setting))
