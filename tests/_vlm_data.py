@@ -82,19 +82,6 @@ def make_image(path: Path | str, width: int, height: int, *, mode: str = "RGB", 
     return path
 
 
-def image_bytes(width: int, height: int, *, seed: int = 0, fmt: str = "PNG") -> bytes:
-    """The encoded bytes of a random RGB image (Parquet image columns)."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB").save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
 def write_jsonl(path: Path | str, records: list[dict]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _user_path import ok, refused  # noqa: E402
-from _vlm_data import image_bytes, make_image, make_vlm_data_folder, write_jsonl  # noqa: E402
+from _vlm_data import make_image, make_vlm_data_folder, write_jsonl  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -205,7 +205,7 @@ def _stage_content(content, where: str, listed: list, num_from_list: int, refs: 
         parts = []
         for k, text in enumerate(content.split(IMAGE_PLACEHOLDER)):
             if k:
-                num_from_list = _take_listed(listed, num_from_list, refs, base_dir, where, parts)
+                num_from_list = _take_listed(listed, num_from_list, refs, base_dir, parts)
             if text:
                 parts.append({"type": "text", "text": text})
         return parts, num_from_list
@@ -216,14 +216,14 @@ def _stage_content(content, where: str, listed: list, num_from_list: int, refs: 
         if not (isinstance(part, dict) and part.get("type") == "image"):
             parts.append(part)
         elif part.get("image") is None:
-            num_from_list = _take_listed(listed, num_from_list, refs, base_dir, f"{where}[{j}]", parts)
+            num_from_list = _take_listed(listed, num_from_list, refs, base_dir, parts)
         else:
             refs.append(_reference(part["image"], base_dir, f"{where}[{j}].image"))
             parts.append({"type": "image", IMAGE_INDEX_KEY: len(refs) - 1})
     return parts, num_from_list
 
 
-def _take_listed(listed: list, taken: int, refs: list, base_dir: Path, where: str, parts: list) -> int:
+def _take_listed(listed: list, taken: int, refs: list, base_dir: Path, parts: list) -> int:
     if taken < len(listed):
         refs.append(_reference(listed[taken], base_dir, f"images[{taken}]"))
     else:
