@@ -65,6 +65,27 @@ def test_image_tokens_from_the_stored_size_equal_the_processor(tmp_path, folder,
     assert spec.num_tokens(grid) == int(np.prod(grid)) // 4 >= 1
 
 
+def test_top_level_max_pixels_wins_over_size_as_in_the_processor(tmp_path, folder):
+    """Published Qwen2.5-VL folders carry both ``size`` and ``min_pixels`` / ``max_pixels``; the processor
+    takes the latter."""
+    import json as _json
+    import shutil
+
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from megatron_pack.data.formats.images import image_spec
+    from megatron_pack.data.formats.tokenizer import build_tokenizer
+
+    other = Path(shutil.copytree(folder, tmp_path / "other"))
+    config = _json.loads((other / "preprocessor_config.json").read_text())
+    (other / "preprocessor_config.json").write_text(_json.dumps({**config, "max_pixels": 56 * 56}))
+    path = make_image(tmp_path / "x.png", 100, 60)
+    reference = AutoImageProcessor.from_pretrained(other)(images=[Image.open(path)], return_tensors="np")
+    grid = tuple(int(x) for x in reference["image_grid_thw"][0])
+    assert image_spec(str(other), build_tokenizer(str(other))).grid(60, 100) == grid == (1, 2, 4)
+
+
 def test_the_size_table_covers_resizing_both_ways():
     from megatron_pack.data.formats.images import smart_resize
 

@@ -119,10 +119,18 @@ def image_spec(folder: str, tokenizer) -> Optional[ImageSpec]:
                         "folder's tokenizer has them: point data.tokenizer at the full model folder.")
     return ImageSpec(patch_size=int(config.get("patch_size", 14)), merge_size=int(config.get("merge_size", 2)),
                      temporal_patch_size=int(config.get("temporal_patch_size", 2)),
-                     min_pixels=int(size.get("shortest_edge", config.get("min_pixels", 56 * 56))),
-                     max_pixels=int(size.get("longest_edge", config.get("max_pixels", 28 * 28 * 1280))),
+                     min_pixels=int(_pixels(config, size, "min_pixels", "shortest_edge", 56 * 56)),
+                     max_pixels=int(_pixels(config, size, "max_pixels", "longest_edge", 28 * 28 * 1280)),
                      do_convert_rgb=bool(config.get("do_convert_rgb", True)), image_token_id=int(ids["image"]),
                      vision_start_id=int(ids["start"]), vision_end_id=int(ids["end"]))
+
+
+def _pixels(config: dict, size: dict, key: str, edge: str, default: int) -> int:
+    """``min_pixels`` / ``max_pixels`` as the processor reads its config: the top-level key (Qwen2.5-VL's
+    published folders have both) overrides ``size``'s edge, which overrides the class default."""
+    if config.get(key) is not None:
+        return config[key]
+    return size.get(edge, default)
 
 
 @dataclass(frozen=True)
