@@ -244,3 +244,18 @@ def test_synthetic_images_are_generated_on_the_fly(tmp_path):
         assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(dim=1).sum())
     names = [name for a in answers for name in a.removesuffix("<|im_end|>").split(" and ")]
     assert num_images >= 6 and len(answers) >= 2 and set(names) <= set(COLORS)
+
+
+def test_the_vlm_tiny_recipe_prepares_generated_images(tmp_path):
+    """experiment=vlm_tiny's data: the synthetic colour-image set tokenized with the folder's tokenizer (the
+    model folder itself comes with the qwen2_5_vl family; here its tokenizer and processor stand in)."""
+    import json
+
+    from _user_path import ok
+
+    folder = make_vlm_data_folder(tmp_path)
+    ok(tmp_path, "prepare", "experiment=vlm_tiny", "model.pretrained=null", "model=tiny", f"data.tokenizer={folder}",
+       "data.tokenize_workers=1")
+    meta = json.loads((tmp_path / "data" / "vlm_tiny" / "metadata.json").read_text())
+    assert meta["num_samples"] == 64 and meta["images"]["num_images"] >= 32
+    assert meta["sources"]["kind"] == "synthetic" and meta["images"]["num_image_tokens"] > 0
