@@ -123,6 +123,12 @@ def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
              f"({store['token_dtype']}), tokenizer {store['tokenizer']['name']} (vocab {store['vocab_size']})",
              f"  sample ids P50/P90/P95/P99/max: {pct['p50']}/{pct['p90']}/{pct['p95']}/{pct['p99']}/{pct['max']}; "
              f"answer tokens {store['answer_token_share']:.1%}; blank lines skipped {store['num_blank_lines_skipped']}"]
+    images = store.get("images")
+    if images:  # the image tokens are counted in every length above
+        lines.append(f"  images: {images['num_images']} in {images['num_samples_with_images']} samples, "
+                     f"{images['num_image_tokens']} image tokens ({images['num_image_tokens'] / store['num_tokens']:.1%} "
+                     f"of the tokens; patch {images['patch_size']}, merge {images['merge_size']}, "
+                     f"{images['min_pixels']}..{images['max_pixels']} pixels)")
     plans = list_plans(dataset_dir)
     if plan is not None:
         plans = [p for p in plans if p.name == plan]

@@ -136,7 +136,8 @@ def _store_run(cfg0, store_meta, given, checks: dict, open_data) -> RunConfig:
     from megatron_pack.data.store.recorded import apply_recorded
 
     recorded = apply_recorded(cfg0, {}, store_meta, given)
-    cfg = _validated(recorded.cfg, checks, {"vocab_size": store_meta.get("vocab_size")})
+    cfg = _validated(recorded.cfg, checks, {"vocab_size": store_meta.get("vocab_size"),
+                                            **({"images": store_meta["images"]} if "images" in store_meta else {})})
     notes = [f"from {cfg.data.dataset_dir}: {n}" for n in recorded.notes]
     if not open_data:
         return RunConfig(cfg, None, notes)

@@ -303,6 +303,11 @@ class DataConfig(_Group):
     """Content field of each chat message (ShareGPT: 'value'); a string or a list of {type: text, text} parts."""
     role_aliases: dict[str, str] = field(default_factory=dict)
     """Extra role names mapped to system/user/assistant/tool, e.g. {human: user, gpt: assistant}."""
+    images_key: str = "images"
+    """Column listing a record's images (paths or bytes) for ShareGPT '<image>' placeholders and image parts
+    without an 'image' of their own; read when data.tokenizer is a vision-language folder."""
+    image_root: Optional[str] = None
+    """Folder relative image paths start at; None: the folder of the data file that names them."""
     format: str = "default"
     """'default' (the keys above) or 'sharegpt' (conversations/from/value, human/gpt/system roles)."""
     chat_template: Optional[str] = None
@@ -451,7 +456,7 @@ class PackingConfig(_Group):
 
 
 SOURCE_SCHEMA_KEYS = ("schema", "format", "prompt_key", "completion_key", "messages_key", "role_key", "content_key",
-                      "role_aliases")
+                      "role_aliases", "images_key")
 """Keys a data.sources entry may set for its own records (they default to the data.* values)."""
 
 

@@ -323,6 +323,17 @@ def _validate_in_batch_packing(cfg: Config) -> list[str]:
     return []
 
 
+def _validate_image_dataset(cfg: Config, meta: Optional[dict[str, Any]]) -> list[str]:
+    """A dataset with images (``images`` in its metadata) trains offline (micro_batch_size 1, one pack a row) or
+    in-batch (micro_batch_size >= 2 packed at collate, the VLM path of Megatron-Bridge's packing card): online
+    packing does not carry images."""
+    if not meta or not meta.get("images") or cfg.packing.mode != "online":
+        return []
+    return [f"packing.mode (online) packs token streams without their images, but data.dataset_dir "
+            f"({cfg.data.dataset_dir}) holds {meta['images'].get('num_images')} images; set packing.mode=offline "
+            "(train.micro_batch_size=1) or packing.mode=in_batch (train.micro_batch_size >= 2)."]
+
+
 def _validate_online_packing(cfg: Config) -> list[str]:
     """packing.mode=online needs a buffer that holds a pack; its cap on samples per pack
     is online only (workers, token budgets, balancing and fixed cu_seqlens work online:
@@ -843,6 +854,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_validate_batch_size, ("world_size",), early=True),
     Rule(_validate_virtual_pipeline, ("world_size",), early=True),
     Rule(_validate_dataset_meta, ("dataset_meta",)),
+    Rule(_validate_image_dataset, ("dataset_meta",)),
 )
 """Every cross-group rule, in the order its problems are listed. ``validate()``, ``train --check``, ``train``,
 ``verify``, ``prepare`` and the launch scripts (through ``train --check``) run the rules whose inputs they

@@ -31,6 +31,7 @@ from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, ST
 from megatron_pack.data.formats.chat import SampleSchema, schema_from_config
 from megatron_pack.data.formats.synthetic import GENERATOR_VERSION
 from megatron_pack.data.formats.tokenizer import build_tokenizer
+from megatron_pack.data.store.images import IMAGE_ARRAYS
 
 log = logging.getLogger(__name__)
 SYNTHETIC_CHUNK = 1000
@@ -83,8 +84,20 @@ def store_inputs(cfg, tokenizer) -> dict:
     schema = _schema(cfg)
     skip = {"on_bad_record": d.on_bad_record} if d.on_bad_record != "error" else {}  # older stores keep their names
     return {"sources": sources, "tokenizer": tokenizer.identity(), "answer_only_loss": d.answer_only_loss,
-            "schema": schema.identity(), **skip,
+            "schema": schema.identity(), **skip, **_image_inputs(cfg, tokenizer),
             "format_version": STORE_FORMAT_VERSION}
+
+
+def _image_inputs(cfg, tokenizer) -> dict:
+    """The image processor's resize rule and data.image_root, for a tokenizer folder with an image processor
+    (``formats.images``); nothing for a text folder, so text stores keep their fingerprints."""
+    from megatron_pack.data.formats.images import image_spec
+
+    spec = image_spec(cfg.data.tokenizer, tokenizer)
+    if spec is None:
+        return {}
+    root = cfg.data.image_root
+    return {"image_processor": spec.identity(), "image_root": str(Path(root).resolve()) if root else None}
 
 
 def fingerprint(inputs: dict) -> str:
@@ -146,9 +159,11 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
     with atomic_directory(target, replace=True) as tmp:
         results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_file_schemas(cfg, inputs),
                                   answer_only_loss=cfg.data.answer_only_loss, num_workers=num_workers,
-                                  chat_template=cfg.data.chat_template, on_bad_record=cfg.data.on_bad_record)
+                                  chat_template=cfg.data.chat_template, on_bad_record=cfg.data.on_bad_record,
+                                  image_root=cfg.data.image_root)
         counts = write_store(tmp, results, token_dtype=token_dtype_for(tokenizer.vocab_size), total=total,
-                             progress=progress)
+                             progress=progress, images="image_processor" in inputs)
+        image_counts = counts.pop("image_counts", None)
         counts["bad_records"] = {"policy": cfg.data.on_bad_record, **counts["bad_records"]}
         if counts["num_samples"] == 0:
             skipped = counts["bad_records"]["num_skipped"]
@@ -163,7 +178,9 @@ def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = 
                 "num_tokenize_workers": num_workers, "tokenize_seconds": round(time.perf_counter() - start, 3),
                 "tokenize_cpu_seconds": round(time.process_time() - start_cpu, 3),
                 "files": {f"{n}.npy": {"sha256": sha256_file(tmp / f"{n}.npy"), "size": (tmp / f"{n}.npy").stat().st_size}
-                          for n in STORE_ARRAYS}}
+                          for n in STORE_ARRAYS + (IMAGE_ARRAYS if image_counts else ())}}
+        if image_counts:
+            meta["images"] = {**image_counts, **inputs["image_processor"], "arrays": list(IMAGE_ARRAYS)}
         write_json(tmp / "metadata.json", meta)
     return TokenStore(target, meta)
 

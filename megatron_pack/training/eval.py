@@ -130,9 +130,9 @@ def build_validation_loader(cfg, state, dataset) -> Optional[ValidationLoader]:
     """The validation loader for ``dataset`` (None passes through), collated like training packs."""
     if dataset is None:
         return None
-    from megatron_pack.data.batches.loader import collate_from_config
+    from megatron_pack.data.batches.loader import dataset_collate
 
-    collate = collate_from_config(cfg, dataset.metadata)
+    collate = dataset_collate(cfg, dataset)
     num = num_eval_packs(len(dataset), cfg.train.eval_iters, cfg.train.global_batch_size)
     return ValidationLoader(dataset, collate, num_packs=num, dp_rank=state.dp_rank, dp_size=state.dp_size)
 

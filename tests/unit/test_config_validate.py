@@ -293,6 +293,11 @@ CASES = [
     ("dataset_meta", dict(model__fp8="delayed", parallel__context_parallel_size=2), dict(meta=META_OK),
      ("model.fp8 (delayed): the dataset was planned with packs padded to a multiple of 4 tokens",
       "this run needs 32", "re-run `megatron-pack prepare` with this config and model.fp8=delayed")),
+    # issue 35: a dataset with images trains offline or in-batch, never online
+    ("image_dataset", {}, dict(meta={"images": {"num_images": 6}}), ()),
+    ("image_dataset", dict(packing__mode="online"), dict(meta={"images": {"num_images": 6}}),
+     ("packing.mode (online) packs token streams without their images", "holds 6 images",
+      "set packing.mode=offline (train.micro_batch_size=1) or packing.mode=in_batch")),
     # issue 25: mixture of experts
     ("moe", dict(model__num_experts=4, parallel__context_parallel_size=2), {}, ()),
     ("moe", dict(model__num_experts=4, parallel__tensor_model_parallel_size=2), {},

@@ -179,5 +179,7 @@ class PackedSFTDataset(BinnedSamples):
                 sample["bucket"] = bucket
             if self.sample_source is not None:
                 sample["source"] = source
+            if self.store.images is not None:  # whole samples only: a plan with images never splits
+                sample["images"] = self.store.images.sample_images(sample_id, num_ids)
             samples.append(sample)
         return samples

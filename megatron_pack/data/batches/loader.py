@@ -36,6 +36,7 @@ from megatron_pack.data.batches.online_feed import PackFeed, PackMaker
 from megatron_pack.data.batches.protocol import loader_info
 from megatron_pack.data.batches.steps import StepLoader, StepPlanner, StepRule, pack_stats
 from megatron_pack.data.batches.thd import make_collate_fn
+from megatron_pack.data.batches.vlm import image_collate
 from megatron_pack.data.formats.sources import DataError
 from megatron_pack.data.packing.order import EpochOrder
 
@@ -54,6 +55,13 @@ def collate_from_config(cfg: Config, metadata: Mapping[str, Any]) -> Callable[[S
                                  pad_id=int(metadata.get("pad_id", 0)), pack_multiple=effective_pack_multiple(cfg))
     return make_collate_fn(metadata, pad_to_max_length=cfg.data.pad_to_max_length,
                            pad_cu_seqlens=cfg.packing.pad_cu_seqlens, pack_multiple=effective_pack_multiple(cfg))
+
+
+def dataset_collate(cfg: Config, dataset) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
+    """``collate_from_config`` for ``dataset``, with the images, pixels and M-RoPE positions of a store with
+    images (``vlm.with_images``)."""
+    return image_collate(collate_from_config(cfg, dataset.metadata), getattr(dataset, "store_metadata", {}),
+                         in_batch=cfg.packing.mode == "in_batch")
 
 
 def num_packs_left_out(num_packs: int, dp_size: int) -> int:
@@ -95,7 +103,7 @@ def build_loader(cfg: Config, dataset: PackedSFTDataset | MicroBatchDataset | On
                     "leaves out the last %d of its shuffled order (a different %d each epoch); use a data-parallel "
                     "size that divides %d to train every pack every epoch.", len(dataset), dp_size,
                     len(dataset) - left_out, left_out, left_out, len(dataset))
-    return StepLoader(dataset, collate_from_config(cfg, dataset.metadata), planner, dp_rank=dp_rank,
+    return StepLoader(dataset, dataset_collate(cfg, dataset), planner, dp_rank=dp_rank,
                       seed=cfg.train.seed, num_workers=cfg.data.num_workers, pin_memory=pin_memory,
                       info=loader_info(dataset.metadata), bucket_order=cfg.packing.bucket_order)
 

@@ -78,6 +78,8 @@ class MicroBatchDataset(BinnedSamples):
             samples.append({"input_ids": self.store.tokens[start:start + num_ids].astype(np.int64),
                             "loss_mask": self.store.answer_mask[start:start + num_ids].astype(np.int64),
                             "sample_id": sample_id})
+            if self.store.images is not None:
+                samples[-1]["images"] = self.store.images.sample_images(sample_id, num_ids)
         return samples
 
     def __getstate__(self) -> dict:

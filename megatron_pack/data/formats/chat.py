@@ -43,7 +43,8 @@ _DEFAULT_KEYS = {"messages_key": "messages", "role_key": "role", "content_key": 
 
 BAD_RECORD_REASONS = ("malformed_json", "not_utf8", "not_an_object", "empty_conversation", "turn_without_content",
                       "unknown_role", "wrong_role_order", "missing_key", "wrong_type", "non_text_part", "empty_sample",
-                      "bad_weight", "template_refused", "invalid_unicode")
+                      "bad_weight", "template_refused", "invalid_unicode", "image_missing", "image_unreadable",
+                      "image_mode", "image_count_mismatch")
 """Why a record is bad (``data.on_bad_record=skip`` counts each); docs/data.md lists them."""
 
 
@@ -75,6 +76,8 @@ class SampleSchema:
     """Content field of each message: a string or a list of {type: text, text} parts."""
     role_aliases: tuple[tuple[str, str], ...] = field(default=())
     """(name in the data, role) pairs, e.g. (("human", "user"), ("gpt", "assistant"))."""
+    images_key: str = "images"
+    """Column listing a record's images (ShareGPT ``<image>`` placeholders, TRL image parts without a path)."""
 
     def identity(self) -> dict:
         """What the token store's fingerprint hashes; keys at their defaults are left out, so stores
@@ -84,6 +87,8 @@ class SampleSchema:
         if self.role_key != "role" or self.content_key != "content" or self.role_aliases:
             out.update(role_key=self.role_key, content_key=self.content_key,
                        role_aliases=[list(p) for p in self.role_aliases])
+        if self.images_key != "images":
+            out["images_key"] = self.images_key
         return out
 
 
@@ -98,7 +103,8 @@ def schema_from_config(data: Any) -> SampleSchema:
         aliases.update(SHAREGPT["role_aliases"])
     aliases.update(data.role_aliases or {})
     return SampleSchema(data.schema, prompt_key=data.prompt_key, completion_key=data.completion_key,
-                        role_aliases=tuple(sorted(aliases.items())), **keys)
+                        role_aliases=tuple(sorted(aliases.items())), images_key=getattr(data, "images_key", "images"),
+                        **keys)
 
 
 def record_kind(record: dict, schema: SampleSchema) -> str:
@@ -210,16 +216,28 @@ def _message(message: Any, where: str, schema: SampleSchema, aliases: dict[str, 
     return out
 
 
-def _content(content: Any, where: str) -> str:
-    """A string, or the text of a list of ``{type: text, text}`` parts joined."""
+IMAGE_PART_KEY = "image_index"
+"""Key of the image parts ``formats.images.stage_images`` leaves in a record whose folder has an image processor."""
+
+
+def _content(content: Any, where: str) -> str | list[dict]:
+    """A string, or the text of a list of ``{type: text, text}`` parts joined; with staged image parts
+    (``{"type": "image", "image_index": k}``) the parts themselves, for the chat template to render."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise RecordError(f"{where} must hold a string 'content' or a list of {{type: text, text}} parts, got "
                           f"{type(content).__name__} ({content!r:.40}); store the message text there", "wrong_type")
+    if any(isinstance(p, dict) and IMAGE_PART_KEY in p for p in content):
+        return [p if IMAGE_PART_KEY in p else {"type": "text", "text": _content([p], f"{where}[{j}]")}
+                for j, p in enumerate(content)]
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            raise RecordError(f"{where}[{j}] is a 'image' part, but data.tokenizer has no preprocessor_config.json; "
+                              "set data.tokenizer to a vision-language model folder (Qwen2.5-VL) or remove the image",
+                              "non_text_part")
         if kind != "text" or not isinstance(part.get("text"), str):
             raise RecordError(f"{where}[{j}] is a {kind or type(part).__name__!r} part; only text parts "
                               "({\"type\": \"text\", \"text\": \"...\"}) can be trained on: remove the non-text part or "

@@ -93,3 +93,47 @@ def synthetic_record(seed: int, index: int, max_length: int = 4096) -> dict:
 def synthetic_records(seed: int, start: int, stop: int, max_length: int = 4096):
     """Records ``start .. stop-1``."""
     return [synthetic_record(seed, i, max_length) for i in range(start, stop)]
+
+
+COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
+          "black": (20, 20, 20), "white": (235, 235, 235)}
+"""The colours of the synthetic images (``synthetic_image_record``) and the answers naming them."""
+
+
+def _color_png(rng: random.Random, color: tuple[int, int, int]) -> bytes:
+    """A PNG of one colour with a little noise, 28 to 112 pixels a side (the tiny processor's range)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    width, height = rng.randrange(28, 113), rng.randrange(28, 113)
+    noise = np.random.default_rng(rng.getrandbits(32)).integers(-12, 13, (height, width, 3))
+    pixels = np.clip(np.asarray(color)[None, None, :] + noise, 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def synthetic_image_record(seed: int, index: int, max_length: int = 4096) -> dict:
+    """Record ``index`` of the synthetic vision-language set: one in four a text chat of ``synthetic_record``,
+    the others ask for the colour of one or two generated images (stored as PNG bytes in the record), e.g.
+    ``{"messages": [{"role": "user", "content": "<image>what color is this?"}, {"role": "assistant",
+    "content": "blue"}], "images": [{"bytes": b"\\x89PNG..."}]}``."""
+    rng = random.Random(seed * 1_000_033 + index)
+    if rng.random() < 0.25:
+        record = synthetic_record(seed, index, max_length)
+        if "messages" in record:
+            return record
+        return {"messages": [{"role": "user", "content": record["prompt"]},
+                             {"role": "assistant", "content": record["completion"]}], "task": record["task"]}
+    names = [rng.choice(list(COLORS)) for _ in range(1 + (rng.random() < 0.3))]
+    question = "<image>what color is this?" if len(names) == 1 else "<image><image>which colors are these?"
+    return {"messages": [{"role": "user", "content": question},
+                         {"role": "assistant", "content": " and ".join(names)}],
+            "images": [{"bytes": _color_png(rng, COLORS[n])} for n in names], "task": "color"}
+
+
+def synthetic_image_records(seed: int, start: int, stop: int, max_length: int = 4096):
+    """Records ``start .. stop-1`` of the synthetic vision-language set."""
+    return [synthetic_image_record(seed, i, max_length) for i in range(start, stop)]

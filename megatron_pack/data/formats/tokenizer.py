@@ -284,7 +284,8 @@ class HFTokenizer:
             try:
                 if fast and record_kind(record, schema) == "chat":
                     messages, first_trained = chat_messages(record, schema)
-                    if first_trained == 0 and not untrained_turns(messages):
+                    if first_trained == 0 and not untrained_turns(messages) and \
+                            all(isinstance(m["content"], str) for m in messages):  # image parts: one at a time
                         batch.append(i)
                         conversations.append(messages)
                         continue

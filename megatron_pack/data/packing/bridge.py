@@ -147,6 +147,10 @@ def export_bridge(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
 
     plan_dir = Path(plan_dir)
     meta = read_json(plan_dir / "metadata.json")
+    if meta.get("images"):  # the plan of a store with images (plan_metadata copies its summary)
+        raise DataError(f"packing.export=bridge writes Megatron-Bridge's packed text format, which has no place for "
+                        f"the {meta['images']['num_images']} images of {plan_dir.parent.parent}; unset packing.export "
+                        "(train reads the images from the token store) or prepare a text-only dataset for Bridge.")
     if meta.get("wrapped_attention") == "cross":
         raise DataError("packing.export=bridge cannot carry packing.wrapped_attention=cross rows: a row is one "
                         "sequence of several documents, which Bridge would train to predict the next document's "

@@ -82,8 +82,14 @@ def select_samples(store: TokenStore, settings: PlanSettings, include=None) -> S
         start = int(store.offsets[i])
         return bool(np.any(store.answer_mask[start + 1:start + take]))
 
+    cuts_image = None
+    if store.images is not None:
+        from megatron_pack.data.packing.images import check_image_plan, image_cut_rule
+
+        check_image_plan(store, settings, include)
+        cuts_image = image_cut_rule(store)
     chosen = select(num_ids, store.num_targets, settings, answer_after_truncation=answer_after_truncation,
-                    where=store.where, include=include)
+                    where=store.where, include=include, cuts_image=cuts_image)
     if settings.on_overflow == "split":
         return _split_selection(store, settings, chosen.keep, chosen.over, num_ids, chosen.dropped)
     kept = np.flatnonzero(chosen.keep)
@@ -222,6 +228,7 @@ def plan_metadata(store: TokenStore, settings: PlanSettings, selection: Selectio
         "num_padding_tokens": int(plan.num_bins * settings.pack_size - thd.sum()),
         "vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"], "pad_id": meta["pad_id"],
         "eos_id": meta["eos_id"], "bos_id": meta["bos_id"],
+        **({"images": meta["images"]} if "images" in meta else {}),
         "accounting": {"num_samples_read": num_read, "num_samples_packed": entries.num_samples,
                        "num_samples_dropped": selection.dropped, "num_samples_truncated": selection.num_truncated,
                        "num_samples_split": entries.num_split or selection.num_split,

@@ -48,15 +48,17 @@ def lost_data_text(lost: dict) -> str:
     return text if len(parts) > 1 or lost.get("num_records_skipped") else text + "; nothing lost"
 
 
-def lost_targets_warning(lost: dict, longest: int) -> str | None:
+def lost_targets_warning(lost: dict, longest: int, can_split: bool = True) -> str | None:
     """The one-line warning when the overflow policy loses more than 5% of the answer targets, naming the fixes
-    (``longest``: the longest sample's padded THD length, the pack size that keeps every sample whole)."""
+    (``longest``: the longest sample's padded THD length, the pack size that keeps every sample whole;
+    ``can_split``: False for a store with images, whose plans never split)."""
     a = lost["answer_targets"]
     if not a["read"] or a["lost_to_overflow"] <= LOST_TARGETS_WARNING * a["read"]:
         return None
     return (f"packing.on_overflow={lost['on_overflow']} loses {_share(a['lost_to_overflow'], a['read'])} of the answer "
-            f"targets ({a['lost_to_overflow']} of {a['read']}); set packing.on_overflow=split to keep every target, "
-            f"or packing.packed_sequence_size={longest} model.seq_length={longest} to keep every sample whole.")
+            f"targets ({a['lost_to_overflow']} of {a['read']}); "
+            + ("set packing.on_overflow=split to keep every target, or " if can_split else "set ")
+            + f"packing.packed_sequence_size={longest} model.seq_length={longest} to keep every sample whole.")
 
 
 def plan_lost_warning(store_meta: dict, plan_meta: dict) -> str | None:
@@ -65,7 +67,7 @@ def plan_lost_warning(store_meta: dict, plan_meta: dict) -> str | None:
     lost = plan_meta.get("lost_data")
     longest_ids = int((store_meta.get("sample_num_ids_percentiles") or {}).get("max", 0))  # the longest sample's ids
     longest = int(thd_lengths(np.array([max(longest_ids, 1)]), int(plan_meta.get("pad_seq_to_mult", 1)))[0])
-    return lost_targets_warning(lost, longest) if lost else None
+    return lost_targets_warning(lost, longest, can_split="images" not in store_meta) if lost else None
 
 
 def length_histogram(lengths: np.ndarray, pack_size: int) -> dict:

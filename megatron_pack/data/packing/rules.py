@@ -28,6 +28,8 @@ from megatron_pack.data.packing.algorithms import thd_lengths
 from megatron_pack.data.store.metadata import PlanSettings
 
 DROP_REASONS = ("no_answer_tokens", "too_long", "no_answer_tokens_after_truncation")
+IMAGE_CUT = "image_cut_by_truncation"
+"""The drop reason of a sample truncation would cut through an image (only counted in a store with images)."""
 NUM_OFFENDERS_SHOWN = 5
 
 
@@ -48,14 +50,16 @@ class Chosen:
 
 def select(num_ids: np.ndarray, num_targets: np.ndarray, settings: PlanSettings, *,
            answer_after_truncation: Callable[[int, int], bool], where: Callable[[int], str],
-           include: Optional[np.ndarray] = None) -> Chosen:
+           include: Optional[np.ndarray] = None, cuts_image: Optional[Callable[[int, int], bool]] = None) -> Chosen:
     """Apply the empty-sample rule and the overflow policy to samples of ``num_ids`` ids and
     ``num_targets`` answer tokens (see the module docstring).
 
     ``answer_after_truncation(i, take)`` says whether sample ``i`` still holds an answer token among
     its first ``take`` ids' targets; ``where(i)`` names it (file and line) for the ``error`` policy;
     ``include`` (bool, default all) limits the choice to those samples: the others are neither kept
-    nor counted (the held-out validation share).
+    nor counted (the held-out validation share). ``cuts_image(i, take)`` (a store with images) says whether
+    keeping ``take`` ids of sample ``i`` would cut through an image: such a sample is dropped, counted
+    ``image_cut_by_truncation``, never cut.
 
     >>> s = PlanSettings(pack_size=8, pad_multiple=4, algorithm="bfd", seed=0, on_overflow="truncate", max_length=8)
     >>> c = select(np.array([5, 12, 3]), np.array([2, 3, 0]), s, answer_after_truncation=lambda i, t: True,
@@ -75,6 +79,8 @@ def select(num_ids: np.ndarray, num_targets: np.ndarray, settings: PlanSettings,
         over[:] = False
     dropped = dict.fromkeys(DROP_REASONS, 0)
     dropped["no_answer_tokens"] = int(empty.sum())
+    if cuts_image is not None:
+        dropped[IMAGE_CUT] = 0
     take = num_ids.copy()
     if over.any() and settings.on_overflow == "error":
         raise DataError(overflow_message(settings, np.flatnonzero(over), num_ids, padded, where))
@@ -86,7 +92,10 @@ def select(num_ids: np.ndarray, num_targets: np.ndarray, settings: PlanSettings,
     else:
         for i in np.flatnonzero(over).tolist():
             take[i] = settings.truncate_to + 1
-            if answer_after_truncation(i, int(take[i])):
+            if cuts_image is not None and cuts_image(i, int(take[i])):
+                keep[i] = False
+                dropped[IMAGE_CUT] += 1
+            elif answer_after_truncation(i, int(take[i])):
                 num_truncated += 1
             else:
                 keep[i] = False

@@ -27,9 +27,10 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from megatron_pack.data.formats.sources import Chunk, DataError, parse_chunk
-from megatron_pack.data.formats.synthetic import synthetic_records
+from megatron_pack.data.formats.synthetic import synthetic_image_records, synthetic_records
 from megatron_pack.data.formats.chat import RecordError, SampleSchema
 from megatron_pack.data.formats.tokenizer import build_tokenizer
+from megatron_pack.data.store.images import ImageWriter, StoreImages
 
 STORE_FORMAT = "megatron_pack.token_store"
 STORE_FORMAT_VERSION = 1
@@ -72,23 +73,31 @@ class ChunkResult:
     num_blank: int
     bad: list = field(default_factory=list)
     """``(where, reason, message)`` of every bad record skipped (``data.on_bad_record=skip``), in file order."""
+    images: list = field(default_factory=list)
+    """Per stored sample, ``None`` or ``(ImageInfo list, first pad positions)`` (a folder with an image processor)."""
 
 
 _WORKER: dict = {}
 
 
 def init_worker(tokenizer: str, schema: SampleSchema | tuple, answer_only_loss: bool,
-                chat_template: str | None = None, on_bad_record: str = "error") -> None:
+                chat_template: str | None = None, on_bad_record: str = "error", image_root: str | None = None) -> None:
     """Per-process state: each worker builds its own tokenizer from its name (the object is never sent).
-    ``schema`` is one ``SampleSchema``, or a tuple of them indexed by the chunk's file (data.sources)."""
-    _WORKER.update(tokenizer=build_tokenizer(tokenizer, chat_template), schema=schema,
-                   answer_only_loss=answer_only_loss, on_bad_record=on_bad_record)
+    ``schema`` is one ``SampleSchema``, or a tuple of them indexed by the chunk's file (data.sources).
+    A tokenizer folder with ``preprocessor_config.json`` turns images on (``formats.images``); relative
+    image paths start at ``image_root``, or at each data file's folder."""
+    from megatron_pack.data.formats.images import image_spec
+
+    tok = build_tokenizer(tokenizer, chat_template)
+    _WORKER.update(tokenizer=tok, schema=schema, answer_only_loss=answer_only_loss, on_bad_record=on_bad_record,
+                   images=image_spec(tokenizer, tok), image_root=image_root)
 
 
 def _records(chunk: Chunk) -> Iterator[tuple[int, dict | DataError]]:
-    if chunk.kind == "synthetic":
+    if chunk.kind == "synthetic":  # with a vision-language folder, the set with generated images
         seed, start, stop, max_length = chunk.items
-        yield from zip(range(start, stop), synthetic_records(seed, start, stop, max_length))
+        generate = synthetic_image_records if _WORKER.get("images") is not None else synthetic_records
+        yield from zip(range(start, stop), generate(seed, start, stop, max_length))
     else:
         yield from parse_chunk(chunk, keep_errors=True)
 
@@ -112,6 +121,44 @@ def _encode_one(tok, record: dict, schema: SampleSchema, answer_only: bool):
         return exc
 
 
+def _encode_records(tok, records: list[dict], schema: SampleSchema, answer_only: bool) -> list:
+    if hasattr(tok, "encode_samples"):  # a batch at once (HF chat: one render + one encode per chunk)
+        return tok.encode_samples(records, schema, answer_only_loss=answer_only)
+    return [_encode_one(tok, record, schema, answer_only) for record in records]
+
+
+def _encode_with_images(tok, records: list[dict], schema: SampleSchema, answer_only: bool, chunk: Chunk) -> list:
+    """One ``(ids, mask, images)`` or error per record: images staged and inspected (header, checksum, grid;
+    ``formats.images``), the record rendered, its image placeholders expanded to their token counts."""
+    from megatron_pack.data.formats.images import expand_images, inspect_image, stage_images
+
+    spec = _WORKER.get("images")
+    if spec is None:
+        return [r if isinstance(r, Exception) else (*r, None)
+                for r in _encode_records(tok, records, schema, answer_only)]
+    base_dir = Path(_WORKER["image_root"] or Path(chunk.path).parent)
+    staged: list = []
+    for record in records:
+        try:
+            record, refs = stage_images(record, schema, base_dir)
+            staged.append((record, [inspect_image(ref, spec, f"images[{k}]") for k, ref in enumerate(refs)]))
+        except RecordError as exc:
+            staged.append(exc)
+    fine = [k for k, s in enumerate(staged) if not isinstance(s, Exception)]
+    out = list(staged)
+    for k, result in zip(fine, _encode_records(tok, [staged[k][0] for k in fine], schema, answer_only)):
+        infos = staged[k][1]
+        try:
+            if isinstance(result, Exception) or not infos:
+                out[k] = result if isinstance(result, Exception) else (*result, None)
+                continue
+            ids, mask, starts = expand_images(result[0], result[1], infos, spec)
+            out[k] = (ids, mask, (infos, starts))
+        except RecordError as exc:
+            out[k] = exc
+    return out
+
+
 def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     """Tokenize one chunk in a worker. A bad record (unreadable or refused, in file order) raises
     ``DataError`` naming file and line; with ``data.on_bad_record=skip`` it is left out and listed."""
@@ -119,14 +166,11 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
     skip = _WORKER.get("on_bad_record", "error") == "skip"
     if isinstance(schema, (tuple, list)):  # data.sources: one schema per input file
         schema = schema[chunk.file_index]
-    ids, masks, positions, bad = [], [], [], []
+    ids, masks, positions, bad, images = [], [], [], [], []
     where = "line" if chunk.kind == "jsonl" else "row"
     records = list(_records(chunk))
     readable = [r for _, r in records if not isinstance(r, DataError)]
-    if hasattr(tok, "encode_samples"):  # a batch at once (HF chat: one render + one encode per chunk)
-        encoded = iter(tok.encode_samples(readable, schema, answer_only_loss=answer_only))
-    else:
-        encoded = iter([_encode_one(tok, record, schema, answer_only) for record in readable])
+    encoded = iter(_encode_with_images(tok, readable, schema, answer_only, chunk))
     for position, record in records:
         result = record if isinstance(record, DataError) else next(encoded)
         if isinstance(result, (DataError, RecordError, UnicodeEncodeError)):  # the first bad one in file order
@@ -136,10 +180,11 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
                 raise DataError(message, reason) from None
             bad.append((place, reason, message))
             continue
-        sample_ids, mask = result
+        sample_ids, mask, sample_images = result
         ids.append(sample_ids)
         masks.append(mask)
         positions.append(position)
+        images.append(sample_images)
     num_ids = np.array([len(x) for x in ids], dtype=np.int64)  # >= 1: every sample ends with eos
     flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
     starts = np.cumsum(num_ids) - num_ids
@@ -148,12 +193,12 @@ def tokenize_chunk(chunk: Chunk) -> ChunkResult:
         num_targets = np.add.reduceat(flat_mask, starts, dtype=np.int64) - flat_mask[starts]
     num_blank = len(chunk.items) - len(positions) - len(bad) if chunk.kind == "jsonl" else 0
     return ChunkResult(np.concatenate(ids) if ids else np.zeros(0, np.int32), flat_mask, num_ids, num_targets,
-                       chunk.file_index, np.array(positions, dtype=np.int64), num_blank, bad)
+                       chunk.file_index, np.array(positions, dtype=np.int64), num_blank, bad, images)
 
 
 def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSchema, answer_only_loss: bool,
                     num_workers: int, chat_template: str | None = None,
-                    on_bad_record: str = "error") -> Iterator[ChunkResult]:
+                    on_bad_record: str = "error", image_root: str | None = None) -> Iterator[ChunkResult]:
     """Results in input order, from ``num_workers`` processes (inline when it is 1).
 
     Workers are forked where the platform can (Linux): each starts in milliseconds with the
@@ -163,7 +208,7 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
     way, so the parent, which only reads lines and appends arrays, keeps 64 workers busy; at
     most ``2 * num_workers`` chunks are in flight, so memory is flat in the input size.
     """
-    init_worker(tokenizer, schema, answer_only_loss, chat_template, on_bad_record)  # built once (cached), forked
+    init_worker(tokenizer, schema, answer_only_loss, chat_template, on_bad_record, image_root)  # built once, forked
     if num_workers <= 1:
         yield from map(tokenize_chunk, chunks)
         return
@@ -179,7 +224,8 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
     pending: deque = deque()
     try:
         with ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method), initializer=init_worker,
-                                 initargs=(tokenizer, schema, answer_only_loss, chat_template, on_bad_record)) as pool:
+                                 initargs=(tokenizer, schema, answer_only_loss, chat_template, on_bad_record,
+                                           image_root)) as pool:
             try:
                 for chunk in chunks:
                     pending.append(pool.submit(tokenize_chunk, chunk))
@@ -206,7 +252,7 @@ def usable_cpus() -> int:
 
 
 def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, total: int | None = None,
-                progress: bool = True) -> dict:
+                progress: bool = True, images: bool = False) -> dict:
     """Append tokenized chunks to the store arrays in ``out_dir``; return counts for the metadata.
 
     The bar counts records read (samples, blank lines and bad records) against ``total``, the input's
@@ -218,6 +264,7 @@ def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, t
         ("tokens", token_dtype), ("answer_mask", np.uint8), ("offsets", np.int64), ("num_targets", np.int32),
         ("source_file", np.int32), ("source_line", np.int64))}
     files["offsets"].append([0])
+    image_writer = ImageWriter(out_dir, NpyAppender) if images else None
     num_tokens, num_blank, num_samples = 0, 0, 0
     bad = BadRecords()
     start = time.perf_counter()
@@ -229,6 +276,8 @@ def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, t
             files["num_targets"].append(result.num_targets)
             files["source_file"].append(np.full(len(result.num_ids), result.file_index))
             files["source_line"].append(result.positions)
+            if image_writer is not None:
+                image_writer.append(result.images)
             num_tokens += int(result.num_ids.sum())
             num_samples += len(result.num_ids)
             num_blank += result.num_blank
@@ -237,8 +286,9 @@ def write_store(out_dir: Path, results: Iterable[ChunkResult], *, token_dtype, t
             bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s", refresh=False)
     for f in files.values():
         f.close()
+    image_counts = image_writer.close() if image_writer is not None else {}
     return {"num_samples": num_samples, "num_tokens": num_tokens, "num_blank_lines_skipped": num_blank,
-            "bad_records": bad.record()}
+            "bad_records": bad.record(), **({"image_counts": image_counts} if image_counts else {})}
 
 
 NUM_BAD_RECORDS_LISTED = 10
@@ -292,6 +342,8 @@ class TokenStore:
         self.tokens, self.answer_mask, self.offsets = arrays["tokens"], arrays["answer_mask"], arrays["offsets"]
         self.num_targets, self.source_file, self.source_line = (arrays["num_targets"], arrays["source_file"],
                                                                  arrays["source_line"])
+        self.images = StoreImages(self.path, int(metadata["images"]["merge_size"])) if "images" in metadata else None
+        """The image columns (``store.images``), or None for a text store."""
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
