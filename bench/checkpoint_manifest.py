@@ -5,7 +5,8 @@ trainer's sharded checkpoints hold them) is saved ``--repeats`` times each way, 
 
 - baseline: ``torch.distributed.checkpoint.save`` of the state plus the per-rank file, as
   ``save_checkpoint`` wrote before manifests;
-- ``save_checkpoint``: the same, plus hashing every file (sha256) and writing ``manifest.json``.
+- ``save_checkpoint``: the same state as the trainer writes it (each tensor a whole ``ShardedTensor``,
+  in a world of one), plus hashing every file (sha256) and writing ``manifest.json``.
 
 Then the checks a reader makes: sizes only (what ``train --check`` does before launch), sizes and
 sha256 of every file (``export``, ``verify``, and a resume, spread over its ranks), against the
@@ -38,6 +39,13 @@ def _state(gigabytes: float) -> dict:
     return state
 
 
+def _sharded(state: dict) -> dict:
+    """Each tensor whole, as the trainer describes it in a world of one (``model.<name>`` stored as ``<name>``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k.removeprefix("model."), v, replica_id=0) for k, v in state.items()}
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -46,6 +54,7 @@ def _timed(fn) -> float:
 
 def main() -> None:
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from megatron_pack.training import checkpoint as ckpt
@@ -59,8 +68,9 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_manifest_"))
     state = _state(args.gigabytes)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    model = {k: v for k, v in state.items() if k.startswith("model")}
-    optim = {k: v for k, v in state.items() if not k.startswith("model")}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # what DCP's conversion needs
+    sharded = _sharded(state)
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401  (imported before any timing)
     times: dict[str, list[float]] = {k: [] for k in ("dcp save", "save_checkpoint", "dcp load", "sizes", "sha256")}
     for r in range(args.repeats):
         plain = work / f"plain{r}"
@@ -73,8 +83,7 @@ def main() -> None:
         times["dcp save"].append(_timed(plain_save))
         root = work / f"manifest{r}"
         times["save_checkpoint"].append(_timed(lambda: ckpt.save_checkpoint(
-            root, 1, model_state=model, optim_state=optim, rank_state={"step": 1},
-            meta={"tensor_model_parallel_size": 1}, keep_last=1)))
+            root, 1, sharded_state=sharded, rank_state={"step": 1}, meta={}, keep_last=1)))
         step = root / ckpt.step_dirname(1)
         empty = {k: torch.empty_like(v) for k, v in state.items()}
         times["dcp load"].append(_timed(lambda: dcp.load(empty, storage_reader=ckpt.checkpoint_reader(plain),
@@ -96,6 +105,7 @@ def main() -> None:
           f"x{med['sha256'] / med['dcp load']:.2f} of the read, {nbytes / med['sha256'] / 1e6:.0f} MB/s; a resume "
           "spreads it over its ranks")
     shutil.rmtree(work, ignore_errors=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -368,8 +368,8 @@ def ListLoader(packs: list[dict]):
 
 def full_param(tensor: torch.Tensor, param: torch.nn.Parameter, state) -> torch.Tensor:
     """A TP-sharded parameter (or its grad) gathered over ``state.tp_group`` into the full tensor, honouring
-    megatron's partition dim and stride (written here, not the library's ``merge_tp_shards``: the tests
-    compare the library against it). Every TP rank must call it."""
+    megatron's partition dim and stride (written here, not taken from the library: the tests compare the
+    library against it). Every TP rank must call it."""
     tensor = tensor.detach().contiguous()
     if state.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor

@@ -17,13 +17,12 @@ Saving is atomic: every rank writes into ``tmp.step_00000003/``; after a barrier
 ``os.replace`` of a temporary file). A crash at any point leaves ``latest`` naming the previous
 complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Resume, ``export`` and
 ``verify`` check the manifest before they read a checkpoint; a resume passes over a damaged one to
-the newest intact one and says so (``collective_verify``). The trainer's
-checkpoints (``meta.json`` ``format``: ``SHARDED_FORMAT``) store each parameter and its AdamW
-state once, by global identity, so any layout reads them back: a run saved at TP2 x CP2 resumes at
-TP1, DP2 or any other (``model_reader.CheckpointModel.read_slices``; on GPU megatron-core's per-rank optimizer state
-resumes at the same layout only, checked with a clear error). Checkpoints of the older format
-(keys ``model/tp<r>/<param>``, ``save_checkpoint`` / ``load_checkpoint`` without ``sharded_state``)
-resume only at the tensor-parallel size that wrote them.
+the newest intact one and says so (``collective_verify``). Checkpoints (``meta.json`` ``format``:
+``SHARDED_FORMAT``) store each parameter and its AdamW state once, by global identity, so any layout
+reads them back: a run saved at TP2 x CP2 resumes at TP1, DP2 or any other
+(``model_reader.CheckpointModel.read_slices``; on GPU megatron-core's per-rank optimizer state resumes
+at the same layout only, checked with a clear error). A folder of another format (one written by an
+older megatron_pack, per tensor-parallel rank) is refused in one line (``checkpoint_files.check_format``).
 
 Everything is read back with ``torch.load(..., weights_only=True)``, and DCP's ``.metadata`` (which torch
 unpickles with plain ``pickle.load``) through an allowlist of its own types: no arbitrary pickle.
@@ -45,8 +44,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron_pack.parallel.comm import all_gather_object, barrier, gather_object, group_ranks
-from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, checkpoint_problems,
-                                                     digest, owner, read_meta, step_dirname, write_manifest)
+from megatron_pack.training.checkpoint_files import (LATEST, MANIFEST, META, SHARDED_FORMAT, check_format,
+                                                     checkpoint_problems, digest, owner, read_meta, step_dirname,
+                                                     write_manifest)
 
 
 def rng_state(device: torch.device = torch.device("cpu")) -> dict:
@@ -98,18 +98,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch.Tensor],
-                    optim_state: dict[str, torch.Tensor], rank_state: dict, meta: dict, tp_rank: int = 0,
-                    keep_last: int = 2, group: Optional[dist.ProcessGroup] = None,
-                    sharded_state: Optional[dict] = None) -> Path:
+def save_checkpoint(root: str | Path, step: int, *, sharded_state: dict, rank_state: dict, meta: dict,
+                    keep_last: int = 2, group: Optional[dist.ProcessGroup] = None) -> Path:
     """Collectively write checkpoint ``step``; returns its final folder. Every rank must call it.
 
-    ``model_state`` / ``optim_state`` map names to this rank's tensors (TP shards); ``rank_state``
-    is this rank's plain state (RNG, sampler, schedule); ``meta`` is recorded in ``meta.json``
-    (it must hold ``tensor_model_parallel_size`` for the resume check). ``sharded_state`` (from
-    ``resharding.sharded_state``, the trainer's format) is written by global identity instead,
-    so any layout can read it back (``model_reader.CheckpointModel.read_slices``); then the two plain dicts are empty.
+    ``sharded_state`` (``resharding.sharded_state`` of this rank's model and optimizer state) is written
+    by global identity, so any layout reads it back (``model_reader.CheckpointModel.read_slices``);
+    ``rank_state`` is this rank's plain state (RNG, loader, schedule); ``meta`` is recorded in
+    ``meta.json`` (the layout a resume compares, the run's state and settings) with ``step`` and
+    ``format`` (``SHARDED_FORMAT``).
     """
+    from megatron_pack.training.resharding import save_sharded
+
     root = Path(root)
     final, tmp = root / step_dirname(step), root / f"tmp.{step_dirname(step)}"
     if _rank() == 0:
@@ -118,18 +118,11 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(group)
-    if sharded_state is not None:
-        from megatron_pack.training.resharding import save_sharded
-
-        save_sharded(sharded_state, str(tmp), dcp.FileSystemWriter)
-    else:
-        state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
-        state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
-        dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.is_initialized())
+    save_sharded(sharded_state, str(tmp), dcp.FileSystemWriter)
     torch.save(rank_state, tmp / f"rank_{_rank():05d}.pt")
     _barrier(group)
     if _rank() == 0:
-        _write_json(tmp / META, {"step": step, **meta})
+        _write_json(tmp / META, {"step": step, **meta, "format": SHARDED_FORMAT})
     files = _gather_digests(tmp, group)  # every rank hashes the files it wrote; rank 0 the rest
     if _rank() == 0:
         write_manifest(tmp, files)  # last: a folder without it is incomplete
@@ -168,7 +161,7 @@ def _part_ends(folder: Path) -> dict[str, dict[str, int]]:
         return {}
     ends: dict[str, dict[str, int]] = {}
     for index, info in checkpoint_reader(folder).read_metadata().storage_data.items():
-        part = "optimizer" if index.fqn.startswith(("optimizer", "optim/")) else "model"
+        part = "optimizer" if index.fqn.startswith("optimizer") else "model"
         file_ends = ends.setdefault(info.relative_path, {})
         file_ends[part] = max(file_ends.get(part, 0), int(info.offset) + int(info.length))
     return ends
@@ -232,27 +225,6 @@ def checkpoint_reader(path: str | Path) -> dcp.FileSystemReader:
     return _SafeReader(str(path))
 
 
-def load_checkpoint(path: str | Path, *, model_state: dict[str, torch.Tensor],
-                    optim_state: dict[str, torch.Tensor], meta: dict, tp_rank: int = 0,
-                    group: Optional[dist.ProcessGroup] = None) -> dict:
-    """Load checkpoint ``path`` in place into ``model_state`` / ``optim_state``; returns this
-    rank's plain state (RNG, sampler, schedule). Raises ``ValueError`` when the checkpoint was
-    written with another world size or parallel layout."""
-    path = Path(path)
-    saved = read_meta(path)
-    mismatch = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in meta.items() if saved.get(k) != v]
-    if mismatch:
-        raise ValueError(f"checkpoint {path} does not match this run ({'; '.join(mismatch)}); resume with the "
-                         "same parallel.*, peft.* and world size, or point checkpoint.load at another directory.")
-    state = {f"model/tp{tp_rank}/{k}": v for k, v in model_state.items()}
-    state.update({f"optim/tp{tp_rank}/{k}": v for k, v in optim_state.items()})
-    reader = checkpoint_reader(path)
-    reader.read_metadata()  # refuse a tampered .metadata here, before DCP wraps the error
-    dcp.load(state, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
-    rank_file = path / f"rank_{_rank():05d}.pt"
-    return torch.load(rank_file, weights_only=True)
-
-
 def read_rank_state(path: str | Path, rank: Optional[int] = None) -> Optional[dict]:
     """This rank's plain state file of checkpoint ``path``, or None when the checkpoint has none for it."""
     rank_file = Path(path) / f"rank_{_rank() if rank is None else rank:05d}.pt"
@@ -269,8 +241,7 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
     ``decoder.layers.<i>.<rest>``. No process group and no model are needed (export, verify).
     """
     path = Path(path)
-    if read_meta(path).get("format") != SHARDED_FORMAT:
-        raise ValueError(f"checkpoint {path} is not in the layout-free format ({SHARDED_FORMAT}).")
+    check_format(path, read_meta(path))
     reader = checkpoint_reader(path)
     stored = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()

@@ -35,7 +35,8 @@ META = "meta.json"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron_pack.checkpoint_manifest/1"
 SHARDED_FORMAT = "megatron_pack.sharded/1"
-"""``meta.json`` ``format`` of checkpoints written by global identity (the trainer's since issue 13)."""
+"""``meta.json`` ``format`` of checkpoints written by global identity, the only one written and read
+(``check_format`` refuses a folder of another or no format)."""
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.pt)$")
 """Files a rank writes itself: DCP's ``__<rank>_<n>.distcp`` and our ``rank_<rank>.pt``."""
 
@@ -168,15 +169,31 @@ def find_latest(root: str | Path) -> Optional[Path]:
     return choose_checkpoint(root)[0]
 
 
+class OlderCheckpoint(ValueError):
+    """A checkpoint folder whose ``meta.json`` is not in the trainer's format; the message is one line."""
+
+
+def check_format(folder: str | Path, meta: dict, key: str = "checkpoint") -> None:
+    """Refuse checkpoint ``folder`` (``meta``: its meta.json; ``key``: the setting that named it) unless it
+    is in ``SHARDED_FORMAT``, the only format this version writes and reads."""
+    if meta.get("format") == SHARDED_FORMAT:
+        return
+    raise OlderCheckpoint(f"{key} ({folder}): its meta.json has format {meta.get('format')!r}, not "
+                          f"{SHARDED_FORMAT!r}: it was written by an older megatron_pack (tensors stored per "
+                          "tensor-parallel rank), which this version does not read; export it with the version that "
+                          "wrote it and start from that export (model=pretrained model.pretrained=DIR), or point "
+                          f"{key} at another checkpoint.")
+
+
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose manifest its files do not match; the message (one line) names the file."""
 
 
 def verified_checkpoint(path: str | Path, key: str) -> Path:
     """The checkpoint ``path`` names (a ``step_*`` folder, or the newest under a ``checkpoint.save``
-    root), every file's size and sha256 checked: what ``export`` and ``verify`` read. Raises
-    ``DamagedCheckpoint`` naming the file (and an intact older one when there is one), or
-    ``FileNotFoundError`` when there is no checkpoint at all."""
+    root), in the trainer's format and every file's size and sha256 checked: what ``export`` and ``verify``
+    read. Raises ``OlderCheckpoint`` (another format, ``check_format``), ``DamagedCheckpoint`` naming the
+    file (and an intact older one when there is one), or ``FileNotFoundError`` when there is no checkpoint."""
     p = Path(path)
     if (p / META).is_file():
         folder, others = p, [c for c in candidates(p.parent) if c != p]
@@ -186,6 +203,7 @@ def verified_checkpoint(path: str | Path, key: str) -> Path:
             raise FileNotFoundError(f"{key} ({path}) holds no complete checkpoint (no meta.json, no 'latest'); point "
                                     "it at a step_* folder or at checkpoint.save of a training run.")
         folder, others = found[0], found[1:]
+    check_format(folder, read_meta(folder), key)
     problems = checkpoint_problems(folder)
     if not problems:
         return folder

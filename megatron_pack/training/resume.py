@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_pack.config.schema import Config, ConfigError
-from megatron_pack.training.checkpoint_files import SHARDED_FORMAT, choose_checkpoint, read_meta, sizes_only
+from megatron_pack.training.checkpoint_files import (OlderCheckpoint, check_format, choose_checkpoint, read_meta,
+                                                     sizes_only)
 
 
 def resolve_train_iters(cfg: Config, steps) -> int:
@@ -172,9 +173,9 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
 
     - ``checkpoint.load`` holds no checkpoint; a damaged checkpoint where the run may not pass over
       it (``resume_choice``), whose lines for the ones it passed over are appended to ``notes``;
-    - a full resume at another layout of a checkpoint that cannot reshard: one in the older
-      per-tensor-parallel-rank format, or a GPU run (megatron-core's optimizer state is per rank);
-      a layout-free checkpoint resumes at any layout on CPU;
+    - a checkpoint of another format (written by an older megatron_pack: ``check_format``);
+    - a full resume of a GPU run at another layout (megatron-core's optimizer state is per rank);
+      on CPU a checkpoint resumes at any layout;
     - online packing at another data-parallel size or ``data.num_workers`` (its shards depend on both);
     - with ``dataset`` (the opened training plan): ``train.num_epochs`` that gives less than one
       step (``planned_train_iters``), and a full resume with changed lr, schedule, optimizer,
@@ -192,17 +193,19 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
     if resume is None:
         return None
     saved = read_meta(resume)
+    key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
+    try:
+        check_format(resume, saved, key)
+    except OlderCheckpoint as exc:
+        raise ConfigError([str(exc)]) from None
     dims = ParallelDims.from_config(cfg, world_size)
     mismatch = [f"{k} {saved.get(k, _LAYOUT_DEFAULTS.get(k))!r} there, {v!r} here"
                 for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp, dims.ep,
                                         cfg.parallel.num_model_chunks).items()
                 if saved.get(k, _LAYOUT_DEFAULTS.get(k)) != v]
-    layout_free = saved.get("format") == SHARDED_FORMAT
-    if mismatch and (not layout_free or (kind == "resume" and _on_gpu(cfg, host_gpu))):
-        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
-        why = ("it was written in the older per-tensor-parallel-rank format, which does not reshard" if not layout_free
-               else "megatron-core's GPU optimizer state resumes only at the layout that wrote it (the weights reshard;"
-                    " checkpoint.load_weights_only=true starts a new run from them)")
+    if mismatch and kind == "resume" and _on_gpu(cfg, host_gpu):
+        why = ("megatron-core's GPU optimizer state resumes only at the layout that wrote it (the weights reshard;"
+               " checkpoint.load_weights_only=true starts a new run from them)")
         raise ConfigError([f"cannot resume from {resume}: it was written with another parallel layout "
                            f"({'; '.join(mismatch)}) and {why}. Resume it on {saved.get('world_size')} ranks with "
                            f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
@@ -211,7 +214,6 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
     _check_resume_peft(cfg, resume, saved)
     loader_state = saved.get("train_state", {}).get("loader") or {}
     if kind == "resume" and cfg.packing.mode == "online" and loader_state.get("kind") == "online":
-        key = "checkpoint.load" if cfg.checkpoint.load is not None else "checkpoint.save (or train.output_dir)"
         from megatron_pack.data.batches.online import online_packing_record, online_resume_problem
 
         problem = online_resume_problem(loader_state, dp_size=dims.dp, num_workers=cfg.data.num_workers,

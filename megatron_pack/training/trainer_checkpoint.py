@@ -106,14 +106,14 @@ def save_trainer(trainer, root: str | Path) -> Path:
     from megatron_pack.model.peft.meta import peft_meta
 
     sharded = _sharded_state(trainer, with_optimizer=True)
-    meta = {**layout(trainer.state, len(trainer.model_chunks)), "peft": peft_meta(trainer.cfg), "format": ckpt.SHARDED_FORMAT,
+    meta = {**layout(trainer.state, len(trainer.model_chunks)), "peft": peft_meta(trainer.cfg),
             "train_state": _train_state(trainer), "settings": settings(trainer)}
     # each DP rank's own loader position too (online buffers and planned steps differ per rank);
     # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
     rank_state = {"rng": ckpt.rng_state(trainer.state.device), "optimizer": trainer.optimizer.rank_state(),
                   "loader": trainer.loader.state_dict(), "extra_state": module_extra_states(trainer.model_chunks)}
-    return ckpt.save_checkpoint(root, trainer.step, model_state={}, optim_state={}, rank_state=rank_state,
-                                meta=meta, keep_last=trainer.cfg.checkpoint.keep_last, sharded_state=sharded)
+    return ckpt.save_checkpoint(root, trainer.step, sharded_state=sharded, rank_state=rank_state, meta=meta,
+                                keep_last=trainer.cfg.checkpoint.keep_last)
 
 
 def _copy_model(trainer, loaded: dict[str, torch.Tensor]) -> None:

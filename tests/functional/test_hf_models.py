@@ -81,16 +81,17 @@ def _round_trip(model, cfg, pg, folder: str) -> tuple[bool, int]:
 
 
 def _save_checkpoint(model, pg, folder: str, rank: int) -> None:
-    """The trainer's checkpoint layout (model/tp<r>/<name>, DCP) plus hf_source, next to the folder."""
+    """The trainer's checkpoint (``resharding.sharded_state`` through ``save_checkpoint``, every rank, with the
+    layout the trainer records) plus hf_source, next to the folder."""
     from megatron_pack.model.hf.export import save_hf_source
     from megatron_pack.training.checkpoint import save_checkpoint
+    from megatron_pack.training.resharding import sharded_state
+    from megatron_pack.training.trainer_checkpoint import layout
 
     root = f"{folder}_ckpt"
     if rank == 0:
         save_hf_source(folder, root)
-    save_checkpoint(root, 1, model_state={n: p.detach() for n, p in model.named_parameters()}, optim_state={},
-                    rank_state={}, meta={"tensor_model_parallel_size": pg.tp_size, "context_parallel_size": pg.cp_size},
-                    tp_rank=pg.tp_rank)
+    save_checkpoint(root, 1, sharded_state=sharded_state(model, {}), rank_state={}, meta=layout(pg))
 
 
 def _run(folder: str, tp: int, cp: int, sp: bool, batch, refs, rank: int) -> dict:

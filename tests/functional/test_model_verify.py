@@ -2,12 +2,11 @@
 
 The real path (THD attention) must PASS; the deliberately broken ``verify.attention=pack_causal``
 (plain causal attention over the whole pack) must FAIL with a non-zero exit code. Weights can
-come from a training checkpoint, including one written with TP=2 shards.
+come from a training checkpoint (the trainer's format), including one of the shards a TP=2 run writes.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -81,25 +80,54 @@ def test_verify_pack_causal_fails(dataset_args, capsys):
     assert out.rstrip().endswith(": FAIL")
 
 
-def _tp_shards(full: torch.Tensor, param, tp: int) -> list[torch.Tensor]:
-    """The inverse of megatron's TP split (partition dim and stride), for writing a TP=2 checkpoint."""
+def _tp_fragments(item, param, tp: int) -> list:
+    """The ShardedTensors the ``tp`` ranks of a TP=``tp`` run describe for one parameter (``item``: what the
+    TP=1 run describes; ``param``: the TP=1 parameter): rank r's shard (megatron's partition dim; SwiGLU's
+    ``linear_fc1`` as ``[gate_r; up_r]`` through megatron-core's factory), at offset r of ``tp`` along it."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
     if not getattr(param, "tensor_model_parallel", False):
-        return [full.clone() for _ in range(tp)]
-    stride = getattr(param, "partition_stride", 1)
-    pieces = full.chunk(stride * tp, dim=param.partition_dim)
-    return [torch.cat([pieces[s * tp + r] for s in range(stride)], dim=param.partition_dim) for r in range(tp)]
+        return [item]
+    built = item.build()[0] if isinstance(item, ShardedTensorFactory) else item
+    pp = built.prepend_axis_num
+    prepend = [(i, built.global_offset[i], built.axis_fragmentations[i]) for i in range(pp)]
+    dim = int(param.partition_dim)
+    if isinstance(item, ShardedTensorFactory):  # SwiGLU: rank r holds [gate_r; up_r]
+        gate, up = param.detach().chunk(2, dim=dim)
+        shards = [torch.cat([g, u], dim=dim) for g, u in zip(gate.chunk(tp, dim=dim), up.chunk(tp, dim=dim))]
+    else:
+        shards = list(param.detach().chunk(tp, dim=dim))
+    fragments = [ShardedTensor.from_rank_offsets(item.key, shard.clone(), *prepend, (dim + pp, r, tp),
+                                                 replica_id=0, prepend_axis_num=pp) for r, shard in enumerate(shards)]
+    if isinstance(item, ShardedTensorFactory):
+        return [apply_swiglu_sharded_factory(f, tuple(prepend)) for f in fragments]
+    return fragments
 
 
-def _trained_like_model(seed: int):
-    """A model with weights unlike the verify default (another seed), built in a world of one."""
+def _trained_like_model(seed: int, checkpoint: Path | None = None, tp: int = 1):
+    """A model with weights unlike the verify default (another seed), built in a world of one; with
+    ``checkpoint``, saved there at step 7 as the trainer saves it (``resharding.sharded_state`` through
+    ``save_checkpoint``), each parameter as the ``tp`` ranks of a TP=``tp`` run describe it."""
     from megatron_pack.config.schema import Config, ModelConfig, TrainConfig
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.checkpoint import save_checkpoint
+    from megatron_pack.training.resharding import sharded_state
+    from megatron_pack.training.resume import layout_meta
 
     cfg = Config(model=ModelConfig(attention_backend="torch", seq_length=256), train=TrainConfig(seed=seed))
     state = initialize_parallel(cfg)
     try:
-        return build_model(cfg, state)
+        model = build_model(cfg, state)
+        if checkpoint is not None:
+            params = dict(model.named_parameters())
+            sharded = {key: _tp_fragments(item, params[key.removeprefix("model.")], tp)
+                       for key, item in sharded_state(model, {}).items()}
+            assert sum(len(f) for f in sharded.values()) > len(sharded) or tp == 1  # not vacuous: shards were split
+            save_checkpoint(checkpoint, 7, sharded_state=sharded, rank_state={},
+                            meta=layout_meta(world_size=tp, tp=tp, cp=1, dp=1))
+        return model
     finally:
         destroy_parallel(destroy_process_group=True)
 
@@ -107,26 +135,11 @@ def _trained_like_model(seed: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1_checkpoint", "tp2_checkpoint"])
 def test_verify_loads_checkpoint(dataset_args, tmp_path, capsys, tp):
-    import torch.distributed.checkpoint as dcp
-
     from megatron_pack.cli.verify import load_model_weights
-    from megatron_pack.training.checkpoint import save_checkpoint
-    from megatron_pack.training.checkpoint_files import digest, write_manifest
 
-    trained = _trained_like_model(seed=99)
-    named = dict(trained.named_parameters())
     root = tmp_path / "ckpt"
-    if tp == 1:  # the training loop's own writer
-        save_checkpoint(root, 7, model_state={n: p.detach() for n, p in named.items()}, optim_state={},
-                        rank_state={}, meta={"tensor_model_parallel_size": 1})
-    else:  # the same layout as a TP=2 run writes: model/tp<r>/<name> shards
-        state = {f"model/tp{r}/{n}": shard for n, p in named.items()
-                 for r, shard in enumerate(_tp_shards(p.detach(), p, tp))}
-        (root / "step_00000007").mkdir(parents=True)
-        dcp.save(state, checkpoint_id=str(root / "step_00000007"), no_dist=True)
-        (root / "step_00000007" / "meta.json").write_text(json.dumps({"step": 7, "tensor_model_parallel_size": tp}))
-        write_manifest(root / "step_00000007", {f.name: digest(f) for f in (root / "step_00000007").iterdir()})
-        (root / "latest").write_text("step_00000007")
+    trained = _trained_like_model(seed=99, checkpoint=root, tp=tp)  # tp=2: the shards a TP=2 run writes
+    named = dict(trained.named_parameters())
 
     fresh = _trained_like_model(seed=1)
     assert any(not torch.equal(p, named[n]) for n, p in fresh.named_parameters())

@@ -105,7 +105,9 @@ def _cfg(source: Path, target: Path):
 
 def _run_driver(driver: str, argv: list[str], cwd: Path) -> dict[str, int]:
     """Run a kill driver; returns point -> exit status of its child (-9: killed by SIGKILL)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    tests = str(Path(__file__).resolve().parents[1])  # _checkpoints
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), tests) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, "-c", driver, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
@@ -191,9 +193,11 @@ def test_kill_during_prepare_leaves_previous_or_none(prepare_kills, point):
 
 
 CHECKPOINT_DRIVER = textwrap.dedent("""
-    # torch is imported once; each kill point runs in a forked child that SIGKILLs itself
+    # torch and megatron-core are imported once; each kill point runs in a forked child that SIGKILLs itself
     import json, os, shutil, signal, sys
     import torch
+    import megatron.core.dist_checkpointing.strategies.torch
+    from _checkpoints import save, world_of_one
     from megatron_pack.training import checkpoint as ckpt
     base, step, points = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 
@@ -227,9 +231,9 @@ CHECKPOINT_DRIVER = textwrap.dedent("""
             module, name, fake = patches[point]
             setattr(module, name, fake)
             model = {"w": torch.full((4, 3), float(step)), "b": torch.arange(3, dtype=torch.float32) + step}
-            optim = {"w.exp_avg": torch.full((4, 3), step / 10)}
-            ckpt.save_checkpoint(os.path.join(base, point), step, model_state=model, optim_state=optim,
-                                 rank_state={"step": step}, meta={"tensor_model_parallel_size": 1}, keep_last=2)
+            optim = {"exp_avg.w": torch.full((4, 3), step / 10)}
+            with world_of_one():
+                save(os.path.join(base, point), step, model, optim, rank_state={"step": step}, meta={}, keep_last=2)
             os._exit(3)  # the save finished without reaching the kill point
         _, code = os.waitpid(pid, 0)
         status[point] = -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
@@ -245,29 +249,30 @@ def _state(step: int):
     import torch
 
     return ({"w": torch.full((4, 3), float(step)), "b": torch.arange(3, dtype=torch.float32) + step},
-            {"w.exp_avg": torch.full((4, 3), step / 10)})
+            {"exp_avg.w": torch.full((4, 3), step / 10)})
 
 
 def _save(root: Path, step: int) -> Path:
-    from megatron_pack.training.checkpoint import save_checkpoint
+    """What the trainer's save writes (``_checkpoints``), in a world of one."""
+    from _checkpoints import save, world_of_one
 
-    model, optim = _state(step)
-    return save_checkpoint(root, step, model_state=model, optim_state=optim, rank_state={"step": step},
-                           meta={"tensor_model_parallel_size": 1}, keep_last=2)
+    with world_of_one():
+        return save(root, step, *_state(step), rank_state={"step": step}, meta={}, keep_last=2)
 
 
 def _load_latest(root: Path) -> tuple[int, dict, dict]:
+    """The newest complete checkpoint read by the trainer's reader: (its step, model, optimizer state)."""
     import torch
+    from _checkpoints import load, world_of_one
 
-    from megatron_pack.training.checkpoint import load_checkpoint
+    from megatron_pack.training.checkpoint import read_rank_state
     from megatron_pack.training.checkpoint_files import find_latest
 
     path = find_latest(root)
     assert path is not None, f"no loadable checkpoint left in {root}: {sorted(os.listdir(root))}"
-    model = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
-    optim = {"w.exp_avg": torch.zeros(4, 3)}
-    rank_state = load_checkpoint(path, model_state=model, optim_state=optim, meta={"tensor_model_parallel_size": 1})
-    return int(rank_state["step"]), model, optim
+    with world_of_one():
+        model, optim = load(path, {"w": torch.zeros(4, 3), "b": torch.zeros(3)}, {"exp_avg.w": torch.zeros(4, 3)})
+    return int(read_rank_state(path)["step"]), model, optim
 
 
 @pytest.fixture(scope="module")

@@ -1,37 +1,48 @@
-"""Atomic DCP checkpoints in one process: round trip, RNG, crash mid-save, pruning, layout check."""
+"""Atomic DCP checkpoints in one process: round trip, RNG, crash mid-save, pruning, layout check.
+
+Checkpoints here are what the trainer writes (``_checkpoints``: plain tensors through ``save_checkpoint``'s
+sharded state and the trainer's reader, in a world of one)."""
 
 import random
 
 import numpy as np
 import pytest
 import torch
+from _checkpoints import load, save, world_of_one
 
 from megatron_pack.training import checkpoint as ckpt
 from megatron_pack.training.checkpoint_files import find_latest
+from megatron_pack.training.resume import layout_meta
 
-META = {"world_size": 1, "tensor_model_parallel_size": 1}
+META = layout_meta(world_size=1, tp=1, cp=1, dp=1)
+
+
+@pytest.fixture(autouse=True)
+def world():
+    with world_of_one():
+        yield
 
 
 def _states(seed):
     g = torch.Generator().manual_seed(seed)
     model = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
-    optim = {"w.exp_avg": torch.randn(3, 4, generator=g), "w.step": torch.tensor(float(seed))}
+    optim = {"exp_avg.w": torch.randn(3, 4, generator=g), "step": torch.tensor(float(seed))}
     return model, optim
 
 
 def _save(root, step, seed, keep_last=2):
     model, optim = _states(seed)
-    return ckpt.save_checkpoint(root, step, model_state=model, optim_state=optim,
-                                rank_state={"sampler": {"num_consumed": step}, "rng": ckpt.rng_state()},
-                                meta=META, keep_last=keep_last)
+    return save(root, step, model, optim, rank_state={"sampler": {"num_consumed": step}, "rng": ckpt.rng_state()},
+                meta=META, keep_last=keep_last)
 
 
 def test_round_trip_in_place(tmp_path):
     path = _save(tmp_path, 3, seed=1)
     assert path.name == "step_00000003" and find_latest(tmp_path) == path
-    model, optim = _states(seed=2)
-    rank_state = ckpt.load_checkpoint(path, model_state=model, optim_state=optim, meta=META)
+    model, optim = load(path, *_states(seed=2))
+    rank_state = ckpt.read_rank_state(path)
     ref_model, ref_optim = _states(seed=1)
+    assert any(not torch.equal(a, b) for a, b in zip(_states(seed=2)[0].values(), ref_model.values()))  # not vacuous
     for got, ref in ((model, ref_model), (optim, ref_optim)):
         for k in ref:
             assert torch.equal(got[k], ref[k]), k
@@ -102,11 +113,18 @@ def test_keep_last_prunes_old(tmp_path):
 
 
 def test_layout_mismatch_is_a_clear_error(tmp_path):
-    path = _save(tmp_path, 1, seed=1)
-    model, optim = _states(seed=1)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size: checkpoint 1, this run 2"):
-        ckpt.load_checkpoint(path, model_state=model, optim_state=optim,
-                             meta={**META, "tensor_model_parallel_size": 2})
+    """A GPU run resumes only at the layout that wrote it (megatron-core's optimizer state is per rank):
+    refused before launch, naming the degree that differs."""
+    from megatron_pack.config import load_config
+    from megatron_pack.config.schema import ConfigError
+    from megatron_pack.training.resume import check_resume
+
+    path = _save(tmp_path / "ckpt", 1, seed=1)
+    cfg = load_config([f"train.output_dir={tmp_path}/run", "parallel.tensor_model_parallel_size=2",
+                       f"checkpoint.load={path.parent}"])
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size 1 there, 2 here"):
+        check_resume(cfg, 2, host_gpu=True)
+    assert check_resume(cfg, 2, host_gpu=False) == path  # on CPU it reshards
 
 
 class _FP8Linear(torch.nn.Module):
@@ -140,9 +158,7 @@ def test_extra_state_kept_in_the_rank_file_and_restored(tmp_path, num_chunks):
     states = module_extra_states(trained)
     prefix = [""] if num_chunks == 1 else ["chunk0.", "chunk1."]
     assert sorted(states) == [f"{p}decoder.0" for p in prefix]
-    model, optim = _states(1)
-    path = ckpt.save_checkpoint(tmp_path, 1, model_state=model, optim_state=optim, meta=META,
-                                rank_state={"rng": ckpt.rng_state(), "extra_state": states})
+    path = save(tmp_path, 1, *_states(1), meta=META, rank_state={"rng": ckpt.rng_state(), "extra_state": states})
     fresh = [_Chunk() for _ in range(num_chunks)]
     assert all(float(c.decoder[0].amax_history.abs().sum()) == 0 for c in fresh)  # not vacuous: it starts over
     assert restore_extra_states(fresh, ckpt.read_rank_state(path)["extra_state"]) == num_chunks

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pack.training.checkpoint_files import (DamagedCheckpoint, checkpoint_problems, choose_checkpoint,
-                                                     digest, find_latest, verified_checkpoint, write_manifest)
+from megatron_pack.training.checkpoint_files import (SHARDED_FORMAT, DamagedCheckpoint, checkpoint_problems,
+                                                     choose_checkpoint, digest, find_latest, verified_checkpoint,
+                                                     write_manifest)
 
 
 def _checkpoint(root: Path, step: int, *, latest: bool = True) -> Path:
     folder = root / f"step_{step:08d}"
     folder.mkdir(parents=True)
-    (folder / "meta.json").write_text(json.dumps({"step": step}))
+    (folder / "meta.json").write_text(json.dumps({"step": step, "format": SHARDED_FORMAT}))
     (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)  # model bytes 0-599, optimizer 600-1023
     (folder / "rank_00000.pt").write_bytes(b"rank state")
     files = {n: digest(folder / n) for n in ("meta.json", "rank_00000.pt")}

@@ -79,16 +79,17 @@ MISTAKES = [  # (id, argv (formatted with the folder and tmp), fragments of the 
 @pytest.mark.parametrize("argv,fragments", [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
 def test_mistakes_are_one_line(qwen2, tmp_path, capsys, argv, fragments):
     from megatron_pack.cli.export import main
-    from megatron_pack.training.checkpoint_files import digest, write_manifest
+    from megatron_pack.training.checkpoint_files import SHARDED_FORMAT, digest, write_manifest
 
     (tmp_path / "ck" / "step_00000001").mkdir(parents=True)
-    (tmp_path / "ck" / "step_00000001" / "meta.json").write_text('{"step": 1}')
+    (tmp_path / "ck" / "step_00000001" / "meta.json").write_text(json.dumps({"step": 1, "format": SHARDED_FORMAT}))
     (tmp_path / "ck" / "latest").write_text("step_00000001")
     lora = tmp_path / "lora" / "step_00000002"
     lora.mkdir(parents=True)
-    (lora / "meta.json").write_text(json.dumps({"step": 2, "peft": {"method": "lora", "dim": 4, "alpha": 8.0,
-                                                                    "dropout": 0.0, "target_modules": ["linear_qkv"],
-                                                                    "base_model": str(tmp_path / "gone")}}))
+    (lora / "meta.json").write_text(json.dumps({"step": 2, "format": SHARDED_FORMAT,
+                                                "peft": {"method": "lora", "dim": 4, "alpha": 8.0, "dropout": 0.0,
+                                                         "target_modules": ["linear_qkv"],
+                                                         "base_model": str(tmp_path / "gone")}}))
     (tmp_path / "lora" / "hf_source").mkdir()
     (tmp_path / "lora" / "hf_source" / "config.json").write_text((qwen2 / "config.json").read_text())
     (tmp_path / "full").mkdir()

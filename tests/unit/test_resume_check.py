@@ -1,7 +1,8 @@
 """``check_resume``: a resume the run cannot do is refused by the entry before any process group
-(printed once, exit 2), not on every rank inside ``Trainer.load``. A layout-free checkpoint (the
-trainer's format) resumes at any layout on CPU; an older per-TP-rank one, or a GPU run's
-optimizer state, only at the layout that wrote it.
+(printed once, exit 2), not on every rank inside ``Trainer.load``. A checkpoint (the trainer's
+layout-free format) resumes at any layout on CPU; a GPU run's optimizer state only at the layout that
+wrote it (the layout cases below check a GPU run: ``host_gpu=True``); a folder of another format (an
+older megatron_pack's) is refused at any layout.
 
 Checkpoints here are only their ``meta.json`` and manifest (all the check reads); a real one written by a
 CP=2 run and refused at CP=1 is in tests/functional/test_launch.py.
@@ -18,13 +19,13 @@ from hypothesis import strategies as st
 
 from megatron_pack.config import load_config
 from megatron_pack.config.schema import ConfigError
-from megatron_pack.training.checkpoint_files import digest, write_manifest
+from megatron_pack.training.checkpoint_files import SHARDED_FORMAT, digest, write_manifest
 from megatron_pack.training.resume import check_resume
 
 
-def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3, fmt: str | None = None,
+def _write_checkpoint(root: Path, world: int, tp: int, cp: int, step: int = 3, fmt: str | None = SHARDED_FORMAT,
                       **recorded) -> Path:
-    """Without ``fmt``: the older per-TP-rank format (does not reshard); ``recorded``: more meta.json keys."""
+    """``fmt=None``: a meta.json without a format (an older megatron_pack's); ``recorded``: more meta.json keys."""
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True, exist_ok=True)
     meta = {"step": step, "world_size": world, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
@@ -58,10 +59,10 @@ def test_check_resume(tmp_path, saved, run, fragments):
     cfg = _cfg(tmp_path, tp, cp)
     written = _write_checkpoint(tmp_path / "run" / "checkpoints", *saved) if saved else None
     if fragments is None:
-        assert check_resume(cfg, world) == written
+        assert check_resume(cfg, world, host_gpu=True) == written
         return
     with pytest.raises(ConfigError) as info:
-        check_resume(cfg, world)
+        check_resume(cfg, world, host_gpu=True)
     message = str(info.value)
     assert f"cannot resume from {written}" in message
     for fragment in fragments:
@@ -77,14 +78,14 @@ def test_checkpoint_load_without_a_checkpoint_is_a_config_error(tmp_path):
 def test_checkpoint_load_names_its_key(tmp_path):
     _write_checkpoint(tmp_path / "elsewhere", 2, 1, 2)
     with pytest.raises(ConfigError, match="set checkpoint.load to another directory"):
-        check_resume(_cfg(tmp_path, 1, 1, f"checkpoint.load={tmp_path}/elsewhere"), 2)
+        check_resume(_cfg(tmp_path, 1, 1, f"checkpoint.load={tmp_path}/elsewhere"), 2, host_gpu=True)
 
 
 LAYOUTS = st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]))  # tp, cp, dp
 
 
 def test_refused_exactly_when_the_layout_differs(tmp_path_factory):
-    """Property: over drawn (tp, cp, dp) pairs, the resume is refused iff any degree differs."""
+    """Property: over drawn (tp, cp, dp) pairs, a GPU run's resume is refused iff any degree differs."""
     outcomes = set()
 
     @settings(max_examples=25, deadline=None)
@@ -97,7 +98,7 @@ def test_refused_exactly_when_the_layout_differs(tmp_path_factory):
         _write_checkpoint(root / "run" / "checkpoints", s_tp * s_cp * s_dp, s_tp, s_cp)
         cfg = _cfg(root, tp, cp)
         try:
-            check_resume(cfg, tp * cp * dp)
+            check_resume(cfg, tp * cp * dp, host_gpu=True)
             refused = False
         except ConfigError:
             refused = True
@@ -111,16 +112,12 @@ def test_refused_exactly_when_the_layout_differs(tmp_path_factory):
 @pytest.mark.parametrize("saved,run", [((2, 1, 2), (2, 1, 1)), ((4, 2, 2), (1, 1, 1)), ((2, 1, 1), (4, 2, 2))],
                          ids=["cp2-to-dp2", "tp2cp2-to-world1", "dp2-to-tp2cp2"])
 def test_layout_free_checkpoint_resumes_at_another_layout_on_cpu(tmp_path, monkeypatch, saved, run):
-    from megatron_pack.training.checkpoint import SHARDED_FORMAT
-
     written = _write_checkpoint(tmp_path / "run" / "checkpoints", *saved, fmt=SHARDED_FORMAT)
     world, tp, cp = run
     assert check_resume(_cfg(tmp_path, tp, cp), world, host_gpu=False) == written
 
 
 def test_layout_free_checkpoint_at_another_layout_refused_on_gpu(tmp_path, monkeypatch):
-    from megatron_pack.training.checkpoint import SHARDED_FORMAT
-
     _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2, fmt=SHARDED_FORMAT)
     with pytest.raises(ConfigError, match="megatron-core's GPU optimizer state resumes only at the layout that wrote"):
         check_resume(_cfg(tmp_path, 1, 1), 2, host_gpu=True)  # train.device=auto on a GPU host
@@ -131,9 +128,15 @@ def test_layout_free_checkpoint_at_another_layout_refused_on_gpu(tmp_path, monke
 
 
 def test_older_format_names_why(tmp_path):
-    _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2)
-    with pytest.raises(ConfigError, match="older per-tensor-parallel-rank format, which does not reshard"):
-        check_resume(_cfg(tmp_path, 1, 1), 2)
+    """A meta.json without the trainer's format is refused at any layout, naming the folder and the way out."""
+    written = _write_checkpoint(tmp_path / "run" / "checkpoints", 2, 1, 2, fmt=None)
+    for tp, cp in ((1, 2), (1, 1)):  # the layout that wrote it, and another
+        with pytest.raises(ConfigError) as info:
+            check_resume(_cfg(tmp_path, tp, cp), 2, host_gpu=False)
+        assert str(info.value).count("\n") == 1, str(info.value)  # the header and one line
+        for fragment in [f"checkpoint.save (or train.output_dir) ({written}): its meta.json has format None",
+                         "written by an older megatron_pack", "export it with the version that wrote it"]:
+            assert fragment in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("local_rank,printed", [("0", True), ("1", False)], ids=["local-rank-0", "local-rank-1"])
@@ -187,8 +190,6 @@ ONLINE_CASES = [
 @pytest.mark.parametrize("saved,run,fragments", [c[1:] for c in ONLINE_CASES], ids=[c[0] for c in ONLINE_CASES])
 def test_online_resume_needs_the_same_dp_size_and_workers(tmp_path, monkeypatch, saved, run, fragments):
     """Online shards are ``dp_rank * W + w`` of ``dp * W``: refused before any process group, in one line."""
-    from megatron_pack.training.checkpoint import SHARDED_FORMAT
-
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     loader = {"kind": "online", "version": 2, "dp_size": saved[0], "num_workers": saved[1]}
     written = _write_checkpoint(tmp_path / "run" / "checkpoints", saved[0], 1, 1, fmt=SHARDED_FORMAT,

@@ -188,37 +188,35 @@ class _Payload:
 
 def test_poisoned_checkpoint_rank_file_is_refused(tmp_path):
     import torch
+    from _checkpoints import load, save, world_of_one
 
-    from megatron_pack.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_pack.training.checkpoint import read_rank_state
 
     weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    path = save_checkpoint(tmp_path / "ckpt", 1, model_state={"w": weight}, optim_state={}, rank_state={"step": 1},
-                           meta={"tensor_model_parallel_size": 1})
+    with world_of_one():
+        path = save(tmp_path / "ckpt", 1, {"w": weight}, {}, rank_state={"step": 1}, meta={})
+        assert torch.equal(load(path, {"w": torch.zeros(2, 3)}, {})[0]["w"], weight)
     marker = tmp_path / "pwned"
     with open(path / "rank_00000.pt", "wb") as f:
         pickle.dump(_Payload(marker), f)
     with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only"):
-        load_checkpoint(path, model_state={"w": torch.zeros(2, 3)}, optim_state={},
-                        meta={"tensor_model_parallel_size": 1})
+        read_rank_state(path)  # what a resume reads of it (trainer_checkpoint.load_trainer)
     assert not marker.exists()
 
 
 def test_poisoned_dcp_metadata_is_refused(tmp_path):
     """torch DCP reads ``.metadata`` with plain ``pickle.load``; ours goes through an allowlist."""
     import torch
-
-    from megatron_pack.training.checkpoint import load_checkpoint, save_checkpoint
+    from _checkpoints import load, save, world_of_one
 
     weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    path = save_checkpoint(tmp_path / "ckpt", 1, model_state={"w": weight}, optim_state={}, rank_state={"step": 1},
-                           meta={"tensor_model_parallel_size": 1})
-    target = {"w": torch.zeros(2, 3)}
-    load_checkpoint(path, model_state=target, optim_state={}, meta={"tensor_model_parallel_size": 1})
-    assert torch.equal(target["w"], weight)  # the allowlist still reads a genuine checkpoint
     marker = tmp_path / "pwned"
-    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system|not allowed"):
-        load_checkpoint(path, model_state=target, optim_state={}, meta={"tensor_model_parallel_size": 1})
+    with world_of_one():
+        path = save(tmp_path / "ckpt", 1, {"w": weight}, {}, rank_state={"step": 1}, meta={})
+        assert torch.equal(load(path, {"w": torch.zeros(2, 3)}, {})[0]["w"], weight)  # the allowlist reads a genuine one
+        (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+        with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system|not allowed"):
+            load(path, {"w": torch.zeros(2, 3)}, {})
     assert not marker.exists()
 
 
@@ -268,13 +266,14 @@ def test_config_paths_are_never_executed(tmp_path, template, capsys):
 def test_verify_refuses_a_poisoned_checkpoint(tmp_path):
     """`megatron-pack verify verify.checkpoint=...` reads the same .metadata through the allowlist."""
     import torch
+    from _checkpoints import save, world_of_one
 
     from megatron_pack.cli.verify import load_model_weights
-    from megatron_pack.training.checkpoint import save_checkpoint
     from megatron_pack.training.checkpoint_files import DamagedCheckpoint, digest, write_manifest
 
-    path = save_checkpoint(tmp_path / "ckpt", 1, model_state={"w": torch.zeros(2)}, optim_state={},
-                           rank_state={"step": 1}, meta={"tensor_model_parallel_size": 1})
+    with world_of_one():
+        path = save(tmp_path / "ckpt", 1, {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, {},
+                    rank_state={"step": 1}, meta={})
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(DamagedCheckpoint, match=r"\.metadata has [0-9,]+ bytes, its manifest records"):  # the manifest first
