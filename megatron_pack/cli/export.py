@@ -68,7 +68,8 @@ def _hf_source(step_dir: Path) -> Path:
 
 
 def read_model_shards(step_dir: Path) -> list[dict]:
-    """Every TP rank's model tensors of checkpoint ``step_dir`` in one process (``training.model_reader``)."""
+    """The whole model of checkpoint ``step_dir`` in one process, whatever layout wrote it
+    (``training.model_reader``)."""
     from megatron_pack.training.model_reader import CheckpointModel
 
     return CheckpointModel(step_dir, "export.checkpoint").shards()

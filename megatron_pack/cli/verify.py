@@ -103,7 +103,7 @@ def single_process_config(cfg):
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint: str | Path) -> Path:
-    """Load a training checkpoint's model weights (either format, any layout) into a TP=1 model; returns
+    """Load a training checkpoint's model weights (any layout) into a TP=1 model; returns
     its path. ``checkpoint`` is a checkpoint directory (``step_00000010``) or the ``checkpoint.save``
     root, whose newest intact checkpoint is used (``training.model_reader``, the reader train and export use)."""
     from megatron_pack.training.model_reader import CheckpointModel

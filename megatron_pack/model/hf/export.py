@@ -2,9 +2,9 @@
 
 Sources (one process, whatever layout wrote them):
 
-* a training checkpoint: ``model/tp<r>/<name>`` tensors of every TP rank (DCP; CP and DP ranks
-  hold replicas; read by ``megatron_pack.cli.export``, which knows the checkpoint format), merged
-  back per the family table (``mapping.export_tensors``); a pipeline stage's chunk is written under
+* a training checkpoint: the whole model, each tensor by its global identity whatever layout wrote it
+  (read by ``megatron_pack.cli.export`` through ``training.model_reader``), mapped back per the family table
+  (``mapping.export_tensors``); a pipeline stage's chunk is written under
   its global layer names (``hf_tensors(..., placement=)``);
 * a pretrained folder: its tensors put through the load transforms first (a round trip that
   proves the mapping on the user's own model).

@@ -213,7 +213,7 @@ def write_adapter_folder(output: str | Path, tensors: dict[str, Tensor], config:
 
 def export_adapter(*, output: str | Path, shards: list[dict[str, Tensor]], peft: dict, source: str | Path, model_cfg,
                    dtype: Optional[str] = None) -> tuple[list[str], torch.dtype]:
-    """A peft=lora checkpoint's adapter tensors (every TP rank's, ``model/tp<r>/`` names) and its ``peft``
+    """A peft=lora checkpoint's adapter tensors (whole, by global identity) and its ``peft``
     meta -> a peft adapter folder; returns (files, dtype written)."""
     from megatron_pack.config.hf_config import read_hf_config
     from megatron_pack.model.hf.export import DTYPES
