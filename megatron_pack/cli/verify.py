@@ -337,7 +337,7 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
     matching ``cfg``) at the launched layout; 0 when all pass, else 1 (the same on every rank)."""
     if cfg.verify.reference == "transformers":  # against transformers' forward (below)
         return run_verify_transformers(cfg, dataset=dataset, out=out)
-    from megatron_pack.data.batches.loader import collate_from_config
+    from megatron_pack.data.batches.loader import dataset_collate
     from megatron_pack.data.batches.opening import open_dataset
     from megatron_pack.model.builder import fixed_pack_shapes
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
@@ -347,7 +347,7 @@ def run_verify(cfg, *, dataset=None, out=print) -> int:
     if cfg.packing.mode == "online":  # no plan: the first packs a single-rank run would make
         dataset = dataset.first_packs(cfg.verify.num_packs)
     meta = dataset.metadata
-    collate = collate_from_config(cfg, meta)
+    collate = dataset_collate(cfg, dataset)  # with a store's images, their pixels and M-RoPE positions
     import torch.distributed as dist
 
     run_cfg = launched_config(cfg)
@@ -522,13 +522,13 @@ def run_verify_transformers(cfg, *, dataset=None, out=print) -> int:
     the reference or compare."""
     import torch.distributed as dist
 
-    from megatron_pack.data.batches.loader import collate_from_config
+    from megatron_pack.data.batches.loader import dataset_collate
     from megatron_pack.data.batches.opening import open_dataset
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
     dataset = dataset if dataset is not None else open_dataset(cfg)
-    collate = collate_from_config(cfg, dataset.metadata)
+    collate = dataset_collate(cfg, dataset)
     run_cfg = launched_config(cfg)
     owns_process_group = not dist.is_initialized()
     enable_cpu_compat_without_cuda()  # megatron-core's CUDA assumptions, answered on a CPU host
