@@ -186,11 +186,17 @@ def packed_logits(root: Path, args: list[str], weights: Path, samples: list[list
 def docs_tiny_llama(work: Path | str) -> Path:
     """``work/models/tiny-llama`` made by running docs/models.md's snippet as written ("A tiny folder for
     `experiment=pretrained_tiny`"), so the tests prove the folder the docs tell people to build."""
+    return docs_tiny_folder(work, "pretrained_tiny", "tiny-llama")
+
+
+def docs_tiny_folder(work: Path | str, recipe: str, name: str) -> Path:
+    """``work/models/<name>``, made by running the snippet of docs/models.md's section "A tiny folder for
+    `experiment=<recipe>`" as written, in ``work``."""
     import os
     import re
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
-    section = doc.split("## A tiny folder for `experiment=pretrained_tiny`", 1)[1]
+    section = doc.split(f"## A tiny folder for `experiment={recipe}`", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     cwd = os.getcwd()
     try:
@@ -199,7 +205,7 @@ def docs_tiny_llama(work: Path | str) -> Path:
         exec(compile(code, "docs/models.md", "exec"), {})
     finally:
         os.chdir(cwd)
-    return Path(work) / "models" / "tiny-llama"
+    return Path(work) / "models" / name
 
 
 class MemoryPacks:

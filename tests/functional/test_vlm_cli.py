@@ -1,7 +1,7 @@
 """A vision-language fine-tune through the user's commands, and the result back in transformers.
 
-`experiment=vlm_tiny` as written (a tiny random Qwen2.5-VL in models/tiny-vlm, built by tests/_vlm.py; the
-synthetic colour-image records whose PNGs prepare generates): ``megatron-pack prepare``, then
+`experiment=vlm_tiny` as written (a tiny random Qwen2.5-VL in models/tiny-vlm, built by docs/models.md's
+snippet as written; the synthetic colour-image records whose PNGs prepare generates): ``megatron-pack prepare``, then
 ``bash launch/single_node.sh 2`` (CP=2 on two CPU ranks, 3 steps), ``megatron-pack verify`` (packed against
 each sample alone, and against transformers' VLM forward), ``megatron-pack export``, and transformers:
 
@@ -35,10 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, str]:
     """The working folder after prepare and the 2-rank training run; the run's output."""
-    from _vlm import make_vlm
+    from _hf import docs_tiny_folder
 
     root = tmp_path_factory.mktemp("vlm_cli")
-    make_vlm(root / "models", name="tiny-vlm")
+    docs_tiny_folder(root, "vlm_tiny", "tiny-vlm")
     status, out = cli(root, "prepare", *RUN)
     assert status == 0, out
     proc = subprocess.run(["bash", str(REPO / "launch" / "single_node.sh"), "2", *RUN], cwd=root,
@@ -68,9 +68,9 @@ def test_training_at_cp2_logs_finite_losses_and_saves(trained):
 @pytest.mark.parametrize("reference", ["self", "transformers"])
 def test_verify_passes_on_packs_with_images(trained, reference):
     root, _ = trained
-    status, out = cli(root, "verify", "experiment=vlm_tiny", f"verify.reference={reference}", "verify.num_packs=3")
+    status, out = cli(root, "verify", "experiment=vlm_tiny", f"verify.reference={reference}")
     assert status == 0, out
-    assert "3/3 packs PASS" in out, out
+    assert "4/4 packs PASS" in out, out  # verify.num_packs's default
 
 
 def test_export_loads_in_transformers_and_generates_from_an_image(trained):
@@ -79,9 +79,9 @@ def test_export_loads_in_transformers_and_generates_from_an_image(trained):
     from safetensors.torch import load_file
 
     root, _ = trained
-    status, out = cli(root, "export", "checkpoint=runs/vlm_tiny/checkpoints", "output=exports/vlm")
+    status, out = cli(root, "export", "checkpoint=runs/vlm_tiny/checkpoints", "output=exports/tiny-vlm")
     assert status == 0, out
-    export = root / "exports" / "vlm"
+    export = root / "exports" / "tiny-vlm"
     assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json"} <= {p.name for p in export.iterdir()}
     model, info = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(export, dtype=torch.float32,
                                                                         output_loading_info=True)
