@@ -147,10 +147,28 @@ def _reports(chunks: list[torch.nn.Module], forward_step_func: Callable, batches
     yield from zip(batches, reports)
 
 
+def _progress_bar(total: int, show: bool):
+    """A tqdm bar on stderr over ``total`` forwards (``disable`` unless ``show``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="forwards", desc="validation", disable=not show, mininterval=1.0)
+
+
+def _counted(forward_step_func: Callable, bar) -> Callable:
+    """``forward_step_func`` that advances ``bar`` once per call (the schedule calls it once per micro-batch
+    and model chunk)."""
+    def step(data_iterator, model):
+        output = forward_step_func(data_iterator, model)
+        bar.update(1)
+        return output
+
+    return step
+
+
 def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
              group: Optional[dist.ProcessGroup], num_packs: int = 0,
-             schedule: Callable, pp_group: Optional[dist.ProcessGroup] = None, source_names: Sequence[str] = ()
-             ) -> EvalResult:
+             schedule: Callable, pp_group: Optional[dist.ProcessGroup] = None, source_names: Sequence[str] = (),
+             progress: bool = False) -> EvalResult:
     """Token-weighted validation loss of ``batches`` (this rank's packs), reduced over ``group`` (DP x CP).
     ``model`` is this rank's model chunk, or the list of its chunks (virtual pipeline stages).
 
@@ -162,7 +180,7 @@ def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
     state; megatron-core's, ``forward_only=True``), called with ``forward_step_func``, ``data_iterator``,
     ``model_chunks``, ``num_microbatches`` and ``forward_only``; it returns the reports of the rank holding
     the loss. With ``pp_group`` (more than one stage) the last stage's sums, reduced over ``group``, are
-    broadcast to every stage.
+    broadcast to every stage. ``progress``: a bar on stderr counting this rank's forwards (one rank shows it).
     """
     from megatron_pack.training.breakdown import source_metrics
 
@@ -173,9 +191,11 @@ def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
     was_training = chunks[0].training
     for chunk in chunks:
         chunk.eval()
+    batches = list(batches)
+    bar = _progress_bar(len(batches) * len(chunks), progress)
     try:
         with torch.no_grad():
-            for batch, report in _reports(chunks, forward_step_func, batches, schedule):
+            for batch, report in _reports(chunks, _counted(forward_step_func, bar), batches, schedule):
                 sums[:2] += report["lm loss"].double().cpu()
                 if names:
                     if "source loss" not in report:
@@ -184,6 +204,7 @@ def evaluate(model, batches: Iterable[dict], *, forward_step_func: Callable,
                                          "make_collate_fn(dataset.metadata).")
                     sums[2:] += report["source loss"].double().cpu()
     finally:
+        bar.close()
         for chunk in chunks:
             chunk.train(was_training)
     if group is not None:

@@ -226,7 +226,7 @@ class Trainer:
         result = evaluate(self.model_chunks, self.validation, forward_step_func=self.forward_step_func,
                           group=self.state.dp_cp_group, num_packs=self.validation.packs_per_epoch,
                           source_names=self.validation.info.source_names, schedule=schedule,
-                          pp_group=self.state.pp_group)
+                          pp_group=self.state.pp_group, progress=self.state.rank == 0)
         self.val_history.append([self.step, result.loss])
         return result
 

@@ -183,6 +183,20 @@ def test_evaluate_per_source_hand_computed():
         evaluate(model, [_pack([1.0], [1])], forward_step_func=_fake_forward, group=None, schedule=_one_by_one, source_names=names)
 
 
+@pytest.mark.parametrize("progress", [True, False], ids=["rank-0-bar", "other-ranks-quiet"])
+def test_evaluate_shows_a_bar_counting_its_forwards(progress, capsys):
+    """The end-of-run validation is not silent: the rank that shows progress draws a bar over the schedule's
+    forwards (3 packs: 3/3), the others print nothing."""
+    from megatron_pack.training.eval import evaluate
+
+    packs = [_pack([1.0, 2.0], [1, 1]) for _ in range(3)]
+    result = evaluate(_Model(), packs, forward_step_func=_fake_forward, group=None, schedule=_one_by_one,
+                      progress=progress)
+    err = capsys.readouterr().err
+    assert result.target_tokens == 6
+    assert ("validation: 100%" in err and "3/3" in err) if progress else err == ""
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.floats(0.0, 20.0), st.booleans(), st.integers(-1, 2)), min_size=1, max_size=12),
                 min_size=1, max_size=5))
