@@ -280,6 +280,22 @@ def _spawn_pooled(worker: Callable[..., dict], world_size: int, store_dir: Path,
                 _kill_world(processes, worker.__name__, store_dir, _deadline_message(timeout_s, started))
             finally:
                 _POOL.close()
+    if max((_num_threads(p.pid) for p in _POOL.processes), default=0) > MAX_POOL_THREADS:
+        _POOL.close()  # the next case starts new ranks (see MAX_POOL_THREADS)
+
+
+MAX_POOL_THREADS = 300
+"""A pooled rank with more threads than this is replaced after its case. gloo process groups that megatron-core's
+DDP, optimizer and schedules used are shut down with the default group, but their transport loop and work threads
+outlive them in the process (about 45 threads per trainer case here); hundreds of them polling took a third of a
+core per idle rank and slowed every later world. A new rank costs its imports once (about 2-3 CPU-seconds)."""
+
+
+def _num_threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:  # no /proc (not Linux), or the rank is gone
+        return 0
 
 
 def _fail_pooled(worker_name: str, world_size: int, errors: dict, pending: dict) -> None:
