@@ -71,11 +71,11 @@ def _unpacked_reference(ds: str, out: str, groups: list[list[int]], dataset) -> 
     """Step 1's loss from the same initial model run on each sample alone (a sequence of its own: no
     micro-batch, no in-batch collate, no CP, not our loss_func), cross entropy in float64:
     sum over answer tokens / their count."""
-    from megatron_pack.cli.verify import _logits
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
 
     keep_keys = [o for o in _overrides(ds, out, 1) if not o.startswith(("packing.", "train.micro", "train.global"))]
     cfg = load_config(keep_keys + ["packing.packed_sequence_size=256"])
@@ -88,7 +88,10 @@ def _unpacked_reference(ds: str, out: str, groups: list[list[int]], dataset) -> 
         for sample_id in ids:
             s = by_id[sample_id]
             x = torch.as_tensor(s["input_ids"], dtype=torch.int64)
-            logits = _logits(model, collate_thd([s], pack_size=x.numel() - 1), torch.device("cpu")).double()
+            alone = collate_thd([s], pack_size=x.numel() - 1)
+            with torch.no_grad():
+                logits = model(alone["tokens"], alone["position_ids"], None,
+                               packed_seq_params=get_packed_seq_params(alone))[0].double()
             losses = torch.nn.functional.cross_entropy(logits, x[1:], reduction="none")
             keep = torch.as_tensor(s["loss_mask"][1:]) != 0
             total, count = total + float(losses[keep].sum()), count + int(keep.sum())

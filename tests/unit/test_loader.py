@@ -80,7 +80,8 @@ def test_build_loader_deals_every_pack_once_per_epoch(prepared, dp_size):
 
 
 def test_the_collate_is_configured_in_one_place():
-    """``make_collate_fn`` is called only by ``collate_from_config``; train and verify go through it."""
+    """``make_collate_fn`` is called only by ``collate_from_config``; train and verify go through it (verify by
+    ``dataset_collate``, which adds a store's images around it, as the training loader does)."""
     calls = []
     for f in (ROOT / "megatron_pack").rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
@@ -89,4 +90,4 @@ def test_the_collate_is_configured_in_one_place():
     assert calls == ["megatron_pack/data/batches/loader.py"], calls
     verify = (ROOT / "megatron_pack/cli/verify.py").read_text()
     loop = (ROOT / "megatron_pack/training/loop.py").read_text()
-    assert "collate_from_config(" in verify and "loader_lib.build_loader(" in loop
+    assert "dataset_collate(" in verify and "loader_lib.build_loader(" in loop
