@@ -68,19 +68,29 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<
                  "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
-def save_tokenizer(path: Path) -> None:
+def bpe_tokenizer(path: Path, corpus: list[str], specials: list[str], vocab_size: int, chat_template: str, *,
+                  eos: str, pad: str, bos: str | None = None):
+    """A tiny byte-level BPE tokenizer trained on ``corpus * 20`` with ``specials`` first (ids 0, 1, ...),
+    saved with ``chat_template`` to ``path``; returns the ``PreTrainedTokenizerFast``. Every tiny tokenizer of
+    the tests (text, VLM model, VLM data) is this one with its own corpus, specials and template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ["hello world", "what is two plus two", "four", "the answer is", "system user assistant"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=290, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
+                                   **({"bos_token": bos} if bos else {}))
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
+    return fast
+
+
+def save_tokenizer(path: Path) -> None:
+    bpe_tokenizer(path, ["hello world", "what is two plus two", "four", "the answer is", "system user assistant"],
+                  ["<pad>", "<s>", "</s>"], 290, CHAT_TEMPLATE, bos="<s>", eos="</s>", pad="<pad>")
 
 
 def make_family(root: Path | str, family: str, *, seed: int = 0, dtype=torch.float32,

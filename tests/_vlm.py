@@ -68,19 +68,11 @@ def _randomise(model, seed: int) -> None:
 
 
 def save_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from _hf import bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["describe the picture", "a red square and a blue circle", "what colour is it", "the answer is",
-              "system user assistant", "hello world"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=VOCAB - 10, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    fast = bpe_tokenizer(path, ["describe the picture", "a red square and a blue circle", "what colour is it",
+                                "the answer is", "system user assistant", "hello world"],
+                         SPECIAL, VOCAB - 10, CHAT_TEMPLATE, bos="<s>", eos="</s>", pad="<pad>")
     assert all(fast.convert_tokens_to_ids(t) == i for t, i in special_ids().items())
 
 

@@ -31,18 +31,10 @@ VLM_CHAT_TEMPLATE = (
 
 def save_vlm_tokenizer(path: Path) -> None:
     """A byte-level BPE tokenizer (vocabulary ~300) with the ChatML and vision special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from _hf import bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["describe the image", "a red square", "what color is it", "two pictures", "user assistant"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = VLM_CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    bpe_tokenizer(path, ["describe the image", "a red square", "what color is it", "two pictures", "user assistant"],
+                  list(SPECIAL_TOKENS), 300, VLM_CHAT_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>")
 
 
 def save_image_processor(path: Path, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> None:
