@@ -128,3 +128,28 @@ def changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]
         elif before[path] != after[path]:
             out.append(f"changed {path}")
     return out
+
+
+def cpu_by_module(folder: Path) -> list[tuple[str, float, float, int]]:
+    """``(module, CPU-seconds, wall seconds, items)`` from a ``MEGATRON_PACK_TEST_CPU_LOG`` folder, most CPU first."""
+    import json
+
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for path in Path(folder).glob("cpu-*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            entry = totals[module_of(row["id"])]
+            entry[0] += row["cpu"]
+            entry[1] += row["wall"]
+            entry[2] += 1
+    return sorted(((m, c, w, int(n)) for m, (c, w, n) in totals.items()), key=lambda r: -r[1])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["cpu"]:
+        rows = cpu_by_module(Path(sys.argv[2]))
+        print(f"{'CPU s':>8} {'wall s':>8} {'items':>6}  module   (total CPU {sum(r[1] for r in rows):.0f} s)")
+        for module, cpu, wall, n in rows:
+            print(f"{cpu:8.1f} {wall:8.1f} {n:6d}  {module}")

@@ -82,6 +82,71 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 
+class _CpuMeter:
+    """CPU-seconds per test item, with ``MEGATRON_PACK_TEST_CPU_LOG=<folder>`` set (off otherwise): this process,
+    the children it reaped (subprocesses, torchrun and their workers) and the live pooled ranks of ``_dist``
+    (their own and their reaped children's time, read from /proc), one JSON line per item in
+    ``<folder>/cpu-<worker>.jsonl``. On a 2-core machine the suite's wall time is bounded below by its CPU time
+    over 2, so this says which items to make cheaper; ``python tests/_session_checks.py cpu <folder>`` sums it
+    per module."""
+
+    def __init__(self, folder: str) -> None:
+        import os
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        self.out = open(Path(folder) / f"cpu-{worker}.jsonl", "a")  # noqa: SIM115 (closed at exit)
+        self.seen: dict[int, float] = {}  # pooled rank pid -> CPU-seconds at the last reading
+
+    def _ranks(self) -> dict[int, float]:
+        import os
+
+        dist = sys.modules.get("_dist")
+        ticks, found = os.sysconf("SC_CLK_TCK"), {}
+        for proc in (dist._POOL.processes if dist else []):
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                found[proc.pid] = sum(int(f) for f in fields[11:15]) / ticks  # utime stime cutime cstime
+            except (OSError, IndexError, ValueError):
+                pass
+        return found
+
+    def reading(self) -> tuple[float, dict[int, float]]:
+        import resource
+
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime, self._ranks()
+
+    def record(self, nodeid: str, wall: float, before: tuple[float, dict[int, float]]) -> None:
+        import json
+
+        (base, ranks_before), (now, ranks_now) = before, self.reading()
+        gone = sum(cpu for pid, cpu in ranks_before.items() if pid not in ranks_now)  # reaped: in RUSAGE_CHILDREN
+        cpu = now - base - gone + sum(cpu - ranks_before.get(pid, 0.0) for pid, cpu in ranks_now.items())
+        self.out.write(json.dumps({"id": nodeid, "wall": round(wall, 3), "cpu": round(cpu, 3)}) + "\n")
+        self.out.flush()
+
+
+_CPU_METER: list = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import os
+    import time
+
+    folder = os.environ.get("MEGATRON_PACK_TEST_CPU_LOG")
+    if not folder:
+        yield
+        return
+    if not _CPU_METER:
+        _CPU_METER.append(_CpuMeter(folder))
+    meter, started = _CPU_METER[0], time.monotonic()
+    before = meter.reading()
+    yield
+    meter.record(item.nodeid, time.monotonic() - started, before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_working_folder(tmp_path_factory):
     """Every test session (each xdist worker's too) runs in a scratch working folder: no test reads or writes the
