@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up what is missing, then run the whole test suite (unit + functional, CPU only).
-# PYTEST_WORKERS pytest-xdist workers (default 2, one per core of the CI machine): one runs every multi-process
-# world, one case at a time, on a pool of ranks started once (tests/_dist.py); the others take the unit modules
-# (tests/conftest.py). PYTEST_WORKERS=0 runs everything in one process.
+# PYTEST_WORKERS pytest-xdist workers (default 2, one per core of the CI machine) take whole modules, the longest
+# first; each runs its worlds one case at a time on a pool of ranks started once (tests/conftest.py,
+# tests/_dist.py). PYTEST_WORKERS=0 runs everything in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

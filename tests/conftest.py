@@ -1,11 +1,11 @@
 """Session-wide test setup: ``tests/`` importable (``_dist``, ``_launch``, ...), the cores shared out
 under pytest-xdist, and the session's checks on itself (``tests/_session_checks.py``).
 
-Under ``-n N --dist loadgroup`` (``scripts/test.sh``) every test that starts several processes (all
-of ``tests/functional`` and the spawn harness's own tests) is in one group, ``worlds``, run on one
-worker one case at a time with one pool of ranks, while the other workers take the unit modules,
-each module whole (its module-scoped fixtures built once). So worlds never overlap, and the cores
-they leave idle run unit tests.
+Under ``-n N --dist loadgroup`` (``scripts/test.sh``) each test module is one unit of work, given whole
+to whichever worker is free (its module-scoped fixtures, worlds and runs built once), the longest
+modules first (``_session_checks.MODULE_SECONDS``): so the workers finish together instead of one
+running every world while the other idles. Each worker has its own pool of ranks (``tests/_dist.py``)
+and runs one case at a time, so at most N worlds run at once.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ if str(_TESTS_DIR) not in sys.path:
 import _session_checks  # noqa: E402
 
 REPO = _TESTS_DIR.parent
-WORLD_MODULES = ("tests/unit/test_dist_harness.py",)
-"""Unit modules that start worlds of processes: they run in the ``worlds`` group too."""
-
 _DURATIONS: dict[str, float] = {}
 """Seconds per node id, all phases summed (on the controller under xdist, which receives every report)."""
 _SNAPSHOT = pytest.StashKey[dict]()
@@ -34,24 +31,30 @@ def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")  # a pytest-xdist worker; the controller checks the session
 
 
-def _group_of(nodeid: str) -> str:
-    module = _session_checks.module_of(nodeid)
-    return "worlds" if module.startswith("tests/functional/") or module in WORLD_MODULES else module
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadgroup``: whole modules to whichever worker is free, every world in one group (xdist's own
-    loadgroup reads ``xdist_group`` marks through node ids that pytest 9 no longer rewrites)."""
+    """``--dist loadgroup``: whole modules to whichever worker is free, in the order of the collection (sorted
+    below; xdist's own loadgroup reads ``xdist_group`` marks through node ids that pytest 9 no longer rewrites,
+    and its reordering puts the modules with the most items first, not the longest)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class WorldsScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _group_of(nodeid)
+    class ModuleScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems gave
 
-    return WorldsScheduling(config, log)  # the largest scope (the worlds) is handed out first
+        def _split_scope(self, nodeid: str) -> str:
+            return _session_checks.module_of(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """The longest modules first (a stable sort: a module's items keep their order); every xdist worker sorts
+    its collection the same way, as xdist requires."""
+    items.sort(key=lambda item: _session_checks.schedule_order(_session_checks.module_of(item.nodeid)))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

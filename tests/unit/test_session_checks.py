@@ -9,16 +9,20 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _session_checks import MODULE_BUDGETS_S, changes, over_budget, snapshot  # noqa: E402
+from _session_checks import MODULE_SECONDS, changes, over_budget, schedule_order, snapshot  # noqa: E402
 
+LORA = "tests/functional/test_lora_train_export.py"
 BUDGET_CASES = {
-    "unit_module_within_default": ({"tests/unit/test_a.py::t1": 40.0, "tests/unit/test_a.py::t2": 45.0}, []),
-    "unit_module_over_default": ({"tests/unit/test_a.py::t1": 70.0, "tests/unit/test_a.py::t2[x]": 25.0},
-                                 ["tests/unit/test_a.py took 95 s, over its budget of 90 s"]),
-    "functional_default_is_larger": ({"tests/functional/test_new.py::t": 300.0}, []),
-    "named_budget_wins": ({"tests/functional/test_lora_train_export.py::t": 500.0}, []),
-    "only_the_module_over_fails": ({"tests/unit/test_a.py::t": 91.0, "tests/unit/test_b.py::t": 89.0},
-                                   ["tests/unit/test_a.py took 91 s"]),
+    "unit_module_within_the_least": ({"tests/unit/test_a.py::t1": 25.0, "tests/unit/test_a.py::t2": 30.0}, []),
+    "unit_module_over_the_least": ({"tests/unit/test_a.py::t1": 50.0, "tests/unit/test_a.py::t2[x]": 20.0},
+                                   ["tests/unit/test_a.py took 70 s, over its budget of 60 s"]),
+    "functional_least_is_larger": ({"tests/functional/test_new.py::t": 110.0}, []),
+    "measured_module_within_3x": ({f"{LORA}::t": 3 * MODULE_SECONDS[LORA] - 1}, []),
+    "measured_module_over_3x": ({f"{LORA}::t": 3 * MODULE_SECONDS[LORA] + 1, f"{LORA}::u": 0.5},
+                                [f"{LORA} took {3 * MODULE_SECONDS[LORA] + 1.5:.0f} s, over its budget of "
+                                 f"{3 * MODULE_SECONDS[LORA]:.0f} s"]),
+    "only_the_module_over_fails": ({"tests/unit/test_a.py::t": 61.0, "tests/unit/test_b.py::t": 59.0},
+                                   ["tests/unit/test_a.py took 61 s"]),
 }
 
 
@@ -28,17 +32,23 @@ def test_module_budgets(durations, expected):
     assert len(messages) == len(expected)
     for message, start in zip(messages, expected):
         assert message.startswith(start), message
-        assert "MODULE_BUDGETS_S" in message and "Slowest items" in message
+        assert "MODULE_SECONDS" in message and "Slowest items" in message
     if expected:  # the module's slowest item is listed first
         module = expected[0].split()[0]
         items = sorted((n for n in durations if n.startswith(module)), key=durations.get, reverse=True)
         assert [message.index(n) for n in items] == sorted(message.index(n) for n in items)
 
 
-def test_every_named_budget_is_a_module_that_exists():
+def test_every_measured_module_exists():
     repo = Path(__file__).resolve().parents[2]
-    missing = [m for m in MODULE_BUDGETS_S if not (repo / m).is_file()]
-    assert MODULE_BUDGETS_S and not missing, missing
+    missing = [m for m in MODULE_SECONDS if not (repo / m).is_file()]
+    assert len(MODULE_SECONDS) > 20 and not missing, missing
+
+
+def test_the_longest_modules_are_scheduled_first():
+    modules = ["tests/unit/test_unmeasured.py", LORA, "tests/functional/test_docs_commands.py"]
+    assert MODULE_SECONDS["tests/functional/test_docs_commands.py"] > MODULE_SECONDS[LORA]
+    assert sorted(modules, key=schedule_order) == modules[::-1]
 
 
 GUARD_CASES = {
