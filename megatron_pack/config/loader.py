@@ -15,6 +15,7 @@ and the available presets before Hydra runs, so a typo fails at once with a sugg
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from pathlib import Path
@@ -222,7 +223,33 @@ def _normalize(overrides: list[str]) -> list[str]:
     return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
 
 
+_COMPOSED: dict[tuple, DictConfig] = {}
+"""Hydra's compositions of this process by (overrides, search folders, what those folders hold): composing takes
+about 0.25 CPU-s and a run composes the same config several times (the entry, its checks, each rank's loaders)."""
+_COMPOSED_MAX = 64
+
+
+def _folders_state(folders: Sequence[Path]) -> tuple:
+    """``(path, digest of its bytes)`` of every file under ``folders``: a preset written or changed since makes a
+    new key (its bytes, not its mtime, which may not move between two writes in a row)."""
+    import hashlib
+
+    return tuple((str(path), hashlib.blake2b(path.read_bytes(), digest_size=16).digest())
+                 for folder in folders for path in sorted(Path(folder).rglob("*")) if path.is_file())
+
+
 def _compose(overrides: list[str], user_dirs: list[Path]) -> DictConfig:
+    """Hydra's composition of config.yaml with ``overrides``, searching ``user_dirs`` after the presets (a copy of
+    the one composed before for the same overrides and the same files)."""
+    key = (tuple(overrides), tuple(str(d) for d in user_dirs), _folders_state([PRESETS_DIR, *user_dirs]))
+    if key not in _COMPOSED:
+        if len(_COMPOSED) >= _COMPOSED_MAX:
+            _COMPOSED.clear()
+        _COMPOSED[key] = _compose_with_hydra(overrides, user_dirs)
+    return copy.deepcopy(_COMPOSED[key])
+
+
+def _compose_with_hydra(overrides: list[str], user_dirs: list[Path]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
