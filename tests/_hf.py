@@ -148,6 +148,30 @@ def torchrun_train(root: Path, args: list[str], *, nproc: int = 2, timeout: int 
     return proc.stdout + proc.stderr
 
 
+def torchrun_train_cases(root: Path, cases: dict[str, list[str]], *, nproc: int = 2, timeout: int = 600) -> dict:
+    """Every ``megatron-pack train`` run of ``cases`` (name -> arguments), in their order, in one torchrun world
+    started in ``root`` (``tests/functional/_train_cases.py``: the agent's and the ranks' start-up paid once); each
+    case's output (stdout and stderr together, what the first rank printed from its start to the next case's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "functional" / "_train_cases.py"
+    listing = root / f"cases_{len(list(root.glob('cases_*.json')))}.json"
+    listing.write_text(json.dumps([[name, argv] for name, argv in cases.items()]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(script), str(listing)], cwd=root, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    mark = "=== _train_cases.py case: "
+    pieces = proc.stdout.split(mark)[1:]
+    logs = {piece.split("\n", 1)[0]: piece.split("\n", 1)[1] if "\n" in piece else "" for piece in pieces}
+    assert list(logs) == list(cases), (list(logs), proc.stdout[-6000:])
+    return logs
+
+
 def cli(root: Path, *args: str, timeout: int = 300) -> tuple[int, str]:
     """``megatron-pack ARGS`` in ``root``: exit code and output."""
     import os

@@ -25,26 +25,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from _hf import cli, make_family, packed_logits, prepare_in, torchrun_train
+from _hf import cli, make_family, packed_logits, prepare_in, torchrun_train_cases
 
 LORA = ["experiment=pretrained_tiny", "data.synthetic_num_samples=24", "logging.log_interval=1", "peft=lora",
         "peft.dim=8", "peft.alpha=16", "peft.dropout=0.1", "checkpoint.save_interval=1", "checkpoint.keep_last=5"]
 FULL_RUN, SPLIT_RUN = "runs/lora_full", "runs/lora_split"
 
 
-def _torchrun(root: Path, *args: str) -> str:
-    return torchrun_train(root, [*LORA, *args])
+LAYOUT_RUNS = {  # (run, extra arguments); dropout 0: other layouts differ only by the summation order
+    "cp2": ["train.output_dir=runs/lora_cp2"],
+    "tp2_step1": ["train.output_dir=runs/lora_tp2", "parallel.tensor_model_parallel_size=2",
+                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
+    "tp2_resumed": ["train.output_dir=runs/lora_tp2"],  # at the preset's CP=2
+    "pp2_step1": ["train.output_dir=runs/lora_pp2", "parallel.pipeline_model_parallel_size=2",
+                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
+    "pp2_resumed": ["train.output_dir=runs/lora_pp2"],
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """The runs of items 1-5 and of ``LAYOUT_RUNS`` (item 6), in that order, in one torchrun world of 2
+    processes (``torchrun_train_cases``: the train entry per run, the start-up paid once); each run's output."""
     root = tmp_path_factory.mktemp("lora_train")
     make_family(root / "models", "llama_rope", name="tiny-llama")
     prepare_in(root, LORA)
-    logs = {"full": _torchrun(root, f"train.output_dir={FULL_RUN}")}
-    logs["split1"] = _torchrun(root, f"train.output_dir={SPLIT_RUN}", "train.exit_after_iters=2")
-    logs["split2"] = _torchrun(root, f"train.output_dir={SPLIT_RUN}")
-    return {"root": root, "logs": logs}
+    cases = {"full": [*LORA, f"train.output_dir={FULL_RUN}"],
+             "split1": [*LORA, f"train.output_dir={SPLIT_RUN}", "train.exit_after_iters=2"],
+             "split2": [*LORA, f"train.output_dir={SPLIT_RUN}"]}
+    cases.update({name: [*LORA, "peft.dropout=0", *extra] for name, extra in LAYOUT_RUNS.items()})
+    return {"root": root, "logs": torchrun_train_cases(root, cases)}
 
 
 def _cli(root: Path, *args: str) -> tuple[int, str]:
@@ -77,34 +87,12 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-LAYOUT_RUNS = {  # (run, extra arguments); dropout 0: other layouts differ only by the summation order
-    "cp2": ["train.output_dir=runs/lora_cp2"],
-    "tp2_step1": ["train.output_dir=runs/lora_tp2", "parallel.tensor_model_parallel_size=2",
-                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
-    "tp2_resumed": ["train.output_dir=runs/lora_tp2"],  # at the preset's CP=2
-    "pp2_step1": ["train.output_dir=runs/lora_pp2", "parallel.pipeline_model_parallel_size=2",
-                  "parallel.context_parallel_size=1", "train.exit_after_iters=1"],
-    "pp2_resumed": ["train.output_dir=runs/lora_pp2"],
-}
 
 
 @pytest.fixture(scope="module")
 def layout_runs(runs) -> str:
-    """The runs of ``LAYOUT_RUNS`` one after the other in one torchrun world of 2 processes
-    (``_train_cases.py``: the train entry per run; the start-up is paid once); their output."""
-    import os
-    import subprocess
-    import sys
-
-    root = runs["root"]
-    cases = [[name, [*LORA, "peft.dropout=0", *extra]] for name, extra in LAYOUT_RUNS.items()]
-    (root / "layout_cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("_train_cases.py")), str(root / "layout_cases.json")],
-                          cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-                          capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
+    """The output of the runs of ``LAYOUT_RUNS`` (trained with the others in ``runs``)."""
+    log = "".join(runs["logs"][name] for name in LAYOUT_RUNS)
     assert log.count("resumed from") == 2, log[-5000:]  # tp2_resumed and pp2_resumed
     return log
 
