@@ -46,6 +46,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -191,6 +192,7 @@ def _reset_process_state(environ: dict, cwd: str, start_method: str | None) -> N
     torch.manual_seed(_TORCH_DEFAULT_SEED)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
+    gc.collect()  # the case's process groups left in reference cycles (trainers, DDP): see MAX_POOL_THREADS
 
 
 def _pool_main(conn) -> None:
@@ -284,11 +286,13 @@ def _spawn_pooled(worker: Callable[..., dict], world_size: int, store_dir: Path,
         _POOL.close()  # the next case starts new ranks (see MAX_POOL_THREADS)
 
 
-MAX_POOL_THREADS = 300
-"""A pooled rank with more threads than this is replaced after its case. gloo process groups that megatron-core's
-DDP, optimizer and schedules used are shut down with the default group, but their transport loop and work threads
-outlive them in the process (about 45 threads per trainer case here); hundreds of them polling took a third of a
-core per idle rank and slowed every later world. A new rank costs its imports once (about 2-3 CPU-seconds)."""
+MAX_POOL_THREADS = 150
+"""A pooled rank with more threads than this is replaced after its case. Every live gloo process group holds 3
+threads that wake up while idle (100 groups: about 0.1 CPU-s a second per rank; 400: 0.43, measured); the groups
+megatron-core's DDP, optimizer and schedules made outlive a case in reference cycles (a trainer, its buffers)
+until ``gc.collect()``, which ``_reset_process_state`` runs (test_train_parallel's ranks: 118-193 threads after
+its worlds without it, 7-31 with it). A case that keeps more alive than this costs a new rank (its imports, about
+5 CPU-s) instead of a core's share for the rest of the session."""
 
 
 def _num_threads(pid: int) -> int:
