@@ -1,11 +1,14 @@
 """Session-wide test setup: ``tests/`` importable (``_dist``, ``_launch``, ...), the cores shared out
 under pytest-xdist, and the session's checks on itself (``tests/_session_checks.py``).
 
-Under ``-n N --dist loadgroup`` (``scripts/test.sh``) each test module is one unit of work, given whole
-to whichever worker is free (its module-scoped fixtures, worlds and runs built once), the longest
-modules first (``_session_checks.MODULE_SECONDS``): so the workers finish together instead of one
-running every world while the other idles. Each worker has its own pool of ranks (``tests/_dist.py``)
-and runs one case at a time, so at most N worlds run at once.
+Under ``-n N --dist loadgroup`` (``scripts/test.sh``) the tests that start worlds of several processes
+(``tests/functional``, the spawn harness's own tests) are one unit of work, ``worlds``, run on one worker one
+case at a time with one pool of ranks: two worlds at once on the 2-core CI machine took more CPU and more time
+than one after the other (gloo's threads wait by waking up; a world whose peer is descheduled spins), and a
+multi-node launch timed out. Every other module, and the functional modules of ``BESIDE_WORLDS`` (one process
+at work most of their time), is its own unit, given whole to whichever worker is free (its module-scoped
+fixtures built once). The units go out longest first (``_session_checks.MODULE_SECONDS``), ``worlds`` before
+all, so the workers finish together.
 """
 
 from __future__ import annotations
@@ -31,11 +34,29 @@ def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")  # a pytest-xdist worker; the controller checks the session
 
 
+WORLD_MODULES = ("tests/unit/test_dist_harness.py",)
+"""Unit modules that start worlds of processes: they run in the ``worlds`` group too."""
+BESIDE_WORLDS = (
+    "tests/functional/test_docs_commands.py",  # the documents' commands in this process; one torchrun world of 2
+    "tests/functional/test_hf_train_export.py",  # transformers and export in this process; two torchrun runs
+    "tests/functional/test_slurm.py",  # waits on slurmctld most of its time (18 CPU-s in 56 s)
+)
+"""Functional modules that run beside the worlds, not in their group: measured at about one core or less
+(CPU-seconds over wall seconds, ``MEGATRON_PACK_TEST_CPU_LOG``: 1.05, 1.03 and 0.33)."""
+
+
+def _group_of(nodeid: str) -> str:
+    module = _session_checks.module_of(nodeid)
+    if module in BESIDE_WORLDS:
+        return module
+    return "worlds" if module.startswith("tests/functional/") or module in WORLD_MODULES else module
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadgroup``: whole modules to whichever worker is free, in the order of the collection (sorted
-    below; xdist's own loadgroup reads ``xdist_group`` marks through node ids that pytest 9 no longer rewrites,
-    and its reordering puts the modules with the most items first, not the longest)."""
+    """``--dist loadgroup``: whole units (``_group_of``) to whichever worker is free, in the order of the collection
+    (sorted below; xdist's own loadgroup reads ``xdist_group`` marks through node ids that pytest 9 no longer
+    rewrites, and its reordering puts the units with the most items first, not the longest)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -46,15 +67,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems gave
 
         def _split_scope(self, nodeid: str) -> str:
-            return _session_checks.module_of(nodeid)
+            return _group_of(nodeid)
 
     return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
-    """The longest modules first (a stable sort: a module's items keep their order); every xdist worker sorts
-    its collection the same way, as xdist requires."""
-    items.sort(key=lambda item: _session_checks.schedule_order(_session_checks.module_of(item.nodeid)))
+    """The worlds first, then the longest modules (a stable sort: a module's items keep their order); every xdist
+    worker sorts its collection the same way, as xdist requires."""
+    def order(item) -> tuple:
+        group = _group_of(item.nodeid)
+        return (group != "worlds", _session_checks.schedule_order(_session_checks.module_of(item.nodeid)))
+
+    items.sort(key=order)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
