@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _session_checks import MODULE_SECONDS, changes, over_budget, schedule_order, snapshot  # noqa: E402
+from _session_checks import BUDGET_FACTOR, MODULE_SECONDS, changes, over_budget, schedule_order, snapshot  # noqa: E402
 
 LORA = "tests/functional/test_lora_train_export.py"
 BUDGET_CASES = {
@@ -17,10 +17,10 @@ BUDGET_CASES = {
     "unit_module_over_the_least": ({"tests/unit/test_a.py::t1": 50.0, "tests/unit/test_a.py::t2[x]": 20.0},
                                    ["tests/unit/test_a.py took 70 s, over its budget of 60 s"]),
     "functional_least_is_larger": ({"tests/functional/test_new.py::t": 110.0}, []),
-    "measured_module_within_3x": ({f"{LORA}::t": 3 * MODULE_SECONDS[LORA] - 1}, []),
-    "measured_module_over_3x": ({f"{LORA}::t": 3 * MODULE_SECONDS[LORA] + 1, f"{LORA}::u": 0.5},
-                                [f"{LORA} took {3 * MODULE_SECONDS[LORA] + 1.5:.0f} s, over its budget of "
-                                 f"{3 * MODULE_SECONDS[LORA]:.0f} s"]),
+    "measured_module_within_its_budget": ({f"{LORA}::t": BUDGET_FACTOR * MODULE_SECONDS[LORA] - 1}, []),
+    "measured_module_over_its_budget": ({f"{LORA}::t": BUDGET_FACTOR * MODULE_SECONDS[LORA] + 1, f"{LORA}::u": 0.5},
+                                [f"{LORA} took {BUDGET_FACTOR * MODULE_SECONDS[LORA] + 1.5:.0f} s, over its budget of "
+                                 f"{BUDGET_FACTOR * MODULE_SECONDS[LORA]:.0f} s"]),
     "only_the_module_over_fails": ({"tests/unit/test_a.py::t": 61.0, "tests/unit/test_b.py::t": 59.0},
                                    ["tests/unit/test_a.py took 61 s"]),
 }
