@@ -152,12 +152,16 @@ def torchrun_train_cases(root: Path, cases: dict[str, list[str]], *, nproc: int 
     """Every ``megatron-pack train`` run of ``cases`` (name -> arguments), in their order, in one torchrun world
     started in ``root`` (``tests/functional/_train_cases.py``: the agent's and the ranks' start-up paid once); each
     case's output (stdout and stderr together, what the first rank printed from its start to the next case's)."""
+    import importlib.util
     import json
     import os
     import subprocess
     import sys
 
     script = Path(__file__).resolve().parent / "functional" / "_train_cases.py"
+    spec = importlib.util.spec_from_file_location("_train_cases", script)
+    train_cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_cases)  # for its CASE_MARK (its cases run under ``__main__`` only)
     listing = root / f"cases_{len(list(root.glob('cases_*.json')))}.json"
     listing.write_text(json.dumps([[name, argv] for name, argv in cases.items()]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -165,8 +169,7 @@ def torchrun_train_cases(root: Path, cases: dict[str, list[str]], *, nproc: int 
                            str(nproc), str(script), str(listing)], cwd=root, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    mark = "=== _train_cases.py case: "
-    pieces = proc.stdout.split(mark)[1:]
+    pieces = proc.stdout.split(train_cases.CASE_MARK)[1:]
     logs = {piece.split("\n", 1)[0]: piece.split("\n", 1)[1] if "\n" in piece else "" for piece in pieces}
     assert list(logs) == list(cases), (list(logs), proc.stdout[-6000:])
     return logs

@@ -123,7 +123,6 @@ class _CpuMeter:
 
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.out = open(Path(folder) / f"cpu-{worker}.jsonl", "a")  # noqa: SIM115 (closed at exit)
-        self.seen: dict[int, float] = {}  # pooled rank pid -> CPU-seconds at the last reading
 
     def _ranks(self) -> dict[int, float]:
         import os
@@ -133,9 +132,10 @@ class _CpuMeter:
         for proc in (dist._POOL.processes if dist else []):
             try:
                 fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                found[proc.pid] = sum(int(f) for f in fields[11:15]) / ticks  # utime stime cutime cstime
+                cpu = sum(int(f) for f in fields[11:15]) / ticks  # utime stime cutime cstime
             except (OSError, IndexError, ValueError):
-                pass
+                continue  # the rank ended since the pool listed it: its time is in nobody's reading
+            found[proc.pid] = cpu
         return found
 
     def reading(self) -> tuple[float, dict[int, float]]:
