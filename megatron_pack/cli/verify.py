@@ -19,7 +19,7 @@ DESIGN (cross)`` for every pack instead of PASS, and exits 1. With ``wrapped_att
 (and split pieces) each piece is compared with itself alone, as any other sample.
 
 A mixture-of-experts model routes as training does: the pack's padding (from its boundaries, never
-token ids) is excluded from routing (``model.moe.set_pack``), and each pack line adds ``routed N/N
+token ids) is excluded from routing (``model.moe.routing_index``), and each pack line adds ``routed N/N
 real tokens``: the real tokens routed (top-k) in every MoE layer of the packed forward; a pack whose
 count differs from its real tokens in any layer FAILs.
 
@@ -140,7 +140,7 @@ def schedule_logits(chunks: list, batches: list[dict], state, seq_length: int
     whole logits [T, V_padded] float32 (gathered over TP and CP; None on the other stages), and a MoE model's
     real tokens routed in each MoE layer of every stage by the first batch's forward (None for a dense model).
     A MoE model's routers read each pack's boundaries and padding is not routed, as in training
-    (``model.moe.set_pack``). Every rank of the world calls it with the same batches."""
+    (``model.moe.routing_index``). Every rank of the world calls it with the same batches."""
     from megatron_pack.parallel.comm import all_gather_object
     from megatron_pack.parallel.cp import slice_thd_batch
     from megatron_pack.training.chunks import core_model

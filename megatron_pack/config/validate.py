@@ -73,10 +73,6 @@ _PIPELINE_REFUSED: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
     ("model.cuda_graph_impl", lambda cfg: cfg.model.cuda_graph_impl != "none",
      "CUDA graphs with pipeline stages are not tested yet (megatron-core captures per stage and micro-batch); set "
      "model.cuda_graph_impl=none or parallel.pipeline_model_parallel_size=1"),
-    ("model.num_experts", lambda cfg: bool(cfg.model.num_experts),
-     "mixture-of-experts layers are not run with pipeline stages yet (expert loads and auxiliary losses are "
-     "reported by the last stage's layers only, and experts over stages are not tested); set "
-     "parallel.pipeline_model_parallel_size=1"),
 )
 """(key, refused when, reason and fix): what does not run with pipeline stages yet."""
 
@@ -120,6 +116,10 @@ def _validate_virtual_pipeline(cfg: Config, world_size: Optional[int] = None) ->
                  f"count, a multiple of parallel.pipeline_model_parallel_size ({pp}), on every step; unset {name} "
                  "(train.global_batch_tokens=null, packing.balance=none, packing.mode=offline) or set "
                  "parallel.virtual_pipeline_model_parallel_size=null." for name, on in _VP_VARIABLE_MICROBATCHES if on(cfg)]
+    if cfg.model.num_experts:
+        problems.append(f"model.num_experts ({cfg.model.num_experts}) with {key}: mixture-of-experts models are run "
+                        "with pipeline stages of one model chunk each, not yet with virtual stages (not tested); set "
+                        "parallel.virtual_pipeline_model_parallel_size=null.")
     if cfg.peft.method != "none":
         problems.append(f"peft.method ({cfg.peft.method}) with {key}: LoRA is run with pipeline stages of one model "
                         "chunk each, not yet with virtual stages (adapter seeds, checkpoints and the peft export of "

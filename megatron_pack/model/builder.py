@@ -210,7 +210,8 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layerno
 
 def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
     """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears); a MoE model's
-    MLP is megatron-core's MoE layer with our router (``model/moe.py``)."""
+    MLP is our MoE layer and router (``model/moe.py``: they read the routing index the step passes as
+    ``padding_mask``, which megatron-core's own layer would read as a boolean mask) with TE's experts."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     from megatron_pack.model.moe_router import moe_mlp_spec
@@ -218,7 +219,9 @@ def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                       qk_layernorm=qk_layernorm)
     if num_experts:
-        spec.submodules.mlp.submodules.router = moe_mlp_spec().submodules.router
+        ours = moe_mlp_spec()
+        spec.submodules.mlp.module = ours.module
+        spec.submodules.mlp.submodules.router = ours.submodules.router
     return spec
 
 

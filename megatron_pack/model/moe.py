@@ -1,8 +1,12 @@
 """Mixture-of-experts layers on packed THD batches: routing that never sees padding, per-sample aux losses.
 
-megatron-core's ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts) with one router
-of ours, ``PackedTopKRouter`` (``model/moe_router.py``), which reads the pack's boundaries (metadata, never token ids) from
-``PackRouting``, set by ``training.step.forward_step`` before every forward:
+megatron-core's ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts) with a layer and a router of
+ours (``model/moe_router.py``). The pack's boundaries (metadata, never token ids) reach them as an argument of the
+model's forward, as megatron-core's padding mask does: ``training.step.model_inputs`` passes the **routing index**
+(:func:`routing_index`: the sub-sequence of each position, -1 on padding) as ``padding_mask``, megatron-core carries
+it down to each MoE layer (and scatters it under sequence parallelism), and the layer hands it to its router for
+that call. A recomputed forward (``model.recompute_granularity``) replays the same arguments, so it routes the
+micro-batch it recomputes, not the one the pipeline schedule ran last:
 
 * **padding is not routed**: a padding position (each sub-sequence's THD padding, the tail, a CP
   rank's padding-only slice) gets no expert (its routing-map row is all False, its probabilities
@@ -26,7 +30,10 @@ of ours, ``PackedTopKRouter`` (``model/moe_router.py``), which reads the pack's 
   ``(M / N) * (a * sum_s n_s L_s + z * sum_s n_s Z_s)`` (its local part): ``M`` and ``N`` come from the
   step's boundary metadata before the forward (:func:`set_step_tokens`, one all-reduce over DP).
 * **metrics**: tokens routed to each expert of each layer (real tokens only) and the two auxiliary
-  losses go into the loss report (``report["moe ..."]``), summed over the step like the LM loss.
+  losses, summed over the step's micro-batches in each router (:class:`PackRouting`, on the device: no host sync per
+  router forward; a recomputed forward records nothing), reach the host once per step (:func:`stage_moe_reports`)
+  and join the step outcome's reduction over DP x CP; with pipeline stages each stage brings its own layers
+  (``training.outcome.step_outcome``).
 """
 
 from __future__ import annotations
@@ -38,22 +45,22 @@ import torch
 
 from megatron_pack.parallel.comm import all_reduce
 
-AUX_REPORT, Z_REPORT, LOAD_REPORT = "moe load balancing loss", "moe z loss", "moe tokens per expert"
-"""Keys of the loss report: [sum of n_s * L_s], [sum of n_s * Z_s], [layers, experts] routed-token counts."""
+LAYER_REPORT = "moe layer "
+"""Prefix of a MoE layer's step report, ``"moe layer 3"``: [sum of n_s * L_s, sum of n_s * Z_s, routed tokens per
+expert...], summed over the step's micro-batches (and then DP x CP)."""
 
 
 @dataclass
 class PackRouting:
-    """What the routers of one model read about the current micro-batch (set by ``set_pack``)."""
+    """The routers' step settings (coefficients, ``step_scale``) and what they recorded (``load`` of the latest
+    forward, ``step`` over the step); the micro-batch's boundaries are not here but in the forward's argument
+    (module docstring)."""
 
-    seq_index: Optional[torch.Tensor] = None
-    """int64 [T_local]: the sub-sequence of each local position, -1 on padding."""
-    seq_weight: Optional[torch.Tensor] = None
-    """float [N]: real tokens of each sub-sequence (the weight of its auxiliary losses)."""
-    aux: dict[int, torch.Tensor] = field(default_factory=dict)
-    """layer number -> this micro-batch's detached [weighted aux loss, weighted z-loss] (local part)."""
     load: dict[int, torch.Tensor] = field(default_factory=dict)
-    """layer number -> tokens routed to each expert on this rank, real tokens only."""
+    """layer number -> tokens routed to each expert on this rank by the latest forward (real tokens only)."""
+    step: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer number -> float64 [weighted aux loss, weighted z-loss, tokens per expert...] of this rank (its local
+    part), summed over the step's forwards (cleared by :func:`set_step_tokens`)."""
     aux_coeff: float = 0.0
     """model.moe_aux_loss_coeff."""
     z_coeff: float = 0.0
@@ -62,13 +69,19 @@ class PackRouting:
     """Global target tokens / global real tokens of the current step (``set_step_tokens``): what turns the
     per-real-token auxiliary losses into the per-target-token units ``finalize_model_grads`` divides."""
 
+    def record(self, layer: int, record: torch.Tensor) -> None:
+        """A router's forward: ``record`` float64 [aux, z, tokens per expert...] (this rank's part)."""
+        self.load[layer] = record[2:]
+        self.step[layer] = record if layer not in self.step else self.step[layer] + record
 
-def sequence_layout(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sub-sequence of each of this CP rank's positions, -1 on padding; real tokens per sub-sequence).
 
-    From the pack's metadata only (``cu_seqlens``, ``cu_seqlens_padded``). Example:
-    ``cu_seqlens=[0, 3, 5]``, ``cu_seqlens_padded=[0, 4, 8]``, CP=1 ->
-    ``([0, 0, 0, -1, 1, 1, -1, -1], [3., 2.])``.
+def routing_index(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> torch.Tensor:
+    """int64 [1, T_local]: the sub-sequence of each of this CP rank's positions, -1 on padding.
+
+    From the pack's metadata only (``cu_seqlens``, ``cu_seqlens_padded``). Sub-sequences are numbered in order,
+    counting only those that hold positions (a fixed ``cu_seqlens`` tail of zero-length entries holds none), so an
+    index is below ``T / pad_multiple`` (:func:`max_sub_sequences`). Example: ``cu_seqlens=[0, 3, 5]``,
+    ``cu_seqlens_padded=[0, 4, 8]``, CP=1 -> ``[[0, 0, 0, -1, 1, 1, -1, -1]]``; CP=2 rank 1 -> ``[[0, 0, 1, -1]]``.
     """
     from megatron_pack.parallel.cp import thd_local_segments
 
@@ -76,8 +89,18 @@ def sequence_layout(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> tup
     padded = torch.as_tensor(batch["cu_seqlens_padded"]).reshape(-1).to(torch.int64)
     num_local = int(padded[-1]) // cp_size
     seq, real = thd_local_segments(cu, padded, num_local, cp_size, cp_rank)
-    seq_index = torch.where(real, seq, torch.full_like(seq, -1))
-    return seq_index, (cu[1:] - cu[:-1]).to(torch.float64)
+    numbered = torch.cumsum(padded[1:] > padded[:-1], 0) - 1  # sub-sequence -> its number among those with rows
+    return torch.where(real, numbered[seq], torch.full_like(seq, -1)).unsqueeze(0)
+
+
+def max_sub_sequences(num_tokens: int, cp_size: int, tp_size: int, sequence_parallel: bool) -> int:
+    """An upper bound of the sub-sequences with positions in a pack of ``num_tokens`` (all CP ranks' positions):
+    each holds a multiple of the layout's ``pad_multiple`` (the collate pads every sub-sequence to it), so at most
+    ``num_tokens // pad_multiple``. At CP > 1 or under sequence parallelism that is at most one router's own token
+    count, so the per-sample counts the routers all-reduce are no larger than the routing map."""
+    from megatron_pack.config.layout import pad_multiple
+
+    return max(1, num_tokens // pad_multiple(cp_size, tp_size, sequence_parallel))
 
 
 def step_token_counts(batches: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
@@ -89,17 +112,20 @@ def step_token_counts(batches: Sequence[Mapping[str, Any]]) -> tuple[float, floa
 
 def set_step_tokens(model, batches: Sequence[Mapping[str, Any]], dp_group=None) -> Optional[tuple[float, float]]:
     """Before a step's forward: sum the step's target and real tokens over ``dp_group`` (``batches``: this DP
-    rank's whole packs, every micro-batch; the CP ranks of a DP rank read the same packs) and give the routers
-    ``step_scale = M / N`` (module docstring). Returns the global ``(M, N)``; None (no collective) for a dense
-    model. Every rank of ``dp_group`` calls it, whatever its packs hold."""
-    routing = pack_routing(model)
-    if routing is None:
+    rank's whole packs, every micro-batch; the CP ranks of a DP rank read the same packs), give the routers of
+    ``model`` (a model chunk, or the list of this rank's chunks: virtual pipeline stages) ``step_scale = M / N``
+    (module docstring) and clear their step records. Returns the global ``(M, N)``; None (no collective) for a
+    dense model. Every rank of ``dp_group`` calls it, whatever its packs hold."""
+    routings = [r for r in map(pack_routing, model if isinstance(model, (list, tuple)) else [model]) if r is not None]
+    if not routings:
         return None
     counts = torch.tensor(step_token_counts(batches), dtype=torch.float64)
     if dp_group is not None:
         all_reduce(counts, group=dp_group)
     target, real = float(counts[0]), float(counts[1])
-    routing.step_scale = target / real if real > 0 else 0.0
+    for routing in routings:
+        routing.step_scale = target / real if real > 0 else 0.0
+        routing.step.clear()
     return target, real
 
 
@@ -110,43 +136,41 @@ def pack_routing(model) -> Optional[PackRouting]:
     return getattr(model, "pack_routing", None)
 
 
-def set_pack(model, batch: Mapping[str, Any], cp_size: int, cp_rank: int, device) -> Optional[torch.Tensor]:
-    """Point ``model``'s routers at ``batch`` (the whole pack); returns the padding mask [1, T_local]
-    (True on padding) that megatron-core's MoE layer takes, or None for a dense model."""
+def begin_micro_batch(model, batch: Mapping[str, Any], cp_size: int, cp_rank: int, device) -> Optional[torch.Tensor]:
+    """Before a micro-batch's forward: the routing index of ``batch`` (the whole pack; :func:`routing_index`) on
+    ``device``, which the forward takes as its ``padding_mask``; None for a dense model. The routers' ``load`` of
+    the previous forward is cleared."""
     routing = pack_routing(model)
     if routing is None:
         return None
-    seq_index, weight = sequence_layout(batch, cp_size, cp_rank)
-    routing.seq_index, routing.seq_weight = seq_index.to(device), weight.to(device)
-    routing.aux.clear()
     routing.load.clear()
-    return (seq_index < 0).unsqueeze(0).to(device)
+    return routing_index(batch, cp_size, cp_rank).to(device)
 
 
-def moe_report(model, report: dict) -> dict:
-    """``report`` plus this micro-batch's auxiliary losses and expert loads (summed over layers / stacked)."""
-    routing = pack_routing(model)
-    if routing is None or not routing.load:
-        return report
-    layers = sorted(routing.load)
-    aux = torch.stack([routing.aux[i] for i in layers]).sum(0) if routing.aux else torch.zeros(2)
-    report = dict(report)
-    report[AUX_REPORT], report[Z_REPORT] = aux[0:1].float(), aux[1:2].float()
-    report[LOAD_REPORT] = torch.stack([routing.load[i] for i in layers]).float()
-    return report
+def stage_moe_reports(model_chunks: Sequence) -> dict[str, list[float]]:
+    """This rank's step records of every MoE layer of its chunks, ``{"moe layer N": [aux, z, load...]}`` (one host
+    transfer per step); {} for a dense model or a step that ran no forward."""
+    records = {layer: record for chunk in model_chunks if (routing := pack_routing(chunk)) is not None
+               for layer, record in routing.step.items()}
+    if not records:
+        return {}
+    layers = sorted(records)
+    values = torch.stack([records[layer] for layer in layers]).cpu().tolist()
+    return {f"{LAYER_REPORT}{layer}": row for layer, row in zip(layers, values)}
 
 
-def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: torch.Tensor, weight: torch.Tensor,
-                          *, topk: int, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(this rank's part of sum_s w_s * L_s, of sum_s w_s * Z_s, tokens per expert) (module docstring; the
-    trainer's ``w_s`` is the sample's real tokens ``n_s``).
+def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: torch.Tensor, *, topk: int,
+                          num_seqs: int, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(this rank's part of sum_s n_s * L_s, of sum_s n_s * Z_s, tokens per expert) (module docstring: each sample
+    weighs as many real tokens ``n_s`` as it has).
 
-    ``logits`` [T, E] router logits, ``routing_map`` [T, E] (False on padding), ``seq`` [T] sub-sequence
-    or -1, ``weight`` [N] the weight of each sub-sequence; ``group`` the other ranks holding parts of the
-    same sub-sequences (CP, and TP with sequence parallelism): counts are summed over it (every rank
-    enters the all-reduce, whatever its slice holds).
+    ``logits`` [T, E] router logits, ``routing_map`` [T, E] (False on padding), ``seq`` [T] sub-sequence or -1
+    (:func:`routing_index`), ``num_seqs`` a bound of the sub-sequences (every index below it; the same on every
+    rank of ``group``); ``group`` the other ranks holding parts of the same sub-sequences (CP, and TP with sequence
+    parallelism): the counts ``c_se`` and ``n_s`` are summed over it (every rank enters the all-reduce, whatever its
+    slice holds). Rows of the bound that no sub-sequence uses count zero.
     """
-    num_seqs, num_experts = weight.numel(), logits.shape[-1]
+    num_experts = logits.shape[-1]
     real = seq >= 0
     owner = seq.clamp(min=0)
     scores = torch.softmax(logits.float(), dim=-1) * real.unsqueeze(-1)
@@ -158,11 +182,11 @@ def per_sample_aux_losses(logits: torch.Tensor, routing_map: torch.Tensor, seq: 
         all_reduce(counts, group=group)
     c_se, n_s = counts[:, :num_experts], counts[:, num_experts]
     p_se = torch.zeros(num_seqs, num_experts, dtype=scores.dtype, device=logits.device).index_add_(0, owner, scores)
-    w = weight.to(scores.dtype)
     safe_n = n_s.clamp(min=1)
-    aux = (w * num_experts / (topk * safe_n * safe_n) * (c_se * p_se).sum(-1)).sum()
-    lse2 = torch.logsumexp(logits.float(), dim=-1).square() * real
-    z = (w / safe_n * torch.zeros(num_seqs, dtype=lse2.dtype, device=logits.device).index_add_(0, owner, lse2)).sum()
+    # n_s * L_s = n_s * E / (k n_s^2) * sum_e c_se P_se
+    aux = (num_experts / (topk * safe_n) * (c_se * p_se).sum(-1)).sum()
+    # n_s * Z_s = the sum of logsumexp^2 over the sample's real tokens: this rank's part needs no count
+    z = (torch.logsumexp(logits.float(), dim=-1).square() * real).sum()
     # the load is what the map routed (padding included, were any routed): a measurement, not a filtered count
     return aux, z, routing_map.to(torch.float32).sum(0)
 
@@ -191,7 +215,9 @@ def moe_config_kwargs(model_cfg) -> dict:
 
 def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:
     """Give every router of ``model`` one shared ``PackRouting`` (``model.pack_routing``); None when dense."""
-    routers = [m for m in model.modules() if hasattr(m, "pack") and hasattr(m, "topk")]
+    from megatron_pack.model.moe_router import PackedTopKRouter
+
+    routers = [m for m in model.modules() if isinstance(m, PackedTopKRouter)]
     if not routers:
         return None
     routing = PackRouting(aux_coeff=model_cfg.moe_aux_loss_coeff, z_coeff=model_cfg.moe_z_loss_coeff)
@@ -203,20 +229,22 @@ def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:
 
 def step_moe_metrics(reports: Mapping[str, Sequence[float]], real_tokens: float,
                      num_experts: Optional[int]) -> Optional[dict]:
-    """The step's MoE numbers over the global batch (None for a dense model), from ``reports``: the
-    loss reports summed by name over the micro-batches and DP x CP (``training.outcome.StepOutcome.reports``,
-    whose one all-reduce carries them; ``[LOAD_REPORT]`` is flattened there, [layers x experts]);
-    ``real_tokens`` the global batch's (``N``).
+    """The step's MoE numbers over the global batch (None for a dense model), from ``reports``: the layers' step
+    records (:func:`stage_moe_reports`) summed over DP x CP, every pipeline stage's layers
+    (``training.outcome.StepOutcome.reports``); ``real_tokens`` the global batch's (``N``).
 
     ``load_balancing_loss`` and ``z_loss`` are per layer (the mean over MoE layers) and per real token
     (``sum_s n_s * L_s / N``, the module docstring), so the objective holds ``coeff * num_layers * value``;
-    ``tokens_per_expert`` is [layer][expert] (real tokens routed, each counted top-k times) and
+    ``tokens_per_expert`` is [layer][expert] in layer order (real tokens routed, each counted top-k times) and
     ``max_over_mean_load`` per layer (1.0: perfectly balanced).
     """
-    if not num_experts or LOAD_REPORT not in reports:
+    layers = sorted((int(name[len(LAYER_REPORT):]), values) for name, values in reports.items()
+                    if name.startswith(LAYER_REPORT))
+    if not num_experts or not layers:
         return None
-    load = torch.tensor(reports[LOAD_REPORT], dtype=torch.float64).reshape(-1, num_experts)
-    aux, z = float(reports[AUX_REPORT][0]), float(reports[Z_REPORT][0])
+    table = torch.tensor([values for _, values in layers], dtype=torch.float64)
+    load = table[:, 2:]
+    aux, z = float(table[:, 0].sum()), float(table[:, 1].sum())
     per = max(real_tokens, 1.0) * load.shape[0]
     mean = load.mean(-1).clamp(min=1e-12)
     return {"load_balancing_loss": aux / per, "z_loss": z / per,

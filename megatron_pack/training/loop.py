@@ -43,7 +43,7 @@ from megatron_pack.data.batches import loader as loader_lib
 from megatron_pack.data.batches.dataset import PackedSFTDataset
 from megatron_pack.data.batches.online import single_rank
 from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
-from megatron_pack.model.moe import pack_routing, set_step_tokens, step_moe_metrics
+from megatron_pack.model.moe import pack_routing, set_step_tokens, stage_moe_reports, step_moe_metrics
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import trainer_checkpoint
 from megatron_pack.training.flops import device_peak_tflops, sum_sq_seqlens, throughput
@@ -149,15 +149,16 @@ class Trainer:
             chunk.zero_grad_buffer()
         # a MoE model's auxiliary losses are per real token of the global batch: counted before the forward
         if pack_routing(self.model) is not None:
-            set_step_tokens(self.model, self.data_iterator.peek(num_microbatches), self.state.dp_group)
+            set_step_tokens(self.model_chunks, self.data_iterator.peek(num_microbatches), self.state.dp_group)
         reports = forward_backward(forward_step_func=self.forward_step_func, data_iterator=self.data_iterator,
                                    model_chunks=self.model_chunks, num_microbatches=num_microbatches,
                                    state=self.state, seq_length=self.seq_length)
         packs, batches = self.data_iterator.take()
         self.outcome = step_outcome(reports, packs, self.state, num_buckets=self.num_buckets,
                                     num_sources=len(self.source_names),
-                                    sum_sq=[sum_sq_seqlens(b["cu_seqlens"]) for b in batches])
-        # the MoE reports rode the outcome's one all-reduce (and its broadcast to the other stages)
+                                    sum_sq=[sum_sq_seqlens(b["cu_seqlens"]) for b in batches],
+                                    stage_reports=stage_moe_reports(self.model_chunks))
+        # each stage's MoE layers rode its one all-reduce and the exchange between the stages
         self.moe_metrics = step_moe_metrics(self.outcome.reports, self.outcome.counts.real_tokens,
                                             self.cfg.model.num_experts)
         check_step_finite(self.outcome, step=self.step + 1, model_chunks=self.model_chunks, reports=reports,

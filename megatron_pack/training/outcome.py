@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_pack.parallel.comm import all_reduce, broadcast_objects
+from megatron_pack.parallel.comm import all_gather_object, all_reduce
 from megatron_pack.parallel.groups import ParallelState
 from megatron_pack.training.metrics import StepCounts
 
@@ -50,17 +50,21 @@ class StepOutcome:
         """The placeholder a rank without the loss enters the broadcast with."""
         return cls(counts=StepCounts(), local_target_tokens=0, finite=True, received=False)
 
-    def broadcast_from_last_stage(self, state: ParallelState) -> "StepOutcome":
-        """The last pipeline stage's outcome on every rank of ``state.pp_group`` (collective: every
-        rank of the group calls it; a single-stage pipeline returns ``self``)."""
+    def broadcast_from_last_stage(self, state: ParallelState,
+                                  stage_reports: Optional[dict[str, list[float]]] = None) -> "StepOutcome":
+        """The last pipeline stage's outcome on every rank of ``state.pp_group``, its ``reports`` joined by every
+        other stage's ``stage_reports`` (reduced over that stage's DP x CP; collective: every rank of the group calls
+        it; a single-stage pipeline returns ``self``)."""
         if state.pp_size == 1:
             return self
         if state.is_last_stage and not self.received:
             raise AssertionError("the last pipeline stage must broadcast a reduced outcome, not a placeholder")
-        payload = [asdict(self) if state.is_last_stage else None]
-        src = dist.get_global_rank(state.pp_group, state.pp_size - 1)
-        broadcast_objects(payload, src=src, group=state.pp_group)
-        return StepOutcome.from_dict(payload[0])
+        parts = all_gather_object((asdict(self) if state.is_last_stage else None, stage_reports or {}),
+                                  group=state.pp_group)
+        outcome = StepOutcome.from_dict(parts[-1][0])
+        for _, named in parts[:-1]:
+            outcome.reports.update(named)
+        return outcome
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepOutcome":
@@ -103,36 +107,57 @@ def local_counts(reports: Sequence[dict], packs: Sequence, *, num_buckets: int, 
 
 def reduce_outcome(reports: Sequence[dict], packs: Sequence, *, num_buckets: int, num_sources: int,
                    owns_packs: bool, group: Optional[dist.ProcessGroup],
-                   sum_sq: Optional[Sequence[int]] = None) -> StepOutcome:
+                   sum_sq: Optional[Sequence[int]] = None,
+                   stage_reports: Optional[dict[str, list[float]]] = None) -> StepOutcome:
     """The step's outcome from this rank's micro-batches, summed over ``group`` (DP x CP) in one float64
     all-reduce. Every rank of ``group`` calls it with reports of the same keys and sizes (the same
     loss function, and at least one micro-batch per rank, which every step planner guarantees), so
-    every rank enters the same collective whatever its packs hold: only padding or masked tokens."""
+    every rank enters the same collective whatever its packs hold: only padding or masked tokens.
+    ``stage_reports`` (``step_outcome``) join the reports in the same all-reduce."""
     counts, local_tokens, extra = local_counts(reports, packs, num_buckets=num_buckets, num_sources=num_sources,
                                                owns_packs=owns_packs, sum_sq=sum_sq)
-    names = sorted(extra)
-    vec = torch.tensor(counts.to_vector() + [v for name in names for v in extra[name]], dtype=torch.float64)
-    if group is not None:  # a CPU float64 vector: moved to an NCCL group's device and back by all_reduce
-        all_reduce(vec, group=group)
-    values = vec.tolist()
-    num_counts = len(counts.to_vector())
-    total = StepCounts.from_vector(values[:num_counts], num_buckets)
-    reduced, offset = {}, num_counts
-    for name in names:
-        reduced[name], offset = values[offset:offset + len(extra[name])], offset + len(extra[name])
+    extra.update(stage_reports or {})
+    reduced = _reduce_named({_COUNTS: counts.to_vector(), **extra}, group)
+    total = StepCounts.from_vector(reduced.pop(_COUNTS), num_buckets)
     return StepOutcome(counts=total, local_target_tokens=local_tokens, finite=math.isfinite(total.loss_sum),
                        reports=reduced)
 
 
 def step_outcome(reports: Sequence[dict], packs: Sequence, state: ParallelState, *, num_buckets: int,
-                 num_sources: int, sum_sq: Optional[Sequence[int]] = None) -> StepOutcome:
+                 num_sources: int, sum_sq: Optional[Sequence[int]] = None,
+                 stage_reports: Optional[dict[str, list[float]]] = None) -> StepOutcome:
     """The outcome every rank agrees on: reduced over DP x CP on the last pipeline stage, broadcast to
-    the other stages (collective over ``state.dp_cp_group`` there, then over ``state.pp_group``)."""
+    the other stages (collective over ``state.dp_cp_group`` there, then over ``state.pp_group``).
+
+    ``stage_reports``: numbers of this stage's own layers (a MoE model's step records, ``model.moe``), by name,
+    the same names on every rank of the stage. Each stage sums them over its DP x CP group (the last stage in its
+    one reduction) and every stage's join ``reports`` on every rank."""
     outcome = StepOutcome.pending()
+    stage_reports = dict(stage_reports or {})
     if state.is_last_stage:
         outcome = reduce_outcome(reports, packs, num_buckets=num_buckets, num_sources=num_sources,
-                                 owns_packs=state.cp_rank == 0, group=state.dp_cp_group, sum_sq=sum_sq)
-    return outcome.broadcast_from_last_stage(state)
+                                 owns_packs=state.cp_rank == 0, group=state.dp_cp_group, sum_sq=sum_sq,
+                                 stage_reports=stage_reports)
+    elif stage_reports:
+        stage_reports = _reduce_named(stage_reports, state.dp_cp_group)
+    return outcome.broadcast_from_last_stage(state, {} if state.is_last_stage else stage_reports)
+
+
+_COUNTS = " counts"
+"""The name of the ``StepCounts`` vector among the reduced reports (no report name starts with a space)."""
+
+
+def _reduce_named(named: dict[str, list[float]], group) -> dict[str, list[float]]:
+    """``named`` summed over ``group`` in one float64 all-reduce (every rank gives the same names and sizes; a CPU
+    vector, which ``all_reduce`` moves to an NCCL group's device and back)."""
+    names = sorted(named)
+    vec = torch.tensor([v for name in names for v in named[name]], dtype=torch.float64)
+    if group is not None:
+        all_reduce(vec, group=group)
+    values, out, offset = vec.tolist(), {}, 0
+    for name in names:
+        out[name], offset = values[offset:offset + len(named[name])], offset + len(named[name])
+    return out
 
 
 def check_step_finite(outcome: StepOutcome, *, step: int, model_chunks: Sequence[torch.nn.Module],

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_pack.model.moe import moe_report, set_pack
+from megatron_pack.model.moe import begin_micro_batch
 from megatron_pack.training.chunks import core_model
 
 
@@ -171,10 +171,11 @@ def model_inputs(core: torch.nn.Module, batch: Mapping[str, Any], local: Mapping
                  cp_rank: int, device) -> tuple[Optional[torch.Tensor], torch.Tensor, dict]:
     """``(tokens, position_ids, keyword arguments)`` of the model's forward for this rank's slice ``local`` of
     ``batch`` (training's step and verify's): the tokens where they enter (the first stage); a MoE model's
-    ``padding_mask`` (its routers read the pack's boundaries; padding is never routed); a vision-language
+    ``padding_mask``, the pack's routing index (``model.moe.routing_index``: its routers read the pack's boundaries
+    from it; padding is never routed); a vision-language
     model's ``decoder_input`` (the images in the whole pack's embeddings, then the CP slice: ``model/vlm.py``)
     with the whole pack's M-RoPE positions instead of tokens."""
-    padding_mask = set_pack(core, batch, cp_size, cp_rank, device)
+    padding_mask = begin_micro_batch(core, batch, cp_size, cp_rank, device)
     extra = {} if padding_mask is None else {"padding_mask": padding_mask}
     if getattr(core, "vision_language", False):
         from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
@@ -211,16 +212,10 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     if not core.pre_process:
         _check_stage_input(core, local["tokens"].shape[-1])
     tokens, position_ids, extra = model_inputs(core, batch, local, cp_group.size(), cp_group.rank(), device)
-    padding_mask = extra.get("padding_mask")
     output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params, **extra)
     if "token_source" in local:  # data.sources: the report also carries the per-source loss
         loss = partial(loss_func_with_sources, loss_mask, local["token_source"], int(batch["num_sources"]))
     else:
         loss = partial(loss_func, loss_mask)
-    return output, loss if padding_mask is None else partial(_with_moe_report, core, loss)
+    return output, loss
 
-
-def _with_moe_report(core: torch.nn.Module, loss, output_tensor: torch.Tensor):
-    """``loss(output_tensor)`` with the MoE layers' auxiliary losses and expert loads in its report."""
-    loss_sum, num_tokens, report = loss(output_tensor)
-    return loss_sum, num_tokens, moe_report(core, report)

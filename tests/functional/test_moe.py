@@ -119,16 +119,16 @@ def _config(folder: str, cp: int, ep: int, tp: int = 1, etp=None, recompute=None
 
 def _sample_logits(model, pg, batch) -> list[torch.Tensor]:
     """Our logits [len - 1, VOCAB] of each sample of ``batch`` (the whole pack's, gathered over CP / TP)."""
-    from megatron_pack.model.moe import set_pack
+    from megatron_pack.model.moe import begin_micro_batch
     from megatron_pack.parallel.cp import slice_thd_batch
     from megatron_pack.parallel.groups import gather_full_logits
     from megatron_pack.training.step import get_packed_seq_params
 
     local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
-    mask = set_pack(model, batch, pg.cp_size, pg.cp_rank, "cpu")
+    index = begin_micro_batch(model, batch, pg.cp_size, pg.cp_rank, "cpu")
     with torch.no_grad():
         logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
-                       padding_mask=mask)
+                       padding_mask=index)
     full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0]
     starts, cu = batch["cu_seqlens_padded"].tolist(), batch["cu_seqlens"].tolist()
     return [full[starts[i]:starts[i] + cu[i + 1] - cu[i], :VOCAB] for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
@@ -161,7 +161,7 @@ def _train_step(model, pg, cfg, batch) -> dict:
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_pack.model.hf.export import hf_tensors
-    from megatron_pack.model.moe import set_step_tokens, step_moe_metrics
+    from megatron_pack.model.moe import set_step_tokens, stage_moe_reports, step_moe_metrics
     from megatron_pack.training.chunks import wrap_ddp
     from megatron_pack.training.step import forward_step
 
@@ -170,7 +170,7 @@ def _train_step(model, pg, cfg, batch) -> dict:
     ddp.zero_grad_buffer()
     _, real_tokens = set_step_tokens(ddp, [batch], pg.dp_group)
     output, loss_fn = forward_step(iter([batch]), ddp)
-    loss_sum, num_tokens, report = loss_fn(output)
+    loss_sum, num_tokens, _ = loss_fn(output)
     loss_sum.backward()
     counts = torch.stack([loss_sum.detach().double(), num_tokens.double()])
     dist.all_reduce(counts, group=pg.dp_cp_group)
@@ -188,7 +188,8 @@ def _train_step(model, pg, cfg, batch) -> dict:
 
     model_type = read_hf_config(cfg.model.pretrained)["model_type"]
     hf_grads = hf_tensors(shards, model_type, cfg.model, etp=cfg.parallel.expert_tensor_parallel_size)
-    moe_reports = {k: v.double().reshape(-1).clone() for k, v in report.items() if k.startswith("moe ")}
+    moe_reports = {k: torch.tensor(v, dtype=torch.float64) for k, v in stage_moe_reports([ddp]).items()}
+    assert sorted(moe_reports) == ["moe layer 1", "moe layer 2"]  # guard: every layer recorded once
     for value in moe_reports.values():  # the sum the trainer's step outcome takes over DP x CP
         dist.all_reduce(value, group=pg.dp_cp_group)
     moe = step_moe_metrics({k: v.tolist() for k, v in moe_reports.items()}, real_tokens, NUM_EXPERTS)
@@ -238,8 +239,70 @@ def _worker(rank: int, world_size: int, folders: dict, refs: dict, root: str) ->
     for run, layout in LORA_LAYOUTS.items():
         out.update({f"{run}/{k}": v for k, v in _lora_train(folders["qwen3_moe"], f"{root}/{run}", *layout).items()})
     out.update(_distributed_optimizer(folders["qwen3_moe"], rank, root))
+    out.update(_pipeline(folders["qwen3_moe"], rank, root))
     return out
 
+
+PIPELINE_LENGTHS = (9, 5, 13, 3, 11, 6, 10)
+"""The samples of ``_pipeline``'s global batch (random tokens and an EOS each), in 4 packs of different lengths."""
+
+
+def _pipeline(folder: str, rank: int, root: str) -> dict:
+    """One global batch of 4 packs of different lengths, 2 steps, by trainers at PP=1 x DP=2 (2 packs a rank), at
+    PP=2 (one MoE layer a stage; the 4 packs are 4 micro-batches of the one DP rank) and at PP=2 with
+    ``model.recompute_granularity=full``: per step (lm loss, grad norm, lb, z) and the tokens routed per expert of
+    each layer; the PP=2 run's checkpoint resumed at PP=1 x DP=2: its largest weight difference to the DP=2 run's.
+    1F1B runs a later micro-batch's forward before an earlier one's backward, whose recomputed forward must route
+    its own pack (it did not while the routers read the pack from an attribute set before each forward), and the
+    first stage's layers must reach the step's MoE metrics (they did not: only the last stage's loss report
+    carried them)."""
+    import dataclasses
+
+    from _dist import ListLoader
+    from megatron_pack.config.schema import TrainConfig
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.chunks import core_model
+    from megatron_pack.training.loop import build_trainer
+
+    rng = np.random.default_rng(5)
+    samples = [rng.integers(3, VOCAB, size=n).tolist() + [2] for n in PIPELINE_LENGTHS]
+    packs = [_pack(group, pad_to_max_length=False) for group in (samples[0:2], samples[2:5], samples[5:6],
+                                                                 samples[6:])]
+    out = {"pack_lengths": np.array([int(p["tokens"].shape[-1]) for p in packs])}
+
+    def trainer(pp: int, recompute=None):
+        cfg = _config(folder, 1, 1, recompute=recompute)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_model_parallel_size=pp),
+                                  train=TrainConfig(seed=1234, lr=3e-3, global_batch_size=4, train_iters=2,
+                                                    lr_warmup_iters=0))
+        state = initialize_parallel(cfg)
+        return build_trainer(cfg, state, ListLoader(packs[state.dp_rank::state.dp_size] * 2))
+
+    def weights(run):
+        return {n: p.detach().clone() for n, p in core_model(run.model).named_parameters()}
+
+    checkpoint = None
+    for run, pp, recompute in (("dp2", 1, None), ("pp2", 2, None), ("pp2_recompute", 2, "full")):
+        try:
+            steps = trainer(pp, recompute)
+            metrics = [steps.train_step() for _ in range(2)]
+            if run == "dp2":
+                trained = weights(steps)
+            elif run == "pp2":
+                checkpoint = steps.save(f"{root}/pipeline")
+        finally:
+            destroy_parallel()
+        out[run] = np.array([[m.lm_loss, m.grad_norm, m.moe["load_balancing_loss"], m.moe["z_loss"]] for m in metrics])
+        out[f"{run}/load"] = np.array([m.moe["tokens_per_expert"] for m in metrics])
+    try:
+        resumed = trainer(1)
+        resumed.load(checkpoint)
+        loaded = weights(resumed)
+    finally:
+        destroy_parallel()
+    assert sorted(loaded) == sorted(trained)
+    out["resumed_weights_diff"] = max(float((loaded[n] - w).abs().max()) for n, w in trained.items())
+    return {f"rank{rank}/pipeline/{k}": v for k, v in out.items()}
 
 LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA_DIM, LORA_ALPHA = 4, 8.0
@@ -468,6 +531,7 @@ def world(tmp_path_factory) -> dict:
                                                      {f: {"logits": r["logits"]} for f, r in refs.items()},
                                                      str(root), timeout_s=600)):
             out.update(ranks_out if rank == 0 else {k: v for k, v in ranks_out.items() if k.startswith("distopt/")})
+            out.update({k: v for k, v in ranks_out.items() if k.startswith(f"rank{rank}/pipeline/")})
     return {"out": out, "refs": refs, "folders": folders, "root": root}
 
 
@@ -675,6 +739,25 @@ def test_trained_expert_adapters_export_and_load_in_peft(world, lora_world1, run
         assert sorted(single) == sorted(tensors)
         for key, tensor in tensors.items():
             assert float((tensor - single[key]).abs().max()) <= 1e-5 * max(float(single[key].abs().max()), 1e-3), key
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pipeline_stages_train_as_data_parallel_ranks_and_report_every_layer(world, rank):
+    out = world["out"]
+    lengths = out[f"rank{rank}/pipeline/pack_lengths"].tolist()
+    assert len(set(lengths)) == len(lengths)  # guard: the micro-batches differ in length
+    dp2, pp2 = out[f"rank{rank}/pipeline/dp2"], out[f"rank{rank}/pipeline/pp2"]
+    assert dp2.shape == (2, 4) and not np.allclose(dp2[0], dp2[1])  # two steps that differ
+    np.testing.assert_array_equal(out[f"rank{rank}/pipeline/pp2_recompute"], pp2)  # recomputed: the same forward
+    np.testing.assert_allclose(pp2, dp2, rtol=1e-5, atol=0)
+    loads = {run: out[f"rank{rank}/pipeline/{run}/load"] for run in ("pp2", "pp2_recompute", "dp2")}
+    real = sum(PIPELINE_LENGTHS)  # a sample of n tokens and its EOS: n input tokens
+    assert loads["dp2"].shape == (2, 2, NUM_EXPERTS) and loads["dp2"].sum(-1).tolist() == [[real * TOPK] * 2] * 2
+    for run in ("pp2", "pp2_recompute"):  # both stages' layers, every real token routed top-2 in each
+        np.testing.assert_array_equal(loads[run], loads["dp2"], err_msg=run)
+    # the PP=2 checkpoint (each stage its layer's experts) resumes at PP=1 with the DP=2 run's weights
+    assert float(out[f"rank{rank}/pipeline/resumed_weights_diff"]) <= 1e-5
 
 
 @pytest.mark.timeout(1200)
