@@ -25,7 +25,8 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    its ``export.merge`` loads in transformers with logits equal peft's, every exported tensor is the same
    at every layout, and each EP=2 checkpoint resumes at EP=1 with every (expert) adapter equal;
 5. the user's path: ``prepare``, ``train`` (torchrun, CP=2 with EP=2 over the CP ranks, validation), a resume
-   of its checkpoint at EP=1 (the layout-free checkpoint reshards the experts), and ``export`` of a Qwen3-MoE
+   of its checkpoint at EP=1 with pipeline stages (``parallel=pp2``: the layout-free checkpoint reshards the experts
+   over stages), and ``export`` of a Qwen3-MoE
    folder as the
    docs write them; the step line and metrics.jsonl carry the auxiliary losses and the expert loads,
    the export has the source's per-expert layout, loads in transformers with changed weights, and an
@@ -33,6 +34,9 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
    prepared packs PASSes and routes exactly each pack's real tokens in every layer;
 6. the distributed optimizer at DP=2 x EP=2 (dense state sharded over DP, experts over expert-DP) takes the plain
    optimizer's steps (losses, gradient norms, load-balancing losses, weights), and checkpoints cross it both ways.
+7. pipeline stages: one global batch at PP=2 (one MoE layer a stage), with and without full recompute, trains as
+   at PP=1 x DP=2 (losses, gradient norms, auxiliary losses, every layer's expert loads), and its checkpoint resumes
+   at PP=1 with the same weights.
 """
 
 from __future__ import annotations
@@ -602,7 +606,7 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path, monkeypatch, cap
         assert f"routed {real}/{real} real tokens" in line, line
     first = torchrun_train(tmp_path, RUN + ["parallel.expert_model_parallel_size=2", "train.exit_after_iters=2",
                                             "checkpoint.save_interval=2"])
-    out = torchrun_train(tmp_path, RUN)  # resumes the EP=2 checkpoint at EP=1
+    out = torchrun_train(tmp_path, RUN + ["parallel=pp2"])  # resumes the EP=2 checkpoint at EP=1, PP=2
     assert "resumed from" in out and "| lb " in first and "load max/mean" in out and "val loss" in first
     # one progress line per validation run, from rank 0 of the 2 (step 2 in the first run, step 3 at the end of
     # the second): validation no longer runs silently
@@ -611,7 +615,8 @@ def test_train_and_export_a_moe_model_through_the_cli(tmp_path, monkeypatch, cap
     records = [json.loads(line) for line in (tmp_path / "runs/pretrained_tiny/metrics.jsonl").read_text().splitlines()]
     moe = [r["moe"] for r in records if "moe" in r]
     assert len(moe) == 3 and all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in moe)
-    for record, m in zip([r for r in records if "moe" in r], moe):  # every real token routed top-2 in each layer
+    # every real token routed top-2 in each layer, at PP=2 too (each stage brings its layer)
+    for record, m in zip([r for r in records if "moe" in r], moe):
         assert [sum(layer) for layer in m["tokens_per_expert"]] == [record["real_tokens"] * TOPK] * 2
     rc, text = cli(tmp_path, "export", "checkpoint=runs/pretrained_tiny/checkpoints", "output=exports/moe")
     assert rc == 0, text
