@@ -38,12 +38,15 @@ micro-batch it recomputes, not the one the pipeline schedule ran last:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_pack.parallel.comm import all_reduce
+from megatron_pack.parallel.groups import at_teardown
 
 LAYER_REPORT = "moe layer "
 """Prefix of a MoE layer's step report, ``"moe layer 3"``: [sum of n_s * L_s, sum of n_s * Z_s, routed tokens per
@@ -224,7 +227,21 @@ def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:
     for router in routers:
         router.pack = routing
     model.pack_routing = routing
+    at_teardown(partial(_drop_dispatched_probs, weakref.ref(model)))
     return routing
+
+
+def _drop_dispatched_probs(model_ref) -> None:
+    """At the layout's end (``parallel.groups.destroy_parallel``): drop the routing probabilities megatron-core's
+    all-to-all dispatcher keeps from the model's last forward. Their autograd graph reaches the parameters'
+    gradient accumulators, whose DDP hooks hold the DDP and the model: a cycle through autograd nodes that the
+    garbage collector cannot follow, so the model and every process group it holds (each gloo group's 3 threads
+    wake while idle) outlived the layout: 16 groups a MoE layout in a 2-rank world."""
+    model = model_ref()
+    for module in model.modules() if model is not None else ():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if getattr(dispatcher, "probs", None) is not None:
+            dispatcher.probs = None
 
 
 def step_moe_metrics(reports: Mapping[str, Sequence[float]], real_tokens: float,

@@ -250,6 +250,17 @@ def gather_objects(group: dist.ProcessGroup) -> Callable[[Any], list]:
     return gather
 
 
+_AT_TEARDOWN: list = []
+"""Callbacks of ``at_teardown``, run (and forgotten) by the next ``destroy_parallel``."""
+
+
+def at_teardown(callback) -> None:
+    """Have the next ``destroy_parallel`` call ``callback()`` before it destroys the groups: what an object made for
+    the layout needs undone to be freed at all (``model.moe.attach_pack_routing``). The callback must not hold that
+    object strongly (a ``weakref``)."""
+    _AT_TEARDOWN.append(callback)
+
+
 def destroy_parallel(*, destroy_process_group: bool = False) -> None:
     """Tear down megatron-core's groups and every other group made for the layout (and, when asked,
     torch.distributed itself).
@@ -264,6 +275,9 @@ def destroy_parallel(*, destroy_process_group: bool = False) -> None:
 
     from megatron.core import parallel_state as mpu
 
+    callbacks, _AT_TEARDOWN[:] = list(_AT_TEARDOWN), []
+    for callback in callbacks:
+        callback()
     if dist.is_initialized():
         for group in _layout_groups():
             dist.destroy_process_group(group)
