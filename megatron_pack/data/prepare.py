@@ -263,22 +263,18 @@ def _prepare_here(cfg, *, progress: bool, report_in_background: bool = False) ->
 
     from megatron_pack.data.packing.report import ReportPainter, write_report
 
-    painter = ReportPainter.start() if report_in_background and "matplotlib" not in sys.modules else None
-    try:
-        settings, manifest = plan_settings(cfg), build_manifest(cfg)
-        store = ensure_store(cfg, progress=progress)  # first: a rebuilt store replaces data.dataset_dir whole
-        if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
-            valid_cfg = validation_config(cfg)
-            valid_plan = ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg),
-                                     build_manifest(valid_cfg))
-            manifest["data.validation"]["plan"] = str(valid_plan.relative_to(Path(cfg.data.dataset_dir)))
-        plan_dir = ensure_plan(store, settings, manifest)
-        _warn_lost(store, plan_dir)
-        if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
-            write_report(store, plan_dir, painter)  # both: a run killed between the two files must not leave one
-    finally:
-        if painter is not None:
-            painter.close()
+    painter = ReportPainter.shared() if report_in_background and "matplotlib" not in sys.modules else None
+    settings, manifest = plan_settings(cfg), build_manifest(cfg)
+    store = ensure_store(cfg, progress=progress)  # first: a rebuilt store replaces data.dataset_dir whole
+    if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
+        valid_cfg = validation_config(cfg)
+        valid_plan = ensure_plan(ensure_store(valid_cfg, progress=progress), plan_settings(valid_cfg),
+                                 build_manifest(valid_cfg))
+        manifest["data.validation"]["plan"] = str(valid_plan.relative_to(Path(cfg.data.dataset_dir)))
+    plan_dir = ensure_plan(store, settings, manifest)
+    _warn_lost(store, plan_dir)
+    if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
+        write_report(store, plan_dir, painter)  # both: a run killed between the two files must not leave one
     if cfg.packing.export == "bridge":
         from megatron_pack.data.packing.bridge import export_bridge
 
@@ -300,8 +296,8 @@ def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callab
     """Tokenize and plan per ``cfg``; return the plan directory. Idempotent.
 
     ``report_in_background`` (the ``prepare`` command sets it) imports matplotlib for
-    ``report.png`` in a forked process while this one tokenizes (``ReportPainter``): worth it in a
-    fresh process, not in one that prepares many datasets (a test session), which imports it once.
+    ``report.png`` in a forked process while this one tokenizes (``ReportPainter.shared``), kept for the
+    process's later prepares: a process that prepares many datasets (a test session) imports it once.
 
     With ``world_size > 1`` rank 0 prepares while the others wait at ``barrier`` (it is called
     once on every rank, by rank 0 after it finished or failed), then verify the files, retrying

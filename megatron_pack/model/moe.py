@@ -218,9 +218,7 @@ def moe_config_kwargs(model_cfg) -> dict:
 
 def attach_pack_routing(model, model_cfg) -> Optional[PackRouting]:
     """Give every router of ``model`` one shared ``PackRouting`` (``model.pack_routing``); None when dense."""
-    from megatron_pack.model.moe_router import PackedTopKRouter
-
-    routers = [m for m in model.modules() if isinstance(m, PackedTopKRouter)]
+    routers = [m for m in model.modules() if hasattr(m, "pack") and hasattr(m, "topk")]  # model/moe_router.py's
     if not routers:
         return None
     routing = PackRouting(aux_coeff=model_cfg.moe_aux_loss_coeff, z_coeff=model_cfg.moe_z_loss_coeff)

@@ -96,3 +96,45 @@ def test_report_painter_draws_in_its_own_process(skewed_plan, tmp_path):
     start = time.perf_counter()
     idle.close()
     assert not idle.process.is_alive() and time.perf_counter() - start < 3
+
+
+_ONE_PAINTER = """
+import json, os, sys
+from pathlib import Path
+from megatron_pack.cli.prepare import main as prepare_main
+from megatron_pack.data.packing.report import ReportPainter
+started = []
+real_start = ReportPainter.start.__func__
+ReportPainter.start = classmethod(lambda cls: started.append(1) or real_start(cls))
+root = Path(sys.argv[1])
+for name in ("one", "two", "three"):
+    folder = root / name
+    folder.mkdir()
+    (folder / "t.jsonl").write_text("".join(json.dumps({"prompt": f"q{i} {name}", "completion": f"a{i}"}) + "\\n"
+                                            for i in range(20)))
+    os.chdir(folder)
+    assert prepare_main(["input=t.jsonl", "tokenizer=byte", "output=ds", "packing.packed_sequence_size=128",
+                         "data.tokenize_workers=1"]) == 0
+    assert next((folder / "ds" / "plans").glob("*/report.png")).stat().st_size > 10_000, name
+painter = ReportPainter._shared
+assert "matplotlib" not in sys.modules  # drawn in the painter, never here
+assert len(started) == 1 and painter.process.is_alive() and painter.owner == os.getpid(), started
+painter.owner = -1  # as in a process forked from the one that started it: that one's pipe is not ours
+replaced = ReportPainter.shared()
+assert replaced is not painter and len(started) == 2
+replaced.close()
+assert ReportPainter.shared() is not replaced and len(started) == 3  # a dead one is replaced
+print("ok")
+"""
+
+
+def test_one_painter_serves_every_prepare_of_a_process(tmp_path):
+    """The prepare command keeps its painter (matplotlib imported once, in it) for the process's later prepares,
+    each drawing into its own folder whatever the process's working folder is; a dead painter, or one another
+    process forked, is replaced. In a fresh interpreter: this one has drawn in-process already."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ONE_PAINTER, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]

@@ -9,6 +9,8 @@ same numbers.
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -156,10 +158,16 @@ class ReportPainter:
     """A forked process that imports matplotlib while ``prepare`` loads the tokenizer and tokenizes
     (about 1 s of a 100-record prepare's fixed cost, moved to another core), then draws
     ``report.png`` when asked. ``start()`` returns None where processes cannot be forked; the
-    figure is then drawn in-process. ``close()`` always ends the process."""
+    figure is then drawn in-process. ``close()`` always ends the process. ``shared()`` keeps one for the
+    process's later prepares."""
+
+    _shared: "ReportPainter | None" = None
+    """The painter ``shared()`` keeps for the process that started it."""
 
     def __init__(self, process, conn):
         self.process, self.conn, self.used = process, conn, False
+        self.owner = os.getpid()
+        self.lock = threading.Lock()
 
     @classmethod
     def start(cls) -> "ReportPainter | None":
@@ -174,11 +182,23 @@ class ReportPainter:
         child.close()
         return cls(process, parent)
 
+    @classmethod
+    def shared(cls) -> "ReportPainter | None":
+        """This process's painter: started by its first prepare and kept, matplotlib imported, for the next ones
+        (a process that prepares several datasets, a notebook, a sweep, a test session, imports it once, not once
+        a prepare); a new one when it died or belongs to the process this one was forked from. It ends with the
+        process (a daemon: an unused painter does not hold the exit up)."""
+        painter = cls._shared
+        if painter is None or painter.owner != os.getpid() or not painter.process.is_alive():
+            painter = cls._shared = cls.start()
+        return painter
+
     def paint(self, numbers: dict, path: Path) -> None:
         self.used = True
         try:
-            self.conn.send((numbers, str(path)))
-            error = self.conn.recv()
+            with self.lock:  # one figure at a time through the pipe; the path absolute (the painter's folder is
+                self.conn.send((numbers, os.path.abspath(path)))  # the one it was forked in)
+                error = self.conn.recv()
         except (EOFError, OSError):  # the painter died: draw here, the report must exist
             error = None
             _plot(numbers, path)
