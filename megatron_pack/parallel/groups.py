@@ -270,7 +270,8 @@ def destroy_parallel(*, destroy_process_group: bool = False) -> None:
     process that builds several layouts one after another (``_train_cases``, ``verify`` inside a caller's
     process group, the layout tests) carried hundreds of them: 975 threads a rank in one test world, a third of a
     core each. Garbage is collected after, so the groups a model, its DDP buffers or optimizer held in reference
-    cycles end with them. The default group stays unless ``destroy_process_group``."""
+    cycles end with them; teardown callbacks (``at_teardown``) run first, and megatron-core's rotary cache, which held
+    each layout's CP group, is emptied. The default group stays unless ``destroy_process_group``."""
     import gc
 
     from megatron.core import parallel_state as mpu
@@ -278,6 +279,7 @@ def destroy_parallel(*, destroy_process_group: bool = False) -> None:
     callbacks, _AT_TEARDOWN[:] = list(_AT_TEARDOWN), []
     for callback in callbacks:
         callback()
+    _clear_rotary_caches()
     if dist.is_initialized():
         for group in _layout_groups():
             dist.destroy_process_group(group)
@@ -286,6 +288,23 @@ def destroy_parallel(*, destroy_process_group: bool = False) -> None:
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+_ROTARY_MODULES = {"megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding",
+                   "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YarnRotaryEmbedding"}
+"""megatron-core's rotary embeddings whose ``forward`` is an ``lru_cache`` (32 entries, class-wide)."""
+
+
+def _clear_rotary_caches() -> None:
+    """Empty megatron-core's class-wide cache of rotary ``forward`` calls: each entry holds the rotary module and
+    the CP group it was called with, so without this every layout's CP group (3 idle-waking gloo threads) and
+    rotary table outlived it, up to 32 of them. Only the modules already imported (a model was built)."""
+    import sys
+
+    for module_name, class_name in _ROTARY_MODULES.items():
+        forward = getattr(getattr(sys.modules.get(module_name), class_name, None), "forward", None)
+        if hasattr(forward, "cache_clear"):
+            forward.cache_clear()
 
 
 def _layout_groups() -> list:

@@ -306,8 +306,10 @@ def test_non_finite_loss_from_weights_names_the_tensor_not_the_data(worlds):
 def test_destroy_parallel_ends_every_group_of_the_layout(worlds):
     """Three layouts one after another in one process (``_world2``): ``destroy_parallel`` leaves no group but the
     default one, and the threads of their gloo groups end with them (before: about 60 threads a layout stayed,
-    waking while idle; a 4-rank test world reached 975 a rank)."""
+    waking while idle; a 4-rank test world reached 975 a rank), the CP group megatron-core's rotary cache held
+    included (3 threads a layout before), but for the one group megatron-core's parallel state keeps until the next
+    layout replaces it (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``)."""
     for rank, out in enumerate(worlds[2]):
         assert int(out["groups_after"]) == 0, rank
-        assert int(out["threads_after"]) <= int(out["threads_before"]) + 12, (rank, out["threads_before"],
-                                                                              out["threads_after"])
+        assert int(out["threads_after"]) <= int(out["threads_before"]) + 3, (rank, out["threads_before"],
+                                                                             out["threads_after"])
