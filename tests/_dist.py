@@ -282,7 +282,7 @@ def _spawn_pooled(worker: Callable[..., dict], world_size: int, store_dir: Path,
                 _kill_world(processes, worker.__name__, store_dir, _deadline_message(timeout_s, started))
             finally:
                 _POOL.close()
-    if max((_num_threads(p.pid) for p in _POOL.processes), default=0) > MAX_POOL_THREADS:
+    if max((num_threads(p.pid) for p in _POOL.processes), default=0) > MAX_POOL_THREADS:
         _POOL.close()  # the next case starts new ranks (see MAX_POOL_THREADS)
 
 
@@ -295,7 +295,8 @@ its worlds without it, 7-31 with it). A case that keeps more alive than this cos
 5 CPU-s) instead of a core's share for the rest of the session."""
 
 
-def _num_threads(pid: int) -> int:
+def num_threads(pid: int) -> int:
+    """Threads of process ``pid`` (0 without /proc or when it is gone): the idle gloo groups a process keeps."""
     try:
         return len(os.listdir(f"/proc/{pid}/task"))
     except OSError:  # no /proc (not Linux), or the rank is gone

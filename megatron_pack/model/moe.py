@@ -45,6 +45,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_pack.config.layout import pad_multiple
 from megatron_pack.parallel.comm import all_reduce
 from megatron_pack.parallel.groups import at_teardown
 
@@ -101,8 +102,6 @@ def max_sub_sequences(num_tokens: int, cp_size: int, tp_size: int, sequence_para
     each holds a multiple of the layout's ``pad_multiple`` (the collate pads every sub-sequence to it), so at most
     ``num_tokens // pad_multiple``. At CP > 1 or under sequence parallelism that is at most one router's own token
     count, so the per-sample counts the routers all-reduce are no larger than the routing map."""
-    from megatron_pack.config.layout import pad_multiple
-
     return max(1, num_tokens // pad_multiple(cp_size, tp_size, sequence_parallel))
 
 

@@ -41,11 +41,13 @@ expert TP 1; ``WORLDS`` lists which folder runs where):
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from _dist import spawn_world
+from _dist import num_threads, spawn_world
 from _hf import cli, prepare_in, save_tokenizer, torchrun_train
 
 FOLDERS = ("qwen3_moe", "qwen3_moe_raw", "mixtral", "qwen2_moe")
@@ -236,17 +238,11 @@ def _run(folder: str, layout: str, refs: dict, rank: int) -> dict:
         destroy_parallel()
 
 
-def _threads() -> int:
-    import os
-
-    return len(os.listdir(f"/proc/{os.getpid()}/task")) if os.path.isdir("/proc") else 0
-
-
 def _worker(rank: int, world_size: int, folders: dict, refs: dict, root: str) -> dict:
     import gc
 
     out = {}
-    threads_before = _threads()
+    threads_before = num_threads(os.getpid())
     for family, layout in WORLDS[world_size]:
         out.update({f"{family}/{k}": v for k, v in _run(folders[family], layout, refs[family], rank).items()})
     for run, layout in LORA_LAYOUTS.items():
@@ -254,7 +250,7 @@ def _worker(rank: int, world_size: int, folders: dict, refs: dict, root: str) ->
     out.update(_distributed_optimizer(folders["qwen3_moe"], rank, root))
     out.update(_pipeline(folders["qwen3_moe"], rank, root))
     gc.collect()
-    out[f"rank{rank}/threads"] = np.array([threads_before, _threads()])
+    out[f"rank{rank}/threads"] = np.array([threads_before, num_threads(os.getpid())])
     return out
 
 

@@ -12,11 +12,13 @@ Three process groups in all (worlds of 1, 2 and 4), each running every case it h
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from _dist import ListLoader, spawn_world
+from _dist import ListLoader, num_threads, spawn_world
 
 NUM_STEPS, GLOBAL_BATCH, PAD_MULTIPLE = 5, 4, 4
 LAYOUTS = {"world1": (1, 1, 1), "cp2": (2, 1, 2), "dp2": (2, 1, 1), "tp2_cp2": (4, 2, 2)}
@@ -193,25 +195,20 @@ def _world1(rank: int, world_size: int, tmp: str) -> dict:
     return out
 
 
-def _threads() -> int:
-    import os
-
-    return len(os.listdir("/proc/self/task"))
-
-
 def _world2(rank: int, world_size: int, tmp: str) -> dict:
     import gc
 
     from megatron_pack.parallel.groups import _layout_groups
 
-    threads_before = _threads()
+    threads_before = num_threads(os.getpid())
     out = {f"cp2.{k}": v for k, v in _train_layout(tmp + "/cp2", 1, 2).items()}
     out.update({f"dp2.{k}": v for k, v in _train_layout(tmp + "/dp2", 1, 1).items()})
     grads, loss = _gradients_of(tmp + "/m2", 2, [masked_cp_pack()])
     out.update({f"mask.{k}": v for k, v in grads.items()}, **{"mask.loss": loss})
     # three layouts built and torn down (destroy_parallel): none of their groups, nor the groups' threads, is left
     gc.collect()  # the last layout's model, garbage since its function returned
-    out.update(threads_before=threads_before, threads_after=_threads(), groups_after=len(_layout_groups()))
+    out.update(threads_before=threads_before, threads_after=num_threads(os.getpid()),
+               groups_after=len(_layout_groups()))
     return out
 
 
