@@ -208,8 +208,7 @@ def _check_type(text: str, group: str, name: str, value: Any) -> Optional[str]:
     """Assign the override to a scratch node of the group's schema, so every type error is reported."""
     from omegaconf.errors import OmegaConfBaseException
 
-    scratch = OmegaConf.structured(GROUPS[group])
-    _unfreeze(scratch)
+    scratch = _scratch(group)
     try:
         scratch[name] = value
     except OmegaConfBaseException as exc:
@@ -218,14 +217,27 @@ def _check_type(text: str, group: str, name: str, value: Any) -> Optional[str]:
     return None
 
 
+_SCRATCH: dict[str, DictConfig] = {}
+
+
+def _scratch(group: str) -> DictConfig:
+    """A writable node of ``group``'s schema to assign overrides to (made once per process: building one from the
+    dataclass takes longer than the check; an assignment that passes only changes a node nothing else reads)."""
+    if group not in _SCRATCH:
+        _SCRATCH[group] = OmegaConf.structured(GROUPS[group])
+        _unfreeze(_SCRATCH[group])
+    return _SCRATCH[group]
+
+
 def _normalize(overrides: list[str]) -> list[str]:
     """Accept ``+experiment=name`` as well as ``experiment=name`` (config.yaml has ``experiment: null``)."""
     return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
 
 
 _COMPOSED: dict[tuple, DictConfig] = {}
-"""Hydra's compositions of this process by (overrides, search folders, what those folders hold): composing takes
-about 0.25 CPU-s and a run composes the same config several times (the entry, its checks, each rank's loaders)."""
+"""Hydra's compositions of this process by (preset selections, search folders, what those folders hold): composing
+takes about 0.25 CPU-s, and a run composes several times (the entry, its checks, each rank's loaders), a process
+that loads many configs (a notebook, a sweep, the test suite) far more, mostly the same presets with other values."""
 _COMPOSED_MAX = 64
 
 
@@ -238,15 +250,55 @@ def _folders_state(folders: Sequence[Path]) -> tuple:
                  for folder in folders for path in sorted(Path(folder).rglob("*")) if path.is_file())
 
 
+def _split_values(overrides: list[str], search: Sequence[Path]) -> tuple[list[str], list[Any]]:
+    """``(the overrides Hydra needs to build its defaults list, the parsed value overrides)``.
+
+    A value override is a plain ``group.key=value`` of a schema group (not a preset selection, not ``+``, ``++``
+    or ``~``, not a sweep): Hydra applies exactly these after composing the defaults list, in their order
+    (``ConfigLoaderImpl._apply_overrides_to_config``), so the composition of the rest can be reused for them.
+    Anything else, or a folder on the search path whose name is the key, stays with Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    selections, values = [], []
+    for text in overrides:
+        try:
+            override = parser.parse_override(text)
+        except HydraException:
+            selections.append(text)  # Hydra says what is wrong with it
+            continue
+        key = override.key_or_group
+        plain = (override.type == OverrideType.CHANGE and override.package is None and not override.is_sweep_override()
+                 and "." in key and key.split(".", 1)[0] in GROUPS and not any((Path(d) / key).exists() for d in search))
+        if plain:
+            values.append(override)
+        else:
+            selections.append(text)
+    return selections, values
+
+
 def _compose(overrides: list[str], user_dirs: list[Path]) -> DictConfig:
-    """Hydra's composition of config.yaml with ``overrides``, searching ``user_dirs`` after the presets (a copy of
-    the one composed before for the same overrides and the same files)."""
-    key = (tuple(overrides), tuple(str(d) for d in user_dirs), _folders_state([PRESETS_DIR, *user_dirs]))
+    """Hydra's composition of config.yaml with ``overrides``, searching ``user_dirs`` after the presets: a copy of
+    the one composed before for the same preset selections and the same files, with the value overrides applied
+    as Hydra applies them."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    selections, values = _split_values(overrides, [PRESETS_DIR, *user_dirs])
+    key = (tuple(selections), tuple(str(d) for d in user_dirs), _folders_state([PRESETS_DIR, *user_dirs]))
     if key not in _COMPOSED:
         if len(_COMPOSED) >= _COMPOSED_MAX:
             _COMPOSED.clear()
-        _COMPOSED[key] = _compose_with_hydra(overrides, user_dirs)
-    return copy.deepcopy(_COMPOSED[key])
+        _COMPOSED[key] = _compose_with_hydra(selections, user_dirs)
+    composed = copy.deepcopy(_COMPOSED[key])
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, composed)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError([_hydra_message(exc)]) from exc
+    return composed
 
 
 def _compose_with_hydra(overrides: list[str], user_dirs: list[Path]) -> DictConfig:

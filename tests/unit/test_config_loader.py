@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -231,8 +232,77 @@ def test_a_repeated_composition_is_reused_until_a_preset_changes(tmp_path, monke
     assert len(calls) == 1 and first == again and again.train.lr == 0.0123
     (user / "experiment" / "my_run.yaml").write_text("# @package _global_\ntrain:\n  lr: 0.0456\n")  # same size
     assert load_config(["experiment=my_run", "train.lr_warmup_iters=3"], config_dirs=[str(user)]).train.lr == 0.0456
-    assert load_config(["experiment=my_run", "train.lr_warmup_iters=4"], config_dirs=[str(user)]).train.lr == 0.0456
-    assert len(calls) == 3
+    assert len(calls) == 2
+    changed = load_config(["experiment=my_run", "train.lr_warmup_iters=4"], config_dirs=[str(user)])
+    assert changed.train.lr == 0.0456 and changed.train.lr_warmup_iters == 4
+    assert len(calls) == 2  # another value of a key: the same composition, the value applied as Hydra applies it
+
+
+SOURCES = ("data.sources=[{name: chat, input: a.jsonl, weight: 0.5}, {name: share, input: c.jsonl, weight: 0.5, "
+           "format: sharegpt}]")
+REUSED = [  # (id, overrides): the reused composition + Hydra's value step must equal Hydra's whole composition
+    ("values-on-defaults", ["train.lr=0.5", "packing.packed_sequence_size=1024"]),
+    ("values-after-experiment", ["experiment=quickstart", "train.train_iters=3", "parallel.context_parallel_size=4"]),
+    ("value-before-its-experiment", ["train.train_iters=7", "experiment=quickstart"]),
+    ("repeated-key-last-wins", ["train.lr=0.1", "parallel=cp2", "train.lr=0.3"]),
+    ("list-of-mappings", ["data=files", SOURCES, "packing.buckets=[48,96]"]),
+    ("null-and-bool", ["train.min_lr=null", "packing.pad_cu_seqlens=true", "peft=lora"]),
+    ("interpolation-kept", ["train.min_lr=${train.lr}"]),
+    ("force-add-and-delete-stay-with-hydra", ["++train.lr=0.25", "~train.min_lr"]),
+    ("selections-only", ["parallel=tp2_cp2", "model=tiny"]),
+]
+
+
+def _whole_and_reused(overrides: list[str]):
+    from megatron_pack.config import loader
+
+    def outcome(compose):
+        try:
+            return OmegaConf.to_container(compose(overrides, []), resolve=False)
+        except ConfigError as exc:
+            return exc.problems
+
+    loader._COMPOSED.clear()
+    return outcome(loader._compose_with_hydra), outcome(loader._compose)
+
+
+@pytest.mark.parametrize("overrides", [c[1] for c in REUSED], ids=[c[0] for c in REUSED])
+def test_a_reused_composition_with_the_values_applied_equals_hydras_own(overrides):
+    """Only preset selections (and ``+``/``++``/``~``, sweeps) key the reused composition; plain ``group.key=value``
+    overrides are applied to a copy by the function Hydra applies them with, after its defaults list, in order."""
+    from megatron_pack.config import loader
+
+    whole, reused = _whole_and_reused(overrides)
+    assert whole == reused
+    selections, values = loader._split_values(overrides, [loader.PRESETS_DIR])
+    assert [v.input_line for v in values] == [o for o in overrides if o not in selections]
+    assert len(REUSED) == 9 and any(len(loader._split_values(c, [loader.PRESETS_DIR])[1]) > 1 for _, c in REUSED)
+
+
+REFUSED_VALUES = [  # (id, overrides): the value step's refusals read as Hydra's
+    ("not-a-number", ["train.lr=abc"]),
+    ("unknown-field", ["experiment=quickstart", "train.learning_rat=1"]),
+    ("list-for-a-number", ["packing.packed_sequence_size=[1,2]"]),
+]
+
+
+@pytest.mark.parametrize("overrides", [c[1] for c in REFUSED_VALUES], ids=[c[0] for c in REFUSED_VALUES])
+def test_a_refused_value_reads_as_hydras_refusal(overrides):
+    whole, reused = _whole_and_reused(overrides)
+    assert isinstance(whole, list) and whole and whole == reused
+
+
+VALUE_POOL = ["train.lr=0.01", "train.lr=0.02", "train.train_iters=9", "packing.packed_sequence_size=256",
+              "parallel.context_parallel_size=2", "packing.pad_seq_to_mult=8", "train.global_batch_size=16",
+              "data.synthetic_num_samples=40", "model.num_layers=3"]
+SELECTION_POOL = ["experiment=quickstart", "parallel=cp2", "parallel=tp2", "peft=lora", "model=tiny"]
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.sampled_from(VALUE_POOL + SELECTION_POOL), max_size=6))
+def test_any_mix_of_selections_and_values_composes_as_hydra_does(overrides):
+    whole, reused = _whole_and_reused(overrides)
+    assert whole == reused
 
 
 def test_experiment_file_by_path_needs_no_folder(tmp_path, monkeypatch):
