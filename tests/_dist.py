@@ -193,11 +193,14 @@ def _reset_process_state(environ: dict, cwd: str, start_method: str | None) -> N
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     gc.collect()  # the case's process groups left in reference cycles (trainers, DDP): see MAX_POOL_THREADS
+    gc.freeze()  # what is left lives on (modules, caches): later collections skip it (see _pool_main)
 
 
 def _pool_main(conn) -> None:
     """One pooled rank: receive a case, run it as ``_entry`` does, answer ``("ok"|"error", text)``."""
     _preimport()
+    gc.freeze()  # the imports' objects (about 400,000) out of every later collection: 0.2 CPU-s each otherwise,
+    # and the cases collect often (destroy_parallel after every layout, _reset_process_state after every case)
     environ, cwd = dict(os.environ), os.getcwd()
     start_method = multiprocessing.get_start_method(allow_none=True)
     while True:
@@ -375,6 +378,9 @@ def sub_world(rank: int, size: int, store_dir: Path | str, name: str) -> Iterato
         if member:
             dist.destroy_process_group()
             os.environ["WORLD_SIZE"] = str(world_size)
+        # the sub-world's groups a case left in reference cycles end before the next group connects (one run saw a
+        # sub-world's store outlive it and the next group's connection closed by a peer: "connectFullMesh failed")
+        gc.collect()
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, f"{name}_back"), world_size),
                                 rank=rank, world_size=world_size)
 
