@@ -135,44 +135,22 @@ def prepare_in(root: Path, args: list[str]) -> None:
 
 
 def torchrun_train(root: Path, args: list[str], *, nproc: int = 2, timeout: int = 400) -> str:
-    """``torchrun --standalone -m megatron_pack.train ARGS`` in ``root``; its output (asserts exit 0)."""
-    import os
-    import subprocess
-    import sys
+    """``torchrun --standalone --nproc-per-node 2 -m megatron_pack.train ARGS`` in ``root``, on the session's world
+    of 2 ranks (``tests/_train_world.py``); its output (asserts exit 0)."""
+    from _train_world import NPROC, run_in_world
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "megatron_pack.train", *args]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc.stdout + proc.stderr
+    assert nproc == NPROC, nproc
+    return run_in_world(root, {"train": ["train", *args]}, timeout=timeout)["train"]
 
 
 def torchrun_train_cases(root: Path, cases: dict[str, list[str]], *, nproc: int = 2, timeout: int = 600) -> dict:
-    """Every ``megatron-pack train`` run of ``cases`` (name -> arguments), in their order, in one torchrun world
-    started in ``root`` (``tests/functional/_train_cases.py``: the agent's and the ranks' start-up paid once); each
-    case's output (stdout and stderr together, what the first rank printed from its start to the next case's)."""
-    import importlib.util
-    import json
-    import os
-    import subprocess
-    import sys
+    """Every ``megatron-pack train`` run of ``cases`` (name -> arguments), in their order, in ``root`` on the
+    session's world of 2 ranks (``tests/_train_world.py``: the agent's and the ranks' start-up paid once a session);
+    each case's output (both ranks' stdout and stderr)."""
+    from _train_world import NPROC, run_in_world
 
-    script = Path(__file__).resolve().parent / "functional" / "_train_cases.py"
-    spec = importlib.util.spec_from_file_location("_train_cases", script)
-    train_cases = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_cases)  # for its CASE_MARK (its cases run under ``__main__`` only)
-    listing = root / f"cases_{len(list(root.glob('cases_*.json')))}.json"
-    listing.write_text(json.dumps([[name, argv] for name, argv in cases.items()]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(script), str(listing)], cwd=root, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    pieces = proc.stdout.split(train_cases.CASE_MARK)[1:]
-    logs = {piece.split("\n", 1)[0]: piece.split("\n", 1)[1] if "\n" in piece else "" for piece in pieces}
-    assert list(logs) == list(cases), (list(logs), proc.stdout[-6000:])
-    return logs
+    assert nproc == NPROC, nproc
+    return run_in_world(root, {name: ["train", *argv] for name, argv in cases.items()}, timeout=timeout)
 
 
 def cli(root: Path, *args: str, timeout: int = 300) -> tuple[int, str]:

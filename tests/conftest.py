@@ -116,8 +116,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 class _CpuMeter:
     """CPU-seconds per test item, with ``MEGATRON_PACK_TEST_CPU_LOG=<folder>`` set (off otherwise): this process,
-    the children it reaped (subprocesses, torchrun and their workers) and the live pooled ranks of ``_dist``
-    (their own and their reaped children's time, read from /proc), one JSON line per item in
+    the children it reaped (subprocesses, torchrun and their workers), the live pooled ranks of ``_dist`` and the
+    session's torchrun world of ``_train_world`` (their own and their reaped children's time, read from /proc), one JSON line per item in
     ``<folder>/cpu-<worker>.jsonl``. On a 2-core machine the suite's wall time is bounded below by its CPU time
     over 2, so this says which items to make cheaper; ``python tests/_session_checks.py cpu <folder>`` sums it
     per module."""
@@ -131,15 +131,16 @@ class _CpuMeter:
     def _ranks(self) -> dict[int, float]:
         import os
 
-        dist = sys.modules.get("_dist")
+        dist, world = sys.modules.get("_dist"), sys.modules.get("_train_world")
         ticks, found = os.sysconf("SC_CLK_TCK"), {}
-        for proc in (dist._POOL.processes if dist else []):
+        pids = [proc.pid for proc in (dist._POOL.processes if dist else [])] + (world.pids() if world else [])
+        for pid in pids:
             try:
-                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 cpu = sum(int(f) for f in fields[11:15]) / ticks  # utime stime cutime cstime
             except (OSError, IndexError, ValueError):
                 continue  # the rank ended since the pool listed it: its time is in nobody's reading
-            found[proc.pid] = cpu
+            found[pid] = cpu
         return found
 
     def reading(self) -> tuple[float, dict[int, float]]:

@@ -10,9 +10,9 @@ test changes and why:
   documents' placeholders, a smaller pack for a 1B model's recipe, two steps instead of fifty).
 * ``RULES``: how each command runs (the first row whose pattern matches it):
   ``run`` as written (``megatron-pack`` through the console script's function, in this process);
-  ``train``: a training run whose checkpoint a later command reads, run for real in a 2-process torchrun
-  world (tests/functional/_train_cases.py: the train entry torchrun starts; consecutive ones share one
-  world), then the commands that read them (``after``), before the next command of another kind; ``check``: a launch (torchrun, the
+  ``train``: a training run whose checkpoint a later command reads, run for real on the session's torchrun
+  world of 2 processes (tests/_train_world.py: the train entry torchrun starts, in the work folder), then the
+  commands that read them (``after``), before the next command of another kind; ``check``: a launch (torchrun, the
   launch scripts, sbatch) checked as a run of its world size would be (``megatron-pack train --check``,
   what the launch scripts run before torchrun; the launch scripts themselves run for real in
   tests/functional/test_launch.py and test_slurm.py); ``cfg``: a GPU-sized recipe printed with
@@ -31,7 +31,6 @@ A command in an indented (four-space) code block fails the test too: fence it, s
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -349,15 +348,14 @@ def _bench_flags(work: Path, argv: list[str]) -> tuple[int, str]:
 
 
 def _train_for_real(work: Path, trained: list, log: list[str]) -> None:
-    cases = [[name, argv if any(a.startswith("experiment=pretrained_tiny") for a in argv) else argv + TRAIN_STEPS]
-             for name, argv in trained]
-    (work / "docs_cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": str(work)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "tests/functional/_train_cases.py", "docs_cases.json"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=600)
-    log.append(f"$ torchrun ... _train_cases.py ({[c[0] for c in cases]})\n{proc.stdout}{proc.stderr}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    """The queued training runs, in order, on the session's torchrun world of 2 ranks (tests/_train_world.py)."""
+    from _train_world import run_in_world
+
+    cases = {name: ["train", *(argv if any(a.startswith("experiment=pretrained_tiny") for a in argv)
+                               else argv + TRAIN_STEPS)] for name, argv in trained}
+    outputs = run_in_world(work, cases)
+    log += [f"$ torchrun --nproc-per-node 2 -m megatron_pack.train {shlex.join(argv[1:])}  [{name}, world]\n"
+            f"{outputs[name]}" for name, argv in cases.items()]
 
 
 def test_every_documented_command_runs(tmp_path):
@@ -385,7 +383,7 @@ def test_every_documented_command_runs(tmp_path):
 
 
 def _flush(work: Path, trained: list, deferred: list, log: list[str]) -> int:
-    """Train the queued runs in one torchrun world, then run the deferred commands; the worlds started."""
+    """Train the queued runs on the session's world, then run the deferred commands; 1 when runs were trained."""
     started = 0
     if trained:
         _train_for_real(work, trained, log)

@@ -4,7 +4,9 @@ The commands are read from README.md's "## Commands" block, so the README cannot
 works. Stand-ins, each named: ``train.jsonl`` and ``/path/to/hf_tokenizer`` are a small JSONL file
 and a tiny local tokenizer written here; the optional ``[export=bridge]`` is run; the 8-rank GPU
 line (Llama 3 8B) is skipped; training runs 2 steps instead of 50 (``train.train_iters=2``), which
-is the only override added. Every command of README.md and docs/*.md, from a fresh copy of the
+is the only override added, and the README's consecutive training runs share one torchrun world (the wheel's
+train entry run after run, ``tests/functional/_train_cases.py``; the launch scripts are run by
+tests/functional/test_launch.py and the documents' commands by test_docs_commands.py). Every command of README.md and docs/*.md, from a fresh copy of the
 repository, is run by tests/functional/test_docs_commands.py.
 """
 
@@ -70,21 +72,30 @@ def _tiny_tokenizer(path: Path) -> Path:
 
 
 def _run_all(work: Path, env: dict, tokenizer: Path, console: list[str], launch) -> str:
-    """Run the README's commands in ``work``; ``megatron-pack`` is ``console``; ``bash launch/single_node.sh ARGS``
-    becomes ``launch(ARGS)``."""
+    """Run the README's commands in ``work``; ``megatron-pack`` is ``console``; consecutive ``bash
+    launch/single_node.sh ARGS`` lines become one ``launch([ARGS, ...])`` (one torchrun world for the runs)."""
     (work / "train.jsonl").write_text("".join(
         json.dumps({"prompt": f"what is {i} plus {i}", "completion": f"{2 * i}"}) + "\n" for i in range(200)))
     log = []
     commands = [_stand_ins(c, work, tokenizer) for c in readme_commands()]
     assert sum(c is not None for c in commands) >= 5, commands  # the block was found and read
-    for argv in filter(None, commands):
-        if argv[0] == "megatron-pack":
-            argv = console + argv[1:]
-        elif argv[:2] == ["bash", "launch/single_node.sh"]:
-            argv = launch(argv[2:])
+    runs: list[list[str]] = []
+
+    def run(argv: list[str]) -> None:
         done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
         log.append(f"$ {shlex.join(argv)}\n{done.stdout}{done.stderr}")
         assert done.returncode == 0, "\n".join(log)[-8000:]
+
+    for argv in filter(None, commands):
+        if argv[:2] == ["bash", "launch/single_node.sh"]:
+            runs.append(argv[2:])
+            continue
+        if runs:
+            run(launch(runs, work))
+            runs = []
+        run(console + argv[1:] if argv[0] == "megatron-pack" else argv)
+    if runs:
+        run(launch(runs, work))
     return "\n".join(log)
 
 
@@ -151,9 +162,13 @@ def test_readme_commands_from_a_wheel_in_another_folder(tmp_path):
     assert (site / "megatron_pack/config/presets/experiment/quickstart.yaml").is_file()
     tokenizer = _tiny_tokenizer(tmp_path / "hf_tokenizer")
 
-    def launch(args):  # a wheel user has no launch/: the same torchrun line (docs/launch.md)
-        return [str(vpy), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", args[0],
-                "-m", "megatron_pack.train", "parallel.backend=gloo", *args[1:]]
+    def launch(runs, where):  # a wheel user has no launch/: torchrun of the train entry (docs/launch.md), the
+        # consecutive runs in one world (tests/functional/_train_cases.py: the wheel's train entry, run after run)
+        assert {args[0] for args in runs} == {"2"}, runs
+        listing = where / f"runs_{len(list(where.glob('runs_*.json')))}.json"
+        listing.write_text(json.dumps([[f"run{i}", ["parallel.backend=gloo", *args[1:]]] for i, args in enumerate(runs)]))
+        return [str(vpy), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(ROOT / "tests" / "functional" / "_train_cases.py"), str(listing)]
 
     log = _run_all(work, _env(), tokenizer, [str(venv / "bin" / "megatron-pack")], launch)
     _check_outputs(work, log)

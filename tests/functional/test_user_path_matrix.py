@@ -13,8 +13,8 @@ and template) and chat files, CP=2.
 * Training, pairwise: 15 cases cover every pair of factors (the template alternates with strategy +
   validation), each trained 2 steps with CP=2 (5 of them, pairing with every factor, with 2 pipeline
   stages, ``parallel=pp2``) on 2 real processes, validated at the end when it has a validation set,
-  all in one torchrun world (``_train_cases.py``: each case is ``megatron-pack train``'s
-  entry, process groups made and destroyed per case). Each checkpoint is then exported and loaded with
+  all on the session's torchrun world of 2 ranks (``tests/_train_world.py``: each case is ``megatron-pack
+  train``'s entry, process groups made and destroyed per case). Each checkpoint is then exported and loaded with
   transformers; its tokenizer carries the template the data was rendered with. One more case in the
   same world trains with virtual pipeline stages (``parallel=pp2_vp2``, a 4-layer copy of the model:
   two stages of two chunks), validated, exported and loaded the same way. Three more in the same world, each
@@ -28,15 +28,13 @@ and template) and chat files, CP=2.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _hf import CHAT_TEMPLATE, make_family  # noqa: E402
+from _hf import CHAT_TEMPLATE, make_family, torchrun_train_cases  # noqa: E402
 from _user_path import CUSTOM_TEMPLATE, chat, ok, write_jsonl  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -156,7 +154,7 @@ def test_pipelined_cases_pair_with_every_factor():
             assert {c in PIPELINED for c in TRAINED if c[k] == value} == {True, False}, value
 
 
-def test_pairwise_training_then_export(world, tmp_path):
+def test_pairwise_training_then_export(world):
     """15 cases trained (CP=2, or PP=2 for ``PIPELINED``; 2 processes, 2 steps, validation when present),
     each exported from its checkpoint and loaded with transformers."""
     import torch
@@ -172,13 +170,8 @@ def test_pairwise_training_then_export(world, tmp_path):
     cases.append(["online-held-out", [*online, f"data.plan={plans[ONLINE]}", "train.output_dir=runs/online-held-out"]])
     cases.append(["online-no-validation", [*online, "data.validation_fraction=0",
                                            "train.output_dir=runs/online-no-validation"]])
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("_train_cases.py")), str(tmp_path / "cases.json")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    outputs = torchrun_train_cases(root, dict(cases))
+    log = "".join(outputs.values())
     for case in TRAINED:
         strategy, validation, template = case
         run = root / "runs" / _id(case)
@@ -250,14 +243,19 @@ def _check_virtual_stages(root: Path) -> None:
 
 
 def _check_console(log: str, num_runs: int) -> None:
-    """One summary line per run, no config dump, each warning once and only from rank 0 (one process runs
-    16 trainings, so a warning repeated per run or per rank shows up as a count above 1)."""
+    """One summary line per run, no config dump, each warning once and only from rank 0: the runs share their two
+    processes with every command the session's world ran before them (``tests/_train_world.py``), so a warning
+    repeated per run or per rank shows up as a count above 1 in all that output."""
+    from _train_world import world_output
+
     assert log.count("\nrun runs/") + log.startswith("run runs/") == num_runs
     assert "resolved config:\n" not in log and "\nmodel:\n" not in log
-    warned = [ln for ln in log.splitlines() if "Warning: " in ln]
+    everything = world_output()
+    assert log in everything
+    warned = [ln for ln in everything.splitlines() if "Warning: " in ln]
     assert warned and all(warned.count(ln) == 1 for ln in warned), warned  # the TE/Apex notices at least
     assert sum("Transformer Engine / Apex are not installed" in ln for ln in warned) == 1  # the family, once
-    assert "warnings.warn(" not in log and "Rerun State Machine" not in log and "RerunStateMachine" not in log
-    assert "[rank 1]" not in log
+    assert "warnings.warn(" not in everything and "Rerun State Machine" not in everything
+    assert "RerunStateMachine" not in everything and "[rank 1]" not in log
     steps = [ln for ln in log.splitlines() if " | loss " in ln]
     assert len(steps) == 2 * num_runs and max(len(ln.split(" INFO ", 1)[-1]) for ln in steps) <= 160

@@ -8,7 +8,8 @@ each sample alone, and against transformers' VLM forward), ``megatron-pack expor
 1. prepare stores images (the store's image arrays, image tokens in the plan's lengths);
 2. the run logs 3 finite losses at CP=2 and saves its checkpoint;
 3. verify PASSes on the packs with images, against itself and against transformers, in one process and under
-   torchrun at PP=2 (the tower on the first stage, megatron-core's forward-only schedule);
+   torchrun at PP=2 (the session's world of 2 ranks, tests/_train_world.py: the tower on the first stage,
+   megatron-core's forward-only schedule);
 4. the export loads in ``Qwen2_5_VLForConditionalGeneration`` with every tensor used: the frozen vision tower
    exactly as the source folder had it, the merger and the language model trained, the processor, chat
    template and tokenizer beside it; and it generates from an image and a question through transformers' own
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ import torch
 
 from _hf import cli
 from _launch import REPO, launch_env
+from _train_world import run_in_world
 
 RUN = ["experiment=vlm_tiny", "checkpoint.save_interval=3", "logging.log_interval=1"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -76,12 +77,8 @@ def test_verify_passes_on_packs_with_images(trained, reference):
 
 def test_verify_at_pp2_under_torchrun_against_transformers(trained):
     root, _ = trained
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "megatron_pack.cli.main",
-                           "verify", "experiment=vlm_tiny", "parallel=pp2", "verify.reference=transformers"],
-                          cwd=root, env=launch_env(), capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
+    out = run_in_world(root, {"verify": ["verify", "experiment=vlm_tiny", "parallel=pp2",
+                                         "verify.reference=transformers"]})["verify"]  # exit 0 on both ranks
     assert "at PP=2 TP=1 CP=1" in out and "4/4 packs PASS" in out, out[-5000:]
 
 

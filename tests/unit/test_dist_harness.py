@@ -112,3 +112,49 @@ def test_hung_world_is_killed_and_fails_with_each_rank_stack(tmp_path):
 def test_world_that_finishes_returns_each_rank_result(tmp_path):
     results = spawn_world(_every_rank_arrives, 2, tmp_path)  # the default deadline
     assert [int(r["rank"]) for r in results] == [0, 1]
+
+
+# ----- tests/_train_world.py: the session's torchrun world of 2 ranks ----------------------------------------------
+
+QUICK = ["experiment=quickstart", "data.synthetic_num_samples=40", "data.dataset_dir=ds", "train.train_iters=1",
+         "train.global_batch_size=2", "checkpoint.enabled=false", "logging.tensorboard=false"]
+
+
+def test_train_world_serves_command_after_command_on_the_same_ranks(tmp_path):
+    """Two calls, three commands: each command's output is its own (both ranks' lines), a non-zero exit is reported
+    as it was, and the same torchrun agent served them all."""
+    import _train_world
+    from _hf import prepare_in
+
+    prepare_in(tmp_path, QUICK)
+    first = _train_world.run_in_world(tmp_path, {
+        "cp2": ["train", *QUICK, "train.output_dir=runs/a"],
+        "dp2": ["train", *QUICK, "parallel=cp1", "train.output_dir=runs/b"]})
+    agent = _train_world.pids()[0]
+    assert list(first) == ["cp2", "dp2"]
+    assert "run runs/a:" in first["cp2"] and "runs/b" not in first["cp2"] and "run runs/b:" in first["dp2"]
+    assert "world 2 = dp 1 x cp 2 " in first["cp2"] and "world 2 = dp 2 x cp 1 " in first["dp2"], first
+    refused = _train_world.run_in_world(tmp_path, {"bad": ["export", "checkpoint=nope", "output=x"]}, expect=2)
+    assert refused["bad"].count("holds no complete checkpoint") == 2  # both ranks said it, each in its own log
+    with pytest.raises(AssertionError, match=r"exited \[2, 2\]"):
+        _train_world.run_in_world(tmp_path, {"bad": ["export", "checkpoint=nope", "output=x"]})
+    assert _train_world.pids()[0] == agent and len(_train_world.pids()) == 3  # the agent and its 2 ranks
+
+
+def test_train_world_that_does_not_answer_is_killed_with_each_rank_stack(tmp_path):
+    """A world past its deadline (here: still starting) fails the call with each rank's Python stack and is killed;
+    the session's world is untouched."""
+    import _train_world
+    from _hf import prepare_in
+
+    prepare_in(tmp_path, QUICK)
+    world = _train_world._World()
+    try:
+        with pytest.raises(AssertionError) as failed:
+            world.run(tmp_path, {"slow": ["train", *QUICK]}, {}, timeout=3.0)
+    finally:
+        world.stop(kill=True)
+    text = str(failed.value)
+    assert "the train world hung in job 0 (['slow'])" in text
+    assert "rank 0's stack ---\n" in text and "rank 1's stack ---\n" in text and 'File "' in text, text[-3000:]
+    assert world.proc.returncode is not None
