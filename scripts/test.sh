@@ -8,7 +8,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 workers=${PYTEST_WORKERS:-2}
+# Only the plugins the suite uses: pytest rewrites the asserts of every module of every installed plugin's
+# distribution (hypothesis, hydra, anyio: 168 modules), in each worker, at every run (CI forbids the bytecode cache).
+plugins=(--disable-plugin-autoload -p xdist.plugin -p pytest_timeout -p _hypothesis_pytestplugin)
 if [ "$workers" = 0 ]; then
-  exec .venv/bin/python -m pytest tests/unit tests/functional "$@"
+  exec .venv/bin/python -m pytest "${plugins[@]}" tests/unit tests/functional "$@"
 fi
-exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup tests/unit tests/functional "$@"
+exec .venv/bin/python -m pytest "${plugins[@]}" -n "$workers" --dist loadgroup tests/unit tests/functional "$@"

@@ -354,29 +354,22 @@ def test_distributed_optimizer_matches_plain_with_half_the_state(dataset_dir, tm
 
 # ----- the run record, through the real entry (torchrun, CP=2) ------------------------------
 
-REPO = Path(__file__).resolve().parents[2]
+def _train_cli(dataset_dir: str, out: Path, *extra: str) -> str:
+    """``torchrun --nproc-per-node 2 -m megatron_pack.train ...`` on the session's world (tests/_train_world.py);
+    its output (asserts exit 0 on both ranks)."""
+    from _train_world import run_in_world
 
-
-def _train_cli(dataset_dir: str, out: Path, *extra: str):
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "megatron_pack.train", *DATA, f"data.dataset_dir={dataset_dir}", f"train.output_dir={out}",
-           "logging.tensorboard=true", *extra]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    argv = ["train", *DATA, f"data.dataset_dir={dataset_dir}", f"train.output_dir={out}", "logging.tensorboard=true",
+            *extra]
+    return run_in_world(out.parent, {"run": argv}, timeout=400)["run"]
 
 
 def test_epochs_validation_and_run_record_through_the_entry(dataset_dir, tmp_path, monkeypatch, capsys):
     from megatron_pack.training.metrics import read_metrics
 
     out = tmp_path / "run"
-    proc = _train_cli(dataset_dir, out, "train.train_iters=null", "train.num_epochs=1", "train.global_batch_size=8",
-                      "train.eval_interval=2", "train.eval_iters=1", "checkpoint.save_interval=0")
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    log = _train_cli(dataset_dir, out, "train.train_iters=null", "train.num_epochs=1", "train.global_batch_size=8",
+                     "train.eval_interval=2", "train.eval_iters=1", "checkpoint.save_interval=0")
     from megatron_pack.data.batches.opening import open_dataset
 
     records = read_metrics(out / "metrics.jsonl")
