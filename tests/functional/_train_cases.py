@@ -31,20 +31,11 @@ import time
 import traceback
 
 from megatron_pack.cli.main import warn_once_on_rank_0
+from megatron_pack.data.store.atomic import _pid_alive as _alive
 
 CASE_MARK = "=== _train_cases.py case: "
 CLIENT_ENV = "MEGATRON_PACK_TEST_CLIENT_PID"
 POLL_S = 0.05
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _wait_for(path: str, spool: str, client: int) -> bool:
