@@ -4,8 +4,9 @@
    module-scoped world counts once) must stay within its budget: ``BUDGET_FACTOR`` times its measured
    quiet time in ``MODULE_SECONDS``, and at least its folder's ``MIN_BUDGET_S`` (room for a 2-core
    machine loaded by other runs beside it). A module over budget fails the session and prints its
-   slowest items: a new case joins an existing world (``sub_world``, a pooled ``spawn_world``, a
-   ``_train_cases.py`` run) instead of starting its own, or ``MODULE_SECONDS`` gets the new measurement
+   slowest items: a new case joins an existing world (``sub_world``, a pooled ``spawn_world``, the
+   session's torchrun world of ``_train_world.run_in_world``) instead of starting its own, or ``MODULE_SECONDS``
+   gets the new measurement
    (``MEGATRON_PACK_TEST_CPU_LOG``, below). The same table orders the session: the scheduler of
    ``tests/conftest.py`` hands the longest modules out first.
 2. **The working folder stays untouched.** The repository's ``runs/`` and ``data/`` (where the
