@@ -134,22 +134,20 @@ def prepare_in(root: Path, args: list[str]) -> None:
         os.chdir(cwd)
 
 
-def torchrun_train(root: Path, args: list[str], *, nproc: int = 2, timeout: int = 400) -> str:
+def torchrun_train(root: Path, args: list[str], *, timeout: int = 400) -> str:
     """``torchrun --standalone --nproc-per-node 2 -m megatron_pack.train ARGS`` in ``root``, on the session's world
     of 2 ranks (``tests/_train_world.py``); its output (asserts exit 0)."""
-    from _train_world import NPROC, run_in_world
+    from _train_world import run_in_world
 
-    assert nproc == NPROC, nproc
     return run_in_world(root, {"train": ["train", *args]}, timeout=timeout)["train"]
 
 
-def torchrun_train_cases(root: Path, cases: dict[str, list[str]], *, nproc: int = 2, timeout: int = 600) -> dict:
+def torchrun_train_cases(root: Path, cases: dict[str, list[str]], *, timeout: int = 600) -> dict:
     """Every ``megatron-pack train`` run of ``cases`` (name -> arguments), in their order, in ``root`` on the
     session's world of 2 ranks (``tests/_train_world.py``: the agent's and the ranks' start-up paid once a session);
     each case's output (both ranks' stdout and stderr)."""
-    from _train_world import NPROC, run_in_world
+    from _train_world import run_in_world
 
-    assert nproc == NPROC, nproc
     return run_in_world(root, {name: ["train", *argv] for name, argv in cases.items()}, timeout=timeout)
 
 

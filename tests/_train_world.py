@@ -18,6 +18,7 @@ command that exits non-zero fails the call (``expect`` says otherwise); a world 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -95,10 +96,8 @@ class _World:
                 except subprocess.TimeoutExpired:
                     kill = True
             if kill:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # the world ended meanwhile
                     os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 self.proc.wait()
         self.log.close()
         shutil.rmtree(self.spool, ignore_errors=True)
