@@ -117,7 +117,9 @@ SlurmdParameters=config_overrides
 SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
-MinJobAge=60
+# sbatch --wait polls every 2 s (its interval grows 2 -> 8 -> 32 s only while below MinJobAge/2); 0 also keeps
+# every job record, so no finished job's exit status is purged before sbatch reads it
+MinJobAge=0
 {nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
