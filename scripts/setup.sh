@@ -36,15 +36,20 @@ install() {  # install "$@" into .venv: uv if it works, else pip
   "$VPY" -m pip install -q "$@"
 }
 
-if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+installed() {  # every module named is installed (found, not imported: importing torch and megatron-core takes 8 s)
+  "$VPY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' "$@" \
+    >/dev/null 2>&1
+}
+
+if ! installed torch; then
   echo "[setup] installing torch==2.13.0"
   install torch==2.13.0
 fi
 stamp=.venv/.megatron_pack.stamp
 want=$(cat setup.py | sha256sum | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import megatron_pack, megatron.core, hypothesis" >/dev/null 2>&1; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! installed megatron_pack megatron.core hypothesis; then
   echo "[setup] installing megatron_pack[test] (editable)"
   install -e ".[test]"
   echo "$want" > "$stamp"
 fi
-echo "[setup] ready: $("$VPY" -c 'import torch, megatron.core; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)' 2>/dev/null)"
+echo "[setup] ready: $("$VPY" -c 'from importlib.metadata import version as v; print("torch", v("torch"), "megatron-core", v("megatron-core"))' 2>/dev/null)"
