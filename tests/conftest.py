@@ -91,6 +91,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not _is_worker(session.config):
         session.config.stash[_SNAPSHOT] = _session_checks.snapshot(REPO)
+    if _is_worker(session.config) or not getattr(session.config.option, "numprocesses", None):  # runs tests
+        from megatron_pack.model.cpu_compat import eager_jit_fuser_without_cuda
+
+        # before the collection imports megatron-core, as the package's entries do on a CPU host: its fused
+        # kernels' torch.compile would import TorchDynamo and Inductor (1.8 s of each worker's collection)
+        eager_jit_fuser_without_cuda()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -200,6 +200,9 @@ def main(argv: list[str]) -> int:
     line = parse_command_line("export", list(argv))
     if isinstance(line, int):
         return line
+    from megatron_pack.model.cpu_compat import eager_jit_fuser_without_cuda
+
+    eager_jit_fuser_without_cuda()  # before megatron-core's first import (reading a sharded checkpoint, LoRA)
     try:
         return run_export(line.overrides, config_dirs=line.config_dirs, print_config=line.print_config)
     except (ConfigError, DataError, UnsupportedModel, FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:

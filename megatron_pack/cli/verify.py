@@ -593,6 +593,9 @@ def main(argv: list[str]) -> int:
         from megatron_pack.cli.launch import hide_gpus_for_cpu_run
 
         hide_gpus_for_cpu_run(run.cfg.train.device)  # before anything starts CUDA
+        from megatron_pack.model.cpu_compat import eager_jit_fuser_without_cuda
+
+        eager_jit_fuser_without_cuda()  # before megatron-core's first import: no torch.compile machinery on CPU
         for note in run.notes:
             print(note)
         return run_verify(run.cfg, dataset=run.dataset)

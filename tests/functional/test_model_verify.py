@@ -7,6 +7,7 @@ come from a training checkpoint (the trainer's format), including one of the sha
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -46,8 +47,12 @@ def _verify_in_process(argv: list[str], capsys) -> tuple[int, str]:
 def test_verify_console_script_passes(dataset_args):
     script = Path(sys.executable).with_name("megatron-pack")  # the installed console script
     command = [str(script)] if script.exists() else [sys.executable, "-m", "megatron_pack.cli.main"]
-    proc = subprocess.run([*command, "verify", *dataset_args], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # every import, one line each on stderr
+    proc = subprocess.run([*command, "verify", *dataset_args], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "megatron.core.models.gpt" in imported
+    assert "torch._dynamo" not in imported  # megatron-core's fused kernels left eager on a CPU host (cpu_compat item 4)
     packs = _pack_lines(proc.stdout)
     assert [p[0] for p in packs] == list(range(NUM_PACKS))
     assert sum(p[1] for p in packs) > NUM_PACKS  # at least one pack held several samples

@@ -44,6 +44,23 @@ def test_round_trip_without_checkpoint_is_bit_exact(qwen2, tmp_path, capsys):
     assert config["model_type"] == "qwen2" and config.get("dtype", config.get("torch_dtype")) == "bfloat16"
 
 
+def test_the_console_command_leaves_megatron_cores_fused_kernels_eager_on_a_cpu_host(qwen2, tmp_path):
+    """Reading a sharded or LoRA checkpoint imports megatron-core, whose fused kernels import TorchDynamo and
+    Inductor for ``torch.compile`` (2.7 CPU-s a process): the command installs cpu_compat's eager ``jit_fuser``
+    before anything can import megatron-core (its module in ``sys.modules`` at the end is cpu_compat's)."""
+    import os
+    import subprocess
+
+    code = ("import sys; from megatron_pack.cli.main import main; "
+            f"rc = main(['export', 'model.pretrained={qwen2}', 'output={tmp_path / 'rt'}']); assert rc == 0, rc; "
+            "jit = sys.modules.get('megatron.core.jit'); print('jit:', jit and jit.__doc__); "
+            "print('dynamo:', 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(megatron_pack.model.cpu_compat)" in out.stdout and "dynamo: False" in out.stdout, out.stdout
+
+
 def test_export_dtype_override(qwen2, tmp_path):
     from megatron_pack.cli.export import main
 
