@@ -19,7 +19,7 @@ megatron-core 0.16.1 assumes a GPU in these places the CPU path reaches:
    ``torch.compile``: that imports TorchDynamo and Inductor, about half of megatron-core's import
    time (1-4 s here, before step 1 of every worker). The CPU path never calls those kernels (the
    fusions are on only with CUDA, ``builder.py``), so ``eager_jit_fuser_without_cuda()``, called
-   before megatron-core is first imported, makes ``jit_fuser`` the no-op decorator megatron-core
+   before megatron-core is first imported (by the ``train``, ``verify`` and ``export`` entries), makes ``jit_fuser`` the no-op decorator megatron-core
    itself has (``megatron.core.jit.noop_decorator``).
 
 5. With pipeline stages and tied embeddings, the last stage's copy of the embedding is filled from
