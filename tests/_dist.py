@@ -28,8 +28,9 @@ naming the worker, the ranks still alive and each live rank's Python stack just 
 deadline (``faulthandler`` dumps them into ``stacks<r>.txt``), instead of blocking CI.
 
 The ranks come from a pool: one set of gloo worker processes per pytest process, started on
-the first ``spawn_world`` with torch and megatron-core already imported (that import is ~2.3 CPU-s
-a rank, paid once per session instead of once per world). A world of ``n`` ranks runs on the
+the first ``spawn_world`` with torch and megatron-core already imported: each is a fork of the pool's fork server
+(multiprocessing's ``forkserver``), which imported them once (about 5 CPU-s; a rank of its own would pay that
+again, and a new pool after a failed case for each of its ranks). A world of ``n`` ranks runs on the
 pool's first ``n`` processes (the pool grows to the largest world asked for); each case still
 gets fresh state: a new ``FileStore`` and ``init_process_group``, the group destroyed after,
 megatron-core's parallel state, microbatch calculator and RNG tracker destroyed, the default
@@ -231,7 +232,9 @@ class _Pool:
         self.conns: list = []
 
     def ranks(self, world_size: int) -> tuple[list, list]:
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("forkserver")
+        if len(self.processes) < world_size:
+            _start_fork_server()
         while len(self.processes) < world_size:
             parent, child = context.Pipe()
             # not a daemon: a case may start processes of its own (data loader or tokenize workers)
@@ -247,6 +250,33 @@ class _Pool:
         for conn in self.conns:
             conn.close()
         self.processes, self.conns = [], []
+
+
+SERVER_PYTHONPATH_WAS = "MEGATRON_PACK_TEST_POOL_PYTHONPATH_WAS"
+"""The caller's ``PYTHONPATH`` while the fork server starts (``_start_fork_server``); ``_pool_server`` puts it back."""
+UNSET = "(unset)"
+
+
+def _start_fork_server() -> None:
+    """multiprocessing's fork server for the pooled ranks, running (a no-op when it is): it imports ``_pool_server``
+    (torch, megatron-core, the training loop) once, and every rank is a fork of it, started in about 0.1 s instead
+    of an interpreter importing them again (about 5 CPU-s a rank: the pool's first world of 6 ranks, and every pool
+    after a failed case). Python 3.11's server does not take its parent's ``sys.path``, so this folder goes on its
+    ``PYTHONPATH`` while it starts; the server restores the caller's, so the ranks' environment is the caller's."""
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(["_pool_server"])
+    was = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), *([was] if was else [])])
+    os.environ[SERVER_PYTHONPATH_WAS] = UNSET if was is None else was
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(SERVER_PYTHONPATH_WAS)
+        if was is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = was
 
 
 _POOL = _Pool()

@@ -125,7 +125,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 class _CpuMeter:
     """CPU-seconds per test item, with ``MEGATRON_PACK_TEST_CPU_LOG=<folder>`` set (off otherwise): this process,
     the children it reaped (subprocesses, torchrun and their workers), the live pooled ranks of ``_dist`` and the
-    session's torchrun world of ``_train_world`` (their own and their reaped children's time, read from /proc), one JSON line per item in
+    session's torchrun world of ``_train_world`` (their own and their reaped children's time, read from /proc; the
+    fork server that starts the pooled ranks, and their last moments, are not counted), one JSON line per item in
     ``<folder>/cpu-<worker>.jsonl``. On a 2-core machine the suite's wall time is bounded below by its CPU time
     over 2, so this says which items to make cheaper; ``python tests/_session_checks.py cpu <folder>`` sums it
     per module."""
@@ -136,19 +137,22 @@ class _CpuMeter:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.out = open(Path(folder) / f"cpu-{worker}.jsonl", "a")  # noqa: SIM115 (closed at exit)
 
-    def _ranks(self) -> dict[int, float]:
+    def _ranks(self) -> dict[int, tuple[float, bool]]:
+        """{pid: (CPU-s, whether this process reaps it)} of the pooled ranks (children of the pool's fork server) and
+        the torchrun world's processes (children of this one)."""
         import os
 
         dist, world = sys.modules.get("_dist"), sys.modules.get("_train_world")
         ticks, found = os.sysconf("SC_CLK_TCK"), {}
-        pids = [proc.pid for proc in (dist._POOL.processes if dist else [])] + (world.pids() if world else [])
-        for pid in pids:
+        pids = [(proc.pid, False) for proc in (dist._POOL.processes if dist else [])]
+        pids += [(pid, True) for pid in (world.pids() if world else [])]
+        for pid, ours in pids:
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 cpu = sum(int(f) for f in fields[11:15]) / ticks  # utime stime cutime cstime
             except (OSError, IndexError, ValueError):
                 continue  # the rank ended since the pool listed it: its time is in nobody's reading
-            found[pid] = cpu
+            found[pid] = (cpu, ours)
         return found
 
     def reading(self) -> tuple[float, dict[int, float]]:
@@ -162,8 +166,11 @@ class _CpuMeter:
         import json
 
         (base, ranks_before), (now, ranks_now) = before, self.reading()
-        gone = sum(cpu for pid, cpu in ranks_before.items() if pid not in ranks_now)  # reaped: in RUSAGE_CHILDREN
-        cpu = now - base - gone + sum(cpu - ranks_before.get(pid, 0.0) for pid, cpu in ranks_now.items())
+        # a process of ours that ended was reaped: its whole time is in RUSAGE_CHILDREN, so its time before is taken
+        # off; a pooled rank's last moments are in nobody's reading (its parent is the fork server)
+        gone = sum(cpu for pid, (cpu, ours) in ranks_before.items() if ours and pid not in ranks_now)
+        since = sum(cpu - ranks_before.get(pid, (0.0, ours))[0] for pid, (cpu, ours) in ranks_now.items())
+        cpu = now - base - gone + since
         self.out.write(json.dumps({"id": nodeid, "wall": round(wall, 3), "cpu": round(cpu, 3)}) + "\n")
         self.out.flush()
 

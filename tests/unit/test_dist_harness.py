@@ -9,7 +9,8 @@ The pool: a case that leaves megatron-core's groups, an environment variable, a 
 dtype behind is followed, on the same processes, by a case that sees what a new process sees (the
 same case run with ``fresh=True`` is the reference); a rank that raises fails its case with its
 traceback and the next case runs on a new pool; a 1-rank world after a 2-rank one runs on the
-pool's first process.
+pool's first process. Pooled ranks are forks of the pool's fork server (``tests/_pool_server.py``
+imported there).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _observe_state(rank: int, world_size: int) -> dict:
     return {"pid": os.getpid(), "model_parallel": parallel_state.model_parallel_is_initialized(),
             "left_behind": "LEFT_BEHIND" in os.environ, "rank_env": int(os.environ["RANK"]),
             "world_size_env": int(os.environ["WORLD_SIZE"]), "seed": torch.initial_seed(),
-            "float64": torch.get_default_dtype() == torch.float64, "dist_world": torch.distributed.get_world_size()}
+            "float64": torch.get_default_dtype() == torch.float64, "dist_world": torch.distributed.get_world_size(),
+            "forked_from_server": "_pool_server" in sys.modules}
 
 
 def _raise_on_rank1(rank: int, world_size: int) -> dict:
@@ -74,11 +76,13 @@ def test_pooled_case_sees_what_a_new_process_sees(tmp_path):
     fresh = spawn_world(_observe_state, 2, tmp_path / "fresh", fresh=True)
     assert [int(r["pid"]) for r in pooled] == [int(r["pid"]) for r in first]  # the same processes ran both
     assert {int(r["pid"]) for r in fresh}.isdisjoint(int(r["pid"]) for r in first)  # fresh=True: new ones
+    # pooled ranks are forks of the fork server that imported everything once; fresh ones new interpreters
+    assert [bool(r["forked_from_server"]) for r in pooled + fresh] == [True, True, False, False]
     for rank, (got, want) in enumerate(zip(pooled, fresh)):
         assert int(got["rank_env"]) == rank and int(got["dist_world"]) == 2
         assert int(got["seed"]) != 1234  # a new process's seed is not fixed (the fresh one differs), only not left behind
         for key in want:
-            if key not in ("pid", "seed"):
+            if key not in ("pid", "seed", "forked_from_server"):
                 np.testing.assert_array_equal(got[key], want[key], err_msg=f"rank {rank}: {key}")
 
 
