@@ -306,8 +306,8 @@ def _plot_lengths(ax, n: dict) -> None:
 
 def _title(ax, text: str) -> None:
     # at the top edge, where matplotlib's automatic placement puts it on these axes (no tick labels or x label
-    # at the top); the automatic placement measures every tick label of the axes at each draw: a third of the
-    # figure's drawing time
+    # at the top: the same pixels); that placement measures every tick label of the axes at each draw (0.62 ->
+    # 0.52 CPU-s a report without it)
     ax.set_title(text, y=1.0)
 
 
