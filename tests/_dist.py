@@ -259,9 +259,9 @@ UNSET = "(unset)"
 
 def _start_fork_server() -> None:
     """multiprocessing's fork server for the pooled ranks, running (a no-op when it is): it imports ``_pool_server``
-    (torch, megatron-core, the training loop) once, and every rank is a fork of it, started in about 0.1 s instead
-    of an interpreter importing them again (about 5 CPU-s a rank: the pool's first world of 6 ranks, and every pool
-    after a failed case). Python 3.11's server does not take its parent's ``sys.path``, so this folder goes on its
+    (torch, megatron-core, the training loop) once, and every rank is a fork of it instead of an interpreter
+    importing them again (about 5 CPU-s a rank: the pool's first world of 6 ranks, and every pool after a failed
+    case; a new pool of 2 ran its first case in 0.9 s instead of 5.1). Python 3.11's server does not take its parent's ``sys.path``, so this folder goes on its
     ``PYTHONPATH`` while it starts; the server restores the caller's, so the ranks' environment is the caller's."""
     from multiprocessing import forkserver
 

@@ -155,7 +155,7 @@ class _CpuMeter:
             found[pid] = (cpu, ours)
         return found
 
-    def reading(self) -> tuple[float, dict[int, float]]:
+    def reading(self) -> tuple[float, dict[int, tuple[float, bool]]]:
         import resource
 
         own = resource.getrusage(resource.RUSAGE_SELF)
