@@ -95,9 +95,28 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path`` (a store's or a plan's ``metadata.json``, a prepare record). A file that is not
+    one (cut short, edited, not UTF-8, unreadable) raises ``DataError``: ``<path> is damaged (...)``, the one line
+    every other damage to a prepared dataset gives; a missing file stays ``FileNotFoundError``."""
+    from megatron_pack.data.formats.sources import DataError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise
+    except json.JSONDecodeError as exc:
+        why = f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+    except UnicodeDecodeError:
+        why = "not UTF-8 text"
+    except OSError as exc:
+        why = f"unreadable: {exc.strerror}"
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"a JSON {type(value).__name__}, not an object"
+    raise DataError(f"{path} is damaged ({why}). Delete {Path(path).parent} and re-run `megatron-pack prepare`.")
 
 
 def _fsync_tree(root: Path) -> None:

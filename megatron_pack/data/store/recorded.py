@@ -54,8 +54,8 @@ def _plans(dataset_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
     plans, other = [], []
     for plan_dir in list_plans(dataset_dir):
         try:
-            meta = read_json(plan_dir / "metadata.json")
-        except (OSError, ValueError):
+            meta = read_json(plan_dir / "metadata.json")  # a damaged one: `... is damaged`, whichever plan is picked
+        except FileNotFoundError:
             meta = {}
         if meta.get("format_version") == PLAN_FORMAT_VERSION and isinstance(meta.get("manifest"), dict):
             plans.append((plan_dir, meta))
