@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
     line = parse_command_line("prepare", argv)
     if isinstance(line, int):
         return line
+    cfg = None
     try:
         overrides = expand_shorthands(line.overrides)
         cfg = _with_recorded(load_config(overrides, config_dirs=line.config_dirs), overrides, rank)
@@ -93,6 +94,11 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:
         print(f"megatron-pack prepare: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the half-built folders are gone already (atomic_directory)
+        where = cfg.data.dataset_dir if cfg is not None else "data.dataset_dir"
+        print(f"\nmegatron-pack prepare: interrupted (Ctrl-C); nothing was written to {where} (what it held "
+              "before is unchanged); run the same command to start again.", file=sys.stderr)
+        return 130
     if rank == 0:
         print("\n".join(summary_lines(cfg, plan_dir, read_json(Path(cfg.data.dataset_dir) / "metadata.json"),
                                        read_json(plan_dir / "metadata.json"))))

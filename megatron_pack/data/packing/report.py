@@ -223,6 +223,11 @@ class ReportPainter:
 
 
 def _paint_loop(conn) -> None:
+    import signal
+
+    # Ctrl-C reaches the whole process group: the parent says it once and ends this process (close(), or as a
+    # daemon at its exit); a KeyboardInterrupt here would only print a second traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the imports are the point: done before the numbers arrive (the figure's, never pyplot's)
     import matplotlib.backends.backend_agg  # noqa: F401
     import matplotlib.figure  # noqa: F401
