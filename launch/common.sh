@@ -2,8 +2,8 @@
 # (data, tokenizer, output) resolve against the caller's folder. Sets:
 #   REPO     the repository holding these scripts (prepended to PYTHONPATH, so its megatron_pack runs)
 #   PY       the Python to run (PYTHON, else $REPO/.venv/bin/python, else python3)
-#   BACKEND  an array holding parallel.backend=nccl when torch sees a GPU (and "$@" does not set
-#            train.device=cpu), else parallel.backend=gloo
+#   BACKEND  an array holding the parallel.backend of the config "$@" loads (its train.device, a preset's
+#            included, on this host: nccl for a run on a GPU, else gloo)
 #            (with OMP_NUM_THREADS defaulting to 1); empty when the overrides "$@" already name one.
 #            Decided without importing torch (megatron_pack.cli.launch backend: a CUDA or ROCm build
 #            of torch and a visible GPU device node), so it costs no torch start-up.

@@ -15,8 +15,9 @@ ends, with its exit status. It owns the process tree:
   A second signal (a second Ctrl-C) kills torchrun at once (and so every worker): nothing more is saved. Under SLURM, ``--signal=USR1@120`` and the time limit's SIGTERM reach every
   process of the step; the guard forwards again, which changes nothing.
 
-``python -m megatron_pack.cli.launch backend`` prints ``nccl`` or ``gloo`` without importing torch
-(``common.sh``): nccl when torch was built with CUDA or ROCm and a GPU device node is visible.
+``python -m megatron_pack.cli.launch backend [key=value ...]`` prints ``nccl`` or ``gloo`` without importing torch
+(``common.sh``): the backend of the config those overrides load (presets included: ``experiment=vlm_tiny`` sets
+``train.device: cpu``) on this host, decided by the rule ``ParallelState`` follows (``config.device.run_backend``).
 """
 
 from __future__ import annotations
@@ -150,10 +151,20 @@ def hide_gpus_for_cpu_run(device: str) -> None:
 
 
 def launch_backend(overrides: list[str]) -> str:
-    """The ``parallel.backend`` the launch scripts pass: nccl when a GPU is visible and the overrides do not
-    set ``train.device=cpu``, else gloo."""
-    cpu_run = any(arg.lstrip("+") == "train.device=cpu" for arg in overrides)
-    return "nccl" if gpu_visible() and not cpu_run else "gloo"
+    """The ``parallel.backend`` the launch scripts pass: the composed config's (``train.device`` and
+    ``parallel.backend``, a preset's values included) on this host, by ``config.device.run_backend``, the rule
+    ``ParallelState`` follows. The config is composed, not validated, and without reading ``model.pretrained``
+    (the device does not depend on it); one that does not compose answers gloo, and the run it launches
+    refuses it in one line."""
+    from megatron_pack.config.device import run_backend
+    from megatron_pack.config.loader import compose_config
+
+    given = [arg for arg in overrides if not arg.startswith("-")]
+    try:
+        cfg = compose_config(given + ["model.pretrained=null"])
+    except ValueError:  # ConfigError, or Hydra's override errors: the train entry reports them
+        return "gloo"
+    return run_backend(cfg.train.device, cfg.parallel.backend, gpu_present=gpu_visible())[1]
 
 
 def main(argv: list[str]) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_pack.config.device import backend_for, device_problems, device_type
+from megatron_pack.config.device import device_index, device_problems, device_type, run_backend
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.validate import validate_parallel
 from megatron_pack.parallel.comm import all_gather, all_gather_object, device_for_backend
@@ -124,6 +124,10 @@ class ParallelState:
         return self.pg_collection.expt_tp.rank()
 
 
+SHARE_GPUS_ENV = "MEGATRON_PACK_SHARE_GPUS"
+"""Set to 1 by a test that runs more ranks than GPUs on purpose (``tests/gpu/check_trainer.py``: two gloo ranks on
+one GPU); anything else refuses such a layout (``config.device.device_index``)."""
+
 _MEGATRON_GROUPS = ("tp", "pp", "mp", "cp", "tp_cp", "dp", "dp_cp", "intra_dp_cp", "tp_dp_cp", "embd", "pos_embd",
                     "ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp", "intra_expt_dp", "intra_dist_opt")
 """Groups put into ``ParallelState.pg_collection`` (everything megatron-core's GPTModel, DDP and
@@ -134,7 +138,10 @@ DDP requires them, so they come from here rather than from megatron's globals)."
 def resolve_device(requested_device: str, requested_backend: Optional[str]) -> tuple[torch.device, str]:
     """(compute device, torch.distributed backend) of this process: the one place that asks torch whether
     CUDA is present. ``train.device=auto`` picks the GPU where CUDA is present; the backend ``auto``
-    follows the device (nccl on a GPU, gloo on the CPU).
+    follows the device (nccl on a GPU, gloo on the CPU): ``config.device.run_backend``, the rule the launch
+    scripts follow too. The GPU is ``LOCAL_RANK`` modulo the visible GPUs; more ranks on a node than GPUs is
+    refused in one line (``config.device.device_index``) unless ``MEGATRON_PACK_SHARE_GPUS=1`` (a test of exactly
+    that: two gloo ranks on one GPU).
 
     ``train.device=cpu`` on a host with CUDA needs a process that does not see the GPU: megatron-core
     places its own tensors (RoPE frequencies, TP buffers) on ``torch.cuda.current_device()``.
@@ -146,14 +153,18 @@ def resolve_device(requested_device: str, requested_backend: Optional[str]) -> t
     problems = device_problems(requested_device, gpu_present=cuda, backend=backend)
     if problems:
         raise ConfigError(problems)
-    kind = device_type(requested_device, gpu_present=cuda)
-    if kind == "cpu" and cuda:
+    if device_type(requested_device, gpu_present=cuda) == "cpu" and cuda:
         raise ConfigError(["train.device (cpu) in a process that sees a GPU: megatron-core would put its own "
                            "tensors on the GPU; start the process with CUDA_VISIBLE_DEVICES='' (megatron-pack "
                            "train and verify do this for train.device=cpu)."])
-    backend = backend_for(kind) if backend == "auto" else backend
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if kind == "cuda" else torch.device("cpu")
-    return device, backend
+    kind, backend = run_backend(requested_device, backend, gpu_present=cuda)
+    if kind != "cuda":
+        return torch.device("cpu"), backend
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = device_index(local_rank, torch.cuda.device_count(),
+                         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))),
+                         share_gpus=os.environ.get(SHARE_GPUS_ENV) == "1")
+    return torch.device("cuda", index), backend
 
 
 def _init_process_group(backend: str, device: torch.device) -> None:

@@ -272,7 +272,8 @@ def gloo_probe() -> None:
 def _torchrun(args: list[str], cwd: str, timeout: int) -> tuple[int | None, str]:
     """``torchrun --nproc-per-node 2 ARGS``: its exit status (None when it ran past ``timeout``: then every
     process it started is killed, so none is left holding the GPU) and its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # two ranks on one GPU on purpose: the one run allowed to have more ranks than GPUs (parallel.groups.SHARE_GPUS_ENV)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PACK_SHARE_GPUS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                             start_new_session=True)

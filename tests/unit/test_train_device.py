@@ -31,7 +31,9 @@ CASES = [
 @pytest.mark.parametrize("device,backend,gpu,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_resolve_device(monkeypatch, device, backend, gpu, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(gpu))
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     if isinstance(expected, str):
         with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
             resolve_device(device, backend)
