@@ -134,6 +134,10 @@ class ModelConfig(_Group):
     pretrained: Optional[str] = None
     """A local Hugging Face model folder: architecture keys come from its config.json and the weights
     from its safetensors (docs/models.md); None trains from a random init."""
+    resize_vocab: bool = False
+    """Grow model.pretrained's embedding and output layer to data.tokenizer's vocabulary when the tokenizer has
+    more ids than config.json's vocab_size (new rows: the mean of the old ones, as transformers'
+    resize_token_embeddings(mean_resizing=True)); false refuses such a tokenizer (docs/models.md)."""
     check_pretrained_values: bool = True
     """train --check (the launch scripts) reads every weight of model.pretrained and refuses NaN / Inf
     before launch; false checks the safetensors headers only (each rank still checks its shard on load)."""
@@ -215,6 +219,10 @@ class ModelConfig(_Group):
                 problems.append(f"model.{name} ({getattr(self, name)}) must be in [0, 1); set model.{name}=0.0.")
         if not problems:
             problems += self._head_problems()
+        if self.resize_vocab and self.pretrained is None:
+            problems.append("model.resize_vocab (True) grows a pretrained model's vocabulary and needs model.pretrained "
+                            "(None); a model built from model.* takes the tokenizer's size by itself: drop "
+                            "model.resize_vocab.")
         return problems + self._mrope_problems()
 
     def _mrope_problems(self) -> list[str]:

@@ -27,7 +27,7 @@ from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_
                                          world_size_problem)
 
 __all__ = ["RULES", "Rule", "collect_problems", "config_warnings", "effective_pad_multiple", "launch_problems", "prepare_problems",
-           "validate", "validate_parallel", "vocab_problems"]
+           "tokenizer_vocab_problems", "validate", "validate_parallel", "vocab_problems"]
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -655,11 +655,27 @@ def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[
                         f"pack_size={pack_size} in {where}; set packing.packed_sequence_size={pack_size} or {redo}.")
     problems += _dataset_pad_problems(cfg, meta.get("pad_seq_to_mult"), where, redo)
     problems += _dataset_pack_problems(cfg, meta, where, redo)
-    vocab = meta.get("vocab_size")
-    if vocab is not None and vocab > cfg.model.vocab_size:
-        problems.append(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                        f"(vocab_size={vocab} in {where}); set model.vocab_size={vocab} (or larger).")
-    return problems
+    return problems + tokenizer_vocab_problems(cfg, meta.get("vocab_size"), f"vocab_size={meta.get('vocab_size')} "
+                                                                             f"in {where}")
+
+
+def tokenizer_vocab_problems(cfg: Config, tokenizer_vocab: Optional[int], where: str) -> list[str]:
+    """The vocabulary rule, the one place it is written (``prepare`` once the tokenizer is loaded; ``train``,
+    ``train --check`` and ``verify`` from the dataset's metadata): every id of the tokenizer (``tokenizer_vocab``
+    ids, ``where`` says where that number comes from) needs an embedding row. A pretrained folder's vocabulary
+    is its config.json's and never grows silently: a larger tokenizer is refused unless ``model.resize_vocab``
+    (then the recorded settings set model.vocab_size to the tokenizer's and the loader adds mean rows).
+    Example: a Llama folder of 256 rows with a 32000-id tokenizer is refused naming both sizes."""
+    if tokenizer_vocab is None or tokenizer_vocab <= cfg.model.vocab_size or (cfg.model.pretrained
+                                                                             and cfg.model.resize_vocab):
+        return []
+    if cfg.model.pretrained:
+        return [f"data.tokenizer ({cfg.data.tokenizer}) has {tokenizer_vocab} ids ({where}) but model.pretrained "
+                f"({cfg.model.pretrained}) has {cfg.model.vocab_size} embedding rows (config.json vocab_size); use "
+                f"the tokenizer the model was trained with (data.tokenizer={cfg.model.pretrained}), or set "
+                f"model.resize_vocab=true to grow the embedding and output layer to {tokenizer_vocab} rows."]
+    return [f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary ({where}); set "
+            f"model.vocab_size={tokenizer_vocab} (or larger)."]
 
 
 def _dataset_pad_problems(cfg: Config, planned: Optional[int], where: str, redo: str) -> list[str]:

@@ -31,6 +31,8 @@ from megatron_pack.data.store.token_store import (STORE_ARRAYS, STORE_FORMAT, ST
 from megatron_pack.data.formats.chat import SampleSchema, schema_from_config
 from megatron_pack.data.formats.synthetic import GENERATOR_VERSION
 from megatron_pack.data.formats.tokenizer import build_tokenizer
+from megatron_pack.config.schema import ConfigError
+from megatron_pack.config.validate import tokenizer_vocab_problems
 from megatron_pack.data.store.images import IMAGE_ARRAYS
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,10 @@ def ensure_store(cfg, *, progress: bool = True) -> TokenStore:
     """The token store at data.dataset_dir, built (or rebuilt, when its inputs changed) if needed."""
     target = Path(cfg.data.dataset_dir)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
+    if cfg.model.pretrained:  # a model built from model.* grows to the tokenizer when train reads the dataset
+        problems = tokenizer_vocab_problems(cfg, tokenizer.vocab_size, f"len(tokenizer) = {tokenizer.vocab_size}")
+        if problems:
+            raise ConfigError(problems)
     inputs = store_inputs(cfg, tokenizer)
     if (target / "metadata.json").is_file():
         old = read_json(target / "metadata.json")

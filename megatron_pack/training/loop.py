@@ -308,7 +308,8 @@ def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
         from megatron_pack.model.hf.export import save_hf_source
 
         info = loader.info  # the tokenizer and template the data was made with travel to the export
-        save_hf_source(cfg.model.pretrained, save_root, tokenizer=info.tokenizer, chat_template=info.chat_template)
+        save_hf_source(cfg.model.pretrained, save_root, tokenizer=info.tokenizer, chat_template=info.chat_template,
+                       vocab_size=cfg.model.vocab_size if cfg.model.resize_vocab else None)
     loaded = start_or_resume(cfg, trainer)
     if loaded is not None or cfg.model.pretrained:  # weights read from files: every rank checks its shard
         from megatron_pack.training.finite import check_weights

@@ -11,6 +11,7 @@ over its ranks (``checkpoint.collective_verify``). The choice, for ``checkpoint.
 | S holds one                            | S's newest intact checkpoint, in full (a damaged newer one is |
 |                                        | passed over, named in a line)                                 |
 | L set                                  | L's newest intact checkpoint, in full (the same)              |
+| L is one checkpoint (``step_*``)       | that checkpoint, in full (damaged: refused, never passed over)|
 | L + ``load_weights_only``              | the weights of L's newest checkpoint (damaged: refused)       |
 | L + ``load_weights_only``, S holds one | S's newest intact checkpoint, in full (the run was restarted) |
 
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_pack.config.schema import Config, ConfigError
-from megatron_pack.training.checkpoint_files import (OlderCheckpoint, check_format, choose_checkpoint, read_meta,
-                                                     sizes_only)
+from megatron_pack.training.checkpoint_files import (META, OlderCheckpoint, candidates, check_format,
+                                                     choose_checkpoint, read_meta, sizes_only)
 
 
 def resolve_train_iters(cfg: Config, steps) -> int:
@@ -124,6 +125,8 @@ def resume_choice(cfg: Config, verify: Callable[[Path], list[str]] = sizes_only)
                                "restore the damaged files, or move the folder away to start fresh (nothing was "
                                "started)."])
         return ResumeChoice(save)
+    if is_checkpoint_folder(load):
+        return ResumeChoice(save, _chosen_folder(Path(load), verify), kind_of_load(cfg))
     found, skipped = choose_checkpoint(load, verify)
     if cfg.checkpoint.load_weights_only and skipped:
         older = f" ({found.name} there is intact: move the damaged one away to start from it)" if found else ""
@@ -133,8 +136,27 @@ def resume_choice(cfg: Config, verify: Callable[[Path], list[str]] = sizes_only)
         why = f": {skipped[0]}" if skipped else " (no 'latest' or step_*/meta.json)"
         raise ConfigError([f"checkpoint.load ({load}) holds no complete checkpoint{why}; fix the path or unset "
                            "checkpoint.load."])
-    kind = "weights" if cfg.checkpoint.load_weights_only else "resume"
-    return ResumeChoice(save, found, kind, [f"passed over: {line}" for line in skipped])
+    return ResumeChoice(save, found, kind_of_load(cfg), [f"passed over: {line}" for line in skipped])
+
+
+def kind_of_load(cfg: Config) -> str:
+    return "weights" if cfg.checkpoint.load_weights_only else "resume"
+
+
+def is_checkpoint_folder(path: str | Path) -> bool:
+    """``path`` is one checkpoint (a ``step_*`` folder with its ``meta.json``), not a folder of them."""
+    return (Path(path) / META).is_file()
+
+
+def _chosen_folder(folder: Path, verify: Callable[[Path], list[str]]) -> Path:
+    """The one checkpoint ``checkpoint.load`` names, intact: a damaged one is refused, never passed over
+    (the user chose it); an intact one beside it is named as the way on."""
+    problems = verify(folder)
+    if not problems:
+        return folder
+    intact = next((c for c in candidates(folder.parent) if c != folder and not sizes_only(c)), None)
+    instead = f"; {intact.name} beside it is intact: checkpoint.load={intact}" if intact else ""
+    raise ConfigError([f"checkpoint.load ({folder}): {problems[0]}, so it is refused (nothing was started){instead}."])
 
 
 def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:

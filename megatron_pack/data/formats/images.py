@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from megatron_pack.data.formats.chat import RecordError, SampleSchema
+from megatron_pack.data.formats.chat import SHAREGPT, RecordError, SampleSchema, record_kind
 
 IMAGE_PLACEHOLDER = "<image>"
 """LLaMA-Factory / ShareGPT's image placeholder in message text."""
@@ -197,12 +197,22 @@ def stage_images(record: dict, schema: SampleSchema, base_dir: Path) -> tuple[di
             new_messages.append(message if parts is None else {**message, schema.content_key: parts})
         staged[key] = new_messages
     if num_from_list != len(listed):
+        if not _message_lists(record, schema):  # no messages to hold placeholders: the text record's refusal
+            record_kind(record, schema)
         raise RecordError(f"the record has {num_from_list} image placeholder(s) ({IMAGE_PLACEHOLDER} or image parts "
                           f"without an 'image') but {schema.images_key!r} lists {len(listed)} image(s); give one "
-                          "image per placeholder", "image_count_mismatch")
+                          f"image per placeholder{_sharegpt_hint(record, schema)}", "image_count_mismatch")
     if not refs:
         return record, []
     return staged, refs
+
+
+def _sharegpt_hint(record: dict, schema: SampleSchema) -> str:
+    """A ShareGPT record read with the default keys finds no placeholders: name the preset, as the text case does."""
+    key = SHAREGPT["messages_key"]
+    if key in record and schema.messages_key != key:
+        return f" (the record's {key!r} are ShareGPT turns, read only with data.format=sharegpt)"
+    return ""
 
 
 def _stage_content(content, where: str, listed: list, num_from_list: int, refs: list, base_dir: Path):

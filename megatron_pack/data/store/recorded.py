@@ -14,7 +14,8 @@ The config (``apply_recorded``): every manifest row the command line leaves unse
 (pack size and model.seq_length, pad multiple, algorithm, seed, overflow policy and overlap, buckets,
 wrapped attention, data.sources, the validation split or file, tokenizer, chat template, schema keys), and
 ``model.vocab_size`` grows to the tokenizer's vocabulary, rounded up to a multiple of 128 * TP, when the
-config's is smaller. Each value taken is listed in ``Recorded.notes``.
+config's is smaller (a pretrained folder's only with ``model.resize_vocab``: ``_vocab_setting``). Each value
+taken is listed in ``Recorded.notes``.
 """
 
 from __future__ import annotations
@@ -204,10 +205,20 @@ def apply_recorded(cfg, plan_meta: dict[str, Any], store_meta: dict[str, Any], g
     """``cfg`` with every recorded setting the command line leaves unset (module docstring)."""
     manifest = plan_meta.get("manifest")
     settings = manifests.settings_from(manifest, given) if manifest is not None else _store_settings(store_meta, given)
-    vocab = store_meta.get("vocab_size")
-    if vocab is not None and vocab > cfg.model.vocab_size and "model.vocab_size" not in given:
-        settings["model.vocab_size"] = round_up(int(vocab), VOCAB_MULTIPLE * cfg.parallel.tensor_model_parallel_size)
+    settings.update(_vocab_setting(cfg, store_meta.get("vocab_size"), given))
     return _with_settings(cfg, settings, check_tokenizer="data.tokenizer" in given)
+
+
+def _vocab_setting(cfg, vocab: Optional[int], given: set[str]) -> dict[str, int]:
+    """model.vocab_size for a tokenizer of ``vocab`` ids larger than the model: a model built from ``model.*``
+    grows to it (rounded up to 128 * TP); a pretrained folder's vocabulary is its config.json's and grows only with
+    ``model.resize_vocab`` (to exactly ``vocab``: the builder pads to TP, the export keeps ``vocab``). Otherwise
+    nothing, and ``config.validate.tokenizer_vocab_problems`` refuses the run naming both sizes."""
+    if vocab is None or vocab <= cfg.model.vocab_size or "model.vocab_size" in given:
+        return {}
+    if cfg.model.pretrained:
+        return {"model.vocab_size": int(vocab)} if cfg.model.resize_vocab else {}
+    return {"model.vocab_size": round_up(int(vocab), VOCAB_MULTIPLE * cfg.parallel.tensor_model_parallel_size)}
 
 
 SOURCE_KEYS = ("data.source", "data.input", "data.sources", "data.synthetic_num_samples", "data.synthetic_seed")

@@ -45,16 +45,21 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def save_hf_source(pretrained: str | Path, save_dir: str | Path, *, tokenizer: Optional[str | Path] = None,
-                   chat_template: Optional[str] = None) -> Path:
+                   chat_template: Optional[str] = None, vocab_size: Optional[int] = None) -> Path:
     """Copy config.json, generation_config.json and the tokenizer files of ``pretrained`` (those of
     ``tokenizer``, the folder the training data was tokenized with, when given) into ``save_dir/hf_source``
     with ``source.json`` (its path and tensor dtype); ``chat_template`` (the template the data was
-    rendered with, ``data.chat_template``) replaces the tokenizer's. Returns that folder."""
+    rendered with, ``data.chat_template``) replaces the tokenizer's; ``vocab_size`` (the model's, grown by
+    ``model.resize_vocab``) replaces config.json's when it differs. Returns that folder."""
     src, dst = Path(pretrained), Path(save_dir) / HF_SOURCE
     dst.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json"):
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
+    config = json.loads((dst / "config.json").read_text(encoding="utf-8"))
+    if vocab_size is not None and config.get("vocab_size") != vocab_size:  # the checkpoint's model, not the folder's
+        config["vocab_size"] = vocab_size
+        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
     tok = Path(tokenizer) if tokenizer is not None and Path(tokenizer).is_dir() else src
     for name in TOKENIZER_FILES:
         if (tok / name).is_file():

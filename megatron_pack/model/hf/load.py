@@ -164,7 +164,7 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
     params = dict(model.named_parameters())
     filled: set[str] = set()
     used: dict[str, None] = {}  # the HF names read, in order
-    with SafetensorsFolder(folder) as source, torch.no_grad():
+    with _reader(folder, hf, model_cfg, tied) as source, torch.no_grad():
         for rule, mcore, hf_names in rules_for(hf["model_type"], tied=tied, placement=placement):
             try:
                 name, param = find_param(params, mcore)
@@ -184,6 +184,19 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
         bytes_read = source.bytes_read
     return LoadReport(num_tensors=len(filled), bytes_read=bytes_read, seconds=time.perf_counter() - start,
                       source_dtype=source_dtype, hf_names=tuple(used))
+
+
+def _reader(folder, hf: dict, model_cfg, tied: bool):
+    """The folder's tensors; with ``model.resize_vocab`` and a model.vocab_size above config.json's, its
+    vocabulary tensors grown to model.vocab_size (``resize.GrownVocab``: transformers' mean resizing)."""
+    source = SafetensorsFolder(folder)
+    if not getattr(model_cfg, "resize_vocab", False) or model_cfg.vocab_size <= int(hf["vocab_size"]):
+        return source
+    from megatron_pack.model.hf.resize import GrownVocab, vocab_names
+
+    whole = Placement(derive_model_keys(hf)["num_layers"])
+    return GrownVocab(source, vocab_names(rules_for(hf["model_type"], tied=tied, placement=whole)),
+                      model_cfg.vocab_size)
 
 
 def _load_vision(params: dict, tower, source: SafetensorsFolder, folder, filled: set[str]) -> list[str]:
