@@ -209,7 +209,8 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layerno
 
 
 def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
-    """Transformer Engine layer spec (fused THD attention with CP; TE norms and linears); a MoE model's
+    """Transformer Engine layer spec (fused THD attention with CP, told ``pad_between_seqs``: ``model/te_attention.py``;
+    TE norms and linears); a MoE model's
     MLP is our MoE layer and router (``model/moe.py``: they read the routing index the step passes as
     ``padding_mask``, which megatron-core's own layer would read as a boolean mask) with TE's experts."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -218,6 +219,11 @@ def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None)
 
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                       qk_layernorm=qk_layernorm)
+    attention = getattr(spec.submodules.self_attention, "submodules", None)
+    if attention is not None:  # TE is told that sub-sequences are padded (model/te_attention.py, TE issue #3331)
+        from megatron_pack.model.te_attention import padded_thd_attention_class
+
+        attention.core_attention = padded_thd_attention_class()
     if num_experts:
         ours = moe_mlp_spec()
         spec.submodules.mlp.module = ours.module
