@@ -5,6 +5,8 @@ pad multiple, algorithm, packs, efficiency, accounting with the samples held out
 plan's validation set, what each plan kept and lost, the settings that tell the plans apart (from their manifests), and the paths of every plan's ``report.json`` /
 ``report.png`` (written now when missing). ``data.plan=NAME``, or manifest keys given on the command
 line (``packing.seed=3``), show only the plans they pick, a single one with its whole manifest.
+``sample=I`` prints sample I decoded, its loss-carrying ids marked, and the pack it is in
+(``megatron_pack.cli.inspect_sample``).
 """
 
 from __future__ import annotations
@@ -192,7 +194,14 @@ def main(argv: list[str]) -> int:
             from megatron_pack.config import load_config
 
             return print_resolved(load_config([a for a in line.overrides if "=" in a], config_dirs=line.config_dirs))
-        print(summarize(*_dataset_dir(line.overrides, line.config_dirs)))
+        from megatron_pack.cli.inspect_sample import parse_sample, sample_text
+
+        overrides, sample = parse_sample(line.overrides)
+        if sample is not None:  # one sample as the model sees it (inspect_sample)
+            dataset_dir, plan, _ = _dataset_dir(overrides, line.config_dirs)
+            print(sample_text(dataset_dir, sample, plan))
+            return 0
+        print(summarize(*_dataset_dir(overrides, line.config_dirs)))
     except (ConfigError, DataError, FileNotFoundError) as exc:
         print(f"megatron-pack inspect: {exc}", file=sys.stderr)
         return 2
