@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
     eager_jit_fuser_without_cuda()  # before megatron-core's first import: no torch.compile machinery on CPU
     from megatron_pack.training.eval import build_validation_loader
     from megatron_pack.training.loop import build_loader, run_training
-    from megatron_pack.training.summary import run_summary
+    from megatron_pack.training.summary import next_step_lines, run_summary
     from megatron_pack.training.signals import configure
 
     configure(cfg.checkpoint.save_on_signal, list(cfg.checkpoint.signals))
@@ -192,6 +192,9 @@ def main(argv: list[str]) -> int:
         print(run_summary(cfg, dataset), flush=True)
         if trainer.stopped_by:
             print(stop_line(trainer), flush=True)
+        elif trainer.step >= trainer.train_iters:  # finished: the next step is the export of its checkpoint
+            for line in next_step_lines(cfg):
+                print(line, flush=True)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The lines a training run ends with: first and last loss, totals, and where its report, logs and checkpoints are."""
+"""The lines a training run ends with: first and last loss, totals, where its report, logs and checkpoints are,
+and the next step (``next_step_lines``: the export command for its checkpoint)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,24 @@ def _summary_totals(records: list[dict]) -> list[str]:
         lines.append(f"validation loss: best {best[1]:.4f} (step {best[0]}), last {evals[-1][1]:.4f} "
                      f"(step {evals[-1][0]})")
     return lines
+
+
+def next_step_lines(cfg: Config) -> list[str]:
+    """The command that exports this run's checkpoint (a finished run started from ``model.pretrained``; a model
+    built from ``model.*`` has no Hugging Face folder to export to). Under ``peft=lora``: the adapters in the peft
+    format, and the merged model. Example::
+
+        next: megatron-pack export checkpoint=runs/sft/checkpoints output=exports/sft   # a Hugging Face folder
+    """
+    import shlex
+
+    if not (cfg.checkpoint.enabled and cfg.model.pretrained):
+        return []
+    run = Path(cfg.train.output_dir).name or "run"
+    export = f"megatron-pack export checkpoint={shlex.quote(str(save_dir(cfg)))}"
+    if cfg.peft.method == "lora":
+        return [f"next: {export} output={shlex.quote(f'exports/{run}-adapter')} export.adapter=true   "
+                "# the LoRA adapters for peft",
+                f"  or: {export} output={shlex.quote(f'exports/{run}-merged')} export.merge=true   "
+                "# merged into the base: a Hugging Face folder"]
+    return [f"next: {export} output={shlex.quote(f'exports/{run}')}   # a Hugging Face folder"]

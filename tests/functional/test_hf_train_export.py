@@ -32,7 +32,7 @@ def trained(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hf_train")
     make_family(root / "models", "llama_rope", name="tiny-llama")
     prepare_in(root, RUN)
-    torchrun_train(root, RUN)
+    (root / "train.log").write_text(torchrun_train(root, RUN))  # its last lines name the next step
     return root
 
 
@@ -152,3 +152,27 @@ def test_verify_against_transformers_at_pp2_tp2_under_torchrun(trained):
     assert proc.stdout.count("at PP=2 TP=2 CP=1 EP=1 DP=1 ") == 1  # one rank (the last stage's first) prints
     lines = _verify_lines(proc.stdout)
     assert len(lines) == 2 and all(verdict == "PASS" and diff <= 1e-4 for _, diff, verdict in lines)
+
+
+def next_step_commands(log: str) -> list[list[str]]:
+    """The commands a finished run's last lines name (``next: ...`` and ``  or: ...``), comments left out."""
+    import shlex
+
+    lines = [line.strip() for line in log.splitlines() if line.strip().startswith(("next: megatron-pack", "or: megatron-pack"))]
+    return [shlex.split(line.split(": ", 1)[1], comments=True) for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_run_ends_naming_the_export_of_its_checkpoint(trained):
+    """The end of training names the next step (issue 43, item 9); run as printed, it exports this run."""
+    root = trained
+    commands = next_step_commands((root / "train.log").read_text())
+    assert commands == [["megatron-pack", "export", "checkpoint=runs/pretrained_tiny/checkpoints",
+                         "output=exports/pretrained_tiny"]], commands
+    rc, out = cli(root, *commands[0][1:])
+    assert rc == 0 and (root / "exports/pretrained_tiny/config.json").is_file(), out
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (root / "exports/pretrained_tiny").iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # model.safetensors was 0600 (issue 43, finding 8)

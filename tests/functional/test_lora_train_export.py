@@ -261,3 +261,19 @@ def test_pp2_lora_trains_like_cp2_resumes_and_exports_for_peft(runs, layout_runs
                                                   root / "exports/adapter_pp2"), samples)
     assert _max_diff(theirs, base_logits) > 1e-5  # guard: one step moved the adapters away from B = 0
     assert _max_diff(_ours(root, first, samples), theirs) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_run_ends_naming_the_adapter_export(runs):
+    """A finished peft=lora run names the adapter export and the merged one (issue 43, item 9); the adapter one, run
+    as printed, writes the peft folder. A run stopped early (``split1``) names the resume instead."""
+    from test_hf_train_export import next_step_commands
+
+    root, ckpt = runs["root"], f"checkpoint={FULL_RUN}/checkpoints"
+    commands = next_step_commands(runs["logs"]["full"])
+    assert commands == [["megatron-pack", "export", ckpt, "output=exports/lora_full-adapter", "export.adapter=true"],
+                        ["megatron-pack", "export", ckpt, "output=exports/lora_full-merged", "export.merge=true"]]
+    assert next_step_commands(runs["logs"]["split1"]) == []
+    code, text = cli(root, *commands[0][1:])
+    assert code == 0 and (root / "exports/lora_full-adapter/adapter_config.json").is_file(), text

@@ -211,6 +211,11 @@ def new_output_folder(output: Path) -> Iterator[Path]:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     yield tmp
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in tmp.rglob("*"):  # safetensors writes its files 0600; every file as a plain write would make it
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
     if output.exists():
         output.rmdir()
     os.replace(tmp, output)
