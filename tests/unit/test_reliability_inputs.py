@@ -44,6 +44,11 @@ def _parquet(path: Path, columns: dict) -> Path:
 ERROR_CASES = [
     ("malformed-json", "t.jsonl", lambda p: _jsonl(p, [GOOD, GOOD, '{"prompt": "a", "completion": ']), "auto",
      "line 3", "malformed JSON", "each line must be one JSON object"),
+    ("unterminated-string", "t.jsonl", lambda p: _jsonl(p, [GOOD, '{"prompt": "a, "completion": "b"}']), "auto",  # "at at"
+     "line 2", "malformed JSON (Expecting ',' delimiter at column 17)", "each line must be one JSON object"),
+    ("unterminated-string-at-end", "t.jsonl",  # the last line, without a newline (json: "... starting at")
+     lambda p: p.write_bytes(_jsonl(p, [GOOD]).read_bytes() + b'{"prompt": "a'), "auto",
+     "line 2", "malformed JSON (Unterminated string starting at column 12)", "each line must be one JSON object"),
     ("missing-key", "t.jsonl", lambda p: _jsonl(p, [GOOD, {"prompt": "only a prompt"}]), "prompt_completion",
      "line 2", "missing key 'completion'", "set data.prompt_key / data.completion_key"),
     ("renamed-keys", "t.jsonl", lambda p: _jsonl(p, [GOOD, GOOD, {"question": "q", "answer": "a"}]), "auto",

@@ -99,7 +99,7 @@ def read_json(path: Path) -> dict:
     """The JSON object in ``path`` (a store's or a plan's ``metadata.json``, a prepare record). A file that is not
     one (cut short, edited, not UTF-8, unreadable) raises ``DataError``: ``<path> is damaged (...)``, the one line
     every other damage to a prepared dataset gives; a missing file stays ``FileNotFoundError``."""
-    from megatron_pack.data.formats.sources import DataError
+    from megatron_pack.data.formats.sources import DataError, json_error_where
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -107,7 +107,7 @@ def read_json(path: Path) -> dict:
     except FileNotFoundError:
         raise
     except json.JSONDecodeError as exc:
-        why = f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        why = f"not valid JSON: {json_error_where(exc, line=True)}"
     except UnicodeDecodeError:
         why = "not UTF-8 text"
     except OSError as exc:
