@@ -121,8 +121,10 @@ def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
 
     store = read_metadata(dataset_dir, STORE_FORMAT, STORE_FORMAT_VERSION)
     pct = store["sample_num_ids_percentiles"]
+    positions = store['num_tokens'] - store['num_samples']  # the plans count THD positions: n - 1 of n ids
     lines = [f"token store {dataset_dir}: {store['num_samples']} samples, {store['num_tokens']} tokens "
-             f"({store['token_dtype']}), tokenizer {store['tokenizer']['name']} (vocab {store['vocab_size']})",
+             f"({store['token_dtype']}; {positions} THD positions, the tokens the plans count: a sample of n ids "
+             f"gives n - 1), tokenizer {store['tokenizer']['name']} (vocab {store['vocab_size']})",
              f"  sample ids P50/P90/P95/P99/max: {pct['p50']}/{pct['p90']}/{pct['p95']}/{pct['p99']}/{pct['max']}; "
              f"answer tokens {store['answer_token_share']:.1%}; blank lines skipped {store['num_blank_lines_skipped']}"]
     images = store.get("images")
@@ -169,16 +171,17 @@ def summarize(dataset_dir: Path, plan: str | None = None, keep=None) -> str:
     title = "settings (manifest):" if named else "settings that tell the plans apart (data.plan=<name> picks one):"
     return "\n".join(lines + ["", _table(rows)] + ["", "kept and lost (tokens = THD positions):"] + lost
                      + (["", title] + settings if settings else [])
-                     + (["", _details_title(metas)] + details if details else []) + ["", "reports:"] + reports)
+                     + (["", _details_title(plans, metas)] + details if details else []) + ["", "reports:"] + reports)
 
 
-def _details_title(metas: list[dict]) -> str:
+def _details_title(plans: list[Path], metas: list[dict]) -> str:
     """The heading of ``plan_details``' lines, naming what they show (``source mixture:``)."""
-    kinds = [("wrapped rows", lambda m: m.get("wrapped_attention") in ("cross", "document")),
-             ("split samples", lambda m: m.get("on_overflow") == "split"),
-             ("length buckets", lambda m: bool(m.get("buckets", {}).get("per_bucket"))),
-             ("source mixture", lambda m: bool(m.get("mixture", {}).get("per_source")))]
-    return ", ".join(name for name, shown in kinds if any(shown(m) for m in metas)) + ":"
+    kinds = [("validation sets", lambda p, m: validation_text(p, m) is not None),
+             ("wrapped rows", lambda p, m: m.get("wrapped_attention") in ("cross", "document")),
+             ("split samples", lambda p, m: m.get("on_overflow") == "split"),
+             ("length buckets", lambda p, m: bool(m.get("buckets", {}).get("per_bucket"))),
+             ("source mixture", lambda p, m: bool(m.get("mixture", {}).get("per_source")))]
+    return ", ".join(name for name, shown in kinds if any(shown(p, m) for p, m in zip(plans, metas))) + ":"
 
 
 def main(argv: list[str]) -> int:

@@ -71,6 +71,25 @@ def test_prepare_and_inspect_account_for_the_validation_set(tmp_path, capsys, mo
     shown = capsys.readouterr().out
     assert "held out" in shown.splitlines()[3] and f"{plan_dir.name}: validation: " in shown
     assert ("held out 10" in out) == ("10 samples held out" in shown)
+    lines = shown.splitlines()  # the validation lines have their heading (a bare ":" before, issue 43 finding 8)
+    assert ":" not in [line.strip() for line in lines]
+    assert lines[lines.index(f"  {plan_dir.name}: validation: " + shown.split(": validation: ")[1].splitlines()[0]) - 1] \
+        == "validation sets:"
+
+
+def test_inspect_says_why_the_store_and_the_plan_count_tokens_differently(tmp_path, capsys):
+    """The store counts ids, a plan THD positions (n - 1 for n ids): inspect gives both numbers in the store line,
+    so 5,018 tokens in the store and "kept 4,898 of 4,898" in the plan no longer look like a loss (issue 43, 8)."""
+    assert main(["prepare", "data=synthetic", "data.synthetic_num_samples=40", f"data.dataset_dir={tmp_path / 'ds'}",
+                 "data.tokenize_workers=1", "packing.packed_sequence_size=256"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "ds")]) == 0
+    shown = capsys.readouterr().out
+    meta = json.loads((tmp_path / "ds" / "metadata.json").read_text())
+    positions = meta["num_tokens"] - meta["num_samples"]
+    assert f"{meta['num_tokens']} tokens (uint16; {positions} THD positions, the tokens the plans count: a sample " \
+           "of n ids gives n - 1)" in shown
+    assert f"kept {positions} of {positions} tokens" in shown  # guard: the plan's count is the store's positions
 
 
 def test_cli_errors_are_one_clear_line(tmp_path, capsys):
