@@ -407,6 +407,26 @@ def _validate_cuda_graphs(cfg: Config) -> list[str]:
         problems.append(f"model.cuda_graph_impl ({impl}) capturing attention (model.cuda_graph_scope={shown}) with "
                         "packing requires packing.pad_cu_seqlens=true (cu_seqlens must keep one shape); set "
                         "packing.pad_cu_seqlens=true, or model.cuda_graph_scope=[mlp].")
+    return problems + _te_graph_problems(cfg)
+
+
+def _te_graph_problems(cfg: Config) -> list[str]:
+    """What megatron-core 0.16.1's Transformer Engine graphs (``TECudaGraphHelper``, which the loop runs) cannot
+    capture: attention of packed sequences (its graphs are captured without ``packed_seq_params``, so a pack would
+    attend as one sequence, and it refuses them at replay) and layer inputs other than bf16 (its capture inputs)."""
+    if cfg.model.cuda_graph_impl != "transformer_engine":
+        return []
+    problems = []
+    scope = list(cfg.model.cuda_graph_scope)
+    if not scope or "attn" in scope:
+        shown = "[] (whole layers)" if not scope else str(scope)
+        problems.append(f"model.cuda_graph_impl (transformer_engine) cannot capture the attention of packed sequences "
+                        f"(model.cuda_graph_scope={shown}): megatron-core 0.16.1 captures Transformer Engine graphs "
+                        "without packed_seq_params; set model.cuda_graph_scope=[mlp], or model.cuda_graph_impl=local "
+                        "(megatron-core's graphs take the step's fixed-shape packed_seq_params).")
+    if not cfg.train.bf16:
+        problems.append("model.cuda_graph_impl (transformer_engine) captures bf16 layer inputs (megatron-core 0.16.1's "
+                        "TECudaGraphHelper), but train.bf16=false; set train.bf16=true, or model.cuda_graph_impl=local.")
     return problems
 
 

@@ -137,6 +137,7 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         # the interleaved ring at PP=2; gloo has no coalesced batch either)
         batch_p2p_comm=False,
         cuda_graph_impl=m.cuda_graph_impl, cuda_graph_scope=list(m.cuda_graph_scope),  # [] = whole layer
+        use_te_rng_tracker=graph_rng(cfg, "te" if fused else "torch"),  # graphs capture TE's graph-safe RNG
         **recompute_kwargs(cfg), **fp8_config_kwargs(m.fp8 if fused else "none"),
         **moe_config_kwargs(m),
         expert_model_parallel_size=p.expert_model_parallel_size,
@@ -259,6 +260,12 @@ def _check_fp8(cfg: Config, backend: str, on_gpu: bool = False) -> None:
                            "mxfp8 10.0) or model.fp8=none."])
 
 
+def graph_rng(cfg: Config, backend: str) -> bool:
+    """CUDA graphs need Transformer Engine's graph-safe RNG tracker (megatron-core's ``CudaGraphManager`` and TE's
+    ``make_graphed_callables`` refuse others); only the TE backend runs graphs (``_check_cuda_graphs``)."""
+    return backend == "te" and cfg.model.cuda_graph_impl != "none"
+
+
 def _check_cuda_graphs(cfg: Config, backend: str) -> None:
     if backend == "torch" and cfg.model.cuda_graph_impl != "none":
         raise ValueError(f"model.cuda_graph_impl ({cfg.model.cuda_graph_impl!r}) needs the Transformer Engine backend "
@@ -320,7 +327,8 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
     torch.manual_seed(cfg.train.seed)
     # megatron's named RNG streams (CPU generator states under cpu_compat)
-    model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=pg.ep_rank, etp_rank=pg.etp_rank)
+    model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=pg.ep_rank, etp_rank=pg.etp_rank,
+                                    te_rng_tracker=graph_rng(cfg, backend), force_reset_rng=graph_rng(cfg, backend))
     stage = stage_of(cfg, pg, vp_stage)
     spec = (te_layer_spec(cfg.model.qk_layernorm, cfg.model.num_experts) if backend == "te" else
             local_block_spec(stage.num_local_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm,

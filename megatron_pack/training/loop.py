@@ -46,6 +46,7 @@ from megatron_pack.data.batches.protocol import BatchLoader, StepInfo
 from megatron_pack.model.moe import pack_routing, set_step_tokens, stage_moe_reports, step_moe_metrics
 from megatron_pack.parallel.groups import ParallelState, gather_objects
 from megatron_pack.training import trainer_checkpoint
+from megatron_pack.training.cuda_graphs import compute_with_graphs
 from megatron_pack.training.flops import device_peak_tflops, sum_sq_seqlens, throughput
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics
 from megatron_pack.training.optim import LRSchedule, build_optimizer
@@ -115,6 +116,7 @@ class Trainer:
     """The last step's MoE routing numbers (``model.moe.step_moe_metrics``), None for a dense model."""
     peak_tflops: Optional[float] = None
     """The device's peak for MFU (``flops.device_peak_tflops``: train.peak_tflops or the GPU's); None: no MFU."""
+    cuda_graphs: Optional[Any] = None  # model.cuda_graph_impl's capture (training/cuda_graphs.py), made at step 1
     _start: float = field(default_factory=time.perf_counter)
     _first_step: int = 0
 
@@ -177,7 +179,7 @@ class Trainer:
         start = time.perf_counter()
         if not self.history:
             self._start, self._first_step = start, self.step
-        total, packs = self.compute_gradients()
+        total, packs = compute_with_graphs(self)  # self.compute_gradients(), CUDA graphs captured around it
         lr = self.schedule.next_lr()
         norm = self.optimizer.step(lr)
         self.step += 1

@@ -102,6 +102,16 @@ def get_packed_seq_params(batch: Mapping[str, Any], *, force_padded: bool = Fals
     )
 
 
+def step_packed_seq_params(config, batch: Mapping[str, Any], device=None) -> PackedSeqParams:
+    """The step's ``PackedSeqParams``: fixed-shape whenever a CUDA graph impl is set (``config.cuda_graph_impl``,
+    megatron-core's ``TransformerConfig``): ``cu_seqlens_q/kv_padded`` always passed, so a captured graph sees the
+    same fields, shapes (``packing.pad_cu_seqlens``: N+1 fixed), dtypes and ``max_seqlen`` (dataset-wide with
+    ``data.pad_to_max_length``) every step, whatever the pack holds; otherwise the padded arrays only for a pack
+    with padding (``get_packed_seq_params``)."""
+    graphs = getattr(config, "cuda_graph_impl", "none") not in ("none", None)
+    return get_packed_seq_params(batch, force_padded=graphs, device=device)
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """``(loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})`` for this CP shard.
 
@@ -204,7 +214,7 @@ def forward_step(data_iterator: Iterator[Mapping[str, Any]], model: torch.nn.Mod
     cp_group = core.pg_collection.cp
     local = slice_thd_batch(batch, cp_group.size(), cp_group.rank())
     device = next(core.parameters()).device
-    params = get_packed_seq_params(batch, device=device)
+    params = step_packed_seq_params(core.config, batch, device)
     # a pipeline stage uses the tokens only where they enter (first stage), labels and the loss
     # mask where the loss is (last stage); every stage uses the boundaries in ``params``
     labels = local["labels"].to(device, non_blocking=True) if core.post_process else None
