@@ -25,6 +25,8 @@ def _setup_logging(level: str, rank: int) -> None:
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-module INFO setup lines
+    for handler in logging.getLogger().handlers:  # megatron-core warns some things once per layer
+        handler.addFilter(OnceFilter())
     # "Implicit initialization of Rerun State Machine" / "initialized in mode DISABLED": megatron-core's
     # defaults, which this trainer runs with, said as warnings on every run
     logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
@@ -32,6 +34,24 @@ def _setup_logging(level: str, rank: int) -> None:
     logging.getLogger("megatron_pack.train.samples").setLevel(logging.INFO)
     # online packing's per-epoch accounting: one line per DP rank's shard (read = packed + dropped)
     logging.getLogger("megatron_pack.train.accounting").setLevel(logging.INFO)
+
+
+class OnceFilter(logging.Filter):
+    """Each distinct megatron-core warning once a run: it logs some once per layer (``Unknown MLP type: <class
+    'ModuleSpec'>. Using default kwargs.`` for every MoE layer), which said the same line twice in a 2-layer run."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("megatron.") or record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
 
 
 CHECK_FLAG = "--check"
@@ -73,6 +93,11 @@ def run_line(cfg, state, dataset, validation) -> str:
     model += f", from {m.pretrained})" if m.pretrained else ")"
     model += " + LoRA" if cfg.peft.method == "lora" else ""
     layout = "; ".join(p for p in state.dims.describe().split("; ") if p.startswith(("world", "experts")))  # with EP
+    chunks = cfg.parallel.virtual_pipeline_model_parallel_size
+    if chunks:  # virtual stages: "pp 2" alone read as 2 stages of the layers
+        pp = state.dims.pp
+        layout = layout.replace(f"x pp {pp}", f"x pp {pp} (x {chunks} virtual: {pp * chunks} stages, {chunks} model "
+                                              f"chunks a rank)", 1)
     return (f"run {t.output_dir}: {steps} of {batch}, lr {t.lr:.2e} | model {model} | parallel layout: {layout} | "
             f"{describe_data(dataset, validation)} | resolved config: {t.output_dir}/config.yaml")
 
@@ -141,7 +166,8 @@ def main(argv: list[str]) -> int:
         resume = check_resume(cfg, world_size, dataset, notes=passed_over, host_gpu=gpu_visible())
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
-    if rank == 0:
+    launch_check = check_only and os.environ.get(CHECK_HOST_ENV) == "here"  # the launch scripts': the run says them
+    if rank == 0 and not launch_check:
         for warning in config_warnings(cfg):  # runs, but most likely not as meant: said once, before launch
             print(f"megatron-pack train: warning: {warning}", file=sys.stderr, flush=True)
     if check_only:
