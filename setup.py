@@ -53,8 +53,12 @@ setup(
     extras_require={
         "test": ["pytest>=7.4", "hypothesis>=6.90", "pytest-timeout>=2.2", "transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1",
                  "peft>=0.13",  # tests/functional/test_lora_*: the reference LoRA implementation
-                 "pytest-xdist>=3.5"],  # scripts/test.sh: unit modules beside the worlds (tests/conftest.py)
+                 "pytest-xdist>=3.5",  # scripts/test.sh: unit modules beside the worlds (tests/conftest.py)
+                 # logging.wandb / logging.mlflow, tested offline; mlflow-skinny is mlflow without its server and UI
+                 "wandb>=0.17", "mlflow-skinny>=2.10"],
         "hf": ["transformers>=4.40", "tokenizers>=0.19", "jinja2>=3.1"],
+        "wandb": ["wandb>=0.17"],  # logging.wandb=true
+        "mlflow": ["mlflow-skinny>=2.10"],  # logging.mlflow=true (the full mlflow package works too)
         # apex has no PyPI release: build it from source (docs/model.md) after installing this extra.
         # Transformer Engine 2.0 to 2.20: their DotProductAttention takes pad_between_seqs, which the TE layer spec
         # passes for tail-padded THD packs (model/te_attention.py; TE issue #3331, seen on 2.16.0 and 2.17.1, took a

@@ -119,6 +119,9 @@ DEVICES = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 """``logging.level``."""
 
+WANDB_MODES = ("online", "offline")
+"""``logging.wandb_mode``: log to the W&B server, or to files under the output folder for ``wandb sync``."""
+
 VERIFY_REFERENCES = ("self", "transformers")
 """``verify.reference``: each sample alone through our model, or through transformers' forward."""
 
@@ -137,7 +140,7 @@ CHOICES = {
     "packing.export": PACKING_EXPORTS, "packing.mode": PACKING_MODES, "packing.online_source": ONLINE_SOURCES,
     "packing.balance": BALANCE_MODES, "parallel.cp_comm_type": CP_COMM_TYPES, "parallel.backend": DIST_BACKENDS,
     "train.token_budget": TOKEN_BUDGET_KINDS, "train.lr_decay_style": LR_DECAY_STYLES, "train.device": DEVICES,
-    "logging.level": LOG_LEVELS, "verify.attention": ATTENTION_MODES, "verify.reference": VERIFY_REFERENCES,
+    "logging.level": LOG_LEVELS, "logging.wandb_mode": WANDB_MODES, "verify.attention": ATTENTION_MODES, "verify.reference": VERIFY_REFERENCES,
     "export.dtype": PARAMS_DTYPES, "peft.method": PEFT_METHODS,
 }
 """Every config key with a fixed set of values -> its list (a key whose field is Optional also takes null)."""

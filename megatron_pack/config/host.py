@@ -32,6 +32,10 @@ def torch_build_has_gpu(version_py: Optional[str] = None) -> bool:
     return any(re.search(rf"^{key}\b[^=\n]*=\s*'[^']+'", version_py, re.M) for key in ("cuda", "hip"))
 
 
+OPTIONAL_PACKAGES = ("wandb", "mlflow")
+"""Modules a setting may need that the package does not install (``logging.wandb``, ``logging.mlflow``)."""
+
+
 def gpu_visible() -> bool:
     """What ``torch.cuda.is_available()`` would say, from the build and the device nodes (no torch import)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
@@ -50,6 +54,8 @@ class Host:
     """Transformer Engine is installed (its FP8 GEMMs, fused attention and CUDA-graph support)."""
     nvte_allow_nondeterministic: Optional[str] = None
     """The environment's NVTE_ALLOW_NONDETERMINISTIC_ALGO (train.deterministic with Transformer Engine needs 0)."""
+    packages: Optional[frozenset[str]] = None
+    """The ``OPTIONAL_PACKAGES`` installed here (found, not imported); None where unknown (no rule then refuses)."""
     checks_declared_gpu: bool = False
     """``train --check`` and ``--cfg job``: a config that names ``train.device=cuda`` is checked for the GPU host it
     names (with Transformer Engine) when this host has no GPU, so a cluster's config can be checked on a laptop; a
@@ -60,12 +66,13 @@ class Host:
         """This machine, without importing torch or Transformer Engine."""
         return cls(gpu=gpu_visible(), transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
                    nvte_allow_nondeterministic=os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO"),
+                   packages=frozenset(m for m in OPTIONAL_PACKAGES if importlib.util.find_spec(m) is not None),
                    checks_declared_gpu=checks_declared_gpu)
 
     def for_device(self, requested: str) -> "Host":
         """The host the rules check a config of ``train.device=requested`` for (see ``checks_declared_gpu``)."""
         if self.checks_declared_gpu and requested == "cuda" and not self.gpu:
-            return Host(gpu=True, transformer_engine=True)
+            return Host(gpu=True, transformer_engine=True, packages=self.packages)
         return self
 
     def device(self, requested: str) -> str:

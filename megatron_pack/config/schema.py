@@ -722,7 +722,22 @@ class LoggingConfig(_Group):
 
     def field_problems(self) -> list[str]:
         problems = _positive(self.GROUP, self, ("log_interval",))
-        problems += _choice(self.GROUP, self, "level")
+    wandb: bool = False
+    """Log the TensorBoard scalars and the resolved config to Weights & Biases from rank 0 (needs the wandb package)."""
+    wandb_project: str = "megatron-pack"
+    """The W&B project."""
+    wandb_entity: Optional[str] = None
+    """The W&B entity (team or user); None for the logged-in user's default."""
+    wandb_mode: str = "online"
+    """'online' or 'offline' (written under <train.output_dir>/wandb; upload later with `wandb sync`)."""
+    mlflow: bool = False
+    """Log the TensorBoard scalars and the resolved config (as params) to MLflow from rank 0 (needs mlflow or
+    mlflow-skinny)."""
+    mlflow_tracking_uri: Optional[str] = None
+    """The MLflow tracking URI; None for a local file store in <train.output_dir>/mlruns."""
+    mlflow_experiment: str = "megatron-pack"
+    """The MLflow experiment name (created when missing)."""
+        problems += _choice(self.GROUP, self, "level") + _choice(self.GROUP, self, "wandb_mode")
         return problems
 
 

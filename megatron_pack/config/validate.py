@@ -838,6 +838,20 @@ def _validate_prepare_input(cfg: Config, command: Optional[str]) -> list[str]:
     return []
 
 
+_TRACKERS = (("logging.wandb", "wandb", "wandb"), ("logging.mlflow", "mlflow", "mlflow"))
+"""(key, module, extra) of each experiment tracker."""
+
+
+def _validate_trackers(cfg: Config, host: Optional[Host] = None) -> list[str]:
+    """``logging.wandb`` / ``logging.mlflow`` need their package on this host: refused before launch, not by rank 0
+    at its first step."""
+    if host is None or host.packages is None:
+        return []
+    return [f"{key}=true needs the {module} package, which is not installed here; pip install "
+            f"'megatron-pack[{extra}]', or set {key}=false."
+            for key, module, extra in _TRACKERS if _value_of(cfg, key) and module not in host.packages]
+
+
 INPUTS = ("world_size", "dataset_meta", "host", "command")
 """What a rule may need besides the config: the number of ranks, the prepared plan's metadata, the machine
 (``config.host.Host``) and the command (prepare, train, verify, export). Each is None where it is unknown,
@@ -864,6 +878,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_validate_world_size, ("world_size",), early=True),
     Rule(lambda cfg, world_size: _expert_parallel_problems(cfg.parallel, world_size), ("world_size",), early=True),
     Rule(_validate_device, ("host",), early=True),
+    Rule(_validate_trackers, ("host",), early=True),
     Rule(_validate_verify_layout, ("command", "world_size"), early=True),
     Rule(_validate_prepare_input, ("command",)),
     Rule(_validate_verify_reference),

@@ -322,8 +322,12 @@ def run_training(cfg: Config, state: ParallelState, loader: BatchLoader, *,
                           "(checkpoint.load=...) or start from model.pretrained")
     if state.rank == 0:
         write_run_record(cfg, state, trainer.train_iters)
+    from megatron_pack.training.trackers import open_trackers
+
     writer = MetricsWriter(cfg.train.output_dir, enabled=state.rank == 0, log_interval=cfg.logging.log_interval,
-                           tensorboard=cfg.logging.tensorboard, train_iters=trainer.train_iters)
+                           tensorboard=cfg.logging.tensorboard, train_iters=trainer.train_iters,
+                           resume_step=trainer.step,  # the steps after it are replayed: their old records move aside
+                           trackers=open_trackers(cfg, enabled=state.rank == 0, start_step=trainer.step))
     num_run = 0
     stop = StopRequest(cfg.checkpoint.save_on_signal, state.device)
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -160,7 +161,9 @@ class StepMetrics:
 
 
 _BREAKDOWNS = ("bucket_real_tokens", "source_loss", "source_target_share", "val_source_loss",
-               "val_source_target_tokens", "val_source_target_share", "moe", "model_tflops_per_device", "mfu")
+               "val_source_target_tokens", "val_source_target_share", "moe")
+"""Keys a record leaves out when they are None (the run has no buckets, sources, MoE or validation); every
+other key is in every record, null where it has no value (``mfu`` without a device peak)."""
 
 
 def format_duration(seconds: float) -> str:
@@ -234,28 +237,37 @@ class StepCounts:
 
 
 class MetricsWriter:
-    """Writes each step's metrics: a log line, TensorBoard scalars and ``metrics.jsonl``.
+    """Writes each step's metrics: a log line, ``metrics.jsonl``, and the same scalars to TensorBoard and any
+    ``trackers`` (``training.trackers``: Weights & Biases, MLflow).
 
-    Only the writer with ``enabled=True`` (global rank 0) touches files.
+    Only the writer with ``enabled=True`` (global rank 0) touches files. ``resume_step`` is the step the run
+    starts after (the checkpoint's, 0 for a fresh start; None keeps every record): records of later steps, which a killed or stopped
+    run logged before this one replays them, move to ``metrics.replaced.jsonl`` so ``metrics.jsonl`` holds each
+    step once, and TensorBoard purges its events after ``resume_step`` so its plots never go back in time.
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, log_interval: int = 1,
-                 tensorboard: bool = True, train_iters: int = 0):
+                 tensorboard: bool = True, train_iters: int = 0, resume_step: Optional[int] = None, trackers: tuple = ()):
         self.enabled = enabled
         self.log_interval = log_interval
         self.train_iters = train_iters
         self.output_dir = Path(output_dir)
         self.tensorboard_dir = self.output_dir / "tensorboard"
         self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self.trackers = list(trackers)
         self._tb = None
         self._num_steps, self._mean, self._m2 = 0, 0.0, 0.0
         if enabled:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             _drop_torn_record(self.jsonl_path)
+            if resume_step is not None:
+                _move_aside_after(self.jsonl_path, resume_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
+                # purge_step: TensorBoard's readers drop the earlier event files' steps >= it
+                self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir),
+                                         purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, metrics: StepMetrics) -> None:
         if not self.enabled:
@@ -264,22 +276,13 @@ class MetricsWriter:
         record["target_tokens_spread"] = self._spread(metrics.target_tokens)
         with self.jsonl_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = step_scalars(metrics, record)
         if self._tb is not None:
-            for key in ("lm_loss", "target_tokens_per_s", "real_tokens_per_s", "padding_share", "samples",
-                        "target_tokens", "target_tokens_spread", "grad_norm", "lr", "step_time_s",
-                        "imbalance_before", "imbalance_after", "epoch", "consumed_samples",
-                        "consumed_target_tokens", "elapsed_s", "model_tflops_per_device", "mfu"):
-                value = record.get(key)
-                if value is not None and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, metrics.step)
-            for key, value in metrics.breakdown_scalars().items():
-                if math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, metrics.step)
-            for key, value in metrics.validation_scalars().items():
-                if math.isfinite(value):
-                    self._tb.add_scalar(f"validation/{key}", value, metrics.step)
-
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, metrics.step)
             self._tb.flush()
+        for tracker in self.trackers:
+            tracker.log(scalars, metrics.step)
         if metrics.step % self.log_interval == 0 or metrics.step == self.train_iters or metrics.val_loss is not None:
             log.info(metrics.line(self.train_iters))
 
@@ -309,6 +312,23 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+_SCALARS = ("lm_loss", "target_tokens_per_s", "real_tokens_per_s", "padding_share", "samples", "target_tokens",
+            "target_tokens_spread", "grad_norm", "lr", "step_time_s", "imbalance_before", "imbalance_after", "epoch",
+            "consumed_samples", "consumed_target_tokens", "elapsed_s", "model_tflops_per_device", "mfu")
+
+
+def step_scalars(metrics: StepMetrics, record: dict) -> dict[str, float]:
+    """The step's scalars by tag, as TensorBoard, W&B and MLflow get them: ``train/<name>`` for the record's numbers
+    and breakdowns, ``validation/<name>`` on steps that evaluate; null and non-finite values are left out."""
+    out = {f"train/{key}": record[key] for key in _SCALARS if record.get(key) is not None}
+    out |= {f"train/{key}": value for key, value in metrics.breakdown_scalars().items()}
+    out |= {f"validation/{key}": value for key, value in metrics.validation_scalars().items()}
+    return {tag: float(value) for tag, value in out.items() if math.isfinite(value)}
 
 
 def _drop_torn_record(path: Path) -> None:
@@ -323,6 +343,28 @@ def _drop_torn_record(path: Path) -> None:
                     "is logged again when it is replayed", path, len(data) - keep)
         with path.open("r+b") as f:
             f.truncate(keep)
+
+
+def _move_aside_after(path: Path, resume_step: int) -> None:
+    """Move the records of steps after ``resume_step`` to ``metrics.replaced.jsonl`` (appended, in file order):
+    the run replays those steps from its checkpoint and logs them again. ``metrics.jsonl`` is rewritten
+    atomically (a new file renamed over it)."""
+    if not path.exists():
+        return
+    keep, moved = [], []
+    for line in path.read_bytes().splitlines(keepends=True):
+        if line.strip():
+            (keep if json.loads(line)["step"] <= resume_step else moved).append(line)
+    if not moved:
+        return
+    aside = path.with_name("metrics.replaced.jsonl")
+    with aside.open("ab") as f:
+        f.writelines(moved)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(keep))
+    os.replace(tmp, path)
+    log.warning("metrics: moved %d records of steps after %d (logged before the run went back to step %d) from %s "
+                "to %s; those steps are logged again", len(moved), resume_step, resume_step, path.name, aside.name)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

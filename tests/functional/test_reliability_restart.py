@@ -12,7 +12,8 @@ new attempt resumes from step 2, the last complete checkpoint.
 Checked from the logs: the second attempt starts at step 3; the steps that count (1-2 from the
 first attempt, 3-6 from the second) consumed, rank by rank, exactly the packs an uninterrupted
 ``PackSampler`` deals, each pack once; the lost steps were replayed with the same packs and the
-same losses, bit for bit; the killed save left no folder behind. (A graceful stop and resume is
+same losses, bit for bit; the killed save left no folder behind; ``metrics.jsonl`` and TensorBoard hold each step
+once (the lost steps' first records moved to ``metrics.replaced.jsonl``). (A graceful stop and resume is
 tests/functional/test_train_resume_quickstart.py.)
 """
 
@@ -27,6 +28,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _trackers import tensorboard_steps  # noqa: E402
 
 NUM_STEPS, KILL_AT_STEP, SAVE_INTERVAL, DP_SIZE, PACKS_PER_RANK = 6, 4, 2, 2, 2
 WRAPPER = textwrap.dedent("""
@@ -77,7 +81,7 @@ def _overrides(dataset_dir: Path, out: Path) -> list[str]:
     return ["experiment=quickstart", "parallel=cp1", "data.synthetic_num_samples=240", f"data.dataset_dir={dataset_dir}",
             f"train.output_dir={out}", f"train.train_iters={NUM_STEPS}",
             f"train.global_batch_size={DP_SIZE * PACKS_PER_RANK}", f"checkpoint.save_interval={SAVE_INTERVAL}",
-            "logging.log_sample_ids=true", "logging.tensorboard=false"]
+            "logging.log_sample_ids=true"]
 
 
 def _expected_packs(dataset_dir: Path, out: Path) -> dict[tuple[int, int], list[list[int]]]:
@@ -150,12 +154,16 @@ def test_rank_killed_mid_training_resumes_without_skipping_or_repeating(tmp_path
         for dp_rank in range(DP_SIZE):
             assert first[step, dp_rank] == second[step, dp_rank]
 
-    by_step: dict[int, list[float]] = {}
-    for step, loss in _losses(out / "metrics.jsonl"):
-        by_step.setdefault(step, []).append(loss)
-    assert sorted(by_step) == list(range(1, NUM_STEPS + 1))
-    for step in range(SAVE_INTERVAL + 1, last_logged + 1):  # ... and the same loss, bit for bit
-        assert len(by_step[step]) == 2 and by_step[step][0] == by_step[step][1]
+    # metrics.jsonl holds each step once, in order (issue 43 item 7); the killed attempt's records of the steps
+    # after the checkpoint moved to metrics.replaced.jsonl, and their replay gave the same loss, bit for bit
+    losses = _losses(out / "metrics.jsonl")
+    assert [step for step, _ in losses] == list(range(1, NUM_STEPS + 1))
+    replaced = _losses(out / "metrics.replaced.jsonl")
+    assert [step for step, _ in replaced] == list(range(SAVE_INTERVAL + 1, last_logged + 1))
+    assert all(loss == losses[step - 1][1] for step, loss in replaced)
+    # TensorBoard: two event files (one per attempt), and its plot holds each step once, never going back in time
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    assert tensorboard_steps(out / "tensorboard") == list(range(1, NUM_STEPS + 1))
     checkpoints = out / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == f"step_{NUM_STEPS:08d}"
     assert not list(checkpoints.glob("tmp.step_*"))  # the killed save's folder was cleaned up

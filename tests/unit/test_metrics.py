@@ -1,8 +1,15 @@
 """Token-weighted step metrics, the log line, metrics.jsonl and TensorBoard files."""
 
+import json
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from megatron_pack.training.metrics import MetricsWriter, StepCounts, StepMetrics, read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def test_docstring_example_token_weighted():
@@ -85,3 +92,85 @@ def test_moe_numbers_in_the_step_line_and_tensorboard_tags():
     dense = StepMetrics(step=1, lm_loss=2.0, target_tokens=4, real_tokens=4, slots=4, samples=1, grad_norm=1.0,
                         lr=1e-3, step_time_s=1.0)
     assert "moe" not in dense.record() and " lb " not in dense.line(10)
+
+
+# (steps the killed run logged, step its checkpoint holds) -> steps left in metrics.jsonl, steps moved aside
+RESUMES = {
+    "killed-after-step-7-resumed-at-5": ([1, 2, 3, 4, 5, 6, 7], 5, [1, 2, 3, 4, 5], [6, 7]),
+    "stopped-at-its-checkpoint": ([1, 2, 3, 4], 4, [1, 2, 3, 4], []),
+    "no-checkpoint-fresh-start": ([1, 2], 0, [], [1, 2]),
+}
+
+
+@pytest.mark.parametrize("logged,resume_step,kept,moved", RESUMES.values(), ids=list(RESUMES))
+def test_resumed_writer_holds_each_step_once(tmp_path, logged, resume_step, kept, moved):
+    first = MetricsWriter(tmp_path, enabled=True, tensorboard=False, resume_step=0)
+    for step in logged:
+        first.write(_metrics(step, 10.0 + step))
+    first.close()  # the kill: no cleanup of its own
+    resumed = MetricsWriter(tmp_path, enabled=True, tensorboard=False, resume_step=resume_step)
+    for step in range(resume_step + 1, max(logged) + 2):  # replayed from the checkpoint, then one step further
+        resumed.write(_metrics(step, 1.0 + step))
+    resumed.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines]
+    assert steps == list(range(1, max(logged) + 2))  # each step once, in order: the raw file, not read_metrics
+    assert [r["lm_loss"] for r in lines] == [10.0 + s if s in kept else 1.0 + s for s in steps]
+    aside = tmp_path / "metrics.replaced.jsonl"
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == moved if moved else not aside.exists()
+
+
+def test_tensorboard_purges_the_steps_after_the_resume_point(tmp_path):
+    from _trackers import tensorboard_scalars, tensorboard_steps
+
+    first = MetricsWriter(tmp_path, enabled=True, resume_step=0)
+    for step in (1, 2, 3, 4):
+        first.write(_metrics(step, 10.0 + step))
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they were opened in
+    resumed = MetricsWriter(tmp_path, enabled=True, resume_step=2)
+    for step in (3, 4, 5):
+        resumed.write(_metrics(step, 1.0 + step))
+    resumed.close()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # the old events are still there
+    assert tensorboard_steps(tmp_path / "tensorboard") == [1, 2, 3, 4, 5]  # ... but the plot never goes back
+    losses = {step: tags["train/lm_loss"] for step, tags in tensorboard_scalars(tmp_path / "tensorboard").items()}
+    assert losses == pytest.approx({1: 11.0, 2: 12.0, 3: 4.0, 4: 5.0, 5: 6.0})
+
+
+def test_record_has_mfu_null_without_a_device_peak(tmp_path):
+    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False)
+    metrics = _metrics(1, 2.0)
+    metrics.model_tflops_per_device = 0.02  # a CPU run: throughput known, no peak to divide by
+    w.write(metrics)
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["model_tflops_per_device"] == 0.02 and "mfu" in record and record["mfu"] is None
+    assert "bucket_real_tokens" not in record  # a breakdown the run does not have stays out
+
+
+class _Recorder:
+    def __init__(self):
+        self.logged, self.closed = [], False
+
+    def log(self, scalars, step):
+        self.logged.append((step, dict(scalars)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_trackers_get_the_tensorboard_scalars(tmp_path):
+    from _trackers import tensorboard_scalars
+
+    tracker = _Recorder()
+    w = MetricsWriter(tmp_path, enabled=True, resume_step=0, trackers=[tracker])
+    for step in (1, 2):
+        metrics = _metrics(step, 2.0 / step)
+        metrics.val_loss = 3.0 if step == 2 else None
+        w.write(metrics)
+    w.close()
+    assert tracker.closed and [step for step, _ in tracker.logged] == [1, 2]
+    tensorboard = tensorboard_scalars(tmp_path / "tensorboard")
+    assert len(tracker.logged[1][1]) > 10 and "validation/lm_loss" in tracker.logged[1][1]
+    for step, scalars in tracker.logged:
+        assert scalars == pytest.approx(tensorboard[step])
