@@ -73,3 +73,28 @@ def test_run_header_names_virtual_stages(parallel, expected):
     state = SimpleNamespace(dims=ParallelDims.from_config(cfg, 2))
     line = run_line(cfg, state, type("D", (), {"plan_dir": "data/x/plans/p", "__len__": lambda self: 3})(), None)
     assert expected in line, line
+
+
+@pytest.mark.parametrize("mode,source,expected", [
+    ("online", "store", "350 samples, 0.18 epochs (350 of 1,900 samples an epoch)"),
+    ("online", "synthetic", "350 samples, 0.35 epochs (350 of 1,000 samples an epoch)"),
+    ("offline", "store", "350 samples, 0.18 epochs\n")],
+    ids=["online-store", "online-synthetic", "offline"])
+def test_run_summary_counts_online_epochs(tmp_path, mode, source, expected):
+    """Online packing's loader counts whole epochs: the summary said "0.00 epochs" after 350 of 1,900 samples."""
+    import json
+
+    import numpy as np
+
+    from megatron_pack.config import load_config
+    from megatron_pack.training.summary import run_summary
+
+    cfg = load_config(["experiment=quickstart", f"train.output_dir={tmp_path}", "data.synthetic_num_samples=1000",
+                       *([f"packing.mode={mode}"] if mode == "online" else [])]
+                      + (["packing.online_source=stream"] if source == "synthetic" else []))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7, "lm_loss": 3.0, "elapsed_s": 1.0, "epoch": 0.0 if
+                                                        mode == "online" else 0.184, "consumed_samples": 350,
+                                                        "consumed_target_tokens": 5000}) + "\n")
+    dataset = SimpleNamespace(metadata={"mode": "online"} if mode == "online" else {}, plan_dir=None,
+                              store=np.zeros(1900) if source == "store" else None, _held_out=None)
+    assert expected in run_summary(cfg, dataset) + "\n", run_summary(cfg, dataset)
