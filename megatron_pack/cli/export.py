@@ -176,6 +176,10 @@ def _export_lora(cfg, step_dir: Path | None, given_base: str | None, out, templa
                                       source=cfg.model.pretrained, model_cfg=cfg.model, dtype=cfg.export.dtype)
         _write_template(cfg, template, out)
         out(f"export: LoRA adapters of checkpoint {step_dir} -> {output} ({dtype}, {', '.join(files)})")
+        if peft.get("modules_to_save"):  # model.resize_vocab: the base takes the grown vocabulary first
+            out(f"load it with: base = AutoModelForCausalLM.from_pretrained({peft.get('base_model')!r}); "
+                f"base.resize_token_embeddings({cfg.model.vocab_size}); peft.PeftModel.from_pretrained(base, {output!r})")
+            return 0
         out(f"load it with: peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
             f"{peft.get('base_model')!r}), {output!r})")
         return 0

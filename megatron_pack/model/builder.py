@@ -383,6 +383,10 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
                                         tp_size=cfg.parallel.tensor_model_parallel_size, tp_rank=pg.tp_rank,
                                         sequence_parallel=cfg.parallel.sequence_parallel,
                                         layer_offset=stage_of(cfg, pg, vp_stage).layer_offset)
+        if cfg.model.resize_vocab:  # grown rows start at the mean: the vocabulary layers train (peft/meta.py)
+            from megatron_pack.model.peft.lora import train_vocab_layers
+
+            train_vocab_layers(model)
     return model.to(pg.device)
 
 

@@ -70,8 +70,9 @@ class CheckpointModel:
                 param.copy_(full[name])
 
     def _params(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-        """The parameters the checkpoint holds: all of them, or the LoRA adapters of a peft=lora run."""
-        from megatron_pack.model.peft.lora import is_adapter_param
+        """The parameters the checkpoint holds: all of them, or the LoRA adapters of a peft=lora run (and its
+        vocabulary layers with ``model.resize_vocab``)."""
+        from megatron_pack.model.peft.lora import is_adapter_param, is_vocab_param
 
         named = list(model.named_parameters())
         peft = self.peft
@@ -82,5 +83,8 @@ class CheckpointModel:
                              f"model.pretrained={peft['base_model']}.")
         if has_adapters and not peft:
             raise ValueError(f"checkpoint {self.path} is a full fine-tuning checkpoint; drop peft=lora to load it.")
-        return [(n, p) for n, p in named if is_adapter_param(n)] if peft else named
+        if not peft:
+            return named
+        whole = bool(peft.get("modules_to_save"))  # model.resize_vocab: the vocabulary layers trained too
+        return [(n, p) for n, p in named if is_adapter_param(n) or (whole and is_vocab_param(n))]
 

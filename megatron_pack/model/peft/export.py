@@ -40,7 +40,7 @@ from megatron_pack.config.hf_config.record import Rule
 from megatron_pack.model.hf.mapping import export_tensors
 from megatron_pack.model.hf.transforms import Dims, transform
 from megatron_pack.model.hf.rules import Placement, rules_for
-from megatron_pack.model.peft.lora import merged_shards
+from megatron_pack.model.peft.lora import is_vocab_param, merged_shards
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -167,10 +167,29 @@ def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, ta
         a, b = stack_experts([shards[0][p + IN] for p in prefixes], [shards[0][p + OUT] for p in prefixes])
         out[f"{stem}lora_A.weight"], out[f"{stem}lora_B.weight"] = a, b
         used.update(p + suffix for p in prefixes for suffix in (IN, OUT))
+    out.update(_vocab_tensors(shards, model_type, model_cfg, used))
     extra = sorted(set(shards[0]) - used)
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:3]} are not adapters of {list(targets)}; export.adapter reads "
                          "a peft=lora checkpoint (nothing is dropped silently).")
+    return out
+
+
+def _vocab_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, used: set[str]) -> dict[str, Tensor]:
+    """A ``model.resize_vocab`` run's vocabulary layers (``lora.VOCAB_PARAMS``, trained whole) under peft's key
+    of a ``modules_to_save`` module (``base_model.model.model.embed_tokens.weight``: peft adds
+    ``modules_to_save.<adapter>`` on load), TP pad rows dropped: embedding [Vp, H] per rank -> [V, H]."""
+    from megatron_pack.model.peft.lora import VOCAB_PARAMS
+
+    if not set(VOCAB_PARAMS) & set(shards[0]):
+        return {}
+    dims = Dims.from_model_config(model_cfg, len(shards))
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    out = {}
+    for rule, mcore, hf in rules_for(model_type, tied=tied, placement=Placement.whole(model_cfg)):
+        if mcore in VOCAB_PARAMS and mcore in shards[0]:
+            out[f"{PEFT_PREFIX}{hf[0]}"] = export_tensors(rule, [s[mcore] for s in shards], dims)[0]
+            used.add(mcore)
     return out
 
 
@@ -182,7 +201,7 @@ def adapter_config(peft_meta: dict, model_type: str, base: Optional[str]) -> dic
             "target_modules": _target_modules(model_type, hf_module_names(model_type, peft_meta["target_modules"])),
             "target_parameters": hf_parameter_names(model_type, peft_meta["target_modules"]) or None,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": None, "layers_to_transform": None}
+            "modules_to_save": peft_meta.get("modules_to_save"), "layers_to_transform": None}
 
 
 def _target_modules(model_type: str, names: list[str]):
@@ -249,7 +268,8 @@ def export_merged(*, output: str | Path, shards: list[dict[str, Tensor]], peft: 
     adapters = [_plain(shard) for shard in shards]
     bases = shards_from_pretrained(base, model_cfg, tp=len(adapters))
     scale = float(peft["alpha"]) / int(peft["dim"])
-    merged = [merged_shards(b, a, scale) for b, a in zip(bases, adapters)]
+    merged = [{**merged_shards(b, a, scale), **{n: t for n, t in a.items() if is_vocab_param(n)}}  # trained whole
+              for b, a in zip(bases, adapters)]
     out_dtype = DTYPES[dtype] if dtype else source_dtype(base)
     files = write_hf_folder(output, hf_tensors(merged, read_hf_config(source)["model_type"], model_cfg), source,
                             dtype=out_dtype, max_shard_bytes=max_shard_bytes)

@@ -246,6 +246,25 @@ def is_adapter_param(name: str) -> bool:
     return ".adapter.linear_in." in name or ".adapter.linear_out." in name
 
 
+VOCAB_PARAMS = {"embedding.word_embeddings.weight": "embed_tokens", "output_layer.weight": "lm_head"}
+"""The vocabulary layers (megatron-core name -> peft module name) a ``model.resize_vocab`` LoRA run trains whole."""
+
+
+def is_vocab_param(name: str) -> bool:
+    return name.removeprefix("module.") in VOCAB_PARAMS
+
+
+def train_vocab_layers(model: nn.Module) -> int:
+    """Unfreeze the embedding and output layer after ``apply_lora`` (peft's ``modules_to_save``): rows grown by
+    ``model.resize_vocab`` start at the old rows' mean and must train. Returns how many were unfrozen (0 on a
+    pipeline stage holding neither; one when tied)."""
+    params = dict(model.named_parameters())  # a tied output layer is the embedding: named once
+    found = [params[name] for name in VOCAB_PARAMS if name in params]
+    for param in found:
+        param.requires_grad_(True)
+    return len(found)
+
+
 def count_parameters(model: nn.Module, tp_group=None, expert_group=None, ep_group=None) -> tuple[int, int]:
     """(trainable, total) parameters of the whole model, each counted once across TP ranks
     (a TP-split tensor contributes every rank's shard, a replicated one its size once). Every TP rank

@@ -1,0 +1,120 @@
+"""Issue 43 items 1 and 5 on the command line as typed: a tokenizer larger than the pretrained folder.
+
+The folder is tests/_hf.py's tiny Llama (vocabulary 301, untied); the "larger tokenizer" is a tiny byte-level BPE
+of 360 ids trained here (no hub). As the issue ran it:
+
+1. ``prepare experiment=pretrained_tiny data.tokenizer=big-tok`` is refused in one line naming 360, 301 and
+   the fixes (exit 2, nothing written); ``train --check`` of a dataset prepared with that tokenizer is refused
+   the same way (``model.resize_vocab`` is not in the plan: the plan never grows the model);
+2. with ``model.resize_vocab=true``: full fine-tuning and LoRA train 2 steps on 2 ranks (the session's torchrun
+   world); the full export has ``vocab_size: 360``, loads in transformers with no missing key, and its new rows
+   trained away from their mean start; the LoRA export as a peft adapter (``modules_to_save``: embed_tokens,
+   lm_head) loads on the resized base and, merged by peft, gives the logits of our merged export;
+3. (item 5) ``checkpoint.load=<run>/checkpoints/step_00000001`` resumes from that step, where a folder of
+   checkpoints would have given the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _hf import CHAT_TEMPLATE, bpe_tokenizer, make_family, torchrun_train_cases  # noqa: E402
+from _user_path import ok, refused, run_cli  # noqa: E402
+
+RUN = ["experiment=pretrained_tiny", "data.synthetic_num_samples=24", "train.train_iters=2"]
+BIG = 360
+SMALL = 301
+
+
+def big_tokenizer(path: Path):
+    """A byte-level BPE of ``BIG`` ids (more merges than tests/_hf.py's: 300 made-up words)."""
+    gen = random.Random(0)
+    words = ["".join(gen.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(gen.randint(3, 8))) for _ in range(300)]
+    corpus = [" ".join(words[i:i + 10]) for i in range(0, 300, 10)] + ["what is two plus two", "the answer is"]
+    return bpe_tokenizer(path, corpus, ["<pad>", "<s>", "</s>"], BIG, CHAT_TEMPLATE, bos="<s>", eos="</s>", pad="<pad>")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("vocab")
+    make_family(root / "models", "llama_rope", name="tiny-llama")
+    assert len(big_tokenizer(root / "big-tok")) == BIG  # guard: larger than the model's 301 rows
+    return root
+
+
+def _one_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if "has 360 ids" in line]
+    assert len(lines) == 1 and "Traceback" not in out, out
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_larger_tokenizer_is_refused_then_grows_the_model_when_asked(root):
+    import transformers as T
+
+    out = refused(root, "prepare", *RUN, "data.tokenizer=big-tok")
+    line = _one_line(out)
+    for fragment in ("data.tokenizer (big-tok)", f"{SMALL} embedding rows", "data.tokenizer=models/tiny-llama",
+                     "model.resize_vocab=true"):
+        assert fragment in line, line
+    assert not (root / "data/pretrained_tiny").exists()
+
+    ok(root, "prepare", *RUN, "data.tokenizer=big-tok", "model.resize_vocab=true")
+    status, out = run_cli(root, "train", "--check", *RUN, env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert status == 2 and "vocab_size=360 in the packed dataset" in _one_line(out), out
+    ok(root, "train", "--check", *RUN, "model.resize_vocab=true", env={"WORLD_SIZE": "2", "RANK": "0"})
+
+    grown = [*RUN, "model.resize_vocab=true", "checkpoint.save_interval=1", "logging.log_interval=1"]
+    outputs = torchrun_train_cases(root, {
+        "full": [*grown, "train.output_dir=runs/full"],
+        "lora": [*grown, "peft=lora", "train.output_dir=runs/lora"],
+        "resume-step-1": [*grown, "train.output_dir=runs/resumed",
+                          "checkpoint.load=runs/full/checkpoints/step_00000001"]})
+    assert f"model.vocab_size={BIG} (was {SMALL})" in outputs["full"]
+    assert "resumed from runs/full/checkpoints/step_00000001 at step 1" in outputs["resume-step-1"], \
+        outputs["resume-step-1"][-3000:]
+
+    ok(root, "export", "checkpoint=runs/full/checkpoints", "output=exports/full")
+    assert json.loads((root / "exports/full/config.json").read_text())["vocab_size"] == BIG
+    model, info = T.AutoModelForCausalLM.from_pretrained(root / "exports/full", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert len(T.AutoTokenizer.from_pretrained(root / "exports/full")) == BIG
+    from megatron_pack.model.hf.load import SafetensorsFolder
+    from megatron_pack.model.hf.resize import GrownVocab
+
+    start = GrownVocab(SafetensorsFolder(root / "models/tiny-llama"), ("lm_head.weight",), BIG).read("lm_head.weight")
+    trained = model.lm_head.weight.detach()
+    assert trained.shape == (BIG, 64)
+    assert (trained[SMALL:] - start[SMALL:]).abs().max() > 1e-5  # the new rows trained (every row gets a gradient)
+    _lora_exports_agree(root)
+
+
+def _lora_exports_agree(root: Path) -> None:
+    """The adapter (peft's modules_to_save for the grown layers) on the resized base, merged by peft, equals our
+    merged export; both have the new vocabulary."""
+    import peft
+    import transformers as T
+
+    ok(root, "export", "checkpoint=runs/lora/checkpoints", "output=exports/adapter", "export.adapter=true")
+    ok(root, "export", "checkpoint=runs/lora/checkpoints", "output=exports/merged", "export.merge=true")
+    config = json.loads((root / "exports/adapter/adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["embed_tokens", "lm_head"]
+    base = T.AutoModelForCausalLM.from_pretrained(root / "models/tiny-llama", dtype=torch.float32)
+    base.resize_token_embeddings(BIG)
+    by_peft = peft.PeftModel.from_pretrained(base, root / "exports/adapter").merge_and_unload()
+    ours = T.AutoModelForCausalLM.from_pretrained(root / "exports/merged", dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 99, 330, 355, 3, 2]])  # two ids of the grown rows
+    with torch.no_grad():
+        a, b = by_peft(ids).logits, ours(ids).logits
+    assert a.shape == b.shape == (1, 7, BIG)
+    assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    merged_rows = ours.get_input_embeddings().weight.detach()[SMALL:]
+    assert not torch.allclose(merged_rows, merged_rows.mean(0).expand_as(merged_rows), atol=1e-6)  # LoRA trained them
