@@ -295,8 +295,11 @@ class DataConfig(_Group):
     source: str = "synthetic"
     """'synthetic' (embedded deterministic SFT set) or 'files' (read data.input)."""
     input: Optional[str] = None
-    """A JSONL/Parquet file, a directory or a glob; required by prepare when data.source=files
-    (train/verify check it against the store when given)."""
+    """A JSONL/Parquet/Arrow file, a directory, a glob or a Hugging Face datasets folder (Dataset.save_to_disk);
+    required by prepare when data.source=files (train/verify check it against the store when given)."""
+    split: Optional[str] = None
+    """The split of a DatasetDict folder in data.input (e.g. 'train'); None for any other input (or a
+    DatasetDict of one split)."""
     schema: str = "auto"
     """'auto', 'prompt_completion' or 'chat' (a 'messages' list of {role, content})."""
     prompt_key: str = "prompt"
@@ -719,9 +722,6 @@ class LoggingConfig(_Group):
     """Python logging level."""
     log_sample_ids: bool = False
     """Log the sample ids of every pack consumed (for audits and replay)."""
-
-    def field_problems(self) -> list[str]:
-        problems = _positive(self.GROUP, self, ("log_interval",))
     wandb: bool = False
     """Log the TensorBoard scalars and the resolved config to Weights & Biases from rank 0 (needs the wandb package)."""
     wandb_project: str = "megatron-pack"
@@ -737,6 +737,9 @@ class LoggingConfig(_Group):
     """The MLflow tracking URI; None for a local file store in <train.output_dir>/mlruns."""
     mlflow_experiment: str = "megatron-pack"
     """The MLflow experiment name (created when missing)."""
+
+    def field_problems(self) -> list[str]:
+        problems = _positive(self.GROUP, self, ("log_interval",))
         problems += _choice(self.GROUP, self, "level") + _choice(self.GROUP, self, "wandb_mode")
         return problems
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from megatron_pack.data.store.atomic import atomic_directory, read_json, sha256_file, write_json
 from megatron_pack.data.packing.plan import write_plan
-from megatron_pack.data.formats.sources import SUFFIXES, Chunk, DataError, iter_chunks, resolve_inputs
+from megatron_pack.data.formats.sources import SUFFIXES, Chunk, DataError, iter_chunks, num_rows, resolve_inputs
 from megatron_pack.data.store.manifest import build_manifest, dirname, integrity_problems
 from megatron_pack.data.store.metadata import (PLAN_FORMAT, PLAN_FORMAT_VERSION, VALIDATION_DIRNAME, PlanSettings,
                                                plan_settings, read_metadata)
@@ -80,7 +80,7 @@ def store_inputs(cfg, tokenizer) -> dict:
         raise DataError("data.input (None) is required by prepare when data.source=files; "
                         "set data.input=/path/to/train.jsonl (a file, directory or glob), or data.sources.")
     else:
-        files = resolve_inputs(d.input)
+        files = resolve_inputs(d.input, d.split)
         sources = {"kind": "files", "input": d.input,
                    "files": [{"path": str(f), "sha256": sha256_file(f), "size": f.stat().st_size} for f in files]}
     schema = _schema(cfg)
@@ -132,10 +132,8 @@ def _num_records(sources: dict) -> int | None:
     try:
         for entry in sources["files"]:
             path = Path(entry["path"])
-            if SUFFIXES.get(path.suffix) == "parquet":
-                import pyarrow.parquet as pq
-
-                total += pq.ParquetFile(path).metadata.num_rows
+            if SUFFIXES.get(path.suffix) in ("parquet", "arrow"):
+                total += num_rows(path)
                 continue
             with open(path, "rb") as f:
                 last = b"\n"

@@ -41,9 +41,9 @@ def _input_files(cfg) -> list[Path]:
     from megatron_pack.data.formats.sources import resolve_inputs
 
     d = cfg.data
-    patterns = ([d.input] if d.source == "files" and d.input else []) + [e["input"] for e in d.sources or []]
-    patterns += [d.validation] if d.validation else []
-    return [Path(f) for pattern in patterns for f in resolve_inputs(pattern)]
+    inputs = ([(d.input, d.split)] if d.source == "files" and d.input else []) + [(e["input"], None) for e in d.sources or []]
+    inputs += [(d.validation, None)] if d.validation else []
+    return [Path(f) for pattern, split in inputs for f in resolve_inputs(pattern, split)]
 
 
 def _tokenizer_files(cfg) -> list[Path]:

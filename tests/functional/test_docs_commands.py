@@ -267,6 +267,8 @@ def _stand_in_files(work: Path) -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(records[:60]), work / "math.parquet")
+    # docs/data.md's datasets folder: a DatasetDict (train, test) that the datasets package wrote
+    shutil.copytree(ROOT / "tests/fixtures/hf_datasets/pc_dict", work / "hf_dataset")
     run = "# @package _global_\ndefaults:\n  - override /model: tiny\ntrain:\n  train_iters: 3\n"
     (work / "my_configs" / "experiment").mkdir(parents=True)
     (work / "my_configs" / "experiment" / "my_run.yaml").write_text(run)

@@ -118,7 +118,7 @@ class OnlineSource:
                    "eos_id": self.tokenizer.eos_id, "bos_id": self.tokenizer.bos_id}
             tokenizer = self.tokenizer.identity()
             if cfg.data.source == "files":
-                self.files = resolve_inputs(cfg.data.input)
+                self.files = resolve_inputs(cfg.data.input, cfg.data.split)
         self.metadata = {"pack_size": self.settings.pack_size, "pad_seq_to_mult": self.settings.pad_multiple,
                          "pack_multiple": effective_pack_multiple(cfg),
                          "dataset_max_seqlen": self.settings.truncate_to, "max_samples_per_bin": max_samples_per_pack(cfg),
