@@ -98,7 +98,8 @@ def train_losses(overrides: list[str], device: str, steps: int) -> dict:
         return {"losses": [m.lm_loss for m in metrics], "step_s": [m.step_time_s for m in metrics],
                 "real_tokens": [m.real_tokens for m in metrics], "device": str(state.device),
                 "tflops": [m.model_tflops_per_device for m in metrics], "mfu": [m.mfu for m in metrics],
-                "optimizer": type(trainer.optimizer).__name__}
+                "optimizer": type(trainer.optimizer).__name__,
+                "cuda_graphs": bool(trainer.cuda_graphs is not None and trainer.cuda_graphs.captured)}
     finally:
         destroy_parallel(destroy_process_group=True)
 

@@ -7,9 +7,14 @@
 #   PY_VERSION=3.11 bash tests/gpu/download_wheels.sh # another target Python
 #   WITH_TE=1 bash tests/gpu/download_wheels.sh       # also Transformer Engine's Python package and core library
 #
-# What it fetches (about 3 MB): megatron-core 0.16.1 (binary, cp312), hydra-core 1.3.2, omegaconf 2.3.0
-# (pure Python) and antlr4-python3-runtime 4.9.3, which PyPI has only as a source archive, so it is built
-# into a pure-Python wheel here.
+# What it fetches: everything prepare, train, verify and export import that the bare image lacks (run.sh's
+# preflight imports the same list): megatron-core 0.16.1 (binary, cp312), hydra-core 1.3.2, omegaconf 2.3.0 and
+# antlr4-python3-runtime 4.9.3 (PyPI has only its source archive, built into a pure-Python wheel here); tqdm
+# (the token store's and validation's progress); matplotlib and what it imports (prepare's report.png:
+# contourpy, cycler, fonttools, kiwisolver, pillow, pyparsing, python-dateutil, tzdata); tensorboard and what it
+# imports (train's logging.tensorboard=true, the default: absl-py, grpcio, markdown, protobuf, setuptools,
+# tensorboard-data-server, werkzeug, markupsafe). The versions are the ones CI runs. Measured total: 45.4 MiB of
+# the device tool's 64 MiB (the script prints the total and refuses more than 60 MiB).
 #
 # Transformer Engine cannot travel this way: transformer_engine_cu13 (the core library) is a 276 MB
 # wheel, over the device tool's 64 MiB per call, and transformer_engine_torch (its PyTorch extension)
@@ -29,15 +34,26 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 PYV=${PY_VERSION:-3.12}
 TAG=cp${PYV/./}
-mkdir -p .whl
+WHEELS=${MEGATRON_PACK_GPU_WHEELS:-.whl}
+mkdir -p "$WHEELS"
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp --abi "$TAG" \
-  --abi abi3 --abi none "${platforms[@]}" -d .whl megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0
-"$PY" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+  --abi abi3 --abi none "${platforms[@]}" -d "$WHEELS" megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 \
+  tqdm==4.70.1 matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.69.1 kiwisolver==1.5.1 \
+  pillow==13.0.0 pyparsing==3.3.3 python-dateutil==4.0.0 tzdata tensorboard==2.21.0 tensorboard-data-server==0.7.2 \
+  absl-py==2.5.1 grpcio==1.85.4 markdown==3.11.4 protobuf==7.36.2 setuptools==84.2.1 werkzeug==3.1.9 \
+  markupsafe==3.0.4
+"$PY" -m pip wheel -q --no-deps -w "$WHEELS" antlr4-python3-runtime==4.9.3
 if [[ "${WITH_TE:-0}" == 1 ]]; then
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
-    "${platforms[@]}" -d .whl transformer-engine==2.20.2 transformer-engine-cu13==2.20.2
+    "${platforms[@]}" -d "$WHEELS" transformer-engine==2.20.2 transformer-engine-cu13==2.20.2
 fi
-ls -l .whl
+ls -l "$WHEELS"
+total=$(du -cb "$WHEELS"/*.whl | tail -1 | cut -f1)
+echo "total: $((total / 1048576)) MiB in $WHEELS (the device tool carries 64 MiB; TE's wheels travel separately)"
+if [[ "${WITH_TE:-0}" != 1 ]] && ((total > 60 * 1048576)); then
+  echo "over 60 MiB: leave room for the working tree the device tool carries too" >&2
+  exit 1
+fi
 echo "carry .whl with the device tool (carry: [\".whl\"]) and run: bash tests/gpu/run.sh"

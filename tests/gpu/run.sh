@@ -31,16 +31,6 @@ else
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-missing=$("$PY" - <<'EOF'
-import importlib.util
-need = ["torch", "numpy", "megatron.core", "hydra", "omegaconf", "yaml"]
-print(" ".join(n for n in need if importlib.util.find_spec(n.split(".")[0]) is None
-               or (n == "megatron.core" and importlib.util.find_spec("megatron") is not None
-                   and importlib.util.find_spec("megatron.core") is None)))
-EOF
-)
-if [[ -n "$missing" ]]; then
-  echo "[run.sh] missing Python packages: $missing; carry them with tests/gpu/download_wheels.sh" >&2
-  exit 2
-fi
+# what prepare, train, verify and export import (tests/gpu/preflight.py), before any check runs
+"$PY" tests/gpu/preflight.py || exit 2
 exec "$PY" tests/gpu/checks.py
