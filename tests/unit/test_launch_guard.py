@@ -145,3 +145,16 @@ def test_resolve_device_asks_for_a_visible_gpu(monkeypatch):
     monkeypatch.delenv(groups.SHARE_GPUS_ENV)
     with pytest.raises(ConfigError, match="2 ranks on this node but 1 GPU"):
         groups.resolve_device("auto", "auto")
+
+
+def test_launch_backend_command_imports_no_torch():
+    """The launch scripts ask before torchrun starts: composing the config costs no torch start-up."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, sys; sys.argv = ['launch', 'backend', 'experiment=vlm_tiny']\n"
+            "try:\n    runpy.run_module('megatron_pack.cli.launch', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["gloo", "[]"], out.stdout + out.stderr
