@@ -468,8 +468,8 @@ class VerifyStopped(Exception):
         self.line = line
 
 
-def _load_reference(path: str):
-    """(transformers' float32 model of ``path``, transformers' version)."""
+def _load_reference(path: str, vocab_size: Optional[int] = None):
+    """(transformers' float32 model of ``path``, grown to ``vocab_size`` rows when given, transformers' version)."""
     try:
         import transformers
     except ImportError:
@@ -480,6 +480,10 @@ def _load_reference(path: str):
     vision = "vision_config" in read_hf_config(path)  # a vision-language model: images in, logits out
     auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     reference = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    if vocab_size is not None:  # model.resize_vocab: the reference grows as ours did (model/hf/resize.py)
+        from megatron_pack.model.hf.resize import grow_reference
+
+        grow_reference(reference, path, vocab_size)
     return reference.eval(), transformers.__version__
 
 
@@ -539,7 +543,7 @@ def run_verify_transformers(cfg, *, dataset=None, out=print) -> int:
     try:
         chunks = build_chunks(run_cfg, state)
         src = _holder_rank(state)
-        loaded = agree_on_reference(lambda: _load_reference(cfg.model.pretrained), holder=holder,
+        loaded = agree_on_reference(lambda: _load_reference(cfg.model.pretrained, cfg.model.vocab_size if cfg.model.resize_vocab else None), holder=holder,
                                     what=f"model.pretrained ({cfg.model.pretrained})")
         reference, version = loaded if loaded is not None else (None, None)
         if holder:

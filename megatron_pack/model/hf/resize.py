@@ -99,3 +99,26 @@ def vocab_names(rules) -> tuple[str, ...]:
     """The HF names the vocabulary rules of ``rules`` (``rules_for``'s triples) read: embed_tokens, lm_head."""
     return tuple(name for rule, _, names in rules if rule.kind == "vocab" for name in names)
 
+
+
+def grow_reference(reference, folder, num_new: int) -> None:
+    """transformers' model of ``folder`` grown to ``num_new`` rows as ``load_pretrained`` grows ours
+    (``resize_token_embeddings``, then our drawn rows copied in), so ``verify.reference=transformers`` compares
+    the same weights; nothing when the folder already has ``num_new`` rows or more."""
+    from megatron_pack.model.hf.load import SafetensorsFolder
+
+    layers = {"model.embed_tokens.weight": reference.get_input_embeddings()}
+    num_old = layers["model.embed_tokens.weight"].weight.shape[0]
+    if num_new <= num_old:
+        return
+    reference.resize_token_embeddings(num_new, mean_resizing=False)
+    layers = {"model.embed_tokens.weight": reference.get_input_embeddings()}
+    output = reference.get_output_embeddings()
+    if output is not None and output.weight is not layers["model.embed_tokens.weight"].weight:
+        layers["lm_head.weight"] = output
+    source = SafetensorsFolder(folder)
+    names = tuple(n for n in layers if n in source.weight_map)
+    grown = GrownVocab(source, names, num_new)
+    with torch.no_grad():
+        for name in names:
+            layers[name].weight[num_old:] = grown.added(name).to(layers[name].weight.dtype)
