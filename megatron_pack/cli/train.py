@@ -198,7 +198,10 @@ def main(argv: list[str]) -> int:
 
     enable_cpu_compat_without_cuda()  # megatron-core's CUDA assumptions, answered on a CPU host
     _freeze_garbage_collection()
-    state = initialize_parallel(cfg)
+    try:
+        state = initialize_parallel(cfg)
+    except ConfigError as exc:  # this node's GPUs cannot hold its ranks (parallel.groups.resolve_device): one line
+        return _refusal(exc)
     if rank == 0:  # the whole resolved config goes to <train.output_dir>/config.yaml and run.json
         print(run_line(cfg, state, dataset, validation), flush=True)
         if run.notes:
