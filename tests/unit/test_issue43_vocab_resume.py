@@ -120,6 +120,25 @@ def test_new_rows_are_transformers_mean_resizing(families, family):
     assert reference.config.vocab_size == new
 
 
+# (id, rows beyond config.json's 5 of vocabulary: None or their value, refused)
+EXPORT_CASES = [("tp-pad-rows-zero", 0.0, False), ("grown-rows-trained", 0.5, True), ("no-extra-rows", None, False)]
+
+
+@pytest.mark.parametrize("extra,is_refused", [c[1:] for c in EXPORT_CASES], ids=[c[0] for c in EXPORT_CASES])
+def test_export_never_cuts_trained_vocabulary_rows(extra, is_refused):
+    """An export against a folder of the old vocab_size (model.pretrained= the original on the export command line)
+    would cut a resized model's rows: refused; TP pad rows (zeros) are dropped as before."""
+    from megatron_pack.model.hf.transforms import Dims, transform
+
+    dims = Dims(num_heads=1, num_groups=1, head_dim=2, ffn=2, vocab=5, tp=1, hidden=2)
+    whole = torch.ones(5, 2) if extra is None else torch.cat([torch.ones(5, 2), torch.full((2, 2), extra)])
+    if is_refused:
+        with pytest.raises(ValueError, match="7 rows holding values beyond the 5"):
+            transform("vocab").export([whole], dims)
+    else:
+        assert torch.equal(transform("vocab").export([whole], dims)[0], torch.ones(5, 2))
+
+
 # ---------------------------------------------------------------- 4. ShareGPT with images
 
 @pytest.fixture(scope="module")

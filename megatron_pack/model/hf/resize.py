@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron_pack.model.hf.transforms import Reader
+from megatron_pack.model.hf.transforms import Reader, Vocab, transform
 
 EPSILON = 1e-9
 """transformers' scale of the old rows' covariance for the new rows' draw."""
@@ -97,7 +97,7 @@ class GrownVocab:
 
 def vocab_names(rules) -> tuple[str, ...]:
     """The HF names the vocabulary rules of ``rules`` (``rules_for``'s triples) read: embed_tokens, lm_head."""
-    return tuple(name for rule, _, names in rules if rule.kind == "vocab" for name in names)
+    return tuple(name for rule, _, names in rules if isinstance(transform(rule.kind), Vocab) for name in names)
 
 
 

@@ -251,7 +251,13 @@ class Vocab(Transform):
         out[stop - start:].zero_()  # vocabulary padding rows
 
     def export(self, shards, dims):
-        return [_cat(shards)[:dims.vocab]]
+        whole = _cat(shards)
+        if whole.shape[0] > dims.vocab and whole[dims.vocab:].any():  # TP pad rows stay zero; these are tokens
+            raise ValueError(f"the checkpoint's vocabulary has {whole.shape[0]} rows holding values beyond the "
+                             f"{dims.vocab} of the export source's config.json vocab_size (it was trained with "
+                             "model.resize_vocab); export with its own hf_source (drop model.pretrained) so nothing "
+                             "is cut.")
+        return [whole[:dims.vocab]]
 
 
 @register_transform
