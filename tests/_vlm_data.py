@@ -79,3 +79,26 @@ def write_jsonl(path: Path | str, records: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+VLM_CHAT_RUN = ["experiment=vlm_tiny", "data=files", "data.input=chat.jsonl"]
+"""``experiment=vlm_tiny`` on the chat file of ``vlm_chat_folder`` (images as files, not stored bytes)."""
+
+
+def vlm_chat_folder(root: Path, num_records: int = 12) -> Path:
+    """``root`` with the docs' tiny VLM folder, ``img<i>.png`` (56x28 pixels) and ``chat.jsonl``: the even records
+    ask about an image, the odd ones are text only. Returns ``root``."""
+    from _hf import docs_tiny_folder
+
+    docs_tiny_folder(root, "vlm_tiny", "tiny-vlm")
+    records = []
+    for i in range(num_records):
+        if i % 2 == 0:
+            make_image(root / f"img{i}.png", 56, 28, seed=i)
+            question = [{"type": "image", "image": f"img{i}.png"}, {"type": "text", "text": "what color is it"}]
+        else:
+            question = "describe the image " * (1 + i % 3)
+        records.append({"messages": [{"role": "user", "content": question},
+                                     {"role": "assistant", "content": "a red square " * (1 + i % 4)}]})
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root

@@ -77,3 +77,24 @@ def check_prepare(cfg) -> None:
 def check_weights_folder(folder: Optional[str | Path], where: Optional[str] = None) -> None:
     """``verify`` and ``export``: a folder whose weights are read in this one process (values too)."""
     check(model_folder_problems(None if folder is None else str(folder), values=True, where=where))
+
+
+def check_images(*datasets) -> None:
+    """``train`` and ``verify``: every image file the datasets' packs use (a plan's samples, or the whole store for
+    online packing) still exists with the pixel size prepare recorded, before any process group: an image deleted
+    or replaced after prepare was found only when its pack was read, after steps that were then lost."""
+    from megatron_pack.data.store.images import changed_images
+
+    problems, count = [], 0
+    for dataset in datasets:
+        store = getattr(dataset, "store", None)
+        if store is None or store.images is None:
+            continue
+        order = getattr(dataset, "sample_order", None)
+        found, n = changed_images(store.images, order if order is not None else range(len(store)),
+                                  store.metadata["images"], store.where)
+        problems, count = problems + found[:3 - len(problems)], count + n
+    if count:
+        raise DataError(f"{count} image file(s) the training data uses changed since prepare: " + "; ".join(problems)
+                        + ("; ..." if count > len(problems) else "") + ". Put the images back as they were, or re-run "
+                        "`megatron-pack prepare` with data.overwrite=true to prepare the data as it is now.")

@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.cli.launch import worker_started
     from megatron_pack.config.host import gpu_visible
-    from megatron_pack.cli.preflight import check_train
+    from megatron_pack.cli.preflight import check_images, check_train
     from megatron_pack.cli.run_config import load_run_config
     from megatron_pack.config.host import Host
     from megatron_pack.config.validate import config_warnings
@@ -162,6 +162,7 @@ def main(argv: list[str]) -> int:
         cfg, dataset = run.cfg, run.dataset
         check_train(cfg, values=check_only)  # the model folder's files, before any process group
         validation = open_validation(cfg, dataset)
+        check_images(dataset, validation)  # every image file the packs use, as prepare recorded it
         passed_over: list[str] = []
         resume = check_resume(cfg, world_size, dataset, notes=passed_over, host_gpu=gpu_visible())
     except (ConfigError, DataError) as exc:
@@ -189,7 +190,7 @@ def main(argv: list[str]) -> int:
     from megatron_pack.training.eval import build_validation_loader
     from megatron_pack.training.loop import build_loader, run_training
     from megatron_pack.training.summary import next_step_lines, run_summary
-    from megatron_pack.training.signals import configure
+    from megatron_pack.training.signals import DATA_STOP_NAME, configure, data_problem
 
     configure(cfg.checkpoint.save_on_signal, list(cfg.checkpoint.signals))
     _setup_logging(cfg.logging.level, rank)
@@ -217,6 +218,10 @@ def main(argv: list[str]) -> int:
         return _refusal(exc, wait=False)
     finally:
         destroy_parallel(destroy_process_group=True)
+    if trainer.stopped_by == DATA_STOP_NAME:  # every rank: the ranks that read the problem say it, once a DP rank
+        if data_problem() and state.tp_rank == 0 and state.cp_rank == 0 and state.pp_rank == 0:
+            print(data_stop_line(trainer, data_problem()), file=sys.stderr, flush=True)
+        return 2
     if rank == 0:
         print(run_summary(cfg, dataset), flush=True)
         if trainer.stopped_by:
@@ -244,6 +249,15 @@ def stop_line(trainer) -> str:
              if trainer.stop_checkpoint else "checkpoint.enabled=false, so nothing was saved")
     return (f"megatron-pack train: stopped by {trainer.stopped_by} after step {trainer.step} of "
             f"{trainer.train_iters}: {saved}.")
+
+
+def data_stop_line(trainer, problem: str) -> str:
+    """``megatron-pack train: sample 12 (chat.jsonl: line 13): image 0 (...) changed since prepare ...; stopped after
+    step 3 of 50, saved checkpoint ...``: a run stopped by data it cannot train on (``training.signals``)."""
+    saved = (f"saved checkpoint {trainer.stop_checkpoint} (this sample's loss left out of step {trainer.step}); "
+             "once the image is back, run the same command to resume from it" if trainer.stop_checkpoint
+             else "checkpoint.enabled=false, so nothing was saved")
+    return f"megatron-pack train: {problem.rstrip('.')}; stopped after step {trainer.step} of {trainer.train_iters}: {saved}."
 
 
 if __name__ == "__main__":

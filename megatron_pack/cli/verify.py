@@ -576,7 +576,7 @@ def run_verify_transformers(cfg, *, dataset=None, out=print) -> int:
 
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
-    from megatron_pack.cli.preflight import check_weights_folder
+    from megatron_pack.cli.preflight import check_images, check_weights_folder
     from megatron_pack.cli.run_config import load_run_config
     from megatron_pack.config.host import Host
     from megatron_pack.config.schema import ConfigError
@@ -594,6 +594,7 @@ def main(argv: list[str]) -> int:
         if line.print_config:
             return print_resolved(run.cfg, "\n".join(run.notes) or None)
         check_weights_folder(run.cfg.model.pretrained)  # one line per bad file, before any model exists
+        check_images(run.dataset)  # every image file the packs use, as prepare recorded it
         from megatron_pack.cli.launch import hide_gpus_for_cpu_run
 
         hide_gpus_for_cpu_run(run.cfg.train.device)  # before anything starts CUDA

@@ -16,7 +16,9 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from megatron_pack.data.batches.vlm import DATA_PROBLEM
 from megatron_pack.parallel.groups import ParallelState
+from megatron_pack.training.signals import stop_for_data
 
 
 @dataclass
@@ -58,6 +60,8 @@ class RecordingIterator:
 
     def __next__(self) -> dict:
         batch = self._ahead.pop(0) if self._ahead else next(self._it)
+        if DATA_PROBLEM in batch:  # an image changed since prepare: its sample is masked, the run stops after the step
+            stop_for_data(batch[DATA_PROBLEM])
         self.packs.append(pack_info(batch))
         self.batches.append(batch)
         return batch

@@ -55,6 +55,7 @@ def take_back_ignored(names: str) -> None:
 def configure(save_on_signal: bool, names: list[str]) -> None:
     """Keep recording ``names`` when ``save_on_signal``; give every other installed signal its default
     action back (re-raising it if it already arrived, as it would have acted)."""
+    _problems.clear()  # a new run (several run in one process in the tests' torchrun world)
     wanted = {int(getattr(signal, n)) for n in names} if save_on_signal else set()
     install([signal.Signals(n).name for n in wanted])
     for num in sorted(_installed - wanted):
@@ -65,8 +66,29 @@ def configure(save_on_signal: bool, names: list[str]) -> None:
             os.kill(os.getpid(), num)
 
 
+DATA_STOP = 1000
+"""What a rank that read data it cannot train on enters in the stop all-reduce: above every signal number, so the
+MAX names it whatever signal another rank got."""
+DATA_STOP_NAME = "a data problem"
+_problems: list[str] = []
+
+
+def stop_for_data(message: str) -> None:
+    """Stop the run after this step as a stop signal does (checkpoint saved), for data this rank cannot train on:
+    an image changed or deleted since prepare (``data.batches.vlm.DATA_PROBLEM``); ``message`` names it and the fix."""
+    if not _problems:
+        _problems.append(message)
+
+
+def data_problem() -> Optional[str]:
+    """The data problem this process stopped for (``stop_for_data``), or None."""
+    return _problems[0] if _problems else None
+
+
 def received() -> int:
-    """The first stop signal this process received (0: none)."""
+    """The first stop signal this process received (0: none; ``DATA_STOP`` for a data problem)."""
+    if _problems:
+        return DATA_STOP
     return _received[0] if _received else 0
 
 
@@ -78,14 +100,17 @@ class StopRequest:
         self.device = device
 
     def agreed(self) -> Optional[str]:
-        """The stop signal's name when any rank received one, else None (collective over the world)."""
-        if not self.enabled:
-            return None
+        """The stop signal's name when any rank received one (``DATA_STOP_NAME`` when a rank read data it cannot
+        train on), else None. A collective over the world every step, also with ``save_on_signal`` off (then only a
+        data problem can stop the run: the signals keep their default action)."""
         import torch
 
         from megatron_pack.parallel.comm import all_reduce
 
-        flag = torch.tensor([received()], dtype=torch.int64, device=self.device)
+        mine = received() if self.enabled or _problems else 0
+        flag = torch.tensor([mine], dtype=torch.int64, device=self.device)
         all_reduce(flag, op="max")
         value = int(flag.item())
+        if value == DATA_STOP:
+            return DATA_STOP_NAME
         return signal.Signals(value).name if value else None

@@ -186,7 +186,7 @@ def test_an_image_changed_after_prepare_is_one_line(prepared, tmp_path):
     with_image = next(s for s in samples if s["images"])
     copy = make_image(tmp_path / "changed.png", 100, 60, seed=99)
     with_image["images"] = [{**with_image["images"][0], "path": str(copy)}] + with_image["images"][1:]
-    with pytest.raises(DataError, match=rf"sample {with_image['sample_id']}: image 0 \(.*changed.png\) changed "
+    with pytest.raises(DataError, match=rf"sample {with_image['sample_id']} \(.*t.jsonl: line \d+\): image 0 \(.*changed.png\) changed "
                                         r"since prepare .*data.overwrite=true"):
         dataset_collate(cfg, ds)(samples)
 

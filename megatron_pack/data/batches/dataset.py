@@ -181,5 +181,7 @@ class PackedSFTDataset(BinnedSamples):
                 sample["source"] = source
             if self.store.images is not None:  # whole samples only: a plan with images never splits
                 sample["images"] = self.store.images.sample_images(sample_id, num_ids)
+                if sample["images"]:  # an image that changed since prepare is named with its record
+                    sample["where"] = self.store.where(sample_id)
             samples.append(sample)
         return samples

@@ -57,11 +57,11 @@ def collate_from_config(cfg: Config, metadata: Mapping[str, Any]) -> Callable[[S
                            pad_cu_seqlens=cfg.packing.pad_cu_seqlens, pack_multiple=effective_pack_multiple(cfg))
 
 
-def dataset_collate(cfg: Config, dataset) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
+def dataset_collate(cfg: Config, dataset, *, stop_on_problem: bool = False) -> Callable[[Sequence[Mapping[str, Any]]], dict]:
     """``collate_from_config`` for ``dataset``, with the images, pixels and M-RoPE positions of a store with
-    images (``vlm.with_images``)."""
+    images (``vlm.with_images``; ``stop_on_problem``: training's loader, which stops the run on a changed image)."""
     return image_collate(collate_from_config(cfg, dataset.metadata), getattr(dataset, "store_metadata", {}),
-                         in_batch=cfg.packing.mode == "in_batch")
+                         in_batch=cfg.packing.mode == "in_batch", stop_on_problem=stop_on_problem)
 
 
 def num_packs_left_out(num_packs: int, dp_size: int) -> int:
@@ -103,7 +103,7 @@ def build_loader(cfg: Config, dataset: PackedSFTDataset | MicroBatchDataset | On
                     "leaves out the last %d of its shuffled order (a different %d each epoch); use a data-parallel "
                     "size that divides %d to train every pack every epoch.", len(dataset), dp_size,
                     len(dataset) - left_out, left_out, left_out, len(dataset))
-    return StepLoader(dataset, dataset_collate(cfg, dataset), planner, dp_rank=dp_rank,
+    return StepLoader(dataset, dataset_collate(cfg, dataset, stop_on_problem=True), planner, dp_rank=dp_rank,
                       seed=cfg.train.seed, num_workers=cfg.data.num_workers, pin_memory=pin_memory,
                       info=loader_info(dataset.metadata), bucket_order=cfg.packing.bucket_order)
 

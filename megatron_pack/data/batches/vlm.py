@@ -85,7 +85,7 @@ def mrope_position_ids(samples: Sequence[Mapping[str, Any]], cu_seqlens: torch.T
     return torch.from_numpy(out)
 
 
-def _decode(image: Mapping[str, Any], sample_id: int, k: int):
+def _decode(image: Mapping[str, Any], sample_id, k: int):
     from PIL import Image
 
     name = image.get("path") or f"stored image {k}"
@@ -106,12 +106,31 @@ def _decode(image: Mapping[str, Any], sample_id: int, k: int):
     return decoded
 
 
-def pack_pixels(samples: Sequence[Mapping[str, Any]], processor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pixel_values, image_grid_thw)`` of the pack's images, checked against the grids prepare stored."""
+def _stand_in(image: Mapping[str, Any], processor):
+    """A black image the processor cuts into ``image``'s stored grid (its pixel size is that grid's): the pixels of an
+    image that changed since prepare, so the pack keeps its shapes while its sample's loss is masked."""
+    from PIL import Image
+
+    _, h, w = (int(x) for x in image["grid"])
+    return Image.new("RGB", (w * int(processor.patch_size), h * int(processor.patch_size)))
+
+
+def pack_pixels(samples: Sequence[Mapping[str, Any]], processor,
+                problems: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pixel_values, image_grid_thw)`` of the pack's images, checked against the grids prepare stored. An image
+    that cannot be read or changed since prepare raises its ``DataError``; with ``problems`` (a list) it is appended
+    there as ``(index of its sample in samples, message)`` and a black stand-in takes its place."""
     decoded, grids, owners = [], [], []
-    for sample in samples:
+    for index, sample in enumerate(samples):
         for k, image in enumerate(sample.get("images", [])):
-            decoded.append(_decode(image, int(sample.get("sample_id", -1)), k))
+            try:
+                where = f" ({sample['where']})" if sample.get("where") else ""  # the record: file and line
+                decoded.append(_decode(image, f"{int(sample.get('sample_id', -1))}{where}", k))
+            except DataError as exc:
+                if problems is None:
+                    raise
+                problems.append((index, str(exc)))
+                decoded.append(_stand_in(image, processor))
             grids.append(tuple(image["grid"]))
             owners.append((int(sample.get("sample_id", -1)), k))
     width = 3 * int(processor.temporal_patch_size) * int(processor.patch_size) ** 2
@@ -127,20 +146,38 @@ def pack_pixels(samples: Sequence[Mapping[str, Any]], processor) -> tuple[torch.
     return torch.from_numpy(np.asarray(out["pixel_values"], dtype=np.float32)), torch.from_numpy(grid)
 
 
+DATA_PROBLEM = "data_problem"
+"""Batch key of the first image problem of a pack collated with ``stop_on_problem`` (a message naming the sample,
+the image and the fix); the training loop stops the run after the step, as a stop signal does (``training.signals``)."""
+
+
 def with_images(collate: Callable, samples: Sequence[Mapping[str, Any]], *, processor_dir: str, merge_size: int,
-                skip_empty: bool = False) -> dict:
+                skip_empty: bool = False, stop_on_problem: bool = False) -> dict:
     """``collate(samples)`` plus ``pixel_values``, ``image_grid_thw`` and ``mrope_position_ids`` (module
-    docstring). ``skip_empty``: the collate leaves out samples without a token (in-batch packing does)."""
+    docstring). ``skip_empty``: the collate leaves out samples without a token (in-batch packing does).
+    ``stop_on_problem`` (training): an image that changed since prepare (or went missing) does not raise in the
+    loader; its sample's loss mask is zeroed, a black stand-in takes its pixels and ``batch[DATA_PROBLEM]`` names
+    it, so the run stops after this step with a checkpoint instead of a traceback that loses the steps since the
+    last save."""
     batch = collate(samples)
     kept = [s for s in samples if len(s["input_ids"]) > 1] if skip_empty else list(samples)
-    pixels, grid = pack_pixels(kept, image_processor(processor_dir))
+    problems: list | None = [] if stop_on_problem else None
+    pixels, grid = pack_pixels(kept, image_processor(processor_dir), problems)
+    if problems:
+        cu = batch["cu_seqlens_padded"].tolist()
+        loss_mask = batch["loss_mask"].clone()
+        for index, _ in problems:  # sub-sequence ``index`` is the sample: nothing of it is trained on
+            loss_mask[..., cu[index]:cu[index + 1]] = 0
+        batch["loss_mask"] = loss_mask
+        batch[DATA_PROBLEM] = problems[0][1]
     batch["pixel_values"], batch["image_grid_thw"] = pixels, grid
     batch["mrope_position_ids"] = mrope_position_ids(kept, batch["cu_seqlens"], batch["cu_seqlens_padded"],
                                                      batch["tokens"].shape[-1], merge_size)
     return batch
 
 
-def image_collate(collate: Callable, store_metadata: Mapping[str, Any], *, in_batch: bool = False) -> Callable:
+def image_collate(collate: Callable, store_metadata: Mapping[str, Any], *, in_batch: bool = False,
+                  stop_on_problem: bool = False) -> Callable:
     """``collate`` itself for a text store; for a store with images, ``with_images`` around it."""
     import functools
 
@@ -148,4 +185,4 @@ def image_collate(collate: Callable, store_metadata: Mapping[str, Any], *, in_ba
     if not images:
         return collate
     return functools.partial(with_images, collate, processor_dir=str(store_metadata["tokenizer_path"]),
-                             merge_size=int(images["merge_size"]), skip_empty=in_batch)
+                             merge_size=int(images["merge_size"]), skip_empty=in_batch, stop_on_problem=stop_on_problem)

@@ -107,3 +107,38 @@ class StoreImages:
         else:
             out["path"] = ref.decode("utf-8")
         return out
+
+
+def changed_images(images: StoreImages, samples, spec: dict, where) -> tuple[list[str], int]:
+    """``(the first few problems, how many)`` of the image files ``samples`` use: missing, not an image, or of a
+    pixel size the processor's rule (``spec``: the store's ``images`` metadata) cuts into another patch grid than
+    the one prepare recorded. Reads each file's header only (no decoding, no checksum: the loader checks every
+    image's sha256 when it reads it). ``where(i)`` names sample ``i``'s record."""
+    from PIL import Image, UnidentifiedImageError
+
+    from megatron_pack.data.formats.images import smart_resize
+
+    samples = np.unique(np.asarray(samples, dtype=np.int64))
+    starts, stops = np.asarray(images.offsets)[samples], np.asarray(images.offsets)[samples + 1]
+    patch, factor = int(spec["patch_size"]), int(spec["patch_size"]) * int(spec["merge_size"])
+    problems, count = [], 0
+    for i, lo, hi in zip(samples[stops > starts].tolist(), starts[stops > starts].tolist(), stops[stops > starts].tolist()):
+        for k, j in enumerate(range(lo, hi)):
+            if int(images.kind[j]) != PATH:  # stored bytes: checked with the store's own checksums
+                continue
+            image = images.image(j)
+            try:
+                with Image.open(image["path"]) as opened:
+                    width, height = opened.size
+                h, w = smart_resize(height, width, factor, int(spec["min_pixels"]), int(spec["max_pixels"]))
+                if (1, h // patch, w // patch) == image["grid"]:
+                    continue
+                why = f"has {width}x{height} pixels, which is not the size prepare recorded (patch grid {image['grid']})"
+            except FileNotFoundError:
+                why = "is missing"
+            except (OSError, UnidentifiedImageError, ValueError) as exc:
+                why = f"cannot be read as an image ({exc})"
+            count += 1
+            if len(problems) < 3:
+                problems.append(f"sample {i} ({where(i)}): image {k} {image['path']} {why}")
+    return problems, count
