@@ -82,6 +82,7 @@ def main(argv: list[str]) -> int:
         check_prepare(cfg)  # the tokenizer and model folders, one line each, before anything is read
         plan_dir = unchanged_plan(cfg) if world_size == 1 else None  # proved unchanged: no tokenizer is built
         if plan_dir is not None:  # what the run that wrote it warned, said again
+            _check_vocab(cfg)
             _warn_lost(Path(cfg.data.dataset_dir), plan_dir)
         else:
             from megatron_pack.data.prepare import prepare
@@ -117,6 +118,17 @@ def _with_recorded(cfg, overrides: list[str], rank: int):
     if recorded.notes and rank == 0:
         print(f"settings from the dataset ({dataset_dir}): {', '.join(recorded.notes)}", file=sys.stderr)
     return recorded.cfg
+
+
+def _check_vocab(cfg) -> None:
+    """An unchanged plan builds no tokenizer: the vocabulary rule reads the tokenizer's size the store recorded."""
+    from megatron_pack.config.validate import tokenizer_vocab_problems
+    from megatron_pack.data.store.atomic import read_json
+
+    vocab = read_json(Path(cfg.data.dataset_dir) / "metadata.json").get("vocab_size")
+    problems = tokenizer_vocab_problems(cfg, vocab, f"len(tokenizer) = {vocab}") if cfg.model.pretrained else []
+    if problems:
+        raise ConfigError(problems)
 
 
 def _warn_lost(dataset_dir: Path, plan_dir: Path) -> None:

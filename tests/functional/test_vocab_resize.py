@@ -70,6 +70,7 @@ def test_a_larger_tokenizer_is_refused_then_grows_the_model_when_asked(root):
     assert not (root / "data/pretrained_tiny").exists()
 
     ok(root, "prepare", *RUN, "data.tokenizer=big-tok", "model.resize_vocab=true")
+    _one_line(refused(root, "prepare", *RUN, "data.tokenizer=big-tok"))  # the plan is there: no tokenizer is built
     status, out = run_cli(root, "train", "--check", *RUN, env={"WORLD_SIZE": "2", "RANK": "0"})
     assert status == 2 and f"vocab_size={BIG} in the packed dataset" in _one_line(out), out
     ok(root, "train", "--check", *RUN, "model.resize_vocab=true", env={"WORLD_SIZE": "2", "RANK": "0"})
