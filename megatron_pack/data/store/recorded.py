@@ -55,9 +55,9 @@ def _plans(dataset_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
     plans, other = [], []
     for plan_dir in list_plans(dataset_dir):
         try:
-            meta = read_json(plan_dir / "metadata.json")  # a damaged one: `... is damaged`, whichever plan is picked
-        except FileNotFoundError:
-            meta = {}
+            meta = read_json(plan_dir / "metadata.json")
+        except (OSError, ValueError) as exc:  # listed beside the others; alone, its damage is the refusal
+            meta = {"_unreadable": exc}
         if meta.get("format_version") == PLAN_FORMAT_VERSION and isinstance(meta.get("manifest"), dict):
             plans.append((plan_dir, meta))
         elif meta.get("format") == PLAN_FORMAT and isinstance(meta.get("format_version"), int) \
@@ -109,6 +109,9 @@ def choose_plan(cfg, dataset_dir: Path, given: set[str]) -> Path:
     if not plans:
         raise DataError(f"data.dataset_dir ({dataset_dir}) holds a token store but no packing plan{older_text}; "
                         f"run {_rerun(cfg, dataset_dir, required)}.")
+    readable = [m for _, m in plans if "_unreadable" not in m]
+    if not readable and isinstance(plans[0][1]["_unreadable"], DataError):  # `<plan>/metadata.json is damaged (...)`
+        raise plans[0][1]["_unreadable"]
     if cfg.data.plan is not None:
         plan_dir, meta = _named(cfg, dataset_dir, plans, given)
     else:
