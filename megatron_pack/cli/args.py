@@ -38,7 +38,8 @@ COMMON_KEYS = {
 USAGE_EXTRA = {
     "prepare": ("Shorthands: input=PATH (data=files data.input=PATH), tokenizer=X, output=DIR (data.dataset_dir), "
                 "export=bridge. A pack size without model.seq_length sets it too."),
-    "inspect": "Also: megatron-pack inspect DIR.",
+    "inspect": "Also: megatron-pack inspect DIR; megatron-pack inspect DIR sample=I (sample I decoded, the tokens that "
+               "carry loss marked [[...]]).",
     "verify": ("Reads the tokenizer, pack size, pad multiple and vocab size prepare recorded in data.dataset_dir; "
                "a folder with several plans needs data.plan=<name> (inspect lists them)."),
     "train": ("Launch with torchrun (launch/single_node.sh N ...). Reads what prepare recorded in data.dataset_dir "
