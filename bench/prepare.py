@@ -221,7 +221,11 @@ def _child_peak_rss(cmd: list[str]) -> float:
 def main() -> None:
     if "--real" in sys.argv:  # real tokenizers against transformers' loop and TRL: bench/prepare_real.py
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        rest = [a for a in sys.argv[1:] if a not in ("--real", "--paired")]
+        rest = [a for a in sys.argv[1:] if a not in ("--real", "--paired", "--against-trl")]
+        if "--against-trl" in sys.argv:  # fixed cost with a model folder, and end to end against TRL: prepare_trl.py
+            from prepare_trl import main as against_trl_main
+
+            return against_trl_main(rest)
         if "--paired" in sys.argv:  # the work per token, robust to a loaded machine: bench/real_paired.py
             from real_paired import main as paired_main
 

@@ -69,6 +69,10 @@ def main(argv: list[str]) -> int:
     line = parse_command_line("prepare", argv)
     if isinstance(line, int):
         return line
+    if not line.print_config and rank == 0:  # report.png's painter imports matplotlib while the config composes
+        from megatron_pack.data.packing.report import ReportPainter
+
+        ReportPainter.shared()
     cfg = None
     try:
         overrides = expand_shorthands(line.overrides)

@@ -148,7 +148,9 @@ MODEL_FOLDERS = [  # (id, config.json model_type, tokenizer_config class, pre-to
     ("llama-LlamaTokenizer-byte-level", "llama", "LlamaTokenizer", "byte_level", False),  # AutoTokenizer swaps it
     ("qwen3-Qwen2Tokenizer", "qwen3", "Qwen2Tokenizer", "byte_level", True),
     ("qwen3_moe-generic-fast", "qwen3_moe", "PreTrainedTokenizerFast", "byte_level", False),  # registered: Qwen2
-    ("mistral-LlamaTokenizer", "mistral", "LlamaTokenizer", "metaspace", False),  # its own registered backend
+    ("mistral-LlamaTokenizer", "mistral", "LlamaTokenizer", "metaspace", True),  # swapped to the generic backend
+    ("mixtral-LlamaTokenizer", "mixtral", "LlamaTokenizer", "metaspace", True),
+    ("phi3-LlamaTokenizer", "phi3", "LlamaTokenizer", "metaspace", False),  # a type the table does not know
 ]
 TEXTS = ["hello world", " what is two plus two?", "the answer is four\n", "<s>system user</s> assistant"]
 
@@ -224,22 +226,29 @@ def test_the_registered_classes_are_transformers_own():
     """``_REGISTERED_CLASSES`` says what transformers' table says for each model type (none for llama)."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    from megatron_pack.data.formats.tokenizer import _REGISTERED_CLASSES
+    import importlib.util
 
-    assert len(_REGISTERED_CLASSES) >= 5
+    from megatron_pack.data.formats.tokenizer import _MISTRAL_COMMON_TYPES, _REGISTERED_CLASSES
+
+    assert len(_REGISTERED_CLASSES) >= 7
+    mistral_common = importlib.util.find_spec("mistral_common") is not None
     for model_type, registered in _REGISTERED_CLASSES.items():
         theirs = TOKENIZER_MAPPING_NAMES.get(model_type)
+        if mistral_common and model_type in _MISTRAL_COMMON_TYPES:  # then AutoTokenizer loads these folders
+            registered = "MistralCommonBackend"
         assert (theirs.removesuffix("Fast") if theirs else None) == registered, model_type
 
 
-def test_prepare_with_a_model_folder_does_not_import_torch(tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_prepare_with_a_model_folder_does_not_import_torch(tmp_path, model_type):
     """``prepare tokenizer=<model folder>`` spent 2 s importing torch through AutoTokenizer; now it loads the
-    tokenizer as a tokenizer-only copy's, and the process never imports torch (sys.modules at its end)."""
+    tokenizer as a tokenizer-only copy's (a Mistral folder's as the backend AutoTokenizer swaps in, issue 43
+    item 12), and the process never imports torch (sys.modules at its end)."""
     import os
     import subprocess
     import sys
 
-    folder = _model_folder(tmp_path / "llama", "llama", "LlamaTokenizer", "metaspace")
+    folder = _model_folder(tmp_path / model_type, model_type, "LlamaTokenizer", "metaspace")
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in MESSAGES * 4))
     code = ("import sys; from megatron_pack.cli.main import main; "
             f"rc = main(['prepare', 'input=t.jsonl', 'tokenizer={folder}', 'output=ds', "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -120,28 +121,40 @@ _DIRECT_CLASSES = {"PreTrainedTokenizerFast": "PreTrainedTokenizerFast", "Tokeni
 
 
 _REGISTERED_CLASSES = {"llama": None, "qwen2": "Qwen2Tokenizer", "qwen2_moe": "Qwen2Tokenizer",
-                       "qwen3": "Qwen2Tokenizer", "qwen3_moe": "Qwen2Tokenizer"}
+                       "qwen3": "Qwen2Tokenizer", "qwen3_moe": "Qwen2Tokenizer",
+                       "mistral": "TokenizersBackend", "mixtral": "TokenizersBackend"}
 """``model_type`` of a model folder's ``config.json`` -> the tokenizer class ``AutoTokenizer`` registers for it
 (None: none, so the folder's ``tokenizer_class`` decides). ``AutoTokenizer`` reads ``config.json`` only to
-replace a declared class by the registered one when they differ (Mistral and Mixtral register their own
-backend, so they are not listed); for these types and a declared class they agree with, the model folder
-loads as its tokenizer-only copy does (tests/unit/test_tokenizer.py compares the two, and this table with
+replace a declared class by the registered one when they differ: a Mistral or Mixtral folder's
+``LlamaTokenizer`` loads as the generic ``TokenizersBackend`` (``MistralCommonBackend`` instead where the
+mistral-common package is installed: then ``AutoTokenizer`` loads it). For these types the model folder loads
+with the class ``AutoTokenizer`` would pick (tests/unit/test_tokenizer.py compares the two, and this table with
 transformers' own)."""
 
+_MISTRAL_COMMON_TYPES = ("mistral", "mixtral")
+"""Types whose registered class is ``MistralCommonBackend`` where mistral-common is installed."""
 
-def _model_type_agrees(folder: Path, class_name: str) -> bool:
-    """True when the folder has no ``config.json``, or one whose ``model_type`` leaves ``class_name`` as is."""
+
+def _class_for_folder(folder: Path, class_name: str) -> str | None:
+    """The class ``AutoTokenizer`` loads a folder declaring ``class_name`` with: ``class_name`` without a
+    ``config.json`` or for a type that registers none or the same; the registered generic backend for a type
+    that swaps to it; None where ``AutoTokenizer`` must decide (an unknown type, mistral-common installed)."""
     config_file = folder / "config.json"
     if not config_file.exists():
-        return True
+        return class_name
     try:
         model_type = json.loads(config_file.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
     if model_type not in _REGISTERED_CLASSES:
-        return False
+        return None
     registered = _REGISTERED_CLASSES[model_type]
-    return registered is None or registered == class_name
+    if registered is None or registered == class_name:
+        return class_name
+    if registered == "TokenizersBackend" and not (model_type in _MISTRAL_COMMON_TYPES
+                                                  and importlib.util.find_spec("mistral_common") is not None):
+        return "PreTrainedTokenizerFast"
+    return None
 
 
 def load_hf_tokenizer(path: str):
@@ -165,7 +178,8 @@ def load_hf_tokenizer(path: str):
         except ValueError:
             config = {}
         name = _DIRECT_CLASSES.get(config.get("tokenizer_class"))
-        if name is not None and "auto_map" not in config and _model_type_agrees(folder, name):
+        name = None if name is None or "auto_map" in config else _class_for_folder(folder, name)
+        if name is not None:
             import transformers
 
             cls = getattr(transformers, name)
@@ -226,6 +240,7 @@ class HFTokenizer:
         self.bos_id = None if self.tok.bos_token_id is None else int(self.tok.bos_token_id)
         self.pad_id = int(self.tok.pad_token_id) if self.tok.pad_token_id is not None else self.eos_id
         self._blank_tails: dict[tuple[int, ...], bool] = {}
+        self._identity: tuple | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -234,8 +249,12 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids])
 
     def identity(self) -> dict:
-        vocab = {"vocab": self.tok.get_vocab(), "chat_template": self.tok.chat_template}
-        return _identity(self.name, vocab, self)
+        """Name, vocabulary size and hash (vocabulary and chat template), special ids; computed once per template
+        (hashing a 32k-131k vocabulary's JSON takes 0.1-0.4 s, and the manifest and the store both ask)."""
+        if self._identity is None or self._identity[0] != self.tok.chat_template:
+            vocab = {"vocab": self.tok.get_vocab(), "chat_template": self.tok.chat_template}
+            self._identity = (self.tok.chat_template, _identity(self.name, vocab, self))
+        return dict(self._identity[1])
 
     def encode_sample(self, record: dict, schema: SampleSchema, *, answer_only_loss: bool = True):
         if record_kind(record, schema) == "prompt_completion":
