@@ -93,6 +93,19 @@ def save_tokenizer(path: Path) -> None:
                   ["<pad>", "<s>", "</s>"], 290, CHAT_TEMPLATE, bos="<s>", eos="</s>", pad="<pad>")
 
 
+def larger_tokenizer(path: Path, vocab_size: int = 361):
+    """A byte-level BPE of ``vocab_size`` ids (up to about 400), larger than the families' vocabulary of 301: the
+    corpus is 300 made-up words, which gives more merges than ``save_tokenizer``'s (issue 43's tokenizer larger
+    than the model)."""
+    import random
+
+    gen = random.Random(0)
+    words = ["".join(gen.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(gen.randint(3, 8))) for _ in range(300)]
+    corpus = [" ".join(words[i:i + 10]) for i in range(0, 300, 10)] + ["what is two plus two", "the answer is"]
+    return bpe_tokenizer(path, corpus, ["<pad>", "<s>", "</s>"], vocab_size, CHAT_TEMPLATE, bos="<s>", eos="</s>",
+                         pad="<pad>")
+
+
 def make_family(root: Path | str, family: str, *, seed: int = 0, dtype=torch.float32,
                 max_shard_size: str = "60KB", name: str | None = None, num_layers: int = 2) -> Path:
     """A saved tiny model folder ``root/<name or family>`` (several safetensors shards + index + tokenizer)."""

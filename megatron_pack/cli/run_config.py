@@ -58,7 +58,7 @@ def load_run_config(overrides: list[str], *, config_dirs: Optional[list[str]] = 
     if early:
         raise ConfigError(early)
     if cfg0.packing.mode == "online" and cfg0.packing.online_source == "stream":
-        return _stream_run(cfg0, checks, open_data)
+        return _stream_run(cfg0, checks, open_data, given)
     dataset_dir = Path(cfg0.data.dataset_dir)
     fix = (f"run `megatron-pack prepare data.dataset_dir={dataset_dir} ...` first (README.md, 'Commands'), or set "
            "data.dataset_dir to the folder prepare wrote")
@@ -111,15 +111,28 @@ def _before_prepare(cfg0, given: set[str], dataset_dir: Path, checks: dict) -> R
     return RunConfig(cfg0, None, [note])
 
 
-def _stream_run(cfg0, checks: dict, open_data: bool) -> RunConfig:
+def _stream_run(cfg0, checks: dict, open_data: bool, given: set[str]) -> RunConfig:
     """packing.online_source=stream: the records of data.input are tokenized while training; nothing prepared
-    is read, so the command line's config is the run's."""
-    cfg = _validated(cfg0, checks, None)
+    is read, so the command line's config is the run's (a pretrained folder's vocabulary checked against the
+    tokenizer's size, and grown with model.resize_vocab, as from a prepared dataset)."""
+    cfg, notes = cfg0, []
+    if cfg0.model.pretrained:
+        from megatron_pack.config.validate import tokenizer_vocab_problems
+        from megatron_pack.data.formats.tokenizer import build_tokenizer
+        from megatron_pack.data.store.recorded import apply_recorded
+
+        vocab = build_tokenizer(cfg0.data.tokenizer, cfg0.data.chat_template).vocab_size
+        recorded = apply_recorded(cfg0, {}, {"vocab_size": vocab}, given)
+        cfg, notes = recorded.cfg, [f"from data.tokenizer: {n}" for n in recorded.notes]
+        problems = tokenizer_vocab_problems(cfg, vocab, f"len(tokenizer) = {vocab}")
+        if problems:
+            raise ConfigError(problems)
+    cfg = _validated(cfg, checks, None)
     if not open_data:
-        return RunConfig(cfg, None)
+        return RunConfig(cfg, None, notes)
     from megatron_pack.data.batches.opening import open_dataset
 
-    return RunConfig(cfg, open_dataset(cfg))
+    return RunConfig(cfg, open_dataset(cfg), notes)
 
 
 def _online_without_validation(cfg0, given: set[str]) -> bool:

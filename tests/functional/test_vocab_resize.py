@@ -18,7 +18,6 @@ of 361 ids trained here (no hub). As the issue ran it:
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _hf import CHAT_TEMPLATE, bpe_tokenizer, make_family, torchrun_train_cases  # noqa: E402
+from _hf import larger_tokenizer, make_family, torchrun_train_cases  # noqa: E402
 from _user_path import ok, refused, run_cli  # noqa: E402
 
 RUN = ["experiment=pretrained_tiny", "data.synthetic_num_samples=24", "train.train_iters=2"]
@@ -35,19 +34,11 @@ BIG = 361
 SMALL = 301
 
 
-def big_tokenizer(path: Path):
-    """A byte-level BPE of ``BIG`` ids (more merges than tests/_hf.py's: 300 made-up words)."""
-    gen = random.Random(0)
-    words = ["".join(gen.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(gen.randint(3, 8))) for _ in range(300)]
-    corpus = [" ".join(words[i:i + 10]) for i in range(0, 300, 10)] + ["what is two plus two", "the answer is"]
-    return bpe_tokenizer(path, corpus, ["<pad>", "<s>", "</s>"], BIG, CHAT_TEMPLATE, bos="<s>", eos="</s>", pad="<pad>")
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vocab")
     make_family(root / "models", "llama_rope", name="tiny-llama")
-    assert len(big_tokenizer(root / "big-tok")) == BIG  # guard: larger than the model's 301 rows
+    assert len(larger_tokenizer(root / "big-tok", BIG)) == BIG  # guard: larger than the model's 301 rows
     return root
 
 

@@ -120,6 +120,25 @@ def test_new_rows_are_transformers_mean_resizing(families, family):
     assert reference.config.vocab_size == new
 
 
+@pytest.mark.parametrize("resize", [False, True], ids=["refused", "resize-vocab"])
+def test_a_stream_run_checks_the_tokenizer_as_a_prepared_one(tmp_path, families, resize):
+    """packing.online_source=stream reads nothing prepared: the rule reads the tokenizer itself before launch."""
+    from _hf import larger_tokenizer
+
+    from megatron_pack.cli.run_config import load_run_config
+
+    larger_tokenizer(tmp_path / "big-tok", 361)
+    argv = ["model=pretrained", f"model.pretrained={families['llama_rope']}", f"data.tokenizer={tmp_path}/big-tok",
+            "packing.mode=online", "packing.online_source=stream", "train.train_iters=2",
+            *(["model.resize_vocab=true"] if resize else [])]
+    if resize:
+        run = load_run_config(argv, world_size=1, open_data=False)
+        assert run.cfg.model.vocab_size == 361 and any("model.vocab_size=361 (was 301)" in n for n in run.notes)
+    else:
+        with pytest.raises(ConfigError, match="has 361 ids .* has 301 embedding rows"):
+            load_run_config(argv, world_size=1, open_data=False)
+
+
 # (id, rows beyond config.json's 5 of vocabulary: None or their value, refused)
 EXPORT_CASES = [("tp-pad-rows-zero", 0.0, False), ("grown-rows-trained", 0.5, True), ("no-extra-rows", None, False)]
 
