@@ -481,9 +481,10 @@ def _load_reference(path: str, vocab_size: Optional[int] = None):
     auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     reference = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
     if vocab_size is not None:  # model.resize_vocab: the reference grows as ours did (model/hf/resize.py)
+        from megatron_pack.model.hf.load import SafetensorsFolder
         from megatron_pack.model.hf.resize import grow_reference
 
-        grow_reference(reference, path, vocab_size)
+        grow_reference(reference, SafetensorsFolder(path), vocab_size)
     return reference.eval(), transformers.__version__
 
 

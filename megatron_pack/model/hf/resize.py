@@ -105,14 +105,11 @@ def vocab_names(rules) -> tuple[str, ...]:
 
 
 
-def grow_reference(reference, folder, num_new: int) -> None:
-    """transformers' model of ``folder`` grown to ``num_new`` rows as ``load_pretrained`` grows ours
-    (``resize_token_embeddings``, then our drawn rows copied in), so ``verify.reference=transformers`` compares
-    the same weights; nothing when the folder already has ``num_new`` rows or more."""
-    from megatron_pack.model.hf.load import SafetensorsFolder
-
-    layers = {"model.embed_tokens.weight": reference.get_input_embeddings()}
-    num_old = layers["model.embed_tokens.weight"].weight.shape[0]
+def grow_reference(reference, source, num_new: int) -> None:
+    """transformers' model of the folder ``source`` reads (a ``load.SafetensorsFolder``) grown to ``num_new`` rows
+    as ``load_pretrained`` grows ours (``resize_token_embeddings``, then our drawn rows copied in), so
+    ``verify.reference=transformers`` compares the same weights; nothing when it has ``num_new`` rows or more."""
+    num_old = reference.get_input_embeddings().weight.shape[0]
     if num_new <= num_old:
         return
     reference.resize_token_embeddings(num_new, mean_resizing=False)
@@ -120,7 +117,6 @@ def grow_reference(reference, folder, num_new: int) -> None:
     output = reference.get_output_embeddings()
     if output is not None and output.weight is not layers["model.embed_tokens.weight"].weight:
         layers["lm_head.weight"] = output
-    source = SafetensorsFolder(folder)
     names = tuple(n for n in layers if n in source.weight_map)
     grown = GrownVocab(source, names, num_new)
     with torch.no_grad():
