@@ -119,6 +119,20 @@ def reduce_scatter_tensor(full: torch.Tensor, group: ProcessGroup = None) -> tor
     return out.to(full.device)
 
 
+def all_to_all_single(chunks: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """``chunks`` [size, ...]: chunk ``j`` goes to group rank ``j``; returns [size, ...] whose chunk ``j`` came
+    from group rank ``j``, on ``chunks``' device. Its own inverse (the adjoint for autograd)."""
+    size = group_size(group)
+    if size == 1:
+        return chunks.clone()
+    if chunks.size(0) != size:
+        raise ValueError(f"all_to_all_single takes one chunk per rank along dim 0: {chunks.size(0)} for {size} ranks.")
+    wire = _on_wire(chunks, group)
+    out = torch.empty_like(wire)
+    dist.all_to_all_single(out, wire, group=group)
+    return out.to(chunks.device)
+
+
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[torch.Tensor, int]],
              group: ProcessGroup = None) -> None:
     """Point-to-point: post every ``(tensor, global peer rank)`` send, then every receive into its tensor, in

@@ -1,0 +1,286 @@
+"""Packed Gated DeltaNet (model/delta_rule.py, model/linear_attention.py) against transformers' Qwen3.5 layer.
+
+The references share no code with ours: transformers' ``Qwen3_5GatedDeltaNet`` run on each sample alone
+(float32), and its token-by-token ``torch_recurrent_gated_delta_rule`` (float64) for the kernel, which is
+another algorithm than our chunked one. STYLE 24: a short sample packed after a long one must come out
+exactly as alone; every case also checks that the pack *would* leak if the state were carried over.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_pack.model.delta_rule import packed_causal_conv1d, packed_gated_delta_rule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _dist import spawn_world  # noqa: E402
+
+torch.use_deterministic_algorithms(True)
+
+HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, WIDTH = 32, 2, 4, 8, 4
+
+CASES = [
+    # (cu_seqlens, cu_seqlens_padded or None)
+    ([0, 150, 155], [0, 152, 160]),                  # short after long (three 64-token chunks), padded
+    ([0, 7, 27, 30], [0, 8, 32, 40]),                # padding between every sub-sequence
+    ([0, 64, 65, 98], None),                         # unpadded; a chunk-sized and a one-token sample
+    ([0, 10, 80, 80, 80], [0, 16, 88, 96, 96]),      # pad_to_max_length tail slot, fixed-length cu tail
+]
+IDS = ["short_after_long", "padding_between", "unpadded_chunk_edges", "tail_slot_fixed_cu"]
+
+
+def _samples(cu, cu_pad):
+    """(start row, real length) of every sub-sequence with a real token."""
+    cu_pad = cu_pad or cu
+    return [(cu_pad[i], cu[i + 1] - cu[i]) for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+
+
+def _real_rows(cu, cu_pad) -> torch.Tensor:
+    total = (cu_pad or cu)[-1]
+    real = torch.zeros(total, dtype=torch.bool)
+    for start, n in _samples(cu, cu_pad):
+        real[start:start + n] = True
+    return real
+
+
+# ---- the kernels -----------------------------------------------------------------------------------
+
+def _kernel_inputs(total, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(total, KEY_HEADS, HEAD_DIM, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(total, VALUE_HEADS, HEAD_DIM, generator=g, dtype=dtype)
+    decay = -torch.rand(total, VALUE_HEADS, generator=g, dtype=dtype) * 0.3
+    beta = torch.rand(total, VALUE_HEADS, generator=g, dtype=dtype)
+    return [t.requires_grad_(True) for t in (q, k, v, decay, beta)]
+
+
+def _recurrence(q, k, v, decay, beta):
+    """The gated delta rule's definition, one token at a time (float64; the module docstring's formula)."""
+    q = q / q.norm(dim=-1, keepdim=True).square().add(1e-6).sqrt() / HEAD_DIM ** 0.5
+    k = k / k.norm(dim=-1, keepdim=True).square().add(1e-6).sqrt()
+    q, k = (t.repeat_interleave(VALUE_HEADS // KEY_HEADS, dim=1) for t in (q, k))
+    state = torch.zeros(VALUE_HEADS, HEAD_DIM, HEAD_DIM, dtype=q.dtype)
+    out = []
+    for t in range(q.size(0)):
+        state = state * decay[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", state, q[t]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("cu,cu_pad", CASES, ids=IDS)
+def test_delta_rule_matches_recurrence_per_sample(cu, cu_pad):
+    """Chunked, packed (ours) == a float64 token-by-token recurrence on each sample alone, with gradients."""
+    inputs = _kernel_inputs((cu_pad or cu)[-1])
+    out = packed_gated_delta_rule(*inputs, cu, cu_pad, kernel="torch", use_qk_l2norm=True)
+    ref = torch.zeros_like(out)
+    for start, n in _samples(cu, cu_pad):
+        ref[start:start + n] = _recurrence(*(t[start:start + n] for t in inputs))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert float(ref.abs().max()) > 0.1 and not out[~_real_rows(cu, cu_pad)].any()
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    want = torch.autograd.grad((ref * weight).sum(), inputs)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
+    assert all(not grad[~_real_rows(cu, cu_pad)].any() for grad in grads)  # padding receives nothing
+
+
+def test_state_would_leak_without_the_reset():
+    """Guard: the same recurrence over the whole pack changes the second sample (what a leak looks like)."""
+    cu = [0, 150, 155]
+    inputs = _kernel_inputs(155)
+    ours = packed_gated_delta_rule(*inputs, cu, None, kernel="torch", use_qk_l2norm=True)
+    leaked = _recurrence(*inputs)
+    assert float((leaked[150:] - ours[150:]).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("cu,cu_pad", CASES, ids=IDS)
+def test_conv1d_restarts_per_sample(cu, cu_pad):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    total, channels = (cu_pad or cu)[-1], 6
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(total, channels, generator=g), torch.randn(channels, WIDTH, generator=g)
+    out = packed_causal_conv1d(x, weight, None, cu, cu_pad)
+    ref = torch.zeros_like(out)
+    for start, n in _samples(cu, cu_pad):
+        ref[start:start + n] = causal_conv1d_fn(x[None, start:start + n].transpose(1, 2), weight,
+                                                activation="silu")[0].T
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    whole = causal_conv1d_fn(x[None].transpose(1, 2), weight, activation="silu")[0].T
+    second = _samples(cu, cu_pad)[1][0]  # guard: without the restart the second sample's first row differs
+    assert float((whole[second] - out[second]).abs().max()) > 1e-3
+
+
+# ---- the layer -------------------------------------------------------------------------------------
+
+def _configs():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    ours = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, normalization="RMSNorm",
+                             layernorm_epsilon=1e-6, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+                             use_cpu_initialization=True, linear_conv_kernel_dim=WIDTH,
+                             linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
+                             linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS)
+    hf = Qwen3_5TextConfig(hidden_size=HIDDEN, linear_num_value_heads=VALUE_HEADS, linear_num_key_heads=KEY_HEADS,
+                           linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
+                           linear_conv_kernel_dim=WIDTH, num_hidden_layers=1, layer_types=["linear_attention"])
+    return ours, hf
+
+
+def _layers(pg_collection, seed=0):
+    """(our PackedGatedDeltaNet, transformers' Qwen3_5GatedDeltaNet) holding the same weights."""
+    from megatron.core.transformer.spec_utils import build_module
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from megatron_pack.model.linear_attention import linear_attention_spec
+
+    config, hf_config = _configs()
+    torch.manual_seed(seed)
+    hf = Qwen3_5GatedDeltaNet(hf_config, 0)
+    with torch.no_grad():  # non-trivial norm weights and decays
+        hf.norm.weight.uniform_(0.5, 1.5)
+        hf.dt_bias.uniform_(-1.0, 1.0)
+    ours = build_module(linear_attention_spec(), config=config, layer_number=1, pg_collection=pg_collection,
+                        kernel="torch")
+    with torch.no_grad():
+        ours.in_proj.weight.copy_(torch.cat([hf.in_proj_qkv.weight, hf.in_proj_z.weight, hf.in_proj_b.weight,
+                                             hf.in_proj_a.weight]))
+        for name in ("conv1d.weight", "dt_bias", "A_log", "out_proj.weight"):
+            ours.get_parameter(name).copy_(hf.get_parameter(name))
+        ours.out_norm.weight.copy_(hf.norm.weight)
+    return ours, hf
+
+
+def _hf_grads(hf) -> dict:
+    """transformers' parameter gradients under our parameter names."""
+    return {"in_proj.weight": torch.cat([hf.in_proj_qkv.weight.grad, hf.in_proj_z.weight.grad,
+                                         hf.in_proj_b.weight.grad, hf.in_proj_a.weight.grad]),
+            "conv1d.weight": hf.conv1d.weight.grad, "dt_bias": hf.dt_bias.grad, "A_log": hf.A_log.grad,
+            "out_norm.weight": hf.norm.weight.grad, "out_proj.weight": hf.out_proj.weight.grad}
+
+
+def _packed_params(cu, cu_pad):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    pad_t = torch.tensor(cu_pad, dtype=torch.int32) if cu_pad is not None else None
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=pad_t,
+                           cu_seqlens_kv_padded=pad_t, max_seqlen_q=0, max_seqlen_kv=0)
+
+
+def _reference(hf, hidden, cu, cu_pad, weight):
+    """transformers' layer on each sample alone: (output [T, h] with zero padding rows, hidden's grad)."""
+    hidden = hidden.detach().requires_grad_(True)
+    out = torch.zeros(hidden.shape)
+    for start, n in _samples(cu, cu_pad):
+        out[start:start + n] = hf(hidden[None, start:start + n])[0]
+    (out * weight).sum().backward()
+    return out.detach(), hidden.grad
+
+
+@pytest.fixture
+def world_of_one():
+    from megatron_pack.config.schema import Config
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    enable_cpu_compat_without_cuda()
+    yield initialize_parallel(Config())
+    destroy_parallel(destroy_process_group=True)
+
+
+@pytest.mark.parametrize("cu,cu_pad", CASES, ids=IDS)
+def test_layer_matches_transformers_per_sample(world_of_one, cu, cu_pad):
+    """Packed forward and backward (inputs and every parameter) == transformers' layer on each sample alone."""
+    ours, hf = _layers(world_of_one.pg_collection)
+    total = (cu_pad or cu)[-1]
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(total, HIDDEN, generator=g)
+    weight = torch.randn(total, HIDDEN, generator=g)
+    ref, ref_hidden_grad = _reference(hf, hidden, cu, cu_pad, weight)
+
+    x = hidden[:, None].clone().requires_grad_(True)
+    out, bias = ours(x, None, packed_seq_params=_packed_params(cu, cu_pad))
+    assert bias is None and out.shape == (total, 1, HIDDEN)
+    torch.testing.assert_close(out[:, 0], ref, atol=1e-5, rtol=1e-5)
+    assert float(ref.abs().max()) > 0.05 and not out[~_real_rows(cu, cu_pad), 0].any()
+    (out[:, 0] * weight).sum().backward()
+    torch.testing.assert_close(x.grad[:, 0], ref_hidden_grad, atol=1e-5, rtol=1e-5)
+    expected = _hf_grads(hf)
+    for name, param in ours.named_parameters():  # weight gradients sum ~160 float32 token terms: 5e-5
+        torch.testing.assert_close(param.grad, expected[name], atol=5e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert float(param.grad.abs().max()) > 1e-3, name
+    assert len(expected) == len(list(ours.named_parameters()))
+    leaked = hf(hidden[None, :cu[-1]])[0] if cu_pad is None else None
+    if leaked is not None:  # the whole pack as one sequence differs after the first sample
+        assert float((leaked[cu[1]:] - ref[cu[1]:cu[-1]]).abs().max()) > 1e-3
+
+
+def test_layer_in_a_transformer_layer_spec(world_of_one):
+    """The hybrid stack's linear-attention layer: megatron-core's TransformerLayer built from our spec."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_pack.model.builder import local_block_spec
+    from megatron_pack.model.linear_attention import PackedGatedDeltaNet, linear_attention_layer_spec
+
+    config, _ = _configs()
+    full = local_block_spec(1).layer_specs[0]
+    layer = build_module(linear_attention_layer_spec(full), config=config, layer_number=1,
+                         pg_collection=world_of_one.pg_collection)
+    assert isinstance(layer.self_attention, PackedGatedDeltaNet)
+    assert type(full.submodules.self_attention.module).__name__ != "PackedGatedDeltaNet"  # the original untouched
+    cu, cu_pad = [0, 150, 155], [0, 152, 160]
+    hidden = torch.randn(160, 1, HIDDEN, generator=torch.Generator().manual_seed(4))
+    packed, _ = layer(hidden, attention_mask=None, packed_seq_params=_packed_params(cu, cu_pad))
+    alone, _ = layer(hidden[152:157], attention_mask=None, packed_seq_params=_packed_params([0, 5], None))
+    torch.testing.assert_close(packed[152:157], alone, atol=1e-5, rtol=1e-5)
+
+
+# ---- context parallelism ---------------------------------------------------------------------------
+
+CP_PACK = ([0, 150, 155, 164], [0, 152, 160, 172])  # padded lengths divisible by 2*CP = 4
+
+
+def _cp_worker(rank: int, world_size: int) -> dict:
+    from megatron_pack.config.schema import Config, ParallelConfig
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
+    from megatron_pack.parallel.comm import all_reduce
+    from megatron_pack.parallel.cp import thd_partition_indices
+    from megatron_pack.parallel.groups import initialize_parallel
+
+    enable_cpu_compat_without_cuda()
+    state = initialize_parallel(Config(parallel=ParallelConfig(context_parallel_size=world_size)))
+    ours, hf = _layers(state.pg_collection)
+    cu, cu_pad = CP_PACK
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(cu_pad[-1], HIDDEN, generator=g), torch.randn(cu_pad[-1], HIDDEN, generator=g)
+    ref, ref_hidden_grad = _reference(hf, hidden, cu, cu_pad, weight)
+    index = thd_partition_indices(torch.tensor(cu_pad), world_size, rank)
+    x = hidden[index][:, None].clone().requires_grad_(True)
+    out, _ = ours(x, None, packed_seq_params=_packed_params(cu, cu_pad))
+    (out[:, 0] * weight[index]).sum().backward()
+    result = {"out_err": (out[:, 0] - ref[index]).abs().max(),
+              "grad_err": (x.grad[:, 0] - ref_hidden_grad[index]).abs().max(), "ref_max": ref[index].abs().max()}
+    expected = _hf_grads(hf)
+    for name, param in ours.named_parameters():  # the DP x CP all-reduce of the step, by hand
+        result[f"param_err.{name}"] = (all_reduce(param.grad.clone(), group=state.cp_group) - expected[name]).abs().max()
+    return result
+
+
+def test_cp2_head_split_matches_transformers(tmp_path):
+    """CP=2 (gloo): each rank's zigzag rows and the summed parameter gradients == transformers per sample."""
+    results = spawn_world(_cp_worker, 2, tmp_path)
+    for rank, result in enumerate(results):
+        assert float(result["ref_max"]) > 0.05, rank
+        errors = {key: float(value) for key, value in result.items() if key.endswith("err") or "err." in key}
+        assert len(errors) == 8 and max(errors.values()) < 5e-5, (rank, errors)
