@@ -128,6 +128,13 @@ VERIFY_REFERENCES = ("self", "transformers")
 PEFT_METHODS = ("none", "lora")
 """``peft.method``: full fine-tuning, or LoRA adapters."""
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+"""``model.softmax_type`` (megatron-core's): plain softmax, a sink logit of 0 per head, or a learned sink logit
+per head (``softmax_offset``; gpt-oss); ``model/attention_reach.py``."""
+
+TE_MIN_VERSION_SOFTMAX_TYPE = "2.8.0"
+"""The first Transformer Engine whose ``DotProductAttention`` takes ``softmax_type`` (megatron-core 0.16.1's check)."""
+
 CHOICES = {
     "model.rope_scaling": ROPE_SCALINGS, "model.normalization": NORMALIZATIONS, "model.activation": ACTIVATIONS,
     "model.attention_backend": ATTENTION_BACKENDS, "model.params_dtype": PARAMS_DTYPES,
@@ -141,7 +148,7 @@ CHOICES = {
     "packing.balance": BALANCE_MODES, "parallel.cp_comm_type": CP_COMM_TYPES, "parallel.backend": DIST_BACKENDS,
     "train.token_budget": TOKEN_BUDGET_KINDS, "train.lr_decay_style": LR_DECAY_STYLES, "train.device": DEVICES,
     "logging.level": LOG_LEVELS, "logging.wandb_mode": WANDB_MODES, "verify.attention": ATTENTION_MODES, "verify.reference": VERIFY_REFERENCES,
-    "export.dtype": PARAMS_DTYPES, "peft.method": PEFT_METHODS,
+    "export.dtype": PARAMS_DTYPES, "peft.method": PEFT_METHODS, "model.softmax_type": SOFTMAX_TYPES,
 }
 """Every config key with a fixed set of values -> its list (a key whose field is Optional also takes null)."""
 

@@ -36,6 +36,16 @@ OPTIONAL_PACKAGES = ("wandb", "mlflow")
 """Modules a setting may need that the package does not install (``logging.wandb``, ``logging.mlflow``)."""
 
 
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` from its metadata (nothing imported); None when not installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def gpu_visible() -> bool:
     """What ``torch.cuda.is_available()`` would say, from the build and the device nodes (no torch import)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
@@ -52,6 +62,8 @@ class Host:
     """torch would see a CUDA (or ROCm) device here."""
     transformer_engine: bool
     """Transformer Engine is installed (its FP8 GEMMs, fused attention and CUDA-graph support)."""
+    transformer_engine_version: Optional[str] = None
+    """Its installed version (from the package metadata, not imported); None where unknown."""
     nvte_allow_nondeterministic: Optional[str] = None
     """The environment's NVTE_ALLOW_NONDETERMINISTIC_ALGO (train.deterministic with Transformer Engine needs 0)."""
     packages: Optional[frozenset[str]] = None
@@ -65,6 +77,7 @@ class Host:
     def probe(cls, *, checks_declared_gpu: bool = False) -> "Host":
         """This machine, without importing torch or Transformer Engine."""
         return cls(gpu=gpu_visible(), transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
+                   transformer_engine_version=installed_version("transformer_engine"),
                    nvte_allow_nondeterministic=os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO"),
                    packages=frozenset(m for m in OPTIONAL_PACKAGES if importlib.util.find_spec(m) is not None),
                    checks_declared_gpu=checks_declared_gpu)

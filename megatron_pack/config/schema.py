@@ -147,6 +147,16 @@ class ModelConfig(_Group):
     """A bias on the fused query/key/value projection (Qwen2 / Qwen2.5)."""
     qk_layernorm: bool = False
     """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    window_size: Optional[list[int]] = None
+    """Sliding-window attention (megatron-core's window_size): [left, 0], the query at position p of a sample reads
+    that sample's keys max(0, p - left)..p (never the previous sample's); null: full causal attention. transformers'
+    sliding_window=W is [W - 1, 0]."""
+    window_attn_skip_freq: Optional[int] = None
+    """With model.window_size: every N-th layer (N, 2N, ... counted from 1) keeps full attention, the others are
+    windowed (2: alternating, as gpt-oss; 6: five windowed to one full, as Gemma 3); null: every layer windowed."""
+    softmax_type: str = "vanilla"
+    """'vanilla', 'off-by-one' (a sink logit 0 per head) or 'learnable' (a trained sink logit per head,
+    softmax_offset, as gpt-oss): an extra logit in every query's softmax with no value behind it."""
     rope_scaling: str = "none"
     """'none' or 'llama3' (Llama 3.1 / 3.2 frequency scaling, the four rope_* keys below)."""
     rope_scaling_factor: float = 8.0
@@ -223,7 +233,7 @@ class ModelConfig(_Group):
             problems.append("model.resize_vocab (True) grows a pretrained model's vocabulary and needs model.pretrained "
                             "(None); a model built from model.* takes the tokenizer's size by itself: drop "
                             "model.resize_vocab.")
-        return problems + self._mrope_problems()
+        return problems + self._mrope_problems() + _window_problems(self)
 
     def _mrope_problems(self) -> list[str]:
         if self.mrope_section is None:
@@ -250,6 +260,25 @@ class ModelConfig(_Group):
                             f"({heads}) when model.kv_channels is None; set model.kv_channels=<head dim> "
                             f"or model.num_attention_heads to a divisor of {self.hidden_size}.")
         return problems
+
+
+def _window_problems(m: "ModelConfig") -> list[str]:
+    """model.window_size is [left >= 0, 0]; model.window_attn_skip_freq (>= 2) only with a window."""
+    problems = _choice("model", m, "softmax_type")
+    window = m.window_size
+    if window is not None and (len(window) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in window)
+                               or window[0] < 0 or window[1] != 0):
+        problems.append(f"model.window_size ({list(window)}) must be [left, 0] with left >= 0 (causal attention reads "
+                        "no later key); for transformers' sliding_window=W set model.window_size=[W-1,0], or null.")
+    skip = m.window_attn_skip_freq
+    if skip is not None and (isinstance(skip, bool) or skip < 2):
+        problems.append(f"model.window_attn_skip_freq ({skip!r}) must be an integer >= 2 (every N-th layer full); "
+                        "null windows every layer.")
+    elif skip is not None and window is None:
+        problems.append(f"model.window_attn_skip_freq ({skip}) picks the full-attention layers among windowed ones "
+                        "but model.window_size is null; set model.window_size=[left,0] or "
+                        "model.window_attn_skip_freq=null.")
+    return problems
 
 
 def _recompute_problems(m: "ModelConfig") -> list[str]:

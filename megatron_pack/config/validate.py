@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from megatron_pack.config.device import device_problems
+from megatron_pack.config.choices import TE_MIN_VERSION_SOFTMAX_TYPE
 from megatron_pack.config.host import Host
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_multiple, fp8_rule_text,
@@ -652,11 +653,38 @@ def _gpu_host_problems(cfg: Config, host: Host) -> list[str]:
                 problems.append(f"{key} ({_value_of(cfg, key)}) needs Transformer Engine, which is not installed "
                                 f"here; install megatron_pack[gpu] or set {key}="
                                 + ("auto." if key == "model.attention_backend" else "none."))
+    if uses_te:
+        problems += te_window_sink_problems(cfg, host.transformer_engine_version)
     nvte = host.nvte_allow_nondeterministic
     if uses_te and cfg.train.deterministic and nvte not in (None, "0"):
         problems.append(f"train.deterministic (True) with Transformer Engine needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, "
                         f"but the environment sets it to {nvte!r}; unset it or set train.deterministic=false.")
     return problems
+
+
+def te_window_sink_problems(cfg: Config, te_version: Optional[str]) -> list[str]:
+    """What Transformer Engine's THD attention cannot do of model.window_size / model.softmax_type (the torch core
+    does all of it): softmax_type needs TE >= 2.8.0 (megatron-core's check, made here before launch); under CP
+    both need parallel.cp_comm_type=a2a (TE's p2p has no window nor sink, its all-gather takes no THD)."""
+    m, p = cfg.model, cfg.parallel
+    problems, fix = [], "or set model.attention_backend=torch (the torch THD core computes it at any layout)"
+    if m.softmax_type != "vanilla" and te_version is not None and _version(te_version) < _version(
+            TE_MIN_VERSION_SOFTMAX_TYPE):
+        problems.append(f"model.softmax_type ({m.softmax_type}) needs Transformer Engine >= "
+                        f"{TE_MIN_VERSION_SOFTMAX_TYPE}, but {te_version} is installed; upgrade it, {fix}.")
+    for key, on in (("model.window_size", m.window_size is not None), ("model.softmax_type", m.softmax_type != "vanilla")):
+        if on and p.context_parallel_size > 1 and p.cp_comm_type != "a2a":
+            problems.append(f"{key} ({_value_of(cfg, key)}) with Transformer Engine under context parallelism needs "
+                            f"parallel.cp_comm_type=a2a (TE's {p.cp_comm_type} has none for THD packs), but it is "
+                            f"{p.cp_comm_type}; set parallel.cp_comm_type=a2a, {fix}.")
+    return problems
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """'2.8.0.dev0+abc' -> (2, 8, 0): the leading numbers of a version."""
+    import re
+
+    return tuple(int(n) for n in re.findall(r"\d+", text.split("+")[0])[:3])
 
 
 def _validate_dataset_meta(cfg: Config, meta: Optional[dict[str, Any]]) -> list[str]:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_pack.config.choices import ATTENTION_MODES  # re-exported: model.attention.ATTENTION_MODES
+from megatron_pack.model.attention_reach import attend_with_sink, first_key, reach_mask, sink_logits, window_left
 from megatron_pack.parallel.comm import all_gather_into_tensor, reduce_scatter_tensor
 
 
@@ -62,23 +63,23 @@ def _check_thd_inputs(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: lis
         raise ValueError(f"query_index must lie in [0, {cu_seqlens_padded[-1]}) (rows of the pack).")
 
 
-def _sequence_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: list[int], scale: float, dropout_p: float
-                        ) -> Tensor:
-    """Causal attention of queries at in-sequence positions ``q_pos`` over keys ``k[0:len]``.
+def _sequence_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: list[int], key_start: int, scale: float,
+                        dropout_p: float, left: Optional[int] = None, sink: Optional[Tensor] = None) -> Tensor:
+    """Causal attention of queries at in-sequence positions ``q_pos`` over the keys at positions ``key_start`` on.
 
-    q [m, hq, d], k/v [n, hk, d] with n = max(q_pos) + 1; returns [m, hq, d]. Queries at
-    positions 0..n-1 in order take SDPA's causal kernel; any other set (CP chunks) an explicit
-    [m, n] boolean mask.
+    q [m, hq, d], k/v [n, hk, d] holding positions key_start .. max(q_pos); returns [m, hq, d]. ``left``: the
+    window (``attention_reach``), ``sink`` [hq]: a sink logit per head. Queries at positions 0..n-1 in order
+    without window or sink take SDPA's causal kernel; any other set (CP chunks, windows) an explicit [m, n] mask.
     """
     q_, k_, v_ = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if sink is None and left is None and key_start == 0 and q_pos == list(range(k.size(0))):
+        kwargs = {"scale": scale, "enable_gqa": q_.size(0) != k_.size(0), "dropout_p": dropout_p}
+        return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, **kwargs).transpose(0, 1)
+    mask = reach_mask(torch.tensor(q_pos, device=q.device), key_start, k.size(0), left)
+    if sink is not None:
+        return attend_with_sink(q_, k_, v_, mask, scale, sink, dropout_p).transpose(0, 1)
     kwargs = {"scale": scale, "enable_gqa": q_.size(0) != k_.size(0), "dropout_p": dropout_p}
-    if q_pos == list(range(k.size(0))):
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, **kwargs)
-    else:
-        positions = torch.tensor(q_pos, device=q.device)
-        mask = torch.arange(k.size(0), device=q.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, **kwargs)
-    return out.transpose(0, 1)
+    return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, **kwargs).transpose(0, 1)
 
 
 def _real_query_rows(query_index: list[int], cu: list[int], cu_pad: list[int]):
@@ -103,7 +104,8 @@ def _real_query_rows(query_index: list[int], cu: list[int], cu_pad: list[int]):
 
 def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seqlens_padded, *,
                   softmax_scale: Optional[float] = None, query_index: Optional[Tensor] = None,
-                  mode: str = "thd", dropout_p: float = 0.0) -> Tensor:
+                  mode: str = "thd", dropout_p: float = 0.0, window_size=None, sink: Optional[Tensor] = None
+                  ) -> Tensor:
     """Causal attention inside each sub-sequence of a THD pack; padded rows are ignored.
 
     query [Tq, hq, d]; key, value [T, hk, d] in global pack order (T = cu_seqlens_padded[-1]);
@@ -116,8 +118,11 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
     ``mode='pack_causal'`` is the deliberately wrong attention used by ``verify.attention``:
     plain causal attention over the whole pack, as if it were one sequence.
 
+    ``window_size`` (left, 0): the query at in-sequence position p reads positions max(0, p - left)..p of
+    its own sub-sequence; ``sink`` [hq]: one extra softmax logit per query head (``model/attention_reach.py``).
+
     Example: cu_seqlens=[0, 3, 5], cu_seqlens_padded=[0, 4, 8]: rows 0-2 and 4-5 attend within
-    their own sub-sequence; rows 3, 6, 7 are zeros.
+    their own sub-sequence; rows 3, 6, 7 are zeros. With window_size=(1, 0), row 2 reads rows 1-2 only.
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r} must be one of {list(ATTENTION_MODES)}.")
@@ -128,14 +133,18 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
     rows_index = list(range(query.size(0))) if query_index is None else _as_list(query_index)
     _check_thd_inputs(query, key, value, cu, cu_pad, rows_index)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.size(-1))
+    left = window_left(window_size)
+    if sink is not None and sink.shape != (query.size(1),):
+        raise ValueError(f"sink must hold one logit per query head ({query.size(1)}); got {tuple(sink.shape)}.")
 
     outputs, real_rows = [], []
     for seq, rows, positions in _real_query_rows(rows_index, cu, cu_pad):
-        start, num_keys = cu_pad[seq], max(positions) + 1
+        first = first_key(positions, left)  # keys before the earliest window start are never read
+        start, end = cu_pad[seq] + first, cu_pad[seq] + max(positions) + 1
         contiguous = rows[-1] - rows[0] + 1 == len(rows)
         q = query[rows[0]:rows[-1] + 1] if contiguous else query.index_select(0, torch.tensor(rows, device=query.device))
-        outputs.append(_sequence_attention(q, key[start:start + num_keys], value[start:start + num_keys],
-                                           positions, scale, dropout_p))
+        outputs.append(_sequence_attention(q, key[start:end], value[start:end], positions, first, scale, dropout_p,
+                                           left, sink))
         real_rows += rows
     if outputs and real_rows == list(range(query.size(0))):
         return torch.cat(outputs)  # every row real and in order: nothing to scatter
@@ -145,7 +154,8 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
     # No real query row (a CP slice of padding only): the zeros must still depend on query, key
     # and value, so this rank's backward reaches the K/V all-gather and enters its reduce-scatter,
     # which the other CP ranks wait in. Empty slices add exactly 0 (even where a value is inf/NaN).
-    return out + (query[:0].sum() + key[:0].sum() + value[:0].sum()).to(out.dtype)
+    return out + (query[:0].sum() + key[:0].sum() + value[:0].sum()
+                  + (sink[:0].sum() if sink is not None else 0)).to(out.dtype)
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -199,6 +209,39 @@ class _ThdCoreAttentionBody:
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.mode = mode
         self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+        self.tp_group = pg_collection.tp if pg_collection is not None and hasattr(pg_collection, "tp") else None
+        self.window_size = _layer_window_size(config, layer_number)
+        self.softmax_type = config.softmax_type
+        self._init_sink(config)
+
+    def _init_sink(self, config) -> None:
+        """``softmax_offset`` [heads of this TP rank] for softmax_type 'learnable' (megatron-core's name and split).
+
+        Drawn whole with ``config.init_method`` and sliced by TP rank, so every TP size starts from the same
+        sink logits (as the CPU initialisation of the linear weights)."""
+        sink_from_type = config.softmax_type  # validated by sink_logits at the first forward
+        if sink_from_type != "learnable":
+            self.softmax_offset = None
+            return
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        tp_size = self.tp_group.size() if self.tp_group is not None else 1
+        tp_rank = self.tp_group.rank() if self.tp_group is not None else 0
+        heads = config.num_attention_heads // tp_size
+        full = torch.zeros(config.num_attention_heads, dtype=config.params_dtype)
+        if config.perform_initialization:
+            config.init_method(full)
+        self.softmax_offset = torch.nn.Parameter(full[tp_rank * heads:(tp_rank + 1) * heads].clone())
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The sink logits split over TP along the heads (as megatron-core's ``DotProductAttention``)."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = self.state_dict(prefix="", keep_vars=True) if self.softmax_offset is not None else {}
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     def _cp_size_rank(self, packed_seq_params) -> tuple[object, int, int]:
         group = getattr(packed_seq_params, "cp_group", None)
@@ -216,9 +259,11 @@ class _ThdCoreAttentionBody:
             kv = gather_cp_rows(torch.cat([key, value], dim=-1), cu_pad, group)
             key, value = kv.split([key.size(-1), value.size(-1)], dim=-1)
             query_index = thd_partition_indices(torch.as_tensor(_as_list(cu_pad)), cp_size, cp_rank).to(query.device)
+        sink = sink_logits(self.softmax_type, self.softmax_offset, query.size(1), query)
         return thd_attention(query, key, value, cu, cu_pad, softmax_scale=self.softmax_scale,
                              query_index=query_index, mode=self.mode,
-                             dropout_p=self.dropout_p if self.training else 0.0)
+                             dropout_p=self.dropout_p if self.training else 0.0, window_size=self.window_size,
+                             sink=sink)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -236,6 +281,15 @@ class _ThdCoreAttentionBody:
                 for b in range(query.size(1))]
         out = torch.stack(rows, dim=1)
         return out.reshape(out.size(0), out.size(1), -1)
+
+
+def _layer_window_size(config, layer_number: int):
+    """megatron-core's ``window_size`` where its rule (``is_layer_window_attention``) windows this layer, else None."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return tuple(config.window_size)
+    return None
 
 
 @functools.lru_cache(maxsize=None)

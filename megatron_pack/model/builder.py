@@ -110,6 +110,9 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
         add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
+        # windows and sinks (model/attention_reach.py): the torch core and TE read the same three fields
+        window_size=tuple(m.window_size) if m.window_size is not None else None,
+        window_attn_skip_freq=m.window_attn_skip_freq, softmax_type=m.softmax_type,
         gated_linear_unit=m.activation == "swiglu", activation_func=_activation(m.activation),
         add_bias_linear=False, init_method_std=m.init_method_std,
         attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,

@@ -206,6 +206,7 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
         "moe_shared_expert_ffn_hidden_size": None, "moe_shared_expert_gate": False,
         "mrope_section": None, "image_token_id": None,
+        "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla",
         **family_of(model_type).model_keys,
         **(family.derive(hf) if (family := family_of(model_type)).derive else {}),
     }

@@ -30,7 +30,7 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
              "rope_original_max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
              "moe_router_pre_softmax", "moe_shared_expert_ffn_hidden_size", "moe_shared_expert_gate",
-             "mrope_section", "image_token_id")
+             "mrope_section", "image_token_id", "window_size", "window_attn_skip_freq", "softmax_type")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
 
 SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one")

@@ -1,0 +1,283 @@
+"""Sliding windows and attention sinks of the THD core (``model/attention_reach.py``, ``thd_attention``).
+
+The reference is a float64 loop written from the rule alone ("the query at position p of a sample reads that
+sample's keys max(0, p - left)..p, plus one sink logit per head"), sharing no code with the kernel. Windows
+(left 7: 8 keys) are shorter than the samples (20-60 tokens), so a window measured from the pack's start, one
+that crossed into the previous sample, or none at all changes the answer; each case checks that it does.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from _dist import spawn_world
+from megatron_pack.model.attention import thd_attention
+from megatron_pack.parallel.cp import thd_partition_indices
+
+torch.use_deterministic_algorithms(True)
+LEFT = 7  # window (7, 0): 8 keys, transformers' sliding_window=8
+
+
+def _reference(q, k, v, cu, cu_pad, left=None, sink=None):
+    """float64 attention of every real query row, one query and one key at a time; padded rows stay 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep, scale = q.size(1) // k.size(1), 1.0 / math.sqrt(q.size(-1))
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    rows = []
+    for s in range(len(cu) - 1):
+        for p in range(cu[s + 1] - cu[s]):
+            lo = 0 if left is None else max(0, p - left)
+            keys = [cu_pad[s] + j for j in range(lo, p + 1)]
+            rows.append(torch.stack([_one_query(q[cu_pad[s] + p, h], k[keys, h // rep], v[keys, h // rep], scale,
+                                                None if sink is None else sink[h]) for h in range(q.size(1))]))
+            out = out.index_put((torch.tensor([cu_pad[s] + p]),), rows[-1][None])
+    return out
+
+
+def _one_query(q, k, v, scale, sink):
+    logits = k @ q * scale
+    if sink is not None:
+        logits = torch.cat([logits, sink.double().reshape(1)])
+    probs = torch.softmax(logits, dim=0)[:k.size(0)]
+    return probs @ v
+
+
+def _pack(lengths, pad=0):
+    cu, cu_pad = [0], [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+        cu_pad.append(cu_pad[-1] + n + pad)
+    return cu, cu_pad
+
+
+def _qkv(total, heads=4, kv_heads=2, dim=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, h, dim, generator=g, dtype=dtype) for h in (heads, kv_heads, kv_heads)]
+
+
+CASES = {  # id: (sample lengths, padding after each, sink)
+    "window_three_samples": ([20, 45, 33], 0, None),
+    "short_after_long": ([50, 5], 0, None),          # the second sample is shorter than the window
+    "long_after_short_padded": ([6, 41, 23], 3, None),  # padded slots between samples
+    "sink_learnable_window": ([20, 37], 0, "learnable"),
+    "sink_off_by_one_window": ([33, 21], 2, "off-by-one"),
+}
+
+
+def _sink(kind, heads=4):
+    if kind is None:
+        return None
+    if kind == "off-by-one":
+        return torch.zeros(heads)
+    return torch.tensor([-1.0, 0.5, 2.0, 0.0])
+
+
+@pytest.mark.parametrize("lengths,pad,sink_kind", CASES.values(), ids=CASES.keys())
+def test_window_matches_float64_reference(lengths, pad, sink_kind):
+    cu, cu_pad = _pack(lengths, pad)
+    q, k, v = _qkv(cu_pad[-1])
+    sink = _sink(sink_kind)
+    out = thd_attention(q, k, v, cu, cu_pad, window_size=(LEFT, 0), sink=sink)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, cu, cu_pad, LEFT, sink), atol=2e-6, rtol=1e-5)
+    full = thd_attention(q, k, v, cu, cu_pad, sink=sink)
+    first = list(range(min(lengths[0], LEFT + 1)))  # rows whose window reaches the sample's start: unchanged
+    torch.testing.assert_close(out[first], full[first], atol=1e-6, rtol=1e-5)
+    assert float((out - full).abs().max()) > 1e-2  # the window changed the answer (the case is not vacuous)
+
+
+@pytest.mark.parametrize("lengths,pad", [([50, 5], 0), ([60, 9], 1), ([23, 12, 30], 2)],
+                         ids=["shorter_than_window", "one_past_window", "three_samples"])
+def test_window_never_crosses_a_boundary_nor_starts_at_the_pack(lengths, pad):
+    """Every sample in the pack equals itself alone (a window measured from the pack's start, or one that read
+    the previous sample's keys, would differ); the later samples sit far from the pack's start."""
+    cu, cu_pad = _pack(lengths, pad)
+    q, k, v = _qkv(cu_pad[-1], seed=3)
+    out = thd_attention(q, k, v, cu, cu_pad, window_size=(LEFT, 0), sink=_sink("learnable"))
+    for s, n in enumerate(lengths):
+        rows = slice(cu_pad[s], cu_pad[s + 1])
+        alone = thd_attention(q[rows], k[rows], v[rows], [0, n], [0, n + pad], window_size=(LEFT, 0),
+                              sink=_sink("learnable"))
+        torch.testing.assert_close(out[rows], alone, atol=0, rtol=0)
+    leaky = _leaky_window(q, k, v, cu, cu_pad)  # what crossing the boundary would give: different
+    second = slice(cu_pad[1], cu_pad[1] + min(lengths[1], LEFT))
+    assert float((leaky[second] - out[second]).abs().max()) > 1e-2
+
+
+def _leaky_window(q, k, v, cu, cu_pad):
+    """The wrong attention a pack-wide window gives (keys p-left..p of the pack, whatever sample they are in)."""
+    return thd_attention(q, k, v, [0, cu_pad[-1]], [0, cu_pad[-1]], window_size=(LEFT, 0), sink=_sink("learnable"))
+
+
+def test_sink_gradients_match_float64_reference():
+    """d/d(q, k, v, sink) of the windowed, sunk attention equal the float64 reference's, and gradcheck passes."""
+    cu, cu_pad = _pack([21, 9], 1)
+    q, k, v = (t.requires_grad_() for t in _qkv(cu_pad[-1], dtype=torch.float64))
+    sink = torch.tensor([-1.0, 0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = torch.autograd.grad((thd_attention(q, k, v, cu, cu_pad, window_size=(LEFT, 0), sink=sink) * grad_out).sum(),
+                              (q, k, v, sink))
+    want = torch.autograd.grad((_reference(q, k, v, cu, cu_pad, LEFT, sink) * grad_out).sum(), (q, k, v, sink))
+    for name, a, b in zip("qkvs", got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, msg=f"grad of {name}")
+    assert float(got[3].abs().min()) > 1e-4  # every head's sink received a gradient
+    small = [t.detach()[:6].clone().requires_grad_() for t in (q, k, v)] + [sink.detach().clone().requires_grad_()]
+    assert torch.autograd.gradcheck(
+        lambda a, b, c, d: thd_attention(a, b, c, [0, 4, 5], [0, 5, 6], window_size=(2, 0), sink=d), small)
+
+
+@pytest.mark.parametrize("cp", [2, 4], ids=["cp2", "cp4"])
+def test_cp_zigzag_rows_use_global_positions(cp):
+    """Each rank's zigzag queries read the keys their global positions allow: equal to the full pack's rows."""
+    cu = [0, 37, 48, 70]
+    cu_pad = [0, 40, 56, 80] if cp == 4 else [0, 40, 52, 76]  # each sample padded to a multiple of 2*CP
+    q, k, v = _qkv(cu_pad[-1], seed=cp)
+    full = thd_attention(q, k, v, cu, cu_pad, window_size=(LEFT, 0), sink=_sink("learnable"))
+    for rank in range(cp):
+        rows = thd_partition_indices(torch.tensor(cu_pad), cp, rank)
+        local = thd_attention(q[rows], k, v, cu, cu_pad, query_index=rows, window_size=(LEFT, 0),
+                              sink=_sink("learnable"))
+        torch.testing.assert_close(local, full[rows], atol=1e-6, rtol=1e-5)
+    assert float(full.abs().sum(dim=(1, 2)).gt(0).sum()) == cu[-1]
+
+
+def test_bad_windows_and_sinks_name_the_problem():
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match="window_size"):
+        thd_attention(q, k, v, [0, 8], [0, 8], window_size=(3, 2))
+    with pytest.raises(ValueError, match="one logit per query head"):
+        thd_attention(q, k, v, [0, 8], [0, 8], sink=torch.zeros(3))
+
+
+def _model_worker(rank: int, world_size: int) -> dict:
+    """The tiny GPTModel (layer 1 windowed, layer 2 full, learnable sinks) at CP=1 and CP=2 on the same pack."""
+    import torch.distributed as dist
+
+    from _packs import random_packs
+    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import destroy_parallel, gather_full_logits, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    samples = random_packs(11, 1, samples=(3, 4), length=(20, 60))[0]
+    batch = collate_thd(samples, pack_size=256, pad_multiple=4)
+    out = {"cu_seqlens": batch["cu_seqlens"].numpy(), "cu_seqlens_padded": batch["cu_seqlens_padded"].numpy()}
+    for name, cp, window in (("cp1", 1, [LEFT, 0]), ("cp2", 2, [LEFT, 0]), ("full", 1, None)):
+        cfg = Config(model=ModelConfig(attention_backend="torch", window_size=window,
+                                       window_attn_skip_freq=2 if window else None, softmax_type="learnable"),
+                     train=TrainConfig(seed=1234), parallel=ParallelConfig(context_parallel_size=cp))
+        pg = initialize_parallel(cfg)
+        model = build_model(cfg, pg)
+        local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
+        args = (local["tokens"], local["position_ids"], None)
+        losses = model(*args, packed_seq_params=get_packed_seq_params(batch), labels=local["labels"])
+        (losses * local["loss_mask"]).sum().backward()
+        with torch.no_grad():
+            logits = model(*args, packed_seq_params=get_packed_seq_params(batch))
+        out[f"{name}_logits"] = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0].numpy()
+        for pname, param in model.named_parameters():
+            grad = param.grad.detach().clone()
+            if cp > 1:
+                dist.all_reduce(grad, group=pg.cp_group)
+            out[f"{name}_grad_{pname}"] = grad.numpy()
+        if name == "cp1":  # each sample alone through the same model
+            for s, sample in enumerate(samples):
+                alone = collate_thd([sample], pack_size=len(sample["input_ids"]) - 1)
+                with torch.no_grad():
+                    out[f"alone{s}"] = model(alone["tokens"], alone["position_ids"], None,
+                                             packed_seq_params=get_packed_seq_params(alone))[0].numpy()
+        destroy_parallel()
+    return out
+
+
+def test_model_cp2_equals_cp1_and_samples_alone(tmp_path):
+    """GPTModel with windows and learnable sinks: CP=2 logits and gradients (the sink's included) equal CP=1's;
+    each sample's logits in the pack equal the sample alone; and the window changes the logits."""
+    res = spawn_world(_model_worker, 2, tmp_path, timeout_s=240)[0]
+    torch.testing.assert_close(res["cp2_logits"], res["cp1_logits"], atol=1e-5, rtol=1e-5)
+    grads = [k[len("cp1_grad_"):] for k in res if k.startswith("cp1_grad_")]
+    sinks = [g for g in grads if g.endswith("softmax_offset")]
+    assert len(sinks) == 2 and all(abs(res["cp1_grad_" + g]).min() > 0 for g in sinks)
+    for g in grads:
+        torch.testing.assert_close(res["cp2_grad_" + g], res["cp1_grad_" + g], atol=1e-6, rtol=1e-5, msg=g)
+    cu, cu_pad = res["cu_seqlens"].tolist(), res["cu_seqlens_padded"].tolist()
+    assert max(b - a for a, b in zip(cu, cu[1:])) > 2 * LEFT  # windows shorter than the samples
+    for s in range(len(cu) - 1):
+        n = cu[s + 1] - cu[s]
+        torch.testing.assert_close(res["cp1_logits"][cu_pad[s]:cu_pad[s] + n], res[f"alone{s}"][:n],
+                                   atol=1e-5, rtol=1e-5)
+    assert abs(res["full_logits"] - res["cp1_logits"]).max() > 1e-3
+
+
+def _cfg(backend="auto", cp=1, comm="p2p", **model):
+    from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig
+
+    return Config(model=ModelConfig(attention_backend=backend, num_query_groups=4, **model),
+                  parallel=ParallelConfig(context_parallel_size=cp, cp_comm_type=comm))
+
+
+TE_CASES = {  # id: (te version, cp, cp_comm_type, model keys, backend, fragments of the one problem; () = passes)
+    "sink_te_2_7": ("2.7.1", 1, "p2p", {"softmax_type": "learnable"}, "auto",
+                    ("model.softmax_type (learnable) needs Transformer Engine >= 2.8.0, but 2.7.1 is installed",)),
+    "sink_te_2_8": ("2.8.0", 1, "p2p", {"softmax_type": "learnable"}, "te", ()),
+    "window_te_cp2_p2p": ("2.9.0", 2, "p2p", {"window_size": [7, 0]}, "te",
+                          ("model.window_size ([7, 0]) with Transformer Engine under context parallelism",
+                           "set parallel.cp_comm_type=a2a")),
+    "sink_te_cp2_allgather": ("2.9.0", 2, "allgather", {"softmax_type": "off-by-one"}, "auto",
+                              ("model.softmax_type (off-by-one) with Transformer Engine", "model.attention_backend=torch")),
+    "window_te_cp2_a2a": ("2.9.0", 2, "a2a", {"window_size": [7, 0], "softmax_type": "learnable"}, "te", ()),
+    "window_torch_cp2_p2p": ("2.7.1", 2, "p2p", {"window_size": [7, 0], "softmax_type": "learnable"}, "torch", ()),
+}
+
+
+@pytest.mark.parametrize("te_version,cp,comm,model,backend,fragments", TE_CASES.values(), ids=TE_CASES.keys())
+def test_te_path_refuses_what_it_cannot_do_before_launch(te_version, cp, comm, model, backend, fragments):
+    from megatron_pack.config.host import Host
+    from megatron_pack.config.schema import ConfigError
+    from megatron_pack.config.validate import validate
+
+    host = Host(gpu=True, transformer_engine=True, transformer_engine_version=te_version)
+    cfg = _cfg(backend, cp, comm, **model)
+    validate(cfg, world_size=cp)  # the config alone is fine: only this host's TE path refuses it
+    if not fragments:
+        validate(cfg, world_size=cp, host=host)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=cp, host=host)
+    problems = [p for p in err.value.problems if "model.window_size" in p or "model.softmax_type" in p]
+    assert len(problems) == 1 and all(f in problems[0] for f in fragments), err.value.problems
+
+
+FIELD_CASES = {  # id: (model keys, fragment of the problem; None = valid)
+    "window_ok": ({"window_size": [7, 0], "window_attn_skip_freq": 2}, None),
+    "window_right_refused": ({"window_size": [7, 3]}, "model.window_size ([7, 3]) must be [left, 0]"),
+    "window_negative": ({"window_size": [-1, 0]}, "model.window_size ([-1, 0]) must be [left, 0] with left >= 0"),
+    "window_one_number": ({"window_size": [7]}, "model.window_size ([7]) must be [left, 0]"),
+    "skip_without_window": ({"window_attn_skip_freq": 2}, "model.window_size is null"),
+    "skip_one": ({"window_size": [7, 0], "window_attn_skip_freq": 1}, "model.window_attn_skip_freq (1) must be"),
+    "softmax_unknown": ({"softmax_type": "sparsemax"}, "model.softmax_type"),
+}
+
+
+@pytest.mark.parametrize("model,fragment", FIELD_CASES.values(), ids=FIELD_CASES.keys())
+def test_window_and_sink_keys_are_validated(model, fragment):
+    from megatron_pack.config.schema import ConfigError, ModelConfig
+
+    if fragment is None:
+        ModelConfig(**model)
+        return
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        ModelConfig(**model)
+
+
+def test_transformer_config_carries_windows_and_sinks():
+    from megatron_pack.model.builder import transformer_config_from
+
+    config = transformer_config_from(_cfg("torch", window_size=[7, 0], window_attn_skip_freq=6,
+                                          softmax_type="learnable"))
+    assert (config.window_size, config.window_attn_skip_freq, config.softmax_type) == ((7, 0), 6, "learnable")
