@@ -152,8 +152,63 @@ def test_bad_windows_and_sinks_name_the_problem():
         thd_attention(q, k, v, [0, 8], [0, 8], sink=torch.zeros(3))
 
 
-def _model_worker(rank: int, world_size: int) -> dict:
-    """The tiny GPTModel (layer 1 windowed, layer 2 full, learnable sinks) at CP=1 and CP=2 on the same pack."""
+HF_VOCAB = 301
+
+
+def _mistral_window_folder(root) -> str:
+    """A tiny random Mistral with sliding_window=LEFT+1 (transformers' own model, saved with a tokenizer)."""
+    import transformers as T
+
+    from _hf import save_tokenizer
+
+    torch.manual_seed(0)
+    config = T.MistralConfig(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             rms_norm_eps=1e-6, sliding_window=LEFT + 1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = T.MistralForCausalLM(config)
+    with torch.no_grad():  # norms away from 1 so a dropped norm would show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape))
+    path = root / "mistral_window"
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return str(path)
+
+
+def _hf_samples() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(3, HF_VOCAB, (n,), generator=gen).tolist() + [2] for n in (47, 9, 30)]
+
+
+def _mistral_cp2_logits(folder: str) -> dict:
+    """Our CP=2 THD forward of the Mistral folder on one pack of ``_hf_samples``: each sample's logits."""
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import destroy_parallel, gather_full_logits, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch",
+                       "parallel.context_parallel_size=2", "train.device=cpu"])
+    assert cfg.model.window_size == [LEFT, 0]
+    pg = initialize_parallel(cfg)
+    model = build_model(cfg, pg)
+    samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _hf_samples()]
+    batch = collate_thd(samples, pack_size=128, pad_multiple=4)
+    local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
+    with torch.no_grad():
+        logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
+    full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0, :, :HF_VOCAB]
+    destroy_parallel()
+    cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    return {f"mistral{s}": full[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s]].numpy() for s in range(len(cu) - 1)}
+
+
+def _model_worker(rank: int, world_size: int, folder: str) -> dict:
+    """The tiny GPTModel (layer 1 windowed, layer 2 full, learnable sinks) at CP=1 and CP=2 on the same pack;
+    then the Mistral folder with a window at CP=2."""
     import torch.distributed as dist
 
     from _packs import random_packs
@@ -192,13 +247,27 @@ def _model_worker(rank: int, world_size: int) -> dict:
                     out[f"alone{s}"] = model(alone["tokens"], alone["position_ids"], None,
                                              packed_seq_params=get_packed_seq_params(alone))[0].numpy()
         destroy_parallel()
-    return out
+    return {**out, **_mistral_cp2_logits(folder)}
 
 
-def test_model_cp2_equals_cp1_and_samples_alone(tmp_path):
+def test_model_cp2_equals_cp1_samples_alone_and_transformers(tmp_path):
     """GPTModel with windows and learnable sinks: CP=2 logits and gradients (the sink's included) equal CP=1's;
-    each sample's logits in the pack equal the sample alone; and the window changes the logits."""
-    res = spawn_world(_model_worker, 2, tmp_path, timeout_s=240)[0]
+    each sample's logits in the pack equal the sample alone; the window changes the logits. A Mistral folder
+    with sliding_window=8, packed at CP=2, gives transformers' logits of each sample alone (the first sample is
+    longer than the window, the second shorter, after it)."""
+    from _hf import hf_logits
+
+    folder = _mistral_window_folder(tmp_path)
+    res = spawn_world(_model_worker, 2, tmp_path, folder, timeout_s=300)[0]
+    refs = hf_logits(folder, [ids[:-1] for ids in _hf_samples()])
+    import transformers as T
+
+    no_window = T.AutoModelForCausalLM.from_pretrained(folder, sliding_window=None).eval()
+    with torch.no_grad():
+        first_full = no_window(torch.tensor([_hf_samples()[0][:-1]])).logits[0]
+    assert float((first_full - refs[0]).abs().max()) > 1e-3  # transformers' window matters for this sample
+    for s, ref in enumerate(refs):
+        torch.testing.assert_close(torch.as_tensor(res[f"mistral{s}"]), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(res["cp2_logits"], res["cp1_logits"], atol=1e-5, rtol=1e-5)
     grads = [k[len("cp1_grad_"):] for k in res if k.startswith("cp1_grad_")]
     sinks = [g for g in grads if g.endswith("softmax_offset")]
@@ -281,3 +350,15 @@ def test_transformer_config_carries_windows_and_sinks():
     config = transformer_config_from(_cfg("torch", window_size=[7, 0], window_attn_skip_freq=6,
                                           softmax_type="learnable"))
     assert (config.window_size, config.window_attn_skip_freq, config.softmax_type) == ((7, 0), 6, "learnable")
+
+
+@pytest.mark.parametrize("window,expected", [(4096, [4095, 0]), (None, None)], ids=["v0.1", "v0.3"])
+def test_mistral_sliding_window_becomes_model_window_size(window, expected):
+    from megatron_pack.config.hf_config import derive_model_keys
+
+    hf = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+          "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "rope_theta": 10000.0, "sliding_window": window}
+    keys = derive_model_keys(hf)
+    assert keys["window_size"] == expected and keys["window_attn_skip_freq"] is None
+    assert keys["softmax_type"] == "vanilla"

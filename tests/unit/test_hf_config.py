@@ -149,7 +149,6 @@ REFUSALS = [  # (id, config.json, fragments of the message)
     ("mtp-heads", _with(QWEN3_8B, num_nextn_predict_layers=1), ["num_nextn_predict_layers=1", "multi-token"]),
     ("remote-code", _with(LLAMA31_8B, auto_map={"AutoModelForCausalLM": "modeling_x.X"}),
      ["auto_map", "trust_remote_code"]),
-    ("mistral-sliding-window", _with(MISTRAL_V03, sliding_window=4096), ["sliding_window=4096", "sliding_window null"]),
     ("qwen2-use-sliding-window", _with(QWEN25_7B, use_sliding_window=True), ["use_sliding_window=true"]),
     ("sliding-layer-types", _with(QWEN3_8B, layer_types=["full_attention", "sliding_attention"]),
      ["layer_types ['sliding_attention']"]),
@@ -177,7 +176,7 @@ def test_refusals_name_the_field_and_the_list(hf, fragments, tmp_path):
 
 
 def test_refusal_reaches_load_config_before_launch(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(_with(MISTRAL_V03, sliding_window=4096)))
+    (tmp_path / "config.json").write_text(json.dumps(_with(MIXTRAL_8X7B, sliding_window=4096)))
     with pytest.raises(ConfigError) as info:
         load_config([f"model.pretrained={tmp_path}"])
     assert "sliding_window=4096" in str(info.value)

@@ -56,12 +56,23 @@ QWEN3 = register_family(Family(
     model_type="qwen3", summary="Qwen3 dense (Qwen3ForCausalLM; QK norm; no sliding window)",
     architectures=("Qwen3ForCausalLM",), rules=LLAMA_RULES + QK_NORM_RULES, model_keys={"qk_layernorm": True},
     refused=DENSE_REFUSALS + (O_PROJ_BIAS,)))
+
+
+def sliding_window_keys(hf: dict) -> dict:
+    """config.json's ``sliding_window=W`` (every layer reads its W most recent keys, its own included) as
+    ``model.window_size=[W - 1, 0]`` (``model/attention_reach.py``); null: full causal attention.
+
+    >>> sliding_window_keys({"sliding_window": 4096}), sliding_window_keys({"sliding_window": None})
+    ({'window_size': [4095, 0]}, {})
+    """
+    window = hf.get("sliding_window")
+    return {"window_size": [int(window) - 1, 0]} if window else {}
+
+
 MISTRAL = register_family(Family(
-    model_type="mistral", summary="Mistral (MistralForCausalLM; sliding_window null)",
-    architectures=("MistralForCausalLM",), rules=LLAMA_RULES,
-    refused=DENSE_REFUSALS + (Refuse("sliding_window", "is not supported (THD attention here is full causal); "
-                                     "supported: Mistral with sliding_window null.", allowed=(None,)),
-                              O_PROJ_BIAS)))
+    model_type="mistral", summary="Mistral (MistralForCausalLM; sliding_window null or a window on every layer)",
+    architectures=("MistralForCausalLM",), rules=LLAMA_RULES, refused=DENSE_REFUSALS + (O_PROJ_BIAS,),
+    derive=sliding_window_keys))
 
 # Mixture-of-experts families: the attention of their dense relatives, a router and per-expert SwiGLU MLPs.
 # megatron-core's SequentialMLP names expert e's linears mlp.experts.local_experts.{e}.linear_fc1/2; the
@@ -131,8 +142,8 @@ MIXTRAL = register_family(Family(
     architectures=("MixtralForCausalLM",),
     rules=MOE_ATTENTION_RULES + expert_rules("block_sparse_moe", "w1", "w3", "w2", "gate"),
     refused=MOE_REFUSALS + (
-        Refuse("sliding_window", "is not supported (THD attention here is full causal); supported: Mixtral with "
-               "sliding_window null.", allowed=(None,)),
+        Refuse("sliding_window", "is not supported for Mixtral (windows are proved against transformers for "
+               "Mistral only); supported: Mixtral with sliding_window null.", allowed=(None,)),
         Refuse("router_jitter_noise", "is not supported (HF multiplies the experts' input by the noise, "
                "megatron-core only the router's); set it to 0.", allowed=(None, 0, 0.0)),
         O_PROJ_BIAS),
