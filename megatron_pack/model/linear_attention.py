@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_pack.model.delta_rule import packed_causal_conv1d, packed_gated_delta_rule
-from megatron_pack.parallel.comm import all_to_all_single
+from megatron_pack.parallel.comm import all_reduce, all_to_all_single
 
 
 class _AllToAll(torch.autograd.Function):
@@ -51,6 +51,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return all_to_all_single(grad.contiguous(), group=ctx.group), None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (a weight every TP rank uses on its own heads)."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, group) -> Tensor:
+        ctx.group = group
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return all_reduce(grad.contiguous().clone(), group=ctx.group), None
 
 
 def sequence_to_heads(local: Tensor, cu_seqlens_padded, group) -> Tensor:
@@ -95,35 +108,39 @@ def _gdn_class() -> type:
             super().__init__(config)
             self.layer_number, self.bias, self.conv_bias, self.kernel = layer_number, bias, conv_bias, kernel
             self.use_qk_l2norm, self.pg_collection = use_qk_l2norm, pg_collection
-            self.tp_size = pg_collection.tp.size() if pg_collection is not None else 1
-            if self.tp_size > 1:
-                raise ValueError("PackedGatedDeltaNet runs at tensor_model_parallel_size 1 for now: the shared "
-                                 "out_norm weight's gradient is partial per TP rank (its heads) and is not yet "
-                                 "summed over TP; set parallel.tensor_model_parallel_size=1.")
+            tp_group = pg_collection.tp if pg_collection is not None else None
+            self.tp_group, self.tp_size = tp_group, tp_group.size() if tp_group is not None else 1
             self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
             self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
             self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
-            if self.num_value_heads % self.num_key_heads:
+            if self.num_value_heads % self.num_key_heads or self.num_key_heads % self.tp_size:
                 raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
-                                 f"linear_num_key_heads ({self.num_key_heads}).")
+                                 f"linear_num_key_heads ({self.num_key_heads}), itself a multiple of "
+                                 f"tensor_model_parallel_size ({self.tp_size}).")
             self.qk_dim, self.v_dim = self.dk * self.num_key_heads, self.dv * self.num_value_heads
             self.in_proj_dim = 2 * self.qk_dim + 2 * self.v_dim + 2 * self.num_value_heads
             self.conv_dim = 2 * self.qk_dim + self.v_dim
             self.conv_dim_local_tp = self.conv_dim // self.tp_size
-            tp_group = pg_collection.tp if pg_collection is not None else None
+            # this TP rank's heads; in_proj's rows per rank are [q, k, v, z, beta, alpha] of them (megatron-core's)
+            self.hk_tp, self.hv_tp = self.num_key_heads // self.tp_size, self.num_value_heads // self.tp_size
             self.in_proj = build_module(submodules.in_proj, config.hidden_size, self.in_proj_dim, config=config,
                                         init_method=config.init_method, gather_output=False, bias=bias,
                                         skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fc1",
                                         tp_group=tp_group)
-            width = config.linear_conv_kernel_dim
-            self.conv1d = torch.nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=conv_bias,
+            width, channels = config.linear_conv_kernel_dim, self.conv_dim_local_tp
+            self.conv1d = torch.nn.Conv1d(channels, channels, width, groups=channels, bias=conv_bias,
                                           padding=width - 1, dtype=config.params_dtype)
-            self.dt_bias = torch.nn.Parameter(torch.ones(self.num_value_heads, dtype=config.params_dtype))
+            self.dt_bias = torch.nn.Parameter(torch.ones(self.hv_tp, dtype=config.params_dtype))
             low, high = A_init_range
-            self.A_log = torch.nn.Parameter(torch.empty(self.num_value_heads, dtype=config.params_dtype)
+            self.A_log = torch.nn.Parameter(torch.empty(self.hv_tp, dtype=config.params_dtype)
                                             .uniform_(low, high).log())
+            for param in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log):
+                if param is not None:  # split over TP by head, as megatron-core marks them
+                    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
             self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=self.dv,
                                          eps=config.layernorm_epsilon)
+            for param in self.out_norm.parameters():  # summed over TP in _gated_norm's backward instead
+                param.sequence_parallel = False
             self.out_proj = build_module(submodules.out_proj, self.v_dim, config.hidden_size, config=config,
                                          init_method=config.output_layer_init_method, bias=bias,
                                          input_is_parallel=True, skip_bias_add=True, is_expert=False,
@@ -134,22 +151,23 @@ def _gdn_class() -> type:
             if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
                 return None, 1, 0
             size = dist.get_world_size(group)
-            if self.num_key_heads % size:
+            if self.hk_tp % size:
                 raise ValueError(f"context parallelism of the linear-attention layers splits heads: "
-                                 f"linear_num_key_heads ({self.num_key_heads}) must be a multiple of "
-                                 f"context_parallel_size ({size}).")
+                                 f"linear_num_key_heads ({self.num_key_heads}) / tensor_model_parallel_size "
+                                 f"({self.tp_size}) must be a multiple of context_parallel_size ({size}).")
             return group, size, dist.get_rank(group)
 
         def _channels(self, cp: int, cp_rank: int) -> Tensor:
             """conv1d channels of head group ``cp_rank`` of ``cp``: its q, k and v heads."""
-            q_w, v_w = self.qk_dim // cp, self.v_dim // cp
-            parts = [torch.arange(q_w) + cp_rank * q_w, torch.arange(q_w) + self.qk_dim + cp_rank * q_w,
-                     torch.arange(v_w) + 2 * self.qk_dim + cp_rank * v_w]
+            q_w, v_w = self.hk_tp * self.dk // cp, self.hv_tp * self.dv // cp
+            qk_local = self.hk_tp * self.dk
+            parts = [torch.arange(q_w) + cp_rank * q_w, torch.arange(q_w) + qk_local + cp_rank * q_w,
+                     torch.arange(v_w) + 2 * qk_local + cp_rank * v_w]
             return torch.cat(parts).to(self.conv1d.weight.device)
 
         def _mix(self, qkv: Tensor, b: Tensor, a: Tensor, cu, cu_pad, cp: int, cp_rank: int) -> Tensor:
             """Conv1d and the delta rule on whole sub-sequences (global order) of this rank's heads."""
-            hk, hv = self.num_key_heads // cp, self.num_value_heads // cp
+            hk, hv = self.hk_tp // cp, self.hv_tp // cp
             channels = self._channels(cp, cp_rank) if cp > 1 else slice(None)
             heads = slice(cp_rank * hv, (cp_rank + 1) * hv)
             bias = self.conv1d.bias[channels] if self.conv1d.bias is not None else None
@@ -164,15 +182,16 @@ def _gdn_class() -> type:
 
         def _core(self, mixed: Tensor, cu, cu_pad, packed_seq_params) -> tuple[Tensor, Tensor]:
             """mixed [T_local, in_proj_dim] -> (delta-rule output [T_local, v_dim], gate z [T_local, v_dim])."""
-            qkv, z, b, a = mixed.split([self.conv_dim, self.v_dim, self.num_value_heads, self.num_value_heads], -1)
+            qk, v_dim, hv = self.hk_tp * self.dk, self.hv_tp * self.dv, self.hv_tp
+            qkv, z, b, a = mixed.split([2 * qk + v_dim, v_dim, hv, hv], -1)
             group, cp, cp_rank = self._cp(packed_seq_params)
             if cp == 1:
                 return self._mix(qkv, b, a, cu, cu_pad, 1, 0), z
-            q, k, v = qkv.split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
+            q, k, v = qkv.split([qk, qk, v_dim], dim=-1)
             rows = mixed.size(0)
             local = torch.cat([t.reshape(rows, cp, -1) for t in (q, k, v, b, a)], dim=-1)  # [T/CP, CP, w]
             full = sequence_to_heads(local, cu_pad, group)
-            hk, hv = self.num_key_heads // cp, self.num_value_heads // cp
+            hk, hv = self.hk_tp // cp, self.hv_tp // cp
             qkv_g, b_g, a_g = full.split([2 * hk * self.dk + hv * self.dv, hv, hv], dim=-1)
             out = self._mix(qkv_g, b_g, a_g, cu, cu_pad, cp, cp_rank)
             return heads_to_sequence(out, cu_pad, group, cp).reshape(rows, -1), z
@@ -195,9 +214,21 @@ def _gdn_class() -> type:
                 cu = cu_pad = torch.arange(batch + 1) * seq * cp
             flat = mixed.transpose(0, 1).reshape(batch * seq, -1)
             core, z = self._core(flat, cu, cu_pad, packed_seq_params)
-            normed = self.out_norm(core.reshape(-1, self.dv)) * self.config.activation_func(z.reshape(-1, self.dv).float())
-            normed = normed.to(core.dtype).reshape(batch, seq, -1).transpose(0, 1).contiguous()
-            return self.out_proj(normed)
+            normed = self._gated_norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv))
+            return self.out_proj(normed.reshape(batch, seq, -1).transpose(0, 1).contiguous())
+
+        def _gated_norm(self, x: Tensor, gate: Tensor) -> Tensor:
+            """RMSNorm over each head's ``dv`` channels (one weight shared by every head), times act(gate).
+
+            Each TP rank norms only its heads, so the weight's gradient is a partial sum: the weight goes
+            through ``_SumGradOverTP`` (its backward all-reduces over TP; 0.16.1's ``finalize_model_grads``
+            sums norm weights over TP only under sequence parallelism)."""
+            norm = self.out_norm
+            if not hasattr(norm, "weight") or getattr(norm, "bias", None) is not None:
+                raise ValueError("PackedGatedDeltaNet's out_norm must be an RMSNorm (a weight, no bias).")
+            weight = _SumGradOverTP.apply(norm.weight, self.tp_group) if self.tp_size > 1 else norm.weight
+            y = F.rms_norm(x.float(), (self.dv,), weight.float(), norm.eps)
+            return (y * self.config.activation_func(gate.float())).to(x.dtype)
 
     PackedGatedDeltaNet.__module__ = __name__
     return PackedGatedDeltaNet

@@ -121,13 +121,14 @@ def test_conv1d_restarts_per_sample(cu, cu_pad):
 
 # ---- the layer -------------------------------------------------------------------------------------
 
-def _configs():
+def _configs(tp: int = 1, sp: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
     ours = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, normalization="RMSNorm",
                              layernorm_epsilon=1e-6, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
                              use_cpu_initialization=True, linear_conv_kernel_dim=WIDTH,
+                             tensor_model_parallel_size=tp, sequence_parallel=sp,
                              linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
                              linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS)
     hf = Qwen3_5TextConfig(hidden_size=HIDDEN, linear_num_value_heads=VALUE_HEADS, linear_num_key_heads=KEY_HEADS,
@@ -136,14 +137,38 @@ def _configs():
     return ours, hf
 
 
-def _layers(pg_collection, seed=0):
+def _rank_slices(hf, tp: int, tp_rank: int) -> dict:
+    """transformers' weights (or, with ``.grad``, their gradients) as TP rank ``tp_rank`` of ``tp`` holds them.
+
+    in_proj per rank is [q, k, v, z, beta, alpha] of its heads (megatron-core's layout); conv1d channels
+    [q, k, v] of its heads; dt_bias, A_log its heads; out_proj its input columns; out_norm whole.
+    Example, TP=2, 2 key heads of 8: rank 1 holds q rows 8-15 and k rows 24-31 of in_proj_qkv.
+    """
+    def part(t, dim=0):
+        return t.chunk(tp, dim)[tp_rank]
+
+    def qkv(t):
+        q, k, v = t.split([KEY_HEADS * HEAD_DIM, KEY_HEADS * HEAD_DIM, VALUE_HEADS * HEAD_DIM])
+        return [part(q), part(k), part(v)]
+
+    def grab(p):
+        return p if p.grad is None else p.grad
+
+    w = {name: grab(p) for name, p in hf.named_parameters()}
+    return {"in_proj.weight": torch.cat(qkv(w["in_proj_qkv.weight"]) + [part(w[f"in_proj_{x}.weight"]) for x in "zba"]),
+            "conv1d.weight": torch.cat(qkv(w["conv1d.weight"])), "dt_bias": part(w["dt_bias"]),
+            "A_log": part(w["A_log"]), "out_norm.weight": w["norm.weight"],
+            "out_proj.weight": part(w["out_proj.weight"], 1)}
+
+
+def _layers(pg_collection, seed=0, tp: int = 1, tp_rank: int = 0, sp: bool = False):
     """(our PackedGatedDeltaNet, transformers' Qwen3_5GatedDeltaNet) holding the same weights."""
     from megatron.core.transformer.spec_utils import build_module
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     from megatron_pack.model.linear_attention import linear_attention_spec
 
-    config, hf_config = _configs()
+    config, hf_config = _configs(tp, sp)
     torch.manual_seed(seed)
     hf = Qwen3_5GatedDeltaNet(hf_config, 0)
     with torch.no_grad():  # non-trivial norm weights and decays
@@ -152,20 +177,14 @@ def _layers(pg_collection, seed=0):
     ours = build_module(linear_attention_spec(), config=config, layer_number=1, pg_collection=pg_collection,
                         kernel="torch")
     with torch.no_grad():
-        ours.in_proj.weight.copy_(torch.cat([hf.in_proj_qkv.weight, hf.in_proj_z.weight, hf.in_proj_b.weight,
-                                             hf.in_proj_a.weight]))
-        for name in ("conv1d.weight", "dt_bias", "A_log", "out_proj.weight"):
-            ours.get_parameter(name).copy_(hf.get_parameter(name))
-        ours.out_norm.weight.copy_(hf.norm.weight)
+        for name, value in _rank_slices(hf, tp, tp_rank).items():
+            ours.get_parameter(name).copy_(value)
     return ours, hf
 
 
-def _hf_grads(hf) -> dict:
-    """transformers' parameter gradients under our parameter names."""
-    return {"in_proj.weight": torch.cat([hf.in_proj_qkv.weight.grad, hf.in_proj_z.weight.grad,
-                                         hf.in_proj_b.weight.grad, hf.in_proj_a.weight.grad]),
-            "conv1d.weight": hf.conv1d.weight.grad, "dt_bias": hf.dt_bias.grad, "A_log": hf.A_log.grad,
-            "out_norm.weight": hf.norm.weight.grad, "out_proj.weight": hf.out_proj.weight.grad}
+def _hf_grads(hf, tp: int = 1, tp_rank: int = 0) -> dict:
+    """transformers' parameter gradients under our parameter names (TP rank ``tp_rank``'s part)."""
+    return _rank_slices(hf, tp, tp_rank)
 
 
 def _packed_params(cu, cu_pad):
@@ -248,10 +267,11 @@ def test_layer_in_a_transformer_layer_spec(world_of_one):
 
 # ---- context parallelism ---------------------------------------------------------------------------
 
-CP_PACK = ([0, 150, 155, 164], [0, 152, 160, 172])  # padded lengths divisible by 2*CP = 4
+PARALLEL_PACK = ([0, 150, 155, 164], [0, 152, 160, 172])  # padded lengths divisible by 2*CP = 4
 
 
-def _cp_worker(rank: int, world_size: int) -> dict:
+def _parallel_worker(rank: int, world_size: int, tp: int, cp: int, sp: bool) -> dict:
+    """This rank's output and gradients against transformers on each sample alone (float32)."""
     from megatron_pack.config.schema import Config, ParallelConfig
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.comm import all_reduce
@@ -259,27 +279,32 @@ def _cp_worker(rank: int, world_size: int) -> dict:
     from megatron_pack.parallel.groups import initialize_parallel
 
     enable_cpu_compat_without_cuda()
-    state = initialize_parallel(Config(parallel=ParallelConfig(context_parallel_size=world_size)))
-    ours, hf = _layers(state.pg_collection)
-    cu, cu_pad = CP_PACK
+    state = initialize_parallel(Config(parallel=ParallelConfig(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)))
+    ours, hf = _layers(state.pg_collection, tp=tp, tp_rank=state.tp_rank, sp=sp)
+    cu, cu_pad = PARALLEL_PACK
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(cu_pad[-1], HIDDEN, generator=g), torch.randn(cu_pad[-1], HIDDEN, generator=g)
     ref, ref_hidden_grad = _reference(hf, hidden, cu, cu_pad, weight)
-    index = thd_partition_indices(torch.tensor(cu_pad), world_size, rank)
+    index = thd_partition_indices(torch.tensor(cu_pad), cp, state.cp_rank)
+    if sp:  # sequence parallelism splits the (CP-local) rows evenly over TP
+        index = index.chunk(tp)[state.tp_rank]
     x = hidden[index][:, None].clone().requires_grad_(True)
     out, _ = ours(x, None, packed_seq_params=_packed_params(cu, cu_pad))
     (out[:, 0] * weight[index]).sum().backward()
     result = {"out_err": (out[:, 0] - ref[index]).abs().max(),
               "grad_err": (x.grad[:, 0] - ref_hidden_grad[index]).abs().max(), "ref_max": ref[index].abs().max()}
-    expected = _hf_grads(hf)
-    for name, param in ours.named_parameters():  # the DP x CP all-reduce of the step, by hand
+    expected = _hf_grads(hf, tp, state.tp_rank)
+    for name, param in ours.named_parameters():  # the step's DP x CP gradient all-reduce, by hand
         result[f"param_err.{name}"] = (all_reduce(param.grad.clone(), group=state.cp_group) - expected[name]).abs().max()
     return result
 
 
-def test_cp2_head_split_matches_transformers(tmp_path):
-    """CP=2 (gloo): each rank's zigzag rows and the summed parameter gradients == transformers per sample."""
-    results = spawn_world(_cp_worker, 2, tmp_path)
+@pytest.mark.parametrize("tp,cp,sp", [(1, 2, False), (2, 1, False), (2, 1, True)], ids=["cp2", "tp2", "tp2_sp"])
+def test_parallel_layouts_match_transformers(tmp_path, tp, cp, sp):
+    """CP=2 (head split by all-to-all), TP=2 (heads split over TP), TP=2 with sequence parallelism, on gloo:
+    each rank's rows, input gradients and (CP-summed) parameter gradients == transformers per sample."""
+    results = spawn_world(_parallel_worker, tp * cp, tmp_path, tp, cp, sp)
     for rank, result in enumerate(results):
         assert float(result["ref_max"]) > 0.05, rank
         errors = {key: float(value) for key, value in result.items() if key.endswith("err") or "err." in key}
