@@ -102,6 +102,21 @@ def _real_query_rows(query_index: list[int], cu: list[int], cu_pad: list[int]):
     return [(s, rows, positions) for s, (rows, positions) in groups.items()]
 
 
+def _window_blocks(groups, left: Optional[int], min_block: int = 128):
+    """Split each sub-sequence's query rows into blocks of ``max(left + 1, min_block)`` under a window, so a block
+    reads at most ``2 * block`` keys: work grows with length x window, not length squared. Unchanged without one.
+
+    Example: left 1, min_block 2, rows [0..4] at positions [0..4] -> blocks [0, 1], [2, 3], [4].
+    """
+    for seq, rows, positions in groups:
+        if left is None:
+            yield seq, rows, positions
+            continue
+        block = max(left + 1, min_block)
+        for i in range(0, len(rows), block):
+            yield seq, rows[i:i + block], positions[i:i + block]
+
+
 def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seqlens_padded, *,
                   softmax_scale: Optional[float] = None, query_index: Optional[Tensor] = None,
                   mode: str = "thd", dropout_p: float = 0.0, window_size=None, sink: Optional[Tensor] = None
@@ -138,7 +153,7 @@ def thd_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens, cu_seql
         raise ValueError(f"sink must hold one logit per query head ({query.size(1)}); got {tuple(sink.shape)}.")
 
     outputs, real_rows = [], []
-    for seq, rows, positions in _real_query_rows(rows_index, cu, cu_pad):
+    for seq, rows, positions in _window_blocks(_real_query_rows(rows_index, cu, cu_pad), left):
         first = first_key(positions, left)  # keys before the earliest window start are never read
         start, end = cu_pad[seq] + first, cu_pad[seq] + max(positions) + 1
         contiguous = rows[-1] - rows[0] + 1 == len(rows)

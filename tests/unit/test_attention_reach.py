@@ -65,6 +65,7 @@ CASES = {  # id: (sample lengths, padding after each, sink)
     "long_after_short_padded": ([6, 41, 23], 3, None),  # padded slots between samples
     "sink_learnable_window": ([20, 37], 0, "learnable"),
     "sink_off_by_one_window": ([33, 21], 2, "off-by-one"),
+    "long_sample_in_blocks": ([300, 20], 1, "learnable"),  # 300 queries: read in blocks of 128 (attention.py)
 }
 
 
@@ -129,11 +130,11 @@ def test_sink_gradients_match_float64_reference():
         lambda a, b, c, d: thd_attention(a, b, c, [0, 4, 5], [0, 5, 6], window_size=(2, 0), sink=d), small)
 
 
-@pytest.mark.parametrize("cp", [2, 4], ids=["cp2", "cp4"])
-def test_cp_zigzag_rows_use_global_positions(cp):
-    """Each rank's zigzag queries read the keys their global positions allow: equal to the full pack's rows."""
-    cu = [0, 37, 48, 70]
-    cu_pad = [0, 40, 56, 80] if cp == 4 else [0, 40, 52, 76]  # each sample padded to a multiple of 2*CP
+@pytest.mark.parametrize("cp,cu,cu_pad", [(2, [0, 37, 48, 70], [0, 40, 52, 76]), (4, [0, 37, 48, 70], [0, 40, 56, 80]),
+                                          (2, [0, 290, 301], [0, 292, 304])], ids=["cp2", "cp4", "cp2_blocks"])
+def test_cp_zigzag_rows_use_global_positions(cp, cu, cu_pad):
+    """Each rank's zigzag queries read the keys their global positions allow: equal to the full pack's rows
+    (each sample padded to a multiple of 2*CP; a 290-token sample puts 146 queries of a rank in two blocks)."""
     q, k, v = _qkv(cu_pad[-1], seed=cp)
     full = thd_attention(q, k, v, cu, cu_pad, window_size=(LEFT, 0), sink=_sink("learnable"))
     for rank in range(cp):
@@ -362,3 +363,17 @@ def test_mistral_sliding_window_becomes_model_window_size(window, expected):
     keys = derive_model_keys(hf)
     assert keys["window_size"] == expected and keys["window_attn_skip_freq"] is None
     assert keys["softmax_type"] == "vanilla"
+
+
+def test_long_windowed_sample_is_read_in_blocks(monkeypatch):
+    """A 300-token sample under a window of 8 runs as blocks of 128 queries, each reading at most 128 + 7 keys
+    (the guard that the block path of the cases above ran)."""
+    import megatron_pack.model.attention as attention
+
+    calls = []
+    real = attention._sequence_attention
+    monkeypatch.setattr(attention, "_sequence_attention",
+                        lambda q, k, *a, **kw: calls.append((q.size(0), k.size(0))) or real(q, k, *a, **kw))
+    q, k, v = _qkv(321)
+    thd_attention(q, k, v, [0, 300, 320], [0, 301, 321], window_size=(LEFT, 0))
+    assert calls == [(128, 128), (128, 135), (44, 51), (20, 20)]
