@@ -212,6 +212,9 @@ def _model_worker(rank: int, world_size: int, folder: str) -> dict:
     then the Mistral folder with a window at CP=2."""
     import torch.distributed as dist
 
+    import numpy as np
+
+    from _dist import full_param
     from _packs import random_packs
     from megatron_pack.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
     from megatron_pack.data.batches.thd import collate_thd
@@ -223,10 +226,11 @@ def _model_worker(rank: int, world_size: int, folder: str) -> dict:
     samples = random_packs(11, 1, samples=(3, 4), length=(20, 60))[0]
     batch = collate_thd(samples, pack_size=256, pad_multiple=4)
     out = {"cu_seqlens": batch["cu_seqlens"].numpy(), "cu_seqlens_padded": batch["cu_seqlens_padded"].numpy()}
-    for name, cp, window in (("cp1", 1, [LEFT, 0]), ("cp2", 2, [LEFT, 0]), ("full", 1, None)):
+    for name, cp, tp, window in (("cp1", 1, 1, [LEFT, 0]), ("cp2", 2, 1, [LEFT, 0]), ("tp2", 1, 2, [LEFT, 0]),
+                                 ("full", 1, 1, None)):
         cfg = Config(model=ModelConfig(attention_backend="torch", window_size=window,
                                        window_attn_skip_freq=2 if window else None, softmax_type="learnable"),
-                     train=TrainConfig(seed=1234), parallel=ParallelConfig(context_parallel_size=cp))
+                     train=TrainConfig(seed=1234), parallel=ParallelConfig(context_parallel_size=cp, tensor_model_parallel_size=tp))
         pg = initialize_parallel(cfg)
         model = build_model(cfg, pg)
         local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
@@ -240,7 +244,11 @@ def _model_worker(rank: int, world_size: int, folder: str) -> dict:
             grad = param.grad.detach().clone()
             if cp > 1:
                 dist.all_reduce(grad, group=pg.cp_group)
-            out[f"{name}_grad_{pname}"] = grad.numpy()
+            out[f"{name}_grad_{pname}"] = full_param(grad, param, pg).numpy()  # TP shards gathered
+        if name == "tp2":  # the checkpoint sees each rank's sink logits as its slice of the global [heads]
+            sharded = model.sharded_state_dict()
+            sinks = [sharded[k] for k in sharded if k.endswith("softmax_offset")]
+            out["tp2_sink_shards"] = np.array([[*t.global_shape, *t.global_offset, *t.local_shape] for t in sinks])
         if name == "cp1":  # each sample alone through the same model
             for s, sample in enumerate(samples):
                 alone = collate_thd([sample], pack_size=len(sample["input_ids"]) - 1)
@@ -252,7 +260,8 @@ def _model_worker(rank: int, world_size: int, folder: str) -> dict:
 
 
 def test_model_cp2_equals_cp1_samples_alone_and_transformers(tmp_path):
-    """GPTModel with windows and learnable sinks: CP=2 logits and gradients (the sink's included) equal CP=1's;
+    """GPTModel with windows and learnable sinks: CP=2 and TP=2 logits and gradients (the sinks' included) equal
+    CP=1's;
     each sample's logits in the pack equal the sample alone; the window changes the logits. A Mistral folder
     with sliding_window=8, packed at CP=2, gives transformers' logits of each sample alone (the first sample is
     longer than the window, the second shorter, after it)."""
@@ -269,12 +278,17 @@ def test_model_cp2_equals_cp1_samples_alone_and_transformers(tmp_path):
     assert float((first_full - refs[0]).abs().max()) > 1e-3  # transformers' window matters for this sample
     for s, ref in enumerate(refs):
         torch.testing.assert_close(torch.as_tensor(res[f"mistral{s}"]), ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(res["cp2_logits"], res["cp1_logits"], atol=1e-5, rtol=1e-5)
+    for layout in ("cp2", "tp2"):
+        torch.testing.assert_close(res[f"{layout}_logits"], res["cp1_logits"], atol=1e-5, rtol=1e-5)
     grads = [k[len("cp1_grad_"):] for k in res if k.startswith("cp1_grad_")]
     sinks = [g for g in grads if g.endswith("softmax_offset")]
     assert len(sinks) == 2 and all(abs(res["cp1_grad_" + g]).min() > 0 for g in sinks)
-    for g in grads:
-        torch.testing.assert_close(res["cp2_grad_" + g], res["cp1_grad_" + g], atol=1e-6, rtol=1e-5, msg=g)
+    # rank 0's sink shards: global [layers 2, heads 4], at (layer, head 0), 2 heads long
+    assert res["tp2_sink_shards"].tolist() == [[2, 4, 0, 0, 2], [2, 4, 1, 0, 2]]
+    for layout in ("cp2", "tp2"):  # TP=2: the sink logits split over ranks with the heads, gathered back
+        for g in grads:
+            torch.testing.assert_close(res[f"{layout}_grad_{g}"], res["cp1_grad_" + g], atol=1e-6, rtol=1e-5,
+                                       msg=f"{layout} {g}")
     cu, cu_pad = res["cu_seqlens"].tolist(), res["cu_seqlens_padded"].tolist()
     assert max(b - a for a, b in zip(cu, cu[1:])) > 2 * LEFT  # windows shorter than the samples
     for s in range(len(cu) - 1):
