@@ -289,9 +289,12 @@ def test_a_typo_in_an_experiment_file_names_the_file(work):
 def test_the_mixture_heading_says_mixture():
     from megatron_pack.cli.inspect import _details_title
 
+    from pathlib import Path
+
     mixed = {"mixture": {"per_source": [{"name": "chat"}]}}
-    assert _details_title([mixed]) == "source mixture:"
-    assert _details_title([mixed, {"on_overflow": "split"}]) == "split samples, source mixture:"
+    plans = [Path("plans/a"), Path("plans/b")]
+    assert _details_title(plans[:1], [mixed]) == "source mixture:"
+    assert _details_title(plans, [mixed, {"on_overflow": "split"}]) == "split samples, source mixture:"
 
 
 def test_a_quiet_run_shows_each_library_warning_at_most_once(folders):
