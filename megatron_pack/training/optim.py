@@ -89,19 +89,28 @@ class TrainOptimizer:
         from megatron_pack.training.chunks import chunk_prefix, core_model
 
         t = cfg.train
+        # 16-bit weights (train.bf16, or bfloat16 parameters without the bf16 wrapper) step through fp32 main params
+        bf16 = t.bf16 or cfg.model.params_dtype == "bfloat16"
         config = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=t.bf16,
+            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, bf16=bf16,
             # clip_grad <= 0 clips nothing, yet the norm is still reported (megatron-core skips it at 0)
             clip_grad=t.clip_grad if t.clip_grad > 0 else math.inf,
-            params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=cfg.ddp.use_distributed_optimizer)
         # the model's own groups (``initialize_parallel``'s collection: megatron-core's gloo groups are not
         # created, create_gloo_process_groups=False), and no gloo copies of them: megatron-core's default
         # use_gloo_process_groups=True reads parallel_state's gloo groups and stops at "Intra partial data
         # parallel group is not initialized"
+        pg = core_model(model_chunks[0]).pg_collection
         self.optimizer = get_megatron_optimizer(config, model_chunks, use_gloo_process_groups=False,
-                                                pg_collection=core_model(model_chunks[0]).pg_collection)
+                                                pg_collection=pg)
+        for part in self.parts:
+            if part.param_groups and all(g.get("is_expert_parallel") for g in part.param_groups):
+                # megatron-core 0.16.1 gives every part the dense TP group for the norm's "duplicate across TP"
+                # test; an expert's copies are across expert TP. With TP 2 and expert TP 1 the second TP rank's
+                # experts (and their LoRA adapters) left the clipping norm (measured 5.4e-4 low)
+                part.tp_group = pg.expt_tp
         self.weight_decay = t.weight_decay
         self.names = {p: chunk_prefix(v, len(model_chunks)) + n for v, chunk in enumerate(model_chunks)
                       for n, p in core_model(chunk).named_parameters()}
