@@ -44,6 +44,7 @@ MODULE_SECONDS = {
     "tests/functional/test_launch.py": 67,
     "tests/functional/test_lora_train_export.py": 63,
     "tests/functional/test_pipeline_parallel.py": 58,
+    "tests/functional/test_optimizer_checkpoint.py": 20,
     "tests/functional/test_reliability_signals.py": 46,
     "tests/functional/test_train_resume_quickstart.py": 41,
     "tests/unit/test_plan_manifest.py": 39,

@@ -128,7 +128,6 @@ def _unplanned_text(dataset) -> str:
 def main(argv: list[str]) -> int:
     from megatron_pack.cli.args import parse_command_line, print_resolved
     from megatron_pack.cli.launch import worker_started
-    from megatron_pack.config.host import gpu_visible
     from megatron_pack.cli.preflight import check_images, check_train
     from megatron_pack.cli.run_config import load_run_config
     from megatron_pack.config.host import Host
@@ -164,7 +163,7 @@ def main(argv: list[str]) -> int:
         validation = open_validation(cfg, dataset)
         check_images(dataset, validation)  # every image file the packs use, as prepare recorded it
         passed_over: list[str] = []
-        resume = check_resume(cfg, world_size, dataset, notes=passed_over, host_gpu=gpu_visible())
+        resume = check_resume(cfg, world_size, dataset, notes=passed_over)
     except (ConfigError, DataError) as exc:
         return _refusal(exc)
     launch_check = check_only and os.environ.get(CHECK_HOST_ENV) == "here"  # the launch scripts': the run says them

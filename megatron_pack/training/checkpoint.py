@@ -1,12 +1,12 @@
 """Atomic checkpoints: model and optimizer through torch distributed checkpointing (DCP), the
-rest (RNG states, loader position, optimizer state outside DCP) as one small per-rank file.
+rest (RNG states, loader position, Transformer Engine's extra state) as one small per-rank file.
 
 Layout under ``checkpoint.save``::
 
     step_00000003/           one complete checkpoint
         .metadata, *.distcp  DCP shards, every tensor by its global identity (resharding.py):
-                             "model.<param>", "optimizer.<exp_avg|exp_avg_sq>.<param>", "optimizer.step"
-        rank_00000.pt        per-rank state: RNG, loader, megatron-core's optimizer on GPU (torch.save of plain containers)
+                             "model.<param>", "optimizer.<exp_avg|exp_avg_sq|fp32_param>.<param>", "optimizer.step"
+        rank_00000.pt        per-rank state: RNG, loader, TE extra state (torch.save of plain containers)
         meta.json            step, world size and parallel layout, format, train state, settings
         manifest.json        every file above with its size and sha256, written last (checkpoint_files.py)
     latest                   the name of the newest complete checkpoint ("step_00000003")
@@ -18,10 +18,10 @@ Saving is atomic: every rank writes into ``tmp.step_00000003/``; after a barrier
 complete checkpoint; stale ``tmp.*`` folders are removed by the next save. Resume, ``export`` and
 ``verify`` check the manifest before they read a checkpoint; a resume passes over a damaged one to
 the newest intact one and says so (``collective_verify``). Checkpoints (``meta.json`` ``format``:
-``SHARDED_FORMAT``) store each parameter and its AdamW state once, by global identity, so any layout
-reads them back: a run saved at TP2 x CP2 resumes at TP1, DP2 or any other
-(``model_reader.CheckpointModel.read_slices``; on GPU megatron-core's per-rank optimizer state resumes
-at the same layout only, checked with a clear error). A folder of another format (one written by an
+``SHARDED_FORMAT``) store each parameter and its optimizer state (megatron-core's optimizer, on every device:
+``optim.TrainOptimizer.checkpoint_tensors``) once, by global identity, so any layout reads them back: a run saved
+at TP2 x CP2 resumes at TP1, DP2 or any other, with the distributed optimizer on or off
+(``model_reader.CheckpointModel.read_slices``). A folder of another format (one written by an
 older megatron_pack, per tensor-parallel rank) is refused in one line (``checkpoint_files.check_format``).
 
 Everything is read back with ``torch.load(..., weights_only=True)``, and DCP's ``.metadata`` (which torch

@@ -35,24 +35,15 @@ def chunk_prefix(index: int, num_chunks: int) -> str:
     return "" if num_chunks == 1 else f"chunk{index}."
 
 
-def named_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(prefixed name, parameter)`` of every chunk's inner module (what the optimizer steps)."""
-    return [(chunk_prefix(v, len(model_chunks)) + name, param) for v, chunk in enumerate(model_chunks)
-            for name, param in chunk.module.named_parameters()]
-
-
 def wrap_ddp(cfg: Config, model: torch.nn.Module, state: ParallelState) -> torch.nn.Module:
     """megatron-core ``DistributedDataParallel`` with ``average_in_collective`` from ``cfg.ddp``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_pack.training import optim
-
     d = cfg.ddp
-    # Without megatron-core's optimizer the distributed optimizer is ours (optim.ShardedTrainOptimizer): it
-    # shards the AdamW state over its own flat layout and needs the whole all-reduced gradient, so DDP all-reduces.
+    # megatron-core's distributed optimizer (every device) shards DDP's buffers: gradients are reduce-scattered
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-        use_distributed_optimizer=d.use_distributed_optimizer and optim.megatron_optimizer_on(state.device.type),
+        use_distributed_optimizer=d.use_distributed_optimizer,
         check_for_nan_in_grad=d.check_for_nan_in_grad, bucket_size=d.bucket_size,
         average_in_collective=d.average_in_collective)
     # the expert groups DDP asks for are in state.pg_collection (initialize_parallel), not megatron's globals

@@ -268,7 +268,7 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     schedule; ``loader`` is this DP rank's ``protocol.BatchLoader`` of full THD packs (``begin_step()``
     plans each step, ``state_dict()`` / ``load_state_dict()`` resume at the next one); ``validation``
     is this DP rank's ``eval.ValidationLoader`` (or None)."""
-    from megatron_pack.training.chunks import build_model_chunks, named_parameters
+    from megatron_pack.training.chunks import build_model_chunks
     from megatron_pack.training.determinism import apply_determinism
     from megatron_pack.training.step import forward_step
 
@@ -276,10 +276,7 @@ def build_trainer(cfg: Config, state: ParallelState, loader: BatchLoader, *,
     apply_determinism(cfg.train.deterministic, cfg.train.seed, state.device)  # before the model is built
     chunks = build_model_chunks(cfg, state)
     # one optimizer over every chunk's parameters: one gradient norm, clipped once, one AdamW step
-    optimizer = build_optimizer(cfg, named_parameters(chunks), state.tp_group,
-                                ddp_model=chunks, device=state.device.type, dp_group=state.dp_group,
-                                pp_group=state.pp_group, expert_group=state.pg_collection.tp_ep,
-                                expert_dp_group=state.pg_collection.expt_dp)
+    optimizer = build_optimizer(cfg, chunks)
     info = loader.info  # the breakdowns need the same sizes on every rank
     return Trainer(cfg=cfg, state=state, model_chunks=chunks, optimizer=optimizer,
                    schedule=LRSchedule(cfg, train_iters), loader=loader,

@@ -12,10 +12,9 @@ stage, in bytes:
 - gradients: megatron-core DDP's contiguous main-grad buffer, one element per parameter, 4 B
   (``ddp.grad_reduce_in_fp32``) or the parameter's size. The distributed optimizer reduce-scatters
   in place: the buffer stays whole.
-- optimizer state: AdamW's two fp32 moments, plus an fp32 master copy when parameters are 16-bit;
-  sharded over the data-parallel ranks (x CP on GPU, megatron-core's ``intra_dp_cp`` group) with
-  ``ddp.use_distributed_optimizer`` (which on CPU also keeps an fp32 copy of its shard:
-  ``optim.ShardedTrainOptimizer``); routed experts are replicated only over the expert-data-parallel
+- optimizer state (megatron-core's optimizer on every device): Adam's two fp32 moments, plus an fp32 main copy
+  when parameters are 16-bit; sharded over the data-parallel x CP ranks (megatron-core's ``intra_dp_cp`` group)
+  with ``ddp.use_distributed_optimizer``; routed experts are replicated only over the expert-data-parallel
   ranks (world / (expert TP x EP x PP)), so their state is sharded over those.
 - a vision-language model's first stage adds its vision tower (``vision_memory``): parameters, the
   gradients and optimizer state of the part that trains (the merger with ``model.freeze_vision``), and the
@@ -276,9 +275,8 @@ def estimate_stage(cfg, stage: int, world_size: int) -> StageMemory:
     num, experts = stage_params(cfg, stage), stage_expert_params(cfg, stage)
     element = _element_bytes(cfg)
     vision, frozen, vision_acts = _vision_share(cfg, stage, element)
-    master = element < 4 or (dist_opt and cfg.train.device != "cuda")
-    state = ADAM_MOMENT_BYTES + (MASTER_BYTES if master else 0)
-    shards = dp * (par.context_parallel_size if cfg.train.device == "cuda" else 1) if dist_opt else 1
+    state = ADAM_MOMENT_BYTES + (MASTER_BYTES if element < 4 else 0)  # fp32 main params of 16-bit weights
+    shards = dp * par.context_parallel_size if dist_opt else 1
     # routed experts are replicated only over the expert-data-parallel ranks: their state is sharded over those
     expert_shards = expert_data_parallel(cfg, world_size) if dist_opt else 1
     optimizer = -(-(num + vision - frozen - experts) * state // shards) + -(-experts * state // expert_shards)

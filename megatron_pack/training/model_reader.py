@@ -49,6 +49,12 @@ class CheckpointModel:
 
         return load_sharded(sharded_state, checkpoint_reader(self.path))
 
+    def stored_keys(self) -> set[str]:
+        """Every tensor key the checkpoint's files hold (``model.<name>``, ``optimizer.<state>.<name>``, ...)."""
+        from megatron_pack.training.checkpoint import checkpoint_reader
+
+        return set(checkpoint_reader(self.path).read_metadata().state_dict_metadata)
+
     def shards(self) -> list[dict[str, torch.Tensor]]:
         """The whole model as the TP=1 model holds it, in one process, as one shard keyed by parameter
         name (``checkpoint.read_full_model``). Export and verify."""

@@ -167,6 +167,12 @@ def _storage_keys(item: Any) -> Iterable[str]:
     return [item.key]
 
 
+def stored_in(item: Any, stored: set[str]) -> bool:
+    """Whether every checkpoint key ``item`` (a ShardedTensor or factory of :func:`sharded_state`) reads is in
+    ``stored``."""
+    return all(key in stored for key in _storage_keys(item))
+
+
 def _check_keys(state: dict[str, Any], stored: set[str]) -> None:
     for name, item in state.items():
         for key in _storage_keys(item):

@@ -165,12 +165,6 @@ def checkpoint_dirs(cfg: Config) -> tuple[Path, Optional[Path]]:
     return choice.save, choice.path
 
 
-def _on_gpu(cfg: Config, host_gpu: bool) -> bool:
-    from megatron_pack.config.device import device_type
-
-    return device_type(cfg.train.device, gpu_present=host_gpu) == "cuda"
-
-
 def layout_meta(world_size: int, tp: int, cp: int, dp: int, ep: int = 1, vp: int = 1) -> dict:
     """The parallel layout a checkpoint records in ``meta.json`` and a resume must match (the pipeline
     size follows from the others; ``vp``: model chunks per pipeline rank)."""
@@ -187,8 +181,7 @@ def same_layout(meta: dict, here: dict) -> bool:
     return all(meta.get(k, _LAYOUT_DEFAULTS.get(k)) == v for k, v in here.items())
 
 
-def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[list[str]] = None, *,
-                 host_gpu: bool = False) -> Optional[Path]:
+def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[list[str]] = None) -> Optional[Path]:
     """The checkpoint this run starts from (None: a fresh start), checked before any process
     group exists; what the run cannot do raises ``ConfigError`` (printed once by the entry,
     exit 2) instead of failing on every rank inside ``Trainer.load``:
@@ -196,15 +189,13 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
     - ``checkpoint.load`` holds no checkpoint; a damaged checkpoint where the run may not pass over
       it (``resume_choice``), whose lines for the ones it passed over are appended to ``notes``;
     - a checkpoint of another format (written by an older megatron_pack: ``check_format``);
-    - a full resume of a GPU run at another layout (megatron-core's optimizer state is per rank);
-      on CPU a checkpoint resumes at any layout;
     - online packing at another data-parallel size or ``data.num_workers`` (its shards depend on both);
     - with ``dataset`` (the opened training plan): ``train.num_epochs`` that gives less than one
       step (``planned_train_iters``), and a full resume with changed lr, schedule, optimizer,
       global batch, seed or data plan, unless ``checkpoint.allow_changed``.
 
-    A weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout. ``host_gpu``
-    (whether this host has a GPU, probed by the caller) resolves ``train.device=auto``."""
+    A checkpoint resumes at any layout on every device (weights and optimizer state by global identity); a
+    weights-only start (``checkpoint.load_weights_only``) reads the weights at any layout."""
     from megatron_pack.parallel.dims import ParallelDims
 
     iters = planned_train_iters(cfg, dataset, world_size) if dataset is not None else None
@@ -221,18 +212,11 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
     except OlderCheckpoint as exc:
         raise ConfigError([str(exc)]) from None
     dims = ParallelDims.from_config(cfg, world_size)
-    mismatch = [f"{k} {saved.get(k, _LAYOUT_DEFAULTS.get(k))!r} there, {v!r} here"
-                for k, v in layout_meta(world_size, dims.tp, dims.cp, dims.dp, dims.ep,
-                                        cfg.parallel.num_model_chunks).items()
-                if saved.get(k, _LAYOUT_DEFAULTS.get(k)) != v]
-    if mismatch and kind == "resume" and _on_gpu(cfg, host_gpu):
-        why = ("megatron-core's GPU optimizer state resumes only at the layout that wrote it (the weights reshard;"
-               " checkpoint.load_weights_only=true starts a new run from them)")
-        raise ConfigError([f"cannot resume from {resume}: it was written with another parallel layout "
-                           f"({'; '.join(mismatch)}) and {why}. Resume it on {saved.get('world_size')} ranks with "
-                           f"parallel.tensor_model_parallel_size={saved.get('tensor_model_parallel_size')} "
-                           f"parallel.context_parallel_size={saved.get('context_parallel_size')}, or set {key} "
-                           "to another directory to start fresh."])
+    if kind == "resume" and not _holds_optimizer_state(resume):
+        raise ConfigError([f"cannot resume from {resume}: it holds no optimizer state by parameter (a GPU run of "
+                           "an older megatron_pack kept megatron-core's per-rank state, without Adam moments); set "
+                           f"checkpoint.load_weights_only=true to start a new run from its weights, or set {key} to "
+                           "another directory to start fresh."])
     _check_resume_peft(cfg, resume, saved)
     loader_state = saved.get("train_state", {}).get("loader") or {}
     if kind == "resume" and cfg.packing.mode == "online" and loader_state.get("kind") == "online":
@@ -246,6 +230,17 @@ def check_resume(cfg: Config, world_size: int, dataset=None, notes: Optional[lis
     if dataset is not None and kind == "resume":
         check_resume_settings(cfg, resume, run_settings(cfg, iters, dataset.metadata.get("fingerprint")))
     return resume
+
+
+def _holds_optimizer_state(path: Path) -> bool:
+    """Whether checkpoint ``path``'s tensors include Adam moments (its DCP index, read through the allowlist;
+    a folder without one is judged by its manifest check instead)."""
+    from megatron_pack.training.checkpoint import checkpoint_reader
+
+    if not (path / ".metadata").is_file():
+        return True
+    keys = checkpoint_reader(path).read_metadata().state_dict_metadata
+    return any(key.startswith("optimizer.exp_avg.") for key in keys)
 
 
 def _check_resume_peft(cfg: Config, resume: Path, saved: dict) -> None:

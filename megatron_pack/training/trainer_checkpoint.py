@@ -4,8 +4,9 @@ What a checkpoint holds (``checkpoint.py`` writes the files): the model chunks' 
 optimizer's per-parameter state by global identity (``resharding.sharded_state``, so any layout
 resumes it), ``meta.json`` with the layout, the peft settings, the run's settings and its position
 (``train_state``: step, schedule, loader, consumed samples and tokens, elapsed time, validation
-history), and one small file per rank (RNG states, the optimizer's per-rank state on GPU, that DP
-rank's own loader position). :func:`start_or_resume` applies the choice of ``resume.resume_choice``
+history), and one small file per rank (RNG states, that DP rank's own loader position). The optimizer is
+megatron-core's on every device (``optim.TrainOptimizer``): its Adam moments, step and fp32 main params are in
+the sharded state, so a run resumes them at any layout, with the distributed optimizer on or off. :func:`start_or_resume` applies the choice of ``resume.resume_choice``
 (which checkpoint, in full or weights only); weights are read through ``model_reader.CheckpointModel``,
 the reader verify and export use too. ``trainer`` below is a ``loop.Trainer`` (not imported: the
 loop imports this module).
@@ -52,15 +53,20 @@ def settings(trainer) -> dict[str, Any]:
     return run_settings(trainer.cfg, trainer.train_iters, trainer.plan_fingerprint)
 
 
-def _sharded_state(trainer, *, with_optimizer: bool) -> dict:
-    """Every model chunk's parameters (and their optimizer state), by global identity."""
-    from megatron_pack.training.resharding import sharded_state
+def _sharded_state(trainer, *, with_optimizer: bool, stored: Optional[set[str]] = None) -> dict:
+    """Every model chunk's parameters (and their optimizer state), by global identity. ``stored`` (loading: the
+    checkpoint's keys) leaves out fp32 main params the checkpoint does not hold (written by a run without
+    bf16: the main params then start from the weights)."""
+    from megatron_pack.training.resharding import sharded_state, stored_in
 
     lora = _lora(trainer.cfg)
     if not with_optimizer:
         return sharded_state(trainer.model_chunks, {}, trainable_only=lora)
     tensors, step = trainer.optimizer.checkpoint_tensors()
-    return sharded_state(trainer.model_chunks, tensors, step, trainable_only=lora)
+    state = sharded_state(trainer.model_chunks, tensors, step, trainable_only=lora)
+    if stored is not None:
+        state = {k: v for k, v in state.items() if not k.startswith("optimizer.fp32_param.") or stored_in(v, stored)}
+    return state
 
 
 def _has_extra_state(module: torch.nn.Module) -> bool:
@@ -110,7 +116,7 @@ def save_trainer(trainer, root: str | Path) -> Path:
             "train_state": _train_state(trainer), "settings": settings(trainer)}
     # each DP rank's own loader position too (online buffers and planned steps differ per rank);
     # meta.json's copy (rank 0's) is the layout-free position used when the layout changes
-    rank_state = {"rng": ckpt.rng_state(trainer.state.device), "optimizer": trainer.optimizer.rank_state(),
+    rank_state = {"rng": ckpt.rng_state(trainer.state.device),
                   "loader": trainer.loader.state_dict(), "extra_state": module_extra_states(trainer.model_chunks)}
     return ckpt.save_checkpoint(root, trainer.step, sharded_state=sharded, rank_state=rank_state, meta=meta,
                                 keep_last=trainer.cfg.checkpoint.keep_last)
@@ -141,19 +147,12 @@ def load_trainer(trainer, path: str | Path) -> list[str]:
     changes = check_resume_settings(trainer.cfg, reader.path, settings(trainer))
     here = layout(trainer.state, len(trainer.model_chunks))
     same = same_layout(meta, here)
-    if trainer.optimizer.rank_state() is not None and not same:
-        raise ValueError(f"checkpoint {path} was written at layout {({k: meta.get(k) for k in here})} "
-                         f"and megatron-core's GPU optimizer state resumes only at the same layout "
-                         f"({here}); resume with that layout, or set checkpoint.load_weights_only=true.")
-    loaded = reader.read_slices(_sharded_state(trainer, with_optimizer=True))
+    sharded = _sharded_state(trainer, with_optimizer=True, stored=reader.stored_keys())
+    loaded = reader.read_slices(sharded)
     _copy_model(trainer, loaded)
-    tensors, _ = trainer.optimizer.checkpoint_tensors()
-    trainer.optimizer.load_checkpoint_tensors(
-        {name: {key: loaded[f"optimizer.{key}.{name}"] for key in state} for name, state in tensors.items()},
-        loaded.get("optimizer.step", torch.zeros(())))
+    trainer.optimizer.load_checkpoint_tensors(_optimizer_tensors(loaded), loaded.get("optimizer.step", torch.zeros(())))
     rank_state = ckpt.read_rank_state(path) if same else None
     if rank_state is not None:
-        trainer.optimizer.load_rank_state(rank_state.get("optimizer"))
         ckpt.set_rng_state(rank_state["rng"], trainer.state.device)
         restore_extra_states(trainer.model_chunks, rank_state.get("extra_state") or {})
     elif module_extra_states(trainer.model_chunks):
@@ -165,6 +164,16 @@ def load_trainer(trainer, path: str | Path) -> list[str]:
         train_state["loader"] = loader_state
     _apply_train_state(trainer, train_state, changes)
     return changes
+
+
+def _optimizer_tensors(loaded: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """``{"optimizer.<state>.<name>": t}`` -> ``{name: {state: t}}`` (the step is kept apart)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in loaded.items():
+        if key.startswith("optimizer.") and key != "optimizer.step":
+            state, name = key[len("optimizer."):].split(".", 1)
+            out.setdefault(name, {})[state] = tensor
+    return out
 
 
 def rank_loader_state(state: ParallelState, path: str | Path, meta: dict, rank_state: Optional[dict]) -> Optional[dict]:

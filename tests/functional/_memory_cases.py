@@ -5,8 +5,9 @@ assertions are ``test_memory_estimate_within_25_percent_of_measured`` there.
 
 For each layout a tiny model runs one training step on full packs of packing.packed_sequence_size
 tokens, and each component the estimate models is measured on every rank: parameter bytes, the
-DDP main-grad buffer's bytes, the optimizer-state bytes (AdamW moments, plus the fp32 shard copy of
-the CPU distributed optimizer) and the peak bytes autograd held for backward
+DDP main-grad buffer's bytes, the optimizer-state bytes (megatron-core's optimizer: Adam moments of this rank's
+main params, whole or its distributed shard, plus fp32 main copies of 16-bit weights) and the peak bytes autograd
+held for backward
 (``SavedActivationMeter``; on CPU there is no allocator peak). Each must be within 25% of the
 estimate for that rank's stage, and the total too. The cases (and their numbers) are the table in
 docs/benchmarks.md.
@@ -55,8 +56,12 @@ def _measure(trainer, meter) -> dict:
     for p in params:
         storage = p.main_grad.untyped_storage()
         grads[storage.data_ptr()] = storage.nbytes()
-    state = sum(t.numel() * t.element_size() for s in opt.optimizer.state.values() for t in s.values() if t.dim() > 0)
-    state += sum(piece.numel() * piece.element_size() for *_, piece in getattr(opt, "pieces", []))
+    state = 0
+    for part in opt.parts:
+        state += sum(t.numel() * t.element_size() for s in part.optimizer.state.values() for t in s.values()
+                     if t.dim() > 0)
+        copies = getattr(part, "fp32_from_float16_groups", None) or getattr(part, "shard_fp32_from_float16_groups", [])
+        state += sum(p.numel() * p.element_size() for group in copies for p in group)  # main params of 16-bit ones
     out = {"params": sum(p.numel() * p.element_size() for p in params), "grads": sum(grads.values()),
            "optimizer": state, "activations": meter.peak_bytes}
     out["total"] = sum(out.values())

@@ -181,11 +181,13 @@ def _train_step(model, pg, cfg, batch) -> dict:
     counts = torch.stack([loss_sum.detach().double(), num_tokens.double()])
     dist.all_reduce(counts, group=pg.dp_cp_group)
     finalize_model_grads([ddp], num_tokens=num_tokens.clone(), pg_collection=pg.pg_collection)
-    from megatron_pack.training.optim import grad_norm
+    from megatron_pack.model.cpu_compat import CudaAsCpu
+    from megatron_pack.training.optim import build_optimizer
 
-    for p in model.parameters():  # the trainer's norm (clipping): every EP rank's experts, each once
-        p.grad = p.main_grad
-    norm = grad_norm(list(model.parameters()), pg.tp_group, expert_group=pg.pg_collection.tp_ep)
+    optimizer = build_optimizer(cfg, [ddp]).optimizer  # the trainer's norm (clipping): every EP rank's experts, once
+    with CudaAsCpu():
+        optimizer.prepare_grads()
+        norm = float(optimizer.get_grad_norm())
     grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
     grads.update(_gather_experts(grads, pg.pg_collection.ep))
     shards = [None] * pg.tp_size
@@ -450,8 +452,10 @@ def _distributed_optimizer(folder: str, rank: int, root: str) -> dict:
     run_a += steps(a, 1)
     destroy_parallel()
     b = _trainer(folder, 2, packs, True)
-    sharded = sum(p.numel() for *_, p in b.optimizer.pieces) < sum(p.numel() for p in b.optimizer.params)
     run_b = steps(b, 2)
+    num_trainable = sum(p.numel() for p in b.optimizer.names if p.requires_grad)  # a rank's moments: fewer
+    sharded = b.optimizer.num_state_elements < 2 * num_trainable and \
+        {type(part).__name__ for part in b.optimizer.parts} == {"DistributedOptimizer"}
     b_weights = weights(b)
     b2 = b.save(f"{root}/b")
     destroy_parallel()

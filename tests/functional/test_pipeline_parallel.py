@@ -33,7 +33,6 @@ the two DP ranks and at PP=4 x VP=2 (8 layers, two middle stages, 8 micro-batche
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import pytest
@@ -753,33 +752,16 @@ def _resume_chain(rank: int, root: str) -> dict:
     return out
 
 
-TRAINER_LAYOUTS = {  # id -> (world size, PP, EP, optimizer); DP = world / PP
-    "world1": (1, 1, 1, "cpu"),
-    "pp2_dp2": (4, 2, 1, "cpu"),
-    "gpu_world1_distributed": (1, 1, 1, "gpu_distributed"),
-    "gpu_pp2_dp2": (4, 2, 1, "gpu"),
-    "gpu_ep2_dp2": (2, 1, 2, "gpu"),
+TRAINER_LAYOUTS = {  # id -> (world size, PP, EP, distributed optimizer); DP = world / PP
+    "world1": (1, 1, 1, False),
+    "world1_distributed": (1, 1, 1, True),
+    "pp2_dp2": (4, 2, 1, False),
+    "ep2_dp2": (2, 1, 2, False),
 }
-"""build_trainer's layouts checked against the float64 reference. ``gpu`` / ``gpu_distributed``: the objects
-build_trainer builds on a GPU (``gpu_objects``), megatron-core's optimizer (its distributed optimizer) included;
-EP=2 trains a MoE model (4 experts, top 2) whose experts are split over the 2 DP ranks."""
+"""build_trainer's layouts checked against the float64 reference: megatron-core's optimizer (its distributed one
+when asked), the objects a GPU run builds, on every device; EP=2 trains a MoE model (4 experts, top 2) whose
+experts are split over the 2 DP ranks."""
 TRAINER_STEPS, TRAINER_PACKS_PER_STEP, TRAINER_LAYERS, TRAINER_EXPERTS = 2, 4, 2, 4
-
-
-@contextlib.contextmanager
-def gpu_objects():
-    """``build_trainer`` builds what it builds on a GPU: the schedule, P2P communicator, DDP and MoE token
-    dispatcher are megatron-core's on every device, and the one choice made by device
-    (``optim.megatron_optimizer_on``: megatron-core's optimizer, and DDP's buffers laid out for its distributed
-    optimizer) is the GPU's, built and stepped under ``model.cpu_compat``."""
-    from megatron_pack.training import optim
-
-    choose = optim.megatron_optimizer_on
-    optim.megatron_optimizer_on = lambda device: True
-    try:
-        yield
-    finally:
-        optim.megatron_optimizer_on = choose
 
 
 def _global_expert(name: str, state, num_local: int) -> str:
@@ -792,7 +774,7 @@ def _global_expert(name: str, state, num_local: int) -> str:
     return f"{head}{marker}{state.ep_rank * num_local + int(index)}.{tail}"
 
 
-def _trainer_case(rank: int, world: int, pp: int, ep: int, optimizer: str) -> dict:
+def _trainer_case(rank: int, world: int, pp: int, ep: int, distributed: bool) -> dict:
     """``build_trainer`` (megatron-core's schedule, DDP, optimizer, tied embeddings) takes ``TRAINER_STEPS``
     steps; before each, the float64 reference's loss and gradients on the weights every stage holds then
     (gathered), against the step's logged loss and ``main_grad`` after it."""
@@ -806,19 +788,16 @@ def _trainer_case(rank: int, world: int, pp: int, ep: int, optimizer: str) -> di
                                    untie_embeddings_and_output_weights=False, **moe),
                  train=TrainConfig(seed=1234, lr=3e-3, global_batch_size=TRAINER_PACKS_PER_STEP,
                                    train_iters=TRAINER_STEPS, lr_warmup_iters=0, clip_grad=1e9),
-                 ddp=DDPConfig(use_distributed_optimizer=optimizer == "gpu_distributed"),
+                 ddp=DDPConfig(use_distributed_optimizer=distributed),
                  parallel=ParallelConfig(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep))
     packs = random_packs(7, TRAINER_STEPS * TRAINER_PACKS_PER_STEP, samples=(1, 4), length=(5, 20))
     state = initialize_parallel(cfg)
     per_step = [packs[s * TRAINER_PACKS_PER_STEP:(s + 1) * TRAINER_PACKS_PER_STEP] for s in range(TRAINER_STEPS)]
     mine = [p for step in per_step for p in step[state.dp_rank::state.dp_size]]  # this DP rank's share of each step
     loader = ListLoader([collate_thd(p, pack_size=64, pad_multiple=8) for p in mine])
-    gpu = optimizer.startswith("gpu")
-    with gpu_objects() if gpu else contextlib.nullcontext():  # the trainer's steps too (DDP's choice is made then)
-        trainer = build_trainer(cfg, state, loader)
-        out = _trainer_steps(rank, trainer, cfg, state, per_step, ep)
-    if gpu:
-        out["chained"] = ",".join(sorted({type(o).__name__ for o in trainer.optimizer.optimizer.chained_optimizers}))
+    trainer = build_trainer(cfg, state, loader)
+    out = _trainer_steps(rank, trainer, cfg, state, per_step, ep)
+    out["chained"] = ",".join(sorted({type(o).__name__ for o in trainer.optimizer.parts}))
     return out
 
 
@@ -847,28 +826,28 @@ def _trainer_cases(rank: int, root: str) -> dict:
     from megatron_pack.parallel.groups import destroy_parallel
 
     out = {}
-    for name, (world, pp, ep, optimizer) in TRAINER_LAYOUTS.items():
+    for name, (world, pp, ep, distributed) in TRAINER_LAYOUTS.items():
         with sub_world(rank, world, root, f"trainer_{name}") as member:
             if member:
-                out.update({f"trainer_{name}/{k}": v for k, v in _trainer_case(rank, world, pp, ep, optimizer).items()})
+                out.update({f"trainer_{name}/{k}": v
+                            for k, v in _trainer_case(rank, world, pp, ep, distributed).items()})
                 destroy_parallel()
     return out
 
 
 @pytest.mark.parametrize("name", list(TRAINER_LAYOUTS))
 def test_trainer_steps_equal_float64_reference(world, name):
-    """The trainer ``megatron-pack train`` builds (megatron-core's schedule and P2P, DDP, the optimizer, the MoE
-    dispatcher) at world 1, PP=2 x DP=2 and EP=2 x DP=2, with the CPU's optimizer and with the GPU's objects
-    (megatron-core's optimizer, plain and distributed): each step's loss and every gradient equal the float64
-    reference of each sample alone on the weights before that step (relative 1e-5); every rank logs the same loss."""
+    """The trainer ``megatron-pack train`` builds (megatron-core's schedule and P2P, DDP, its optimizer plain and
+    distributed, the MoE dispatcher) at world 1, PP=2 x DP=2 and EP=2 x DP=2: each step's loss and every gradient
+    equal the float64 reference of each sample alone on the weights before that step (relative 1e-5); every rank
+    logs the same loss."""
     rank0 = world[0]
-    size, pp, ep, optimizer = TRAINER_LAYOUTS[name]
+    size, pp, ep, distributed = TRAINER_LAYOUTS[name]
     key = f"trainer_{name}/"
     assert (int(rank0[key + "pp_size"]), int(rank0[key + "dp_size"]), int(rank0[key + "ep_size"])) == \
         (pp, size // pp, ep)
-    assert rank0[key + "optimizer"] == ("TrainOptimizer" if optimizer == "cpu" else "MegatronTrainOptimizer")
-    if optimizer != "cpu":
-        assert rank0[key + "chained"] == ("DistributedOptimizer" if optimizer == "gpu_distributed" else "FP32Optimizer")
+    assert rank0[key + "optimizer"] == "TrainOptimizer"
+    assert rank0[key + "chained"] == ("DistributedOptimizer" if distributed else "FP32Optimizer")
     per_layer = 6 if ep == 1 else 5 + 2 * TRAINER_EXPERTS  # MoE: a router and each expert's two linears
     num_params = 2 + per_layer * TRAINER_LAYERS  # tied: no output layer
     for step in range(TRAINER_STEPS):

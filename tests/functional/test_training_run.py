@@ -9,7 +9,8 @@ layouts, weights-only start, the changed-settings refusal, the distributed optim
    DP=2 (with the distributed optimizer): steps 5-6 give the uninterrupted TP2 x CP2 run's losses
    (relative 1e-5) on the same packs. ``checkpoint.load_weights_only`` starts at step 0 from those
    weights.
-3. Distributed optimizer (DP=2): the plain optimizer's losses and parameters after 5 steps; each
+3. Distributed optimizer (DP=2, megatron-core's): the plain optimizer's losses (relative 1e-6) and parameters
+   after 5 steps (its gradients are reduce-scattered, not all-reduced: the same sums in another order); each
    rank holds about half of the optimizer state.
 5. Resuming with a changed lr or global batch is refused before launch, naming every change and
    the fix; ``checkpoint.allow_changed=true`` goes on with the new lr.
@@ -332,7 +333,7 @@ def _distributed_optimizer_world(rank: int, world: int, dataset_dir: str, tmp: s
         out[f"{flag}_losses"] = np.array([m.lm_loss for m in trainer.history])
         out[f"{flag}_state"] = np.array(trainer.optimizer.num_state_elements)
         out.update({f"{flag}_{k}": v for k, v in _full_params(trainer).items()})
-        out[f"{flag}_num_params"] = np.array(sum(p.numel() for p in trainer.optimizer.params))
+        out[f"{flag}_num_params"] = np.array(sum(p.numel() for p in trainer.optimizer.names if p.requires_grad))
     return out
 
 
@@ -340,12 +341,13 @@ def test_distributed_optimizer_matches_plain_with_half_the_state(dataset_dir, tm
     results = spawn_world(_distributed_optimizer_world, 2, tmp_path, dataset_dir, str(tmp_path))
     r0, r1 = results
     assert r0["false_losses"][0] != r0["false_losses"][-1]
-    np.testing.assert_array_equal(r0["true_losses"], r0["false_losses"])
+    # gradients are reduce-scattered instead of all-reduced: the same sums in another order (float32 rounding)
+    np.testing.assert_allclose(r0["true_losses"], r0["false_losses"], rtol=1e-6)
     names = [k[len("false_"):] for k in r0 if k.startswith("false_param.")]
     assert len(names) >= 10
     for name in names:
-        np.testing.assert_array_equal(r0[f"true_{name}"], r0[f"false_{name}"])
-        np.testing.assert_array_equal(r1[f"true_{name}"], r0[f"true_{name}"])
+        np.testing.assert_allclose(r0[f"true_{name}"], r0[f"false_{name}"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_array_equal(r1[f"true_{name}"], r0[f"true_{name}"])  # every rank: the same weights
     plain = int(r0["false_state"])
     assert plain == 2 * int(r0["false_num_params"])  # exp_avg + exp_avg_sq of every parameter
     for r in results:

@@ -23,6 +23,8 @@ and template) and chat files, CP=2.
   differ, which the MoE token dispatcher exchanges); online packing (``packing.mode=online``) from a dataset
   prepared with ``data.validation_fraction``, which trains on the other samples and validates on the held-out
   ones at the end; and the same store online with ``data.validation_fraction=0`` (no plan read, no validation).
+  Six of the 15 pairwise cases train in bf16 (``train.bf16=true``: every factor and both layouts among them), and
+  the MoE case steps megatron-core's distributed optimizer.
 """
 
 from __future__ import annotations
@@ -58,13 +60,18 @@ PIPELINED = {(s, v, t) for i, (s, v, t) in enumerate(TRAINED) if i // len(VALIDA
              i % len(VALIDATIONS)}
 """The 5 trained cases (one per strategy, each validation and template among them) trained at ``parallel=pp2``
 (2 pipeline stages) instead of ``parallel=cp2``: the layout pairs with every other factor."""
+BF16 = {c for k, c in enumerate(TRAINED) if k % 5 in (0, 2)}
+"""The 6 trained cases that train with ``train.bf16=true`` (bf16 weights, megatron-core's optimizer with fp32 main
+params, as every GPU recipe): every strategy, validation, template and layout among them."""
 RUN = ["model.pretrained=model", "parallel=cp2"]
 VIRTUAL = ("bfd", "fraction", "own")
 """The prepared case the virtual-stage run trains on (with a validation set)."""
 VIRTUAL_RUN = ["model.pretrained=model4", "parallel=pp2_vp2", "train.global_batch_size=4"]
 """4 micro-batches: with 2 megatron-core's interleaved schedule runs all in its warm-up (refused by validate())."""
-MOE_RUN = ["model.pretrained=moe", "parallel=cp1", "parallel.expert_model_parallel_size=2", "data.dataset_dir=ds_moe"]
-"""DP=2 x EP=2 over the two DP ranks: each rank holds 2 of the 4 experts and trains its own packs."""
+MOE_RUN = ["model.pretrained=moe", "parallel=cp1", "parallel.expert_model_parallel_size=2", "data.dataset_dir=ds_moe",
+           "ddp.use_distributed_optimizer=true"]
+"""DP=2 x EP=2 over the two DP ranks: each rank holds 2 of the 4 experts and trains its own packs; megatron-core's
+distributed optimizer shards the dense state over DP."""
 ONLINE = ("bfd", "fraction", "own")
 """The prepared case (a validation_fraction plan) the online runs read the store of."""
 TRAIN = ["train.train_iters=2", "train.global_batch_size=2", "train.lr_warmup_iters=1", "logging.tensorboard=false",
@@ -144,7 +151,8 @@ def test_every_case_inspects_verifies_checks_and_exports_with_only_its_folder(wo
 
 
 def _layout(case) -> list[str]:
-    return [RUN[0], "parallel=pp2"] if case in PIPELINED else RUN
+    precision = ["train.bf16=true"] if case in BF16 else []
+    return ([RUN[0], "parallel=pp2"] if case in PIPELINED else RUN) + precision
 
 
 def test_pipelined_cases_pair_with_every_factor():
@@ -152,6 +160,13 @@ def test_pipelined_cases_pair_with_every_factor():
     for k, factor in enumerate((STRATEGIES, VALIDATIONS, TEMPLATES)):
         for value in factor:  # every value trained at both layouts
             assert {c in PIPELINED for c in TRAINED if c[k] == value} == {True, False}, value
+
+
+def test_bf16_cases_pair_with_every_factor():
+    assert len(BF16) == 6
+    for k, factor in enumerate((STRATEGIES, VALIDATIONS, TEMPLATES)):
+        assert {c[k] for c in BF16} == set(factor)
+    assert {c in PIPELINED for c in BF16} == {True, False}  # at both layouts
 
 
 def test_pairwise_training_then_export(world):
@@ -186,6 +201,7 @@ def test_pairwise_training_then_export(world):
             assert "pipeline_model_parallel_size: 2" in written and "context_parallel_size: 1" in written
         else:
             assert "context_parallel_size: 2" in written
+        assert ("bf16: true" in written) == (case in BF16), _id(case)
         out = root / "exports" / f"trained-{_id(case)}"
         ok(root, "export", f"checkpoint=runs/{_id(case)}/checkpoints", f"output={out}")
         tokenizer = AutoTokenizer.from_pretrained(out)

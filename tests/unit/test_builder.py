@@ -141,17 +141,16 @@ def test_initialize_parallel_state_is_one_typed_layout(world_of_one):
 
 
 def test_build_trainer_distributed_optimizer_on_cpu(world_of_one):
-    """On CPU the flag builds the DP-sharded AdamW; megatron-core's DDP keeps all-reducing whole gradients."""
+    """On CPU the flag builds megatron-core's distributed optimizer, as on a GPU: DDP's buffers are laid out for
+    it (gradients reduce-scattered)."""
     from megatron_pack.config.schema import DDPConfig
     from megatron_pack.data.batches.protocol import BatchList
     from megatron_pack.parallel.groups import initialize_parallel
     from megatron_pack.training.loop import build_trainer
-    from megatron_pack.training.optim import ShardedTrainOptimizer
-
     cfg = Config(ddp=DDPConfig(use_distributed_optimizer=True))
     trainer = build_trainer(cfg, state=initialize_parallel(cfg), loader=BatchList([]))
-    assert isinstance(trainer.optimizer, ShardedTrainOptimizer)
-    assert trainer.model.ddp_config.use_distributed_optimizer is False
+    assert [type(o).__name__ for o in trainer.optimizer.parts] == ["DistributedOptimizer"]
+    assert trainer.model.ddp_config.use_distributed_optimizer is True
     assert trainer.model_chunks == [trainer.model]  # one chunk per rank at PP=1; .model is the first
 
 

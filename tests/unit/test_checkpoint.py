@@ -112,19 +112,17 @@ def test_keep_last_prunes_old(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
 
 
-def test_layout_mismatch_is_a_clear_error(tmp_path):
-    """A GPU run resumes only at the layout that wrote it (megatron-core's optimizer state is per rank):
-    refused before launch, naming the degree that differs."""
+def test_another_layout_resumes_on_every_device(tmp_path):
+    """One format on every device (weights and megatron-core's optimizer state by global identity): a checkpoint
+    written at TP=1 resumes at TP=2, with train.device=cuda as with cpu (it used to be refused on a GPU)."""
     from megatron_pack.config import load_config
-    from megatron_pack.config.schema import ConfigError
     from megatron_pack.training.resume import check_resume
 
     path = _save(tmp_path / "ckpt", 1, seed=1)
-    cfg = load_config([f"train.output_dir={tmp_path}/run", "parallel.tensor_model_parallel_size=2",
-                       f"checkpoint.load={path.parent}"])
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size 1 there, 2 here"):
-        check_resume(cfg, 2, host_gpu=True)
-    assert check_resume(cfg, 2, host_gpu=False) == path  # on CPU it reshards
+    for device in ("cpu", "cuda"):
+        cfg = load_config([f"train.output_dir={tmp_path}/run", "parallel.tensor_model_parallel_size=2",
+                           f"checkpoint.load={path.parent}", f"train.device={device}"])
+        assert check_resume(cfg, 2) == path
 
 
 class _FP8Linear(torch.nn.Module):

@@ -262,25 +262,6 @@ def test_saved_activation_meter_hand_computed():
     assert excluded.peak_bytes == 4000
 
 
-def test_sharded_optimizer_at_dp1_is_the_plain_optimizer():
-    from megatron_pack.training.optim import ShardedTrainOptimizer, TrainOptimizer
-
-    torch.manual_seed(0)
-    cfg = Config(train=TrainConfig(lr=1e-2, clip_grad=0.5))
-    models = [torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    plain = TrainOptimizer(cfg, list(models[0].named_parameters()))
-    sharded = ShardedTrainOptimizer(cfg, list(models[1].named_parameters()), None, None)
-    for step in range(3):
-        x = torch.randn(5, 4)
-        for model, opt in ((models[0], plain), (models[1], sharded)):
-            model(x).pow(2).sum().backward()
-            opt.step(1e-2)
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert sharded.num_state_elements == plain.num_state_elements == 2 * sum(p.numel() for p in models[0].parameters())
-
-
 # (id, the checkpoint's (tp, cp, dp), this run's (dp, dp_rank), rank file expected or None: meta.json's state)
 RANK_LOADER_CASES = [
     ("tp2-to-tp1-same-dp", (2, 1, 2), (2, 1), 2),    # old ranks: tp + 2 * dp -> dp rank 1 at tp 0 is rank 2
