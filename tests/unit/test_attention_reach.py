@@ -13,6 +13,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _dist import spawn_world
 from megatron_pack.model.attention import thd_attention
@@ -391,3 +393,27 @@ def test_long_windowed_sample_is_read_in_blocks(monkeypatch):
     q, k, v = _qkv(321)
     thd_attention(q, k, v, [0, 300, 320], [0, 301, 321], window_size=(LEFT, 0))
     assert calls == [(128, 128), (128, 135), (44, 51), (20, 20)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4), left=st.integers(0, 12),
+       cp=st.sampled_from([1, 2, 4]), sink=st.booleans())
+def test_any_pack_equals_its_samples_alone_at_any_cp(lengths, left, cp, sink):
+    """Property: with any lengths, window and CP, each sample's rows equal the sample alone (bit for bit at
+    CP=1), and every CP rank's zigzag rows equal the full pack's."""
+    mult = 2 * cp if cp > 1 else 1
+    cu, cu_pad = [0], [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+        cu_pad.append(cu_pad[-1] + max(mult, -(-n // mult) * mult))
+    q, k, v = _qkv(cu_pad[-1], seed=left)
+    kwargs = {"window_size": (left, 0), "sink": _sink("learnable") if sink else None}
+    full = thd_attention(q, k, v, cu, cu_pad, **kwargs)
+    for s, n in enumerate(lengths):
+        rows = slice(cu_pad[s], cu_pad[s + 1])
+        alone = thd_attention(q[rows], k[rows], v[rows], [0, n], [0, cu_pad[s + 1] - cu_pad[s]], **kwargs)
+        torch.testing.assert_close(full[rows], alone, atol=0, rtol=0)
+    for rank in range(cp if cp > 1 else 0):
+        rows = thd_partition_indices(torch.tensor(cu_pad), cp, rank)
+        torch.testing.assert_close(thd_attention(q[rows], k, v, cu, cu_pad, query_index=rows, **kwargs), full[rows],
+                                   atol=1e-6, rtol=1e-5)
