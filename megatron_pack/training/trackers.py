@@ -34,8 +34,9 @@ class WandbTracker:
 
         out = Path(cfg.train.output_dir)
         log = cfg.logging
+        # the group is the output folder's path, its last 128 characters (W&B's limit)
         self._run = wandb.init(project=log.wandb_project, entity=log.wandb_entity, mode=log.wandb_mode,
-                               dir=str(out), name=run_name(out, start_step), group=str(out.resolve()),
+                               dir=str(out), name=run_name(out, start_step), group=str(out.resolve())[-128:],
                                config=config, settings=wandb.Settings(console="off", silent=True))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
