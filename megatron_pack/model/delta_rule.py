@@ -14,9 +14,9 @@ Two kernels behind one contract (``packed_gated_delta_rule``):
 
 * ``torch`` (CPU, and a GPU without fla): transformers' chunked algorithm (WY / UT transform per chunk
   of 64 tokens, then a scan over chunks), with every sub-sequence's chunks starting at its own first
-  token. The intra-chunk work runs for every chunk of the pack at once; the scan runs once per chunk
-  *index*, over all sub-sequences that have that chunk (sorted longest first, so the live ones are a
-  prefix and the state just shrinks): ``ceil(longest / 64)`` steps, not one loop per sub-sequence.
+  token. It runs once per chunk *index* j, over chunk j of every sub-sequence that has one (sorted
+  longest first, so the live ones are a prefix and the state just shrinks): ``ceil(longest / 64)``
+  steps, not one loop per sub-sequence; padding rows are never gathered.
 * ``fla`` (CUDA with flash-linear-attention installed): ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
   with ``cu_seqlens``. Its varlen boundaries are the *padded* ones: a slot's padding comes after its
   real tokens, so causally it cannot reach them, and the state restarts at the next slot; padded rows

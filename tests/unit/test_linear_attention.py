@@ -265,6 +265,31 @@ def test_layer_in_a_transformer_layer_spec(world_of_one):
     torch.testing.assert_close(packed[152:157], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_checkpoint_layout_is_megatron_cores(world_of_one):
+    """megatron-core's GDN sharded_state_dict: in_proj split into its six parts, conv1d into q, k, v."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    ours, _ = _layers(world_of_one.pg_collection)
+    state = ours.sharded_state_dict(prefix="layers.0.self_attention.")
+    params = {k for k in state if not k.endswith("_extra_state")}
+    assert params == {f"layers.0.self_attention.{name}" for name, _ in ours.named_parameters()}
+    assert all(isinstance(state[f"layers.0.self_attention.{n}"], ShardedTensorFactory)
+               for n in ("in_proj.weight", "conv1d.weight"))
+
+
+@pytest.mark.parametrize("requested,device,expected", [
+    ("auto", "cpu", "torch"), ("torch", "cpu", "torch"), ("fla", "cpu", ValueError), ("flash", "cpu", ValueError),
+], ids=["auto_cpu", "torch", "fla_on_cpu_refused", "unknown_refused"])
+def test_kernel_choice(requested, device, expected):
+    from megatron_pack.model.delta_rule import choose_kernel
+
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="kernel"):
+            choose_kernel(requested, torch.device(device))
+    else:
+        assert choose_kernel(requested, torch.device(device)) == expected
+
+
 # ---- context parallelism ---------------------------------------------------------------------------
 
 PARALLEL_PACK = ([0, 150, 155, 164], [0, 152, 160, 172])  # padded lengths divisible by 2*CP = 4
