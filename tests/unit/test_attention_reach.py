@@ -417,3 +417,30 @@ def test_any_pack_equals_its_samples_alone_at_any_cp(lengths, left, cp, sink):
         rows = thd_partition_indices(torch.tensor(cu_pad), cp, rank)
         torch.testing.assert_close(thd_attention(q[rows], k, v, cu, cu_pad, query_index=rows, **kwargs), full[rows],
                                    atol=1e-6, rtol=1e-5)
+
+
+def test_packed_window_and_sink_equal_transformers_gpt_oss_attention_per_sample():
+    """transformers' gpt-oss attention (its eager kernel with ``module.sinks``, its sliding-window mask function
+    with sliding_window=8) on each sample alone equals our packed rows: the window and sink conventions are
+    transformers', not only our reference's."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    cu, cu_pad = _pack([45, 6, 28], 2)
+    q, k, v = _qkv(cu_pad[-1], dtype=torch.float64, seed=9)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 0.0], dtype=torch.float64)
+    out = thd_attention(q, k, v, cu, cu_pad, window_size=(LEFT, 0), sink=sinks)
+    module = SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+    allowed = sliding_window_causal_mask_function(LEFT + 1)
+    for s in range(len(cu) - 1):
+        n, start = cu[s + 1] - cu[s], cu_pad[s]
+        idx = torch.arange(n)
+        mask = allowed(0, 0, idx[:, None], idx[None, :])
+        bias = torch.zeros(n, n, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+        rows = slice(start, start + n)
+        ref, _ = eager_attention_forward(module, *(t[rows].transpose(0, 1)[None] for t in (q, k, v)), bias[None, None],
+                                         scaling=1.0 / math.sqrt(q.size(-1)))
+        torch.testing.assert_close(out[rows], ref[0], atol=1e-12, rtol=1e-10)
+    assert int(mask.sum()) < n * (n + 1) // 2  # the last sample (28 tokens) is longer than the window
