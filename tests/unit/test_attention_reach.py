@@ -444,3 +444,26 @@ def test_packed_window_and_sink_equal_transformers_gpt_oss_attention_per_sample(
                                          scaling=1.0 / math.sqrt(q.size(-1)))
         torch.testing.assert_close(out[rows], ref[0], atol=1e-12, rtol=1e-10)
     assert int(mask.sum()) < n * (n + 1) // 2  # the last sample (28 tokens) is longer than the window
+
+
+@pytest.mark.parametrize("override,agrees", [("model.window_size=[7,0]", False), ("model.softmax_type=learnable", False),
+                                             ("model.window_size=[4095,0]", True)],
+                         ids=["window_on_full_model", "sink_on_vanilla_model", "mistral_own_window"])
+def test_a_pretrained_folder_decides_windows_and_sinks(tmp_path, override, agrees):
+    """A window or sink typed on the command line must agree with model.pretrained's config.json (a Mistral with
+    sliding_window=4096 here): it never silently changes a pretrained model's attention."""
+    import json
+
+    from megatron_pack.config import load_config
+    from megatron_pack.config.schema import ConfigError
+
+    hf = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 320, "hidden_size": 64,
+          "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "rope_theta": 10000.0, "sliding_window": 4096 if agrees or "softmax" in override else None}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    argv = [f"model.pretrained={tmp_path}", override]
+    if agrees:
+        assert load_config(argv).model.window_size == [4095, 0]
+        return
+    with pytest.raises(ConfigError, match="contradicts"):
+        load_config(argv)
