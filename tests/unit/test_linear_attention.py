@@ -265,6 +265,42 @@ def test_layer_in_a_transformer_layer_spec(world_of_one):
     torch.testing.assert_close(packed[152:157], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_hybrid_gpt_model_sample_after_a_long_one_equals_alone(world_of_one):
+    """STYLE 24 on a whole model: three packed GDN layers then one full-attention layer (Qwen3.5's pattern) in
+    megatron-core's GPTModel; a 5-token sample packed after a 150-token one gives its logits alone."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_pack.config.schema import Config, ModelConfig
+    from megatron_pack.model.builder import local_block_spec, transformer_config_from
+    from megatron_pack.model.linear_attention import PackedGatedDeltaNet, linear_attention_layer_spec
+    from megatron_pack.model.rope import use_in_sequence_rope
+
+    cfg = Config(model=ModelConfig(attention_backend="torch", num_layers=4, hidden_dropout=0.0))
+    config = transformer_config_from(cfg)
+    for name, value in (("linear_conv_kernel_dim", WIDTH), ("linear_key_head_dim", HEAD_DIM),
+                        ("linear_value_head_dim", HEAD_DIM), ("linear_num_key_heads", KEY_HEADS),
+                        ("linear_num_value_heads", VALUE_HEADS)):
+        setattr(config, name, value)
+    block = local_block_spec(4)
+    full = block.layer_specs[0]
+    block.layer_specs = [linear_attention_layer_spec(full)] * 3 + [full]
+    torch.manual_seed(0)
+    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=cfg.model.vocab_size,
+                     max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",
+                     pg_collection=world_of_one.pg_collection)
+    use_in_sequence_rope(model)
+    assert sum(isinstance(m, PackedGatedDeltaNet) for m in model.modules()) == 3
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 160), generator=g)
+    positions = torch.cat([torch.arange(152), torch.arange(8)])[None]
+    packed = model(tokens, positions, None, packed_seq_params=_packed_params([0, 150, 155], [0, 152, 160]))
+    alone = model(tokens[:, 152:157], positions[:, 152:157], None, packed_seq_params=_packed_params([0, 5], None))
+    torch.testing.assert_close(packed[0, 152:157], alone[0], atol=1e-5, rtol=1e-5)
+    joined = torch.cat([tokens[:, :150], tokens[:, 152:157]], dim=1)  # guard: one sequence, no boundary
+    as_one = model(joined, torch.arange(155)[None], None, packed_seq_params=_packed_params([0, 155], None))
+    assert float((as_one[0, 150:155] - alone[0]).abs().max()) > 1e-3
+
+
 def test_checkpoint_layout_is_megatron_cores(world_of_one):
     """megatron-core's GDN sharded_state_dict: in_proj split into its six parts, conv1d into q, k, v."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
