@@ -8,6 +8,11 @@ rows are undefined in TE), of the input gradients, and both implementations' tok
 forward and forward+backward::
 
     python tests/gpu/check_te_thd.py --pack-size 8192 --num-seqs 12 --heads 32 --kv-heads 8 --dim 128
+    python tests/gpu/check_te_thd.py --window 127 --softmax-type learnable   # gpt-oss's window and sinks
+
+``--window LEFT`` / ``--softmax-type`` hand both kernels the same sliding window and sink
+(``model/attention_reach.py``): TE gets ``window_size=(LEFT, 0)`` and ``softmax_type`` (its
+``softmax_offset`` set to ours), our core ``window_size`` and ``sink``.
 
 Needs CUDA and ``transformer_engine`` (``pip install megatron_pack[gpu]``); without them it
 prints why and exits 2. This file imports neither at import time, so it can be imported (and
@@ -67,12 +72,33 @@ def _timed(fn: Callable[[], torch.Tensor], iters: int, backward: bool) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def window_and_sink(args) -> tuple[Optional[tuple[int, int]], Optional[torch.Tensor]]:
+    """``--window`` as megatron-core's window_size and ``--softmax-type`` as one sink logit per head (None: none).
+
+    Example: ``--window 127 --softmax-type learnable --heads 4`` -> ((127, 0), four fixed logits in [-1, 1]).
+    """
+    left, softmax_type = getattr(args, "window", -1), getattr(args, "softmax_type", "vanilla")  # callers' old args
+    window = (left, 0) if left >= 0 else None
+    if softmax_type == "vanilla":
+        return window, None
+    if softmax_type == "off-by-one":
+        return window, torch.zeros(args.heads)
+    return window, torch.linspace(-1.0, 1.0, args.heads)
+
+
 def _te_attention(args, cu_t: torch.Tensor, cu_pad_t: torch.Tensor, max_seqlen: int):
     import transformer_engine.pytorch as te
 
+    window, sink = window_and_sink(args)
+    extra = {"window_size": window} if window else {}
+    if sink is not None:
+        extra["softmax_type"] = getattr(args, "softmax_type")
     module = te.DotProductAttention(num_attention_heads=args.heads, kv_channels=args.dim,
                                     num_gqa_groups=args.kv_heads, attention_dropout=0.0, qkv_format="thd",
-                                    attn_mask_type="padding_causal").cuda()
+                                    attn_mask_type="padding_causal", **extra).cuda()
+    if getattr(args, "softmax_type", "vanilla") == "learnable":
+        with torch.no_grad():
+            module.softmax_offset.copy_(sink.reshape(module.softmax_offset.shape))
 
     def run(q, k, v):
         out = module(q, k, v, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu_t,
@@ -92,8 +118,11 @@ def check_dtype(args, dtype: torch.dtype) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(args.pack_size, args.heads, args.dim)] + [(args.pack_size, args.kv_heads, args.dim)] * 2
     inputs = [torch.randn(s, generator=g, device="cuda", dtype=dtype).requires_grad_(True) for s in shapes]
-    ours = lambda: thd_attention(*inputs, cu, cu_pad)  # noqa: E731
-    row: dict = {"dtype": str(dtype).replace("torch.", ""), "tokens": args.pack_size, "num_seqs": args.num_seqs}
+    window, sink = window_and_sink(args)
+    sink = sink.to(device="cuda", dtype=torch.float32) if sink is not None else None
+    ours = lambda: thd_attention(*inputs, cu, cu_pad, window_size=window, sink=sink)  # noqa: E731
+    row: dict = {"dtype": str(dtype).replace("torch.", ""), "tokens": args.pack_size, "num_seqs": args.num_seqs,
+                 "window": getattr(args, "window", -1), "softmax_type": getattr(args, "softmax_type", "vanilla")}
     out_ours = ours()
     grads_ours = torch.autograd.grad(out_ours[rows].float().square().sum(), inputs)
     try:
@@ -137,6 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--window", type=int, default=-1, help="sliding window LEFT (window_size (LEFT, 0)); -1: none")
+    parser.add_argument("--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"])
     args = parser.parse_args(argv)
     why = _unavailable()
     if why:
