@@ -162,7 +162,9 @@ def _intra_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale
 def torch_packed_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens,
                                   cu_seqlens_padded=None, *, scale: Optional[float] = None,
                                   chunk_size: int = CHUNK_SIZE) -> Tensor:
-    """The chunked gated delta rule over a pack, state zero at every sub-sequence start (float32 inside, float64 for float64).
+    """The chunked gated delta rule over a pack, state zero at every sub-sequence start.
+
+    Computes in float32 (float64 for float64 inputs).
 
     q, k [T, H, dk]; v [T, H, dv]; g (log decay, <= 0), beta [T, H]; heads already expanded (GQA).
     Returns [T, H, dv] in ``v``'s dtype; padding rows are zeros.

@@ -8,6 +8,10 @@ beta, alpha] per TP rank, ``conv1d``, ``dt_bias``, ``A_log``, ``out_norm``, ``ou
 recurrent state restart at every ``cu_seqlens`` start and padding neither feeds nor receives state
 (``model/delta_rule.py``, torch or fla kernel behind one contract).
 
+Tensor parallelism splits the heads (megatron-core's layout: each TP rank's rows of ``in_proj`` are
+[q, k, v, z, beta, alpha] of its heads); the ``out_norm`` weight, shared by every head, gets a partial
+gradient per TP rank, summed over TP in backward (``_SumGradOverTP``), with or without sequence parallelism.
+
 Context parallelism (CP > 1). Full-attention layers keep the zigzag THD slices (rank r holds chunks r
 and 2CP-1-r of every sub-sequence). A recurrence needs each sub-sequence whole and in order, so this
 layer trades the sequence split for a head split around the conv1d and the recurrence (as Megatron-LM's
@@ -205,7 +209,8 @@ def _gdn_class() -> type:
             seq, batch = mixed.shape[:2]
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 if batch != 1:
-                    raise ValueError(f"THD packs have micro-batch size 1; got hidden states {tuple(hidden_states.shape)}.")
+                    raise ValueError(f"THD packs have micro-batch size 1; got hidden states "
+                                     f"{tuple(hidden_states.shape)}.")
                 cu = packed_seq_params.cu_seqlens_q
                 cu_pad = packed_seq_params.cu_seqlens_q_padded
                 cu_pad = cu if cu_pad is None else cu_pad
