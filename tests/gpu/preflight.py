@@ -35,6 +35,7 @@ OPTIONAL = {
     "transformers": "verify.reference=transformers and the Hugging Face tokenizers (the checks use the byte tokenizer)",
     "tokenizers": "Hugging Face tokenizers", "jinja2": "chat templates", "pyarrow": "Parquet and Arrow inputs",
     "wandb": "logging.wandb", "mlflow": "logging.mlflow", "fused_weight_gradient_mlp_cuda": "apex's fused wgrad",
+    "fla": "flash-linear-attention's packed delta-rule kernels (linear attention falls back to its torch path)",
 }
 """Modules ``megatron_pack`` imports only for a feature the checks do not use, or guards with a fallback."""
 
