@@ -71,20 +71,27 @@ def build_model_folder(work: Path, mistral_data: Path) -> Path:
     return folder
 
 
-def _measured(cmd: list[str], env: dict | None = None) -> dict:
+def _measured(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> dict:
+    """``prepare_real._measured`` (wall, CPU with children, peak RSS, last line) run in ``cwd``."""
     sys.path.insert(0, str(HERE))
     from prepare_real import _measured as measured
 
-    return measured(cmd, env)
+    here = os.getcwd()
+    try:
+        os.chdir(cwd or here)
+        return measured(cmd, env)
+    finally:
+        os.chdir(here)
 
 
 def _prepare(folder: Path, records: Path, out: Path, tree: str | None = None) -> dict:
     """The whole ``megatron-pack prepare`` command; ``tree``: a source tree of another commit to run instead."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    # run from the work dir: `python -m` puts the current folder first on sys.path, before PYTHONPATH's tree
     return _measured([sys.executable, "-m", "megatron_pack.cli.main", "prepare", f"tokenizer={folder}",
                       f"input={records}", f"output={out}", f"packing.packed_sequence_size={PACK}",
-                      "packing.on_overflow=drop", "data.on_bad_record=skip"], env)
+                      "packing.on_overflow=drop", "data.on_bad_record=skip"], env, cwd=out.parent)
 
 
 def _trl(folder: Path, plain: Path, out: Path, peer_path: str | None) -> dict:
@@ -99,9 +106,10 @@ def _trl(folder: Path, plain: Path, out: Path, peer_path: str | None) -> dict:
     return result
 
 
-def _bare() -> float:
-    code = "import tokenizers, numpy, pyarrow"
-    return min(_measured([sys.executable, "-c", code])["wall"] for _ in range(3))
+def _bare() -> tuple[float, float]:
+    """Wall and CPU seconds of ``python -c "import tokenizers, numpy, pyarrow"``, each the minimum of 3."""
+    runs = [_measured([sys.executable, "-c", "import tokenizers, numpy, pyarrow"]) for _ in range(3)]
+    return min(r["wall"] for r in runs), min(r["cpu"] for r in runs)
 
 
 def _opt(value, unit: str = "") -> str:
@@ -136,24 +144,26 @@ def run(args) -> None:
     plain, rows = records.with_name(records.stem + "_plain.jsonl"), []
     print(f"model folder {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))}); {args.records:,} records; "
           f"{len(os.sched_getaffinity(0))} cores")
-    header = (f"{'round':>5} {'load before':>16} {'bare s':>7} {'fixed s':>8} {'fixed/bare':>10} {'fixed cpu s':>11} "
-              f"{'before s':>8} {'before/bare':>11} "
+    header = (f"{'round':>5} {'load before':>16} {'bare s':>7} {'fixed s':>8} {'fixed/bare':>10} {'bare cpu':>8} "
+              f"{'fixed cpu s':>11} {'cpu/bare':>8} {'before s':>8} {'before/bare':>11} {'before cpu':>10} "
               f"{'prepare s':>9} {'TRL s':>7} {'TRL map+pack s':>14} {'TRL/prep':>8} {'prep cpu s':>10} {'TRL cpu s':>9} "
               f"{'load after':>16}")
     print(header)
     for round_ in range(1, args.rounds + 1):
         before = _load()
-        bare = _bare()
+        bare, bare_cpu = _bare()
         fixed = _prepare(folder, small, work / "ds_fixed")
-        before = _prepare(folder, small, work / "ds_fixed_before", args.before)["wall"] if args.before else None
+        old = _prepare(folder, small, work / "ds_fixed_before", args.before) if args.before else None
+        earlier = old["wall"] if old else None
         prep = _prepare(folder, records, work / "ds_full")
         trl = _trl(folder, plain, work / "trl_out", args.peer_path)
         row = {"round": round_, "load_before": before, "bare": bare, "fixed": fixed["wall"], "fixed_cpu": fixed["cpu"],
                "prepare": prep["wall"], "prepare_cpu": prep["cpu"], "trl": trl["wall"], "trl_cpu": trl["cpu"],
-               "trl_inner": trl["prepare_seconds"], "fixed_before": before, "load_after": _load()}
+               "trl_inner": trl["prepare_seconds"], "fixed_before": earlier, "fixed_before_cpu": old["cpu"] if old else None, "bare_cpu": bare_cpu, "load_after": _load()}
         rows.append(row)
-        print(f"{round_:>5} {before:>16} {bare:>7.2f} {row['fixed']:>8.2f} {row['fixed'] / bare:>9.1f}x "
-              f"{row['fixed_cpu']:>11.2f} {_opt(before):>8} {_opt(before and before / bare, 'x'):>11} "
+        print(f"{round_:>5} {before:>16} {bare:>7.2f} {row['fixed']:>8.2f} {row['fixed'] / bare:>9.1f}x {bare_cpu:>8.2f} "
+              f"{row['fixed_cpu']:>11.2f} {row['fixed_cpu'] / bare_cpu:>7.1f}x {_opt(earlier):>8} "
+              f"{_opt(earlier and earlier / bare, 'x'):>11} {_opt(row['fixed_before_cpu']):>10} "
               f"{row['prepare']:>9.2f} {row['trl']:>7.2f} {row['trl_inner']:>14.2f} "
               f"{row['trl'] / row['prepare']:>7.2f}x {row['prepare_cpu']:>10.2f} {row['trl_cpu']:>9.2f} "
               f"{row['load_after']:>16}", flush=True)
