@@ -64,6 +64,9 @@ setup(
         # passes for tail-padded THD packs (model/te_attention.py; TE issue #3331, seen on 2.16.0 and 2.17.1, took a
         # wrong CP path when left to guess). A newer TE is admitted after tests/gpu/run.sh's te_thd_cp2 passes on it.
         "gpu": ["transformer-engine[pytorch]>=2.0,<2.21"],
+        # the linear-attention layers' GPU kernel (model/delta_rule.py: chunk_gated_delta_rule with cu_seqlens),
+        # imported guarded; without it those layers run the torch kernel. Not yet run on a GPU by tests/gpu.
+        "fla": ["flash-linear-attention>=0.3"],
         # bench/ only, never CI: TRL and datasets are the peers of bench/prepare.py --real, mistral-common
         # ships the real tokenizers it reads, sentencepiece converts Mistral's tokenizer.model
         "bench": ["trl>=0.19", "datasets>=2.19", "psutil>=5.9", "mistral-common>=1.5", "sentencepiece>=0.1.99"],

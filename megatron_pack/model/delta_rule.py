@@ -17,8 +17,8 @@ Two kernels behind one contract (``packed_gated_delta_rule``):
   token. It runs once per chunk *index* j, over chunk j of every sub-sequence that has one (sorted
   longest first, so the live ones are a prefix and the state just shrinks): ``ceil(longest / 64)``
   steps, not one loop per sub-sequence; padding rows are never gathered.
-* ``fla`` (CUDA with flash-linear-attention installed): ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
-  with ``cu_seqlens``. Its varlen boundaries are the *padded* ones: a slot's padding comes after its
+* ``fla`` (bfloat16/float16 CUDA tensors with flash-linear-attention installed):
+  ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with ``cu_seqlens``. Its varlen boundaries are the *padded* ones: a slot's padding comes after its
   real tokens, so causally it cannot reach them, and the state restarts at the next slot; padded rows
   are zeroed on the way in and out. Not run in CI (no GPU there): a thin call with the same interface.
 
@@ -221,14 +221,16 @@ def fla_packed_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
     return out[0] * mask[..., None]
 
 
-def choose_kernel(requested: str, device: torch.device) -> str:
-    """``auto`` -> 'fla' for CUDA tensors when fla imports, else 'torch'; 'fla' elsewhere is refused."""
+def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``auto`` -> 'fla' for bfloat16/float16 CUDA tensors when fla imports (its chunked kernel refuses
+    float32), else 'torch'; 'fla' elsewhere is refused."""
     if requested not in KERNELS:
         raise ValueError(f"linear-attention kernel {requested!r} must be one of {list(KERNELS)}.")
-    fla_ok = _fla_chunk_gated_delta_rule is not None and device.type == "cuda"
+    fla_ok = (_fla_chunk_gated_delta_rule is not None and device.type == "cuda"
+              and dtype in (torch.bfloat16, torch.float16))
     if requested == "fla" and not fla_ok:
-        raise ValueError("the fla linear-attention kernel needs CUDA tensors and flash-linear-attention installed; "
-                         "use kernel='torch' (or 'auto').")
+        raise ValueError("the fla linear-attention kernel needs bfloat16/float16 CUDA tensors and "
+                         "flash-linear-attention installed; use kernel='torch' (or 'auto').")
     return "fla" if requested == "fla" or (requested == "auto" and fla_ok) else "torch"
 
 
@@ -251,5 +253,6 @@ def packed_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         q, k = l2norm(q.to(work)).to(q.dtype), l2norm(k.to(work)).to(k.dtype)
     if v.size(1) != k.size(1):
         q, k = (t.repeat_interleave(v.size(1) // k.size(1), dim=1) for t in (q, k))
-    run = fla_packed_gated_delta_rule if choose_kernel(kernel, q.device) == "fla" else torch_packed_gated_delta_rule
+    chosen = choose_kernel(kernel, q.device, v.dtype)
+    run = fla_packed_gated_delta_rule if chosen == "fla" else torch_packed_gated_delta_rule
     return run(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, scale=scale)

@@ -321,17 +321,27 @@ def test_checkpoint_layout_is_megatron_cores(world_of_one):
                for n in ("in_proj.weight", "conv1d.weight"))
 
 
-@pytest.mark.parametrize("requested,device,expected", [
-    ("auto", "cpu", "torch"), ("torch", "cpu", "torch"), ("fla", "cpu", ValueError), ("flash", "cpu", ValueError),
-], ids=["auto_cpu", "torch", "fla_on_cpu_refused", "unknown_refused"])
-def test_kernel_choice(requested, device, expected):
-    from megatron_pack.model.delta_rule import choose_kernel
+@pytest.mark.parametrize("requested,device,dtype,fla_installed,expected", [
+    ("auto", "cpu", torch.bfloat16, True, "torch"),
+    ("auto", "cuda", torch.bfloat16, True, "fla"),
+    ("auto", "cuda", torch.float32, True, "torch"),
+    ("auto", "cuda", torch.bfloat16, False, "torch"),
+    ("torch", "cuda", torch.bfloat16, True, "torch"),
+    ("fla", "cpu", torch.bfloat16, True, ValueError),
+    ("fla", "cuda", torch.float32, True, ValueError),
+    ("flash", "cpu", torch.float32, False, ValueError),
+], ids=["auto_cpu", "auto_cuda_bf16", "auto_cuda_fp32", "auto_without_fla", "torch_forced", "fla_on_cpu_refused",
+        "fla_fp32_refused", "unknown_refused"])
+def test_kernel_choice(monkeypatch, requested, device, dtype, fla_installed, expected):
+    """fla only on bfloat16/float16 CUDA tensors (its chunked kernel refuses float32), and only where it imports."""
+    from megatron_pack.model import delta_rule
 
+    monkeypatch.setattr(delta_rule, "_fla_chunk_gated_delta_rule", object() if fla_installed else None)
     if expected is ValueError:
         with pytest.raises(ValueError, match="kernel"):
-            choose_kernel(requested, torch.device(device))
+            delta_rule.choose_kernel(requested, torch.device(device), dtype)
     else:
-        assert choose_kernel(requested, torch.device(device)) == expected
+        assert delta_rule.choose_kernel(requested, torch.device(device), dtype) == expected
 
 
 # ---- context parallelism ---------------------------------------------------------------------------
