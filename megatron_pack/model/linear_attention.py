@@ -14,8 +14,8 @@ gradient per TP rank, summed over TP in backward (``_SumGradOverTP``), with or w
 
 Context parallelism (CP > 1). Full-attention layers keep the zigzag THD slices (rank r holds chunks r
 and 2CP-1-r of every sub-sequence). A recurrence needs each sub-sequence whole and in order, so this
-layer trades the sequence split for a head split around the conv1d and the recurrence (as Megatron-LM's
-GDN CP and DeepSpeed-Ulysses do)::
+layer trades the sequence split for a head split around the conv1d and the recurrence (DeepSpeed-Ulysses'
+scheme; megatron-core 0.16.1 has no GDN CP)::
 
     local rows [T/CP] x all heads  --all-to-all-->  all T rows (global order) x heads/CP
     conv1d + delta rule on whole sub-sequences, this rank's heads
