@@ -121,14 +121,14 @@ def test_conv1d_restarts_per_sample(cu, cu_pad):
 
 # ---- the layer -------------------------------------------------------------------------------------
 
-def _configs(tp: int = 1, sp: bool = False):
+def _configs(tp: int = 1, sp: bool = False, dtype=torch.float32):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
     ours = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, normalization="RMSNorm",
                              layernorm_epsilon=1e-6, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
                              use_cpu_initialization=True, linear_conv_kernel_dim=WIDTH,
-                             tensor_model_parallel_size=tp, sequence_parallel=sp,
+                             tensor_model_parallel_size=tp, sequence_parallel=sp, params_dtype=dtype,
                              linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
                              linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS)
     hf = Qwen3_5TextConfig(hidden_size=HIDDEN, linear_num_value_heads=VALUE_HEADS, linear_num_key_heads=KEY_HEADS,
@@ -161,16 +161,16 @@ def _rank_slices(hf, tp: int, tp_rank: int) -> dict:
             "out_proj.weight": part(w["out_proj.weight"], 1)}
 
 
-def _layers(pg_collection, seed=0, tp: int = 1, tp_rank: int = 0, sp: bool = False):
+def _layers(pg_collection, seed=0, tp: int = 1, tp_rank: int = 0, sp: bool = False, dtype=torch.float32):
     """(our PackedGatedDeltaNet, transformers' Qwen3_5GatedDeltaNet) holding the same weights."""
     from megatron.core.transformer.spec_utils import build_module
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     from megatron_pack.model.linear_attention import linear_attention_spec
 
-    config, hf_config = _configs(tp, sp)
+    config, hf_config = _configs(tp, sp, dtype)
     torch.manual_seed(seed)
-    hf = Qwen3_5GatedDeltaNet(hf_config, 0)
+    hf = Qwen3_5GatedDeltaNet(hf_config, 0).to(dtype)
     with torch.no_grad():  # non-trivial norm weights and decays
         hf.norm.weight.uniform_(0.5, 1.5)
         hf.dt_bias.uniform_(-1.0, 1.0)
@@ -199,7 +199,7 @@ def _packed_params(cu, cu_pad):
 def _reference(hf, hidden, cu, cu_pad, weight):
     """transformers' layer on each sample alone: (output [T, h] with zero padding rows, hidden's grad)."""
     hidden = hidden.detach().requires_grad_(True)
-    out = torch.zeros(hidden.shape)
+    out = torch.zeros(hidden.shape, dtype=hidden.dtype)
     for start, n in _samples(cu, cu_pad):
         out[start:start + n] = hf(hidden[None, start:start + n])[0]
     (out * weight).sum().backward()
@@ -346,11 +346,14 @@ def test_kernel_choice(monkeypatch, requested, device, dtype, fla_installed, exp
 
 # ---- context parallelism ---------------------------------------------------------------------------
 
-PARALLEL_PACK = ([0, 150, 155, 164], [0, 152, 160, 172])  # padded lengths divisible by 2*CP = 4
+PARALLEL_PACK = ([0, 150, 155, 164, 164, 164], [0, 152, 160, 172, 180, 180])
+"""Short after long, padding, a pad_to_max_length tail slot and a fixed-length cu tail; slots divisible by 2*CP."""
 
 
 def _parallel_worker(rank: int, world_size: int, tp: int, cp: int, sp: bool) -> dict:
-    """This rank's output and gradients against transformers on each sample alone (float32)."""
+    """This rank's output and gradients against transformers on each sample alone, both layers in float64 (but
+    transformers' delta rule computes in float32, ~4e-6 here): the largest differences of the output and the input
+    gradient, and of each parameter's gradient relative to its largest entry."""
     from megatron_pack.config.schema import Config, ParallelConfig
     from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
     from megatron_pack.parallel.comm import all_reduce
@@ -360,10 +363,10 @@ def _parallel_worker(rank: int, world_size: int, tp: int, cp: int, sp: bool) -> 
     enable_cpu_compat_without_cuda()
     state = initialize_parallel(Config(parallel=ParallelConfig(
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)))
-    ours, hf = _layers(state.pg_collection, tp=tp, tp_rank=state.tp_rank, sp=sp)
+    ours, hf = _layers(state.pg_collection, tp=tp, tp_rank=state.tp_rank, sp=sp, dtype=torch.float64)
     cu, cu_pad = PARALLEL_PACK
     g = torch.Generator().manual_seed(3)
-    hidden, weight = torch.randn(cu_pad[-1], HIDDEN, generator=g), torch.randn(cu_pad[-1], HIDDEN, generator=g)
+    hidden, weight = (torch.randn(cu_pad[-1], HIDDEN, generator=g, dtype=torch.float64) for _ in range(2))
     ref, ref_hidden_grad = _reference(hf, hidden, cu, cu_pad, weight)
     index = thd_partition_indices(torch.tensor(cu_pad), cp, state.cp_rank)
     if sp:  # sequence parallelism splits the (CP-local) rows evenly over TP
@@ -375,8 +378,8 @@ def _parallel_worker(rank: int, world_size: int, tp: int, cp: int, sp: bool) -> 
               "grad_err": (x.grad[:, 0] - ref_hidden_grad[index]).abs().max(), "ref_max": ref[index].abs().max()}
     expected = _hf_grads(hf, tp, state.tp_rank)
     for name, param in ours.named_parameters():  # the step's DP x CP gradient all-reduce, by hand
-        summed = all_reduce(param.grad.clone(), group=state.cp_group)
-        result[f"param_err.{name}"] = (summed - expected[name]).abs().max()
+        summed = all_reduce(param.grad.clone(), group=state.cp_group)  # error relative to the largest entry:
+        result[f"param_err.{name}"] = (summed - expected[name]).abs().max() / expected[name].abs().max()
     return result
 
 
@@ -388,4 +391,4 @@ def test_parallel_layouts_match_transformers(tmp_path, tp, cp, sp):
     for rank, result in enumerate(results):
         assert float(result["ref_max"]) > 0.05, rank
         errors = {key: float(value) for key, value in result.items() if key.endswith("err") or "err." in key}
-        assert len(errors) == 8 and max(errors.values()) < 5e-5, (rank, errors)
+        assert len(errors) == 8 and max(errors.values()) < 2e-5, (rank, errors)
