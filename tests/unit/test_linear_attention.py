@@ -265,7 +265,7 @@ def test_layer_in_a_transformer_layer_spec(world_of_one):
     layer = build_module(linear_attention_layer_spec(full), config=config, layer_number=1,
                          pg_collection=world_of_one.pg_collection)
     assert isinstance(layer.self_attention, PackedGatedDeltaNet)
-    assert type(full.submodules.self_attention.module).__name__ != "PackedGatedDeltaNet"  # the original untouched
+    assert full.submodules.self_attention.module.__name__ == "SelfAttention"  # the full-attention spec untouched
     cu, cu_pad = [0, 150, 155], [0, 152, 160]
     hidden = torch.randn(160, 1, HIDDEN, generator=torch.Generator().manual_seed(4))
     packed, _ = layer(hidden, attention_mask=None, packed_seq_params=_packed_params(cu, cu_pad))
