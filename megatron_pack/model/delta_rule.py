@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - depends on the host
     _fla_chunk_gated_delta_rule = None
 
 KERNELS = ("auto", "torch", "fla")
-"""``auto``: fla for CUDA tensors when it imports, else torch."""
+"""``auto``: fla for bfloat16/float16 CUDA tensors when it imports, else torch (``choose_kernel``)."""
 CHUNK_SIZE = 64
 
 
