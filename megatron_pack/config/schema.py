@@ -154,6 +154,18 @@ class ModelConfig(_Group):
     window_attn_skip_freq: Optional[int] = None
     """With model.window_size: every N-th layer (N, 2N, ... counted from 1) keeps full attention, the others are
     windowed (2: alternating, as gpt-oss; 6: five windowed to one full, as Gemma 3); null: every layer windowed."""
+    rotary_base_local: Optional[int] = None
+    """RoPE base of the windowed layers (model.window_size; Gemma 3: 10000), model.rotary_base (and
+    model.rope_scaling) then being the full-attention layers'; null: model.rotary_base everywhere."""
+    softmax_scale: Optional[float] = None
+    """Attention logit scale (Gemma 3: query_pre_attn_scalar ** -0.5); null: 1 / sqrt(kv_channels)."""
+    zero_centered_norm: bool = False
+    """Every RMSNorm scales by 1 + weight (Gemma): the weights are stored centred on 0, as in its checkpoints."""
+    post_norms: bool = False
+    """An RMSNorm on the attention output and on the MLP output before each residual add (Gemma 3's
+    post_attention_layernorm and post_feedforward_layernorm)."""
+    scale_embeddings: bool = False
+    """Multiply the token embeddings by sqrt(hidden_size), rounded to their dtype (Gemma)."""
     softmax_type: str = "vanilla"
     """'vanilla', 'off-by-one' (a sink logit 0 per head) or 'learnable' (a trained sink logit per head,
     softmax_offset, as gpt-oss): an extra logit in every query's softmax with no value behind it."""
@@ -205,7 +217,7 @@ class ModelConfig(_Group):
         g = self.GROUP
         problems = _positive(g, self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                        "num_query_groups", "kv_channels", "vocab_size", "seq_length",
-                                       "max_position_embeddings", "rotary_base",
+                                       "max_position_embeddings", "rotary_base", "rotary_base_local",
                                        "rope_original_max_position_embeddings"))
         problems += _choice(g, self, "rope_scaling")
         if not 0 < self.norm_epsilon < 1:
@@ -274,6 +286,14 @@ def _window_problems(m: "ModelConfig") -> list[str]:
     if skip is not None and (isinstance(skip, bool) or skip < 2):
         problems.append(f"model.window_attn_skip_freq ({skip!r}) must be an integer >= 2 (every N-th layer full); "
                         "null windows every layer.")
+    if m.rotary_base_local is not None and window is None:
+        problems.append(f"model.rotary_base_local ({m.rotary_base_local}) is the RoPE base of the windowed layers but "
+                        "model.window_size is null; set model.window_size=[left,0] or model.rotary_base_local=null.")
+    if m.softmax_scale is not None and not m.softmax_scale > 0:
+        problems.append(f"model.softmax_scale ({m.softmax_scale}) must be > 0; null uses 1 / sqrt(kv_channels).")
+    if m.rope_scaling == "linear" and not m.rope_scaling_factor >= 1:
+        problems.append(f"model.rope_scaling_factor ({m.rope_scaling_factor}) must be >= 1 with model.rope_scaling="
+                        "linear (config.json rope_scaling.factor).")
     elif skip is not None and window is None:
         problems.append(f"model.window_attn_skip_freq ({skip}) picks the full-attention layers among windowed ones "
                         "but model.window_size is null; set model.window_size=[left,0] or "

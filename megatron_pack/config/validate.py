@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megatron_pack.config.choices import GATED_ACTIVATIONS, TE_MIN_VERSION_SOFTMAX_TYPE
 from megatron_pack.config.device import device_problems
-from megatron_pack.config.choices import TE_MIN_VERSION_SOFTMAX_TYPE
 from megatron_pack.config.host import Host
 from megatron_pack.config.schema import Config, ConfigError, ParallelConfig
 from megatron_pack.config.layout import (effective_pack_multiple, effective_pad_multiple, fp8_rule_text,
@@ -512,7 +512,7 @@ def _fp8_gemm_shapes(cfg: Config) -> list[tuple[str, int, int]]:
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
-    fc1 = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    fc1 = m.ffn_hidden_size * (2 if m.activation in GATED_ACTIVATIONS else 1)
     return [("linear_qkv", (m.num_attention_heads + 2 * groups) * kv // tp, m.hidden_size),
             ("linear_proj", m.hidden_size, m.num_attention_heads * kv // tp),
             ("linear_fc1", fc1 // tp, m.hidden_size), ("linear_fc2", m.hidden_size, m.ffn_hidden_size // tp)]

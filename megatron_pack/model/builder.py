@@ -23,13 +23,14 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megatron_pack.config.choices import CP_COMM_TYPES
+from megatron_pack.config.choices import CP_COMM_TYPES, GATED_ACTIVATIONS
 from megatron_pack.config.schema import Config, ConfigError
 from megatron_pack.config.validate import vocab_problems
 from megatron_pack.model.attention import ATTENTION_MODES, ThdCoreAttention
@@ -95,7 +96,8 @@ def choose_backend(requested: str, *, attention_mode: str = "thd", on_gpu: bool 
 
 
 def _activation(name: str):
-    return F.silu if name == "swiglu" else F.gelu
+    """swiglu: SiLU; geglu: GELU with the tanh approximation (gated by GATED_ACTIVATIONS); gelu: exact GELU."""
+    return {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}.get(name, F.gelu)
 
 
 def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool = False):
@@ -113,7 +115,8 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         # windows and sinks (model/attention_reach.py): the torch core and TE read the same three fields
         window_size=tuple(m.window_size) if m.window_size is not None else None,
         window_attn_skip_freq=m.window_attn_skip_freq, softmax_type=m.softmax_type,
-        gated_linear_unit=m.activation == "swiglu", activation_func=_activation(m.activation),
+        gated_linear_unit=m.activation in GATED_ACTIVATIONS, activation_func=_activation(m.activation),
+        softmax_scale=m.softmax_scale, layernorm_zero_centered_gamma=m.zero_centered_norm,
         add_bias_linear=False, init_method_std=m.init_method_std,
         attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16,
@@ -343,6 +346,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type="rope" if cfg.model.mrope_section is None else "mrope",
         rotary_base=cfg.model.rotary_base,
+        seq_len_interpolation_factor=cfg.model.rope_scaling_factor if cfg.model.rope_scaling == "linear" else None,
         pg_collection=pg.pg_collection, vp_stage=vp_stage if stage.vp_size > 1 else None,
     )
     if not config.perform_initialization:
@@ -356,6 +360,7 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
         use_in_sequence_rope(model)
     model.attention_backend = backend
+    _attach_layer_features(model, cfg)
     attach_pack_routing(model, cfg.model)
     if cfg.model.fp8 != "none":  # padding rows stay 0 at every FP8 GEMM input (model/fp8.py)
         model.fp8_padding_hooks = zero_padding_rows(
@@ -391,6 +396,19 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
 
             train_vocab_layers(model)
     return model.to(pg.device)
+
+
+def _attach_layer_features(model, cfg: Config) -> None:
+    """The features of ``model/layer_features.py`` a family asks for (Gemma 3: post-norms, local RoPE base, scaled
+    embeddings); before the weights load, so a pretrained folder fills the post-norms too."""
+    from megatron_pack.model.layer_features import add_post_norms, scale_embeddings, use_local_rope
+
+    if cfg.model.post_norms:
+        add_post_norms(model)
+    if cfg.model.rotary_base_local is not None:
+        use_local_rope(model, cfg.model.rotary_base_local)
+    if cfg.model.scale_embeddings:
+        scale_embeddings(model)
 
 
 def mark_tensor_parallel(model) -> int:

@@ -34,21 +34,22 @@ class SequenceParallelNorm(torch.nn.Module):
         self.normalization = normalization or config.normalization
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"model.normalization ({self.normalization!r}) must be one of {list(NORMALIZATIONS)}.")
-        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
-            raise ValueError("zero-centred gamma is not supported by SequenceParallelNorm; "
-                             "leave layernorm_zero_centered_gamma off.")
+        # zero-centred (Gemma): the norm scales by 1 + weight, so the stored weight starts at 0
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma or zero_centered_gamma)
         self.hidden_size, self.eps = hidden_size, eps
         dtype = config.params_dtype
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.weight = torch.nn.Parameter((torch.zeros if self.zero_centered else torch.ones)(hidden_size, dtype=dtype))
         self.bias = (torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
                      if self.normalization == "LayerNorm" else None)
         for param in self.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         if self.normalization == "RMSNorm":
-            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
-        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+            return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
+        return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.normalization}, hidden_size={self.hidden_size}, eps={self.eps}"
+        return (f"{self.normalization}, hidden_size={self.hidden_size}, eps={self.eps}"
+                + (", scales by 1 + weight" if self.zero_centered else ""))

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from megatron_pack.config.choices import GATED_ACTIVATIONS
 from megatron_pack.config.schema import ModelConfig
 
 PEAK_TFLOPS = (
@@ -51,7 +52,7 @@ def sum_sq_seqlens(cu_seqlens: torch.Tensor) -> int:
 
 
 def _mlp_flops_per_token(m: ModelConfig, inner: int) -> int:
-    return 2 * (3 if m.activation == "swiglu" else 2) * m.hidden_size * inner
+    return 2 * (3 if m.activation in GATED_ACTIVATIONS else 2) * m.hidden_size * inner
 
 
 def forward_flops(m: ModelConfig, real_tokens: float, sum_sq: float) -> float:

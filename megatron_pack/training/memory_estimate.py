@@ -52,6 +52,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_pack.config.choices import GATED_ACTIVATIONS
+
 GIB = 1024 ** 3
 ADAM_MOMENT_BYTES = 8
 """AdamW's exp_avg and exp_avg_sq, fp32."""
@@ -94,7 +96,7 @@ def count_text(num: int) -> str:
 def _mlp_params(cfg, ffn: int) -> int:
     """One (unsharded) MLP of inner width ``ffn``: fc1 (``[gate; up]`` with SwiGLU) and fc2."""
     h = cfg.model.hidden_size
-    return h * (2 * ffn if cfg.model.activation == "swiglu" else ffn) + ffn * h
+    return h * (2 * ffn if cfg.model.activation in GATED_ACTIVATIONS else ffn) + ffn * h
 
 
 def layer_params(cfg, tp: int) -> int:
@@ -185,7 +187,7 @@ def layer_activation_bytes_per_token(cfg) -> int:
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
     unfused = unfused_kernels(cfg)
-    per_ffn = (5 if unfused else 3) if m.activation == "swiglu" else 2
+    per_ffn = (5 if unfused else 3) if m.activation in GATED_ACTIVATIONS else 2
     # a MoE layer's MLP part is its own (below); a dense layer's is per_ffn x ffn, / TP
     mlp = 0 if m.num_experts else per_ffn * m.ffn_hidden_size
     if unfused:  # per norm: input, normalized, rstd + the linear's input; RoPE's cos/sin;

@@ -194,10 +194,17 @@ def test_missing_folder_names_the_key(tmp_path):
         load_config([f"model.pretrained={tmp_path / 'nothing'}"])
 
 
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+             "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None, "sliding_window": 512,
+             "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}
+
+
 def test_every_family_listed_is_derivable():
     examples = {"llama": LLAMA31_8B, "qwen2": QWEN25_7B, "qwen3": QWEN3_8B, "mistral": MISTRAL_V03,
                 "qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B, "qwen2_moe": QWEN15_MOE_A27B,
-                "qwen2_5_vl": QWEN25_VL_7B}
+                "qwen2_5_vl": QWEN25_VL_7B, "gemma3_text": GEMMA3_1B}
     assert set(examples) == set(SUPPORTED_FAMILIES)
     assert all(refusal(hf, "x") is None for hf in examples.values())
 

@@ -48,9 +48,17 @@ _QWEN25_VL_7B = {**_QWEN25_7B, "architectures": ["Qwen2_5_VLForConditionalGenera
                                    "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
                                    "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
                                    "temporal_patch_size": 2}}
+_GEMMA3_12B_TEXT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 3840,
+                    "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 262208, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+                    "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None, "torch_dtype": "bfloat16"}
+"""Gemma 3 12B's text_config (google/gemma-3-12b-it) as its language model alone (Gemma3ForCausalLM)."""
 PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B,
               "models/Llama-3.3-70B-Instruct": _LLAMA33_70B, "models/Qwen3-30B-A3B": _QWEN3_30B_A3B,
-              "models/Qwen2.5-VL-7B-Instruct": _QWEN25_VL_7B}
+              "models/Qwen2.5-VL-7B-Instruct": _QWEN25_VL_7B, "models/gemma-3-12b-it-text": _GEMMA3_12B_TEXT}
 
 RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
 

@@ -106,6 +106,8 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     an ``mrope_section``: the frequencies are the default ones, split over three position rows."""
     hf = text_view(hf)
     params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (Gemma 3, transformers 5): the full-attention layers'
     if isinstance(params, dict):
         scaling = dict(params)
         theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -142,23 +144,25 @@ def refusal(hf: dict[str, Any], where: str) -> str | None:
         problem = refuse.problem(hf, where, model_type, _supported_text())
         if problem:
             return problem
-    return _layer_types_refusal(hf, where) or _rope_refusal(hf, where) or _mrope_refusal(hf, where, family)
+    return (_layer_types_refusal(hf, where, family) or _rope_refusal(hf, where, family)
+            or _mrope_refusal(hf, where, family))
 
 
-def _layer_types_refusal(hf: dict[str, Any], where: str) -> str | None:
+def _layer_types_refusal(hf: dict[str, Any], where: str, family: Family) -> str | None:
     layer_types = hf.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        other = sorted({t for t in layer_types if t != "full_attention"})
-        return f"{where}: layer_types {other} is not supported (every layer must be full_attention)."
+    if any(t not in family.layer_types for t in layer_types):
+        other = sorted({t for t in layer_types if t not in family.layer_types})
+        return (f"{where}: layer_types {other} is not supported for {family.model_type} (its layers: "
+                f"{', '.join(family.layer_types)}).")
     return None
 
 
-def _rope_refusal(hf: dict[str, Any], where: str) -> str | None:
+def _rope_refusal(hf: dict[str, Any], where: str, family: Family) -> str | None:
     theta, scaling = rope_settings(hf)
     kind = scaling["rope_type"]
-    if kind not in ("default", "llama3"):
-        return (f"{where}: rope_scaling rope_type {kind!r} is not supported; supported rope_scaling: none "
-                "(rope_type default) or llama3 (Llama 3.1 / 3.2).")
+    if kind not in family.rope_types:
+        return (f"{where}: rope_scaling rope_type {kind!r} is not supported for {family.model_type}; supported "
+                f"rope_type: {', '.join(family.rope_types)} (llama3: Llama 3.1 / 3.2).")
     if float(theta) != int(theta):
         return f"{where}: rope_theta={theta} is not an integer, which model.rotary_base needs."
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
@@ -207,6 +211,8 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "moe_shared_expert_ffn_hidden_size": None, "moe_shared_expert_gate": False,
         "mrope_section": None, "image_token_id": None,
         "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla",
+        "rotary_base_local": None, "softmax_scale": None, "zero_centered_norm": False, "post_norms": False,
+        "scale_embeddings": False,
         **family_of(model_type).model_keys,
         **(family.derive(hf) if (family := family_of(model_type)).derive else {}),
     }
@@ -221,7 +227,10 @@ def pretrained_model_keys(folder: str | Path) -> dict[str, Any]:
     if (Path(folder) / "modeling.py").exists() or any(Path(folder).glob("modeling_*.py")):
         raise UnsupportedModel(f"model.pretrained ({folder}) ships modelling code (modeling_*.py), which needs "
                                f"trust_remote_code; megatron_pack never enables it; {_supported_text()}.")
-    return derive_model_keys(hf)
+    try:
+        return derive_model_keys(hf)
+    except ValueError as exc:  # a family's derive names what it cannot read (Gemma 3: an irregular layer pattern)
+        raise UnsupportedModel(f"model.pretrained ({folder}): {exc}") from None
 
 
 def contradictions(given: dict[str, Any], derived: dict[str, Any], folder: str | Path) -> list[str]:

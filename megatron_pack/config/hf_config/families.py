@@ -9,6 +9,8 @@ registered transform does). Shapes in ``record.SHAPE_SIZES`` names; for Llama 3.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron_pack.config.hf_config.record import Family, Refuse, Rule, VisionTower, register_family
 
 _L, _A, _M = "decoder.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}."
@@ -186,3 +188,78 @@ QWEN2_5_VL = register_family(Family(
     architectures=("Qwen2_5_VLForConditionalGeneration",), rules=LLAMA_RULES + QKV_BIAS_RULES,
     model_keys={"add_qkv_bias": True}, refused=DENSE_REFUSALS, derive=_qwen2_5_vl_keys,
     vision=VisionTower("Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLVisionConfig")))
+
+
+# Gemma 3 (text): Llama's tensors plus QK norms and a norm after attention and after the MLP; every norm scales by
+# 1 + weight (zero_centered_norm), so its tensors map as they are stored.
+def _gemma3_rule(rule: Rule) -> Rule:
+    if rule.mcore.endswith("pre_mlp_layernorm.weight"):  # Gemma's post_attention_layernorm is a post-norm
+        return Rule(rule.mcore, (_M + "pre_feedforward_layernorm.weight",), rule.kind, rule.shape)
+    return rule
+
+
+GEMMA3_RULES = tuple(_gemma3_rule(r) for r in LLAMA_RULES) + QK_NORM_RULES + (
+    Rule(_L + "self_attention.post_layernorm.weight", (_M + "post_attention_layernorm.weight",), "replicated",
+         ("hidden",)),
+    Rule(_L + "mlp.post_layernorm.weight", (_M + "post_feedforward_layernorm.weight",), "replicated", ("hidden",)),
+)
+
+
+def gemma3_layer_pattern(layer_types: list[str]) -> Optional[int]:
+    """``window_attn_skip_freq`` for Gemma 3's ``layer_types``: every N-th layer full (None: every layer windowed).
+
+    >>> gemma3_layer_pattern(["sliding_attention"] * 5 + ["full_attention"]), gemma3_layer_pattern(["sliding_attention"])
+    (6, None)
+    """
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    if not full:
+        return None
+    every = full[0] + 1
+    if every < 2 or full != list(range(every - 1, len(layer_types), every)):
+        raise ValueError(f"layer_types {layer_types} is not every N-th layer full_attention (N >= 2).")
+    return every
+
+
+def _gemma3_layer_types(hf: dict) -> list[str]:
+    pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+    return hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                     for i in range(int(hf["num_hidden_layers"]))]
+
+
+def _gemma3_rope(hf: dict) -> tuple[float, float, Optional[float]]:
+    """(full-attention base, sliding base, linear factor or None) from either transformers spelling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        return (float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 1e4)),
+                float(full["factor"]) if full.get("rope_type") == "linear" else None)
+    scaling = hf.get("rope_scaling") or {}
+    factor = float(scaling["factor"]) if scaling.get("rope_type", scaling.get("type")) == "linear" else None
+    return float(hf.get("rope_theta", 1e6)), float(hf.get("rope_local_base_freq", 1e4)), factor
+
+
+def _gemma3_keys(hf: dict) -> dict:
+    full_base, local_base, factor = _gemma3_rope(hf)
+    every = gemma3_layer_pattern(_gemma3_layer_types(hf))
+    window = hf.get("sliding_window")
+    return {"activation": "geglu", "qk_layernorm": True, "zero_centered_norm": True, "post_norms": True,
+            "scale_embeddings": True, "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "rotary_base": int(full_base), "rotary_base_local": int(local_base) if window else None,
+            "rope_scaling": "linear" if factor else "none", "rope_scaling_factor": factor or 8.0,
+            "window_size": [int(window) - 1, 0] if window else None,
+            "window_attn_skip_freq": every if window else None,
+            "untie_embeddings_and_output_weights": not bool(hf.get("tie_word_embeddings", True)),
+            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6))}
+
+
+GEMMA3 = register_family(Family(
+    model_type="gemma3_text", summary="Gemma 3 text (Gemma3ForCausalLM; 5 local sliding-window layers to 1 global, "
+    "two RoPE bases, QK norm, four norms per layer, scaled tied embeddings)",
+    architectures=("Gemma3ForCausalLM",), rules=GEMMA3_RULES,
+    refused=tuple(r for r in DENSE_REFUSALS if r.key != "hidden_act") + (
+        O_PROJ_BIAS, Refuse("use_bidirectional_attention", "(bidirectional attention) is not supported (causal only)."),
+        Refuse("hidden_activation", "is not supported (gelu_pytorch_tanh only).", allowed=("gelu_pytorch_tanh",)),
+        Refuse("hidden_act", "is not supported (gelu_pytorch_tanh only).", allowed=(None, "gelu_pytorch_tanh")),
+        Refuse("attn_logit_softcapping", "(attention logit soft-capping) is not supported.", allowed=(None,)),
+        Refuse("final_logit_softcapping", "(final logit soft-capping) is not supported.", allowed=(None,))),
+    layer_types=("full_attention", "sliding_attention"), rope_types=("default", "linear"), derive=_gemma3_keys))

@@ -30,7 +30,8 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
              "rope_original_max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
              "moe_router_pre_softmax", "moe_shared_expert_ffn_hidden_size", "moe_shared_expert_gate",
-             "mrope_section", "image_token_id", "window_size", "window_attn_skip_freq", "softmax_type")
+             "mrope_section", "image_token_id", "window_size", "window_attn_skip_freq", "softmax_type",
+             "rotary_base_local", "softmax_scale", "zero_centered_norm", "post_norms", "scale_embeddings")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
 
 SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one")
@@ -177,6 +178,10 @@ class Family:
     """HF tensor name endings that are not weights (buffers recomputed from config.json)."""
     vision: Optional["VisionTower"] = None
     """A vision-language family's vision tower and merger (taken from transformers as they are); None: text only."""
+    layer_types: tuple[str, ...] = ("full_attention",)
+    """config.json ``layer_types`` values the family reads (its ``derive`` turns a pattern into model.* keys)."""
+    rope_types: tuple[str, ...] = ("default", "llama3")
+    """RoPE ``rope_type`` values the family reads (Gemma 3's full-attention layers: linear)."""
     derive: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None
     """config.json -> the ``model.*`` keys that depend on its values (a MoE family's experts, top-k, router
     normalisation), applied after ``model_keys``; torch-free."""
