@@ -25,6 +25,23 @@ from torch import Tensor
 from megatron_pack.model.norms import SequenceParallelNorm
 
 
+class PostNorm(SequenceParallelNorm):
+    """The post-norm: a ``SequenceParallelNorm`` that describes itself to megatron-core's checkpoints (its ``MLP``
+    asks every child for ``sharded_state_dict``): replicated over TP, like the other norms."""
+
+    def __init__(self, *args, tp_group=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tp_group = tp_group
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+
 def add_post_norms(model) -> int:
     """Give every layer's ``self_attention`` and ``mlp`` a ``post_layernorm`` applied to its output (a forward hook:
     megatron-core's own modules and their LoRA adapters stay as they are); returns how many norms were added."""
@@ -32,7 +49,8 @@ def add_post_norms(model) -> int:
     for layer in model.decoder.layers:
         for block in (layer.self_attention, layer.mlp):
             config = block.config
-            block.post_layernorm = SequenceParallelNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+            block.post_layernorm = PostNorm(config, config.hidden_size, eps=config.layernorm_epsilon,
+                                            tp_group=block.tp_group)
             block.register_forward_hook(_post_norm_hook)
             added += 1
     return added

@@ -53,6 +53,8 @@ def _samples() -> list[list[int]]:
 
 
 def _worker(rank: int, world_size: int, folder: str) -> dict:
+    import numpy as np
+
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
@@ -74,6 +76,10 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
         full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0, :, :VOCAB]
         for s in range(len(cu) - 1):
             out[f"{name}_{s}"] = full[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s]].numpy()
+        if name == "tp2":  # what a checkpoint saves: every post-norm, replicated (global shape = local shape)
+            sharded = model.sharded_state_dict()
+            post = [sharded[k] for k in sharded if "post_layernorm" in k]
+            out["tp2_post_norms"] = np.array([[*t.global_shape, *t.local_shape] for t in post])
         destroy_parallel()
     return out
 
@@ -84,10 +90,14 @@ def folder(tmp_path_factory) -> str:
 
 
 def test_packed_logits_equal_transformers_per_sample_at_cp2_and_tp2(folder, tmp_path):
+    """Our CP=2 and TP=2 logits of each sample in the pack equal transformers' of the sample alone; the TP=2
+    model's checkpoint description holds every post-norm."""
     from _hf import hf_logits
 
     res = spawn_world(_worker, 2, tmp_path, folder, timeout_s=300)[0]
     refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
+    # attention's and MLP's in each of 4 layers: global [layers 4, hidden 64], local [64] (replicated over TP)
+    assert res["tp2_post_norms"].tolist() == [[4, 64, 64]] * 8
     for layout in ("cp2", "tp2"):
         for s, ref in enumerate(refs):
             torch.testing.assert_close(torch.as_tensor(res[f"{layout}_{s}"]), ref, atol=1e-4, rtol=1e-4,
