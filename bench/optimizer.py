@@ -30,23 +30,6 @@ BASELINE = "2bcd0dd"
 """The last commit whose CPU path stepped our own AdamW (TrainOptimizer / ShardedTrainOptimizer)."""
 
 
-def _pack(pack_size: int, seed: int) -> dict:
-    import numpy as np
-
-    from megatron_pack.data.batches.thd import collate_thd
-
-    rng = np.random.default_rng(seed)
-    samples, used = [], 0
-    while True:
-        n = int(rng.integers(64, 513))
-        if used + -(-n // 8) * 8 > pack_size:
-            break
-        ids = rng.integers(1, 380, size=n + 1).tolist()
-        samples.append({"input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n + 1 - n // 2), "sample_id": used})
-        used += -(-n // 8) * 8
-    return collate_thd(samples, pack_size=pack_size, pad_multiple=8)
-
-
 def _timed(trainer, box: list) -> None:
     """Record the seconds of each ``trainer.optimizer.step`` call in ``box``."""
     step = trainer.optimizer.step
@@ -64,6 +47,8 @@ def worker(args) -> None:
     """One tree's measurement on this torchrun rank; rank 0 prints one JSON line."""
     import torch
     import torch.distributed as dist
+
+    from recompute import _pack  # bench/'s random THD packs (this file's folder is on the path)
 
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.protocol import BatchList

@@ -53,7 +53,7 @@ for path in (str(ROOT), str(ROOT / "tests"), str(HERE)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from check_graphs_te import check_cuda_graph_loop, check_te_thd_cp2  # noqa: E402,F401  (torch-free import)
+from check_graphs_te import _row, _te_missing, check_cuda_graph_loop, check_te_thd_cp2  # noqa: E402,F401  (torch-free import)
 from check_trainer import (check_dist_optimizer_world1, check_trainer_world1,  # noqa: E402,F401  (torch-free import)
                            check_two_ranks_gloo, check_verify_transformers)
 
@@ -67,16 +67,6 @@ CHECKS = [("torch_thd_core", 35), ("te_thd_attention", 40), ("te_thd_cp2", 35), 
 of wheels) and the preflight. The TE checks skip at once without Transformer Engine, te_thd_cp2 with one GPU."""
 
 
-def _row(status: str, value: str = "", detail: str = "") -> dict:
-    return {"status": status, "value": value, "detail": detail}
-
-
-def _te_missing():
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken CUDA install raising anything else
-        return f"transformer_engine does not import ({type(exc).__name__}: {str(exc)[:120]})"
-    return None
 
 
 def _samples(rng, num: int, longest: int, vocab: int = 384) -> list[dict]:
