@@ -93,7 +93,7 @@ def _rank(rank: int, folder: str, mode: str, steps: int, store: str, out: str) -
     model = trainer.model.module
     grads = sum(p.main_grad.numel() * p.main_grad.element_size() for p in model.parameters()
                 if getattr(p, "main_grad", None) is not None)
-    optim = sum(v.numel() * v.element_size() for s in trainer.optimizer.optimizer.state.values()
+    optim = sum(v.numel() * v.element_size() for s in trainer.optimizer.states
                 for v in s.values() if torch.is_tensor(v))
     result = {"peak_mb": (_kib("VmHWM") - baseline) / 1024, "step_s": statistics.median(times),
               "params_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,

@@ -237,10 +237,14 @@ class TrainOptimizer:
         return self.checkpoint_tensors()[0][name]
 
     @property
+    def states(self) -> list[dict]:
+        """The inner optimizers' per-main-param state dicts (Adam's moments and step), every part's."""
+        return [state for part in self.parts for state in part.optimizer.state.values()]
+
+    @property
     def num_state_elements(self) -> int:
         """Optimizer-state elements held by this rank (moments and fp32 main params; for memory reports)."""
-        return sum(t.numel() for part in self.parts for state in part.optimizer.state.values()
-                   for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        return sum(t.numel() for state in self.states for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")

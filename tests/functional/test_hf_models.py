@@ -166,7 +166,7 @@ def _moe_distributed_optimizer(folder: str, rank: int) -> dict:
         out[f"moe/dp4_ep2/{name}"] = np.array([[m.lm_loss, m.grad_norm, m.moe["load_balancing_loss"]] for m in steps])
         weights[name] = {n: p.detach().clone() for n, p in core_model(trainer.model).named_parameters()}
         if flag:  # the experts' buffer is sharded over the 2 expert-DP ranks
-            out["moe/dp4_ep2/expert_shard_ranks"] = np.array([s.size for s in trainer.optimizer.shards])
+            out["moe/dp4_ep2/expert_shard_ranks"] = np.array([part.data_parallel_group.size() for part in trainer.optimizer.parts])
         destroy_parallel()
     out["moe/dp4_ep2/num_expert_weights"] = sum(".local_experts." in n for n in weights["plain"])
     out["moe/dp4_ep2/weights_diff"] = max(float((weights["distopt"][n] - w).abs().max())

@@ -157,7 +157,7 @@ def _run(folder: str, adapter: str, tmp: str, tp: int, cp: int, sp: bool, packs:
         params = dict(model.named_parameters())
         adapters = adapter_state(model)
         num_adapter = sum(p.numel() for p in adapters.values())
-        moments = [v for s in trainer.optimizer.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
+        moments = [v for s in trainer.optimizer.states for k, v in s.items() if k == "exp_avg"]
         checks = torch.tensor([
             all(torch.equal(params[n], t) for n, t in base.items()),  # base bit for bit
             all(getattr(params[n], "main_grad", None) is None and not params[n].requires_grad for n in base),

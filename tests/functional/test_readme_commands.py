@@ -41,7 +41,7 @@ def readme_commands() -> list[list[str]]:
     section = (ROOT / "README.md").read_text().split("## Commands", 1)[1].split("\n## ", 1)[0]
     block, prose = section.split("```bash", 1)[1].split("```", 1)
     joined = re.sub(r"\\\n\s*", " ", block)
-    commands = [shlex.split(line) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    commands = [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     return commands + [shlex.split(c) for c in re.findall(r"`(bash launch/single_node\.sh [^`]+)`", prose)]
 
 

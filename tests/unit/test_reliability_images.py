@@ -4,7 +4,7 @@ The store records each image's path, patch grid (from its pixel size) and sha256
 and verify open the header of every image file the plan uses: a missing file, a file that is no image, or one whose
 pixel size gives another patch grid is one line naming the sample's record, the file and the fix, exit 2. (An
 image replaced by one of the same size is found by its sha256 when its pack is read: the run then stops after that
-step with a checkpoint, tests/functional/test_reliability_images.py.) Before, training ran until the pack was
+step with a checkpoint, tests/functional/test_reliability_images_mid_run.py.) Before, training ran until the pack was
 read, then died with a 162-line traceback, no checkpoint, the steps since the last save lost.
 """
 

@@ -158,7 +158,7 @@ def files_dataset(tmp_path_factory):
 INPUTS = [  # issue 11 item 6: (id, data.input at train time or None, message or None when accepted)
     ("unset", None, None),
     ("same-file", "train.jsonl", None),
-    ("missing", "nope.jsonl", "matches no .jsonl/.json/.parquet file"),
+    ("missing", "nope.jsonl", "matches no .jsonl/.json/.parquet/.arrow file or datasets folder"),
     ("other-content", "other.jsonl", "holds other files or other contents"),
 ]
 
