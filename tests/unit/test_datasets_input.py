@@ -9,7 +9,6 @@ read too.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -72,16 +71,3 @@ def test_a_wrong_split_is_one_line(root, overrides, message):
     assert status == 2 and "Traceback" not in out, out
     assert len(lines) == 1 and message in lines[0], out
 
-
-def test_a_folder_datasets_writes_now(tmp_path):
-    datasets = pytest.importorskip("datasets")
-    import pyarrow as pa
-    from datasets.table import InMemoryTable
-
-    rows = [json.loads(line) for line in (FIXTURES / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
-    datasets.DatasetDict({"train": datasets.Dataset(InMemoryTable(pa.Table.from_pylist(rows)), fingerprint="x")}
-                         ).save_to_disk(str(tmp_path / "dd"), num_shards={"train": 3})
-    shutil.copy(FIXTURES / "chat.jsonl", tmp_path)
-    store = _prepare(tmp_path, "from_folder", "data.input=dd")  # one split: data.split not needed
-    expected = _prepare(tmp_path, "from_jsonl", "data.input=chat.jsonl")
-    assert all(np.array_equal(store[name], expected[name]) for name in STORE)
