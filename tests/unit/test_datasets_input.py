@@ -3,8 +3,7 @@
 JSONL, a ``DatasetDict`` folder with ``data.split=`` (or its split's folder), and refuses a wrong split in one line.
 
 The folders in tests/fixtures/hf_datasets were written by the ``datasets`` package (``make.py`` there), so the reader
-is held to what ``datasets`` writes, not to our idea of it; where ``datasets`` is installed, a folder written now is
-read too.
+is held to what ``datasets`` writes, not to our idea of it (``datasets`` is not a test dependency: it pulls pandas).
 """
 
 from __future__ import annotations
