@@ -38,12 +38,12 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-def make_pack(total: int, seed: int = 0):
-    """Mixed sub-sequence lengths (256..768, padded to 8) filling ``total`` tokens."""
+def make_pack(total: int, seed: int = 0, lengths: tuple[int, int] = (256, 768)):
+    """Mixed sub-sequence lengths (``lengths``, inclusive; each padded to 8) filling ``total`` tokens."""
     g = torch.Generator().manual_seed(seed)
     cu, cu_pad = [0], [0]
     while cu_pad[-1] < total:
-        real = min(int(torch.randint(256, 769, (1,), generator=g)), total - cu_pad[-1])
+        real = min(int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g)), total - cu_pad[-1])
         padded = min(-(-real // 8) * 8, total - cu_pad[-1])
         cu.append(cu[-1] + real)
         cu_pad.append(cu_pad[-1] + padded)

@@ -16,22 +16,11 @@ import time
 
 import torch
 
+from attention import make_pack  # bench/attention.py's packs (this file's folder is on the path)
+
 from megatron_pack.model.attention import thd_attention
 
 HEADS, KV_HEADS, DIM, LEFT = 8, 2, 64, 127
-
-
-def make_pack(total: int, lengths: tuple[int, int], seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    cu, cu_pad = [0], [0]
-    while cu_pad[-1] < total:
-        real = min(int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g)), total - cu_pad[-1])
-        padded = min(-(-real // 8) * 8, total - cu_pad[-1])
-        cu.append(cu[-1] + real)
-        cu_pad.append(cu_pad[-1] + padded)
-    q = torch.randn(total, HEADS, DIM, generator=g)
-    k, v = (torch.randn(total, KV_HEADS, DIM, generator=g) for _ in range(2))
-    return [t.requires_grad_(True) for t in (q, k, v)], cu, cu_pad
 
 
 def best_seconds(inputs, cu, cu_pad, repeats: int, **kwargs) -> float:
@@ -58,7 +47,7 @@ def main(argv=None) -> None:
     print(f"{'T':>6} {'seqs':>5} {'full s':>8} {'window s':>9} {'ratio':>6} {'win+sink s':>11} {'ratio':>6}")
     packs = [(t, (256, 768)) for t in args.sizes] + [(t, (t, t)) for t in args.long]
     for total, lengths in packs:
-        inputs, cu, cu_pad = make_pack(total, lengths)
+        inputs, cu, cu_pad = make_pack(total, lengths=lengths)
         full = best_seconds(inputs, cu, cu_pad, args.repeats)
         window = best_seconds(inputs, cu, cu_pad, args.repeats, window_size=(LEFT, 0))
         both = best_seconds(inputs, cu, cu_pad, args.repeats, window_size=(LEFT, 0), sink=sink)

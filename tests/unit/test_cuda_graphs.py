@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_pack.config import Config, ConfigError, validate
+from megatron_pack.config import ConfigError, validate
 from megatron_pack.config.validate import _validate_cuda_graphs
 from megatron_pack.data.batches.thd import collate_thd
 from megatron_pack.training import cuda_graphs
 from megatron_pack.training.step import step_packed_seq_params
+from test_config_validate import make as _make  # the default Config with fields replaced
 
 
 def _packs(num_cu_seqlens: int = 8) -> list[dict]:
@@ -63,16 +64,6 @@ def test_forward_step_builds_the_params_through_the_graph_rule():
     from megatron_pack.training import step
 
     assert "step_packed_seq_params(core.config, batch, device)" in inspect.getsource(step.forward_step)
-
-
-def _make(**dotted) -> Config:
-    by_group: dict[str, dict] = {}
-    for key, value in dotted.items():
-        group, name = key.split("__")
-        by_group.setdefault(group, {})[name] = value
-    base = Config()
-    return Config(**{f.name: dataclasses.replace(getattr(base, f.name), **by_group.get(f.name, {}))
-                     for f in dataclasses.fields(Config)})
 
 
 FIXED = dict(data__pad_to_max_length=True, packing__pad_cu_seqlens=True, model__attention_backend="te")
