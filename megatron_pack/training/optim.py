@@ -232,10 +232,6 @@ class TrainOptimizer:
                             state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["step"] = torch.tensor(float(self.num_steps))
 
-    def state_of(self, name: str) -> dict[str, torch.Tensor]:
-        """The state of parameter ``name`` as a checkpoint holds it (tests read it back)."""
-        return self.checkpoint_tensors()[0][name]
-
     @property
     def states(self) -> list[dict]:
         """The inner optimizers' per-main-param state dicts (Adam's moments and step), every part's."""
@@ -243,7 +239,8 @@ class TrainOptimizer:
 
     @property
     def num_state_elements(self) -> int:
-        """Optimizer-state elements held by this rank (moments and fp32 main params; for memory reports)."""
+        """Adam-moment elements held by this rank (its shard of them with the distributed optimizer; for memory
+        reports: fp32 main copies of 16-bit weights are not counted)."""
         return sum(t.numel() for state in self.states for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
