@@ -56,18 +56,19 @@ FP8_TOKEN_ALIGNMENT = {"none": 1, "delayed": 16, "current": 16, "mxfp8": 32, "bl
 FP8 leading-dimension rule; the token dimension is the inner one of the weight-gradient GEMM), 32 for
 MXFP8 (its scaling block) and 128 for blockwise FP8 (its scaling block and quantized all-gather)."""
 
-ROPE_SCALINGS = ("none", "llama3", "linear")
-"""``model.rope_scaling``: plain RoPE, Llama 3.1 / 3.2 frequency scaling, or linear (positions divided by
-``model.rope_scaling_factor``; Gemma 3's full-attention layers)."""
+ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
+"""``model.rope_scaling``: plain RoPE, Llama 3.1 / 3.2 frequency scaling, linear (positions divided by
+``model.rope_scaling_factor``; Gemma 3's full-attention layers), or YaRN (gpt-oss: the ``model.rope_yarn_*`` keys)."""
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 """``model.normalization``."""
 
-ACTIVATIONS = ("swiglu", "gelu", "geglu")
-"""``model.activation``: gated SiLU, plain GELU, or gated GELU with the tanh approximation (Gemma's
-gelu_pytorch_tanh); ``GATED_ACTIVATIONS`` have a gate and an up half in ``linear_fc1``."""
+ACTIVATIONS = ("swiglu", "gelu", "geglu", "quick_geglu")
+"""``model.activation``: gated SiLU, plain GELU, gated GELU with the tanh approximation (Gemma's
+gelu_pytorch_tanh), or gated quick GELU x * sigmoid(1.702 x) (gpt-oss); ``GATED_ACTIVATIONS`` have a gate and an
+up half in ``linear_fc1``."""
 
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
 """``model.activation`` values whose MLP is gated (``linear_fc1`` holds [gate; up])."""
 
 ATTENTION_BACKENDS = ("auto", "torch", "te")

@@ -170,15 +170,16 @@ class ModelConfig(_Group):
     """'vanilla', 'off-by-one' (a sink logit 0 per head) or 'learnable' (a trained sink logit per head,
     softmax_offset, as gpt-oss): an extra logit in every query's softmax with no value behind it."""
     rope_scaling: str = "none"
-    """'none' or 'llama3' (Llama 3.1 / 3.2 frequency scaling, the four rope_* keys below)."""
+    """'none', 'llama3' (Llama 3.1 / 3.2 frequency scaling, the four rope_* keys below), 'linear' or 'yarn'
+    (the model.rope_yarn_* keys)."""
     rope_scaling_factor: float = 8.0
-    """llama3 rope scaling: factor."""
+    """llama3, linear or yarn rope scaling: factor."""
     rope_low_freq_factor: float = 1.0
     """llama3 rope scaling: low_freq_factor."""
     rope_high_freq_factor: float = 4.0
     """llama3 rope scaling: high_freq_factor."""
     rope_original_max_position_embeddings: int = 8192
-    """llama3 rope scaling: original_max_position_embeddings."""
+    """llama3 or yarn rope scaling: original_max_position_embeddings."""
     recompute_granularity: Optional[str] = None
     """Activation recomputation (megatron-core): None (off), 'selective' (core attention) or 'full' (whole layers)."""
     recompute_method: Optional[str] = None
@@ -203,6 +204,20 @@ class ModelConfig(_Group):
     """Weight of the load-balancing loss (per sample, over its real tokens; docs/training.md); 0: off."""
     moe_z_loss_coeff: float = 0.0
     """Weight of the router z-loss (mean over real tokens of logsumexp(router logits)^2); 0: off."""
+    add_bias_linear: bool = False
+    """A bias on every linear layer: attention's QKV and output projections, the MLP's or every expert's two
+    linears and the router (gpt-oss); false: none (model.add_qkv_bias adds QKV's alone)."""
+    glu_linear_offset: float = 0.0
+    """Added to the up half of a gated MLP before the product: act(gate) * (up + offset) (gpt-oss: 1)."""
+    activation_clamp: Optional[float] = None
+    """Gated MLP clamps: gate to at most this value, up to [-value, value], before the product (gpt-oss
+    swiglu_limit: 7); null: no clamp."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN (model.rope_scaling=yarn): beta_fast, rotations above which a frequency is kept (extrapolated)."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: beta_slow, rotations below which a frequency is divided by model.rope_scaling_factor."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the correction range to whole dims (config.json rope_scaling.truncate; gpt-oss: false)."""
     mrope_section: Optional[list[int]] = None
     """Multimodal RoPE (Qwen2.5-VL): rotary frequency pairs per (temporal, height, width) position row, summing to
     kv_channels / 2 (config.json rope_scaling.mrope_section); None: 1-D RoPE. Set by a vision-language model.pretrained."""
@@ -231,7 +246,7 @@ class ModelConfig(_Group):
         for name in ("normalization", "activation", "attention_backend", "params_dtype", "cuda_graph_impl", "fp8"):
             problems += _choice(g, self, name)
         problems += _recompute_problems(self)
-        problems += _moe_problems(self)
+        problems += _moe_problems(self) + _gpt_oss_problems(self)
         for scope in self.cuda_graph_scope:
             if scope not in CUDA_GRAPH_SCOPES:
                 problems.append(f"model.cuda_graph_scope entry {scope!r} must be "
@@ -327,6 +342,25 @@ def _moe_problems(m: "ModelConfig") -> list[str]:
     for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if not getattr(m, key) >= 0:
             problems.append(f"model.{key} ({getattr(m, key)}) must be >= 0; set model.{key}=0 to turn it off.")
+    return problems
+
+
+def _gpt_oss_problems(m: "ModelConfig") -> list[str]:
+    """The gated-MLP clamp and offset, and YaRN's numbers (gpt-oss's features, each usable alone)."""
+    from megatron_pack.config.choices import GATED_ACTIVATIONS
+
+    problems = []
+    if m.activation_clamp is not None and not m.activation_clamp > 0:
+        problems.append(f"model.activation_clamp ({m.activation_clamp}) must be > 0 (config.json swiglu_limit); "
+                        "null clamps nothing.")
+    if (m.activation_clamp is not None or m.glu_linear_offset) and m.activation not in GATED_ACTIVATIONS:
+        problems.append(f"model.activation_clamp / model.glu_linear_offset act on a gated MLP, but model.activation "
+                        f"({m.activation!r}) is not gated; set model.activation to one of {list(GATED_ACTIVATIONS)}.")
+    yarn_ok = m.rope_scaling_factor >= 1 and m.rope_yarn_beta_fast > m.rope_yarn_beta_slow > 0
+    if m.rope_scaling == "yarn" and not yarn_ok:
+        problems.append(f"model.rope_scaling=yarn needs model.rope_scaling_factor ({m.rope_scaling_factor}) >= 1 and "
+                        f"model.rope_yarn_beta_fast ({m.rope_yarn_beta_fast}) > model.rope_yarn_beta_slow "
+                        f"({m.rope_yarn_beta_slow}) > 0; use config.json's rope_scaling (gpt-oss: 32, 32, 1).")
     return problems
 
 

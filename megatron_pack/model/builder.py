@@ -96,7 +96,12 @@ def choose_backend(requested: str, *, attention_mode: str = "thd", on_gpu: bool 
 
 
 def _activation(name: str):
-    """swiglu: SiLU; geglu: GELU with the tanh approximation (gated by GATED_ACTIVATIONS); gelu: exact GELU."""
+    """swiglu: SiLU; geglu: GELU with the tanh approximation; quick_geglu: x * sigmoid(1.702 x) (megatron-core's
+    quick_gelu, gpt-oss); gated by GATED_ACTIVATIONS; gelu: exact GELU."""
+    if name == "quick_geglu":
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
     return {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}.get(name, F.gelu)
 
 
@@ -117,7 +122,9 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         window_attn_skip_freq=m.window_attn_skip_freq, softmax_type=m.softmax_type,
         gated_linear_unit=m.activation in GATED_ACTIVATIONS, activation_func=_activation(m.activation),
         softmax_scale=m.softmax_scale, layernorm_zero_centered_gamma=m.zero_centered_norm,
-        add_bias_linear=False, init_method_std=m.init_method_std,
+        add_bias_linear=m.add_bias_linear, init_method_std=m.init_method_std,
+        # gpt-oss's experts: act(min(gate, c)) * (clamp(up, -c, c) + offset)
+        glu_linear_offset=m.glu_linear_offset, activation_func_clamp_value=m.activation_clamp,
         attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         params_dtype=_DTYPES[m.params_dtype], bf16=cfg.train.bf16,
         # the stages exchange what Float16Module's chunks produce: bfloat16 activations with train.bf16
@@ -438,8 +445,15 @@ def mark_tensor_parallel(model) -> int:
 
 def _apply_rope_scaling(model, cfg: Config) -> None:
     """Llama 3.1 frequency scaling with the model's own four numbers (megatron-core's own
-    ``rope_scaling`` hard-codes low 1, high 4, original 8192; its ``_apply_scaling`` takes all four)."""
+    ``rope_scaling`` hard-codes low 1, high 4, original 8192; its ``_apply_scaling`` takes all four); YaRN's
+    frequencies (``rope.yarn_inv_freq``; its attention factor is in ``model.softmax_scale``)."""
     m = cfg.model
+    if m.rope_scaling == "yarn":
+        from megatron_pack.model.rope import yarn_inv_freq
+
+        rope = model.rotary_pos_emb
+        rope.inv_freq = yarn_inv_freq(rope.inv_freq, m)
+        return
     if m.rope_scaling != "llama3":
         return
     rope = model.rotary_pos_emb

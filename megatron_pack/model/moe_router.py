@@ -65,8 +65,9 @@ class PackedTopKRouter(TopKRouter):
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         # router logits in float32 (megatron-core's router_gating_linear names a Transformer
-        # Engine GEMM that is undefined where TE is not installed)
-        return torch.nn.functional.linear(input.float(), self.weight.float())
+        # Engine GEMM that is undefined where TE is not installed); gpt-oss's router has a bias (add_bias_linear)
+        bias = self.bias.float() if getattr(self, "bias", None) is not None else None
+        return torch.nn.functional.linear(input.float(), self.weight.float(), bias)
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         logits = logits.view(-1, self.config.num_moe_experts)

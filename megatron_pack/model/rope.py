@@ -72,3 +72,23 @@ def use_in_sequence_rope(model: torch.nn.Module) -> None:
         _CLASS = in_sequence_rotary_embedding_class()
     if not isinstance(rope, _CLASS):
         rope.__class__ = _CLASS
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, model_cfg) -> torch.Tensor:
+    """YaRN's frequencies from the plain ones (``inv_freq`` [head_dim / 2] = base ** (-2j / head_dim)), by
+    megatron-core's YaRN helpers (the formula transformers' ``_compute_yarn_parameters`` uses): frequency j is
+    kept where it turns more than ``beta_fast`` times over the original context, divided by
+    ``model.rope_scaling_factor`` where it turns less than ``beta_slow`` times, blended linearly between.
+
+    The attention factor YaRN multiplies cos and sin by is not here: it scales every attention logit by its
+    square, which ``model.softmax_scale`` carries (``config.hf_config.families.yarn_keys``).
+    """
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (_yarn_find_correction_range,
+                                                                                   _yarn_linear_ramp_mask)
+
+    m = model_cfg
+    dim = 2 * inv_freq.numel()
+    low, high = _yarn_find_correction_range(m.rope_yarn_beta_fast, m.rope_yarn_beta_slow, dim, m.rotary_base,
+                                            m.rope_original_max_position_embeddings, m.rope_yarn_truncate)
+    keep = 1 - _yarn_linear_ramp_mask(low, high, dim // 2, device=inv_freq.device).to(inv_freq.dtype)
+    return inv_freq / m.rope_scaling_factor * (1 - keep) + inv_freq * keep

@@ -135,9 +135,11 @@ def test_tables_cover_a_layer_once(family):
     assert "output_layer.weight" in mcore
     assert "output_layer.weight" not in [m for _, m, _ in rules_for(family, tied=True, placement=whole)]
     moe = any(rule.per_expert for rule, _, _ in rules)
-    assert moe == (family in ("qwen3_moe", "mixtral", "qwen2_moe"))
+    assert moe == (family in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"))
     if moe:  # 2 layers x 4 experts x (fc1, fc2), and each layer's router
-        assert sum(".local_experts." in m for m in mcore) == 16 and sum(".router." in m for m in mcore) == 2
+        biased = family == "gpt_oss"  # and each expert's two biases, each router's bias
+        assert sum(".local_experts." in m for m in mcore) == 16 * (1 + biased)
+        assert sum(".router." in m for m in mcore) == 2 * (1 + biased)
 
 
 def test_folder_with_only_a_pickle_is_refused(tmp_path):

@@ -212,7 +212,8 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "mrope_section": None, "image_token_id": None,
         "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla",
         "rotary_base_local": None, "softmax_scale": None, "zero_centered_norm": False, "post_norms": False,
-        "scale_embeddings": False,
+        "scale_embeddings": False, "add_bias_linear": False, "glu_linear_offset": 0.0, "activation_clamp": None,
+        "rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0, "rope_yarn_truncate": True,
         **family_of(model_type).model_keys,
         **(family.derive(hf) if (family := family_of(model_type)).derive else {}),
     }

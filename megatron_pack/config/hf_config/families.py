@@ -263,3 +263,82 @@ GEMMA3 = register_family(Family(
         Refuse("attn_logit_softcapping", "(attention logit soft-capping) is not supported.", allowed=(None,)),
         Refuse("final_logit_softcapping", "(final logit soft-capping) is not supported.", allowed=(None,))),
     layer_types=("full_attention", "sliding_attention"), rope_types=("default", "linear"), derive=_gemma3_keys))
+
+
+# gpt-oss: attention with biases on q/k/v/o and a learnable sink logit per head, windowed and full layers in
+# turn, YaRN RoPE, and a MoE block whose router and experts carry biases. transformers stacks every expert of a
+# layer in one tensor: ``name[e]`` is its slice e (``record.stacked_part``). gate_up_proj[e] [hidden, 2 * ffn]
+# interleaves gate and up columns (gate = [:, 0::2], up = [:, 1::2]); down_proj[e] is [ffn, hidden] (x @ W, not
+# W @ x as a linear's weight).
+_OSS = _M + "mlp."
+GPT_OSS_RULES = MOE_ATTENTION_RULES + QKV_BIAS_RULES + (
+    Rule(_L + "self_attention.linear_proj.bias", (_A + "o_proj.bias",), "replicated", ("hidden",)),
+    Rule(_L + "self_attention.core_attention.softmax_offset", (_A + "sinks",), "heads", ("heads",)),
+    Rule(_L + "mlp.router.weight", (_OSS + "router.weight",), "replicated", ("experts", "hidden")),
+    Rule(_L + "mlp.router.bias", (_OSS + "router.bias",), "replicated", ("experts",)),
+    Rule(_EXPERT + "linear_fc1.weight", (_OSS + "experts.gate_up_proj[{e}]",), "interleaved_gate_up",
+         ("hidden", "expert_ffn")),
+    Rule(_EXPERT + "linear_fc1.bias", (_OSS + "experts.gate_up_proj_bias[{e}]",), "interleaved_gate_up",
+         ("expert_ffn",)),
+    Rule(_EXPERT + "linear_fc2.weight", (_OSS + "experts.down_proj[{e}]",), "row_transposed", ("expert_ffn", "hidden")),
+    Rule(_EXPERT + "linear_fc2.bias", (_OSS + "experts.down_proj_bias[{e}]",), "replicated", ("hidden",)),
+)
+
+
+def yarn_keys(hf: dict, head_dim: int) -> dict:
+    """config.json's YaRN rope_scaling as model.* keys: the frequencies (``rope_scaling=yarn`` and its numbers) and
+    the attention factor ``a`` that transformers multiplies cos and sin by, which scales every attention logit by
+    ``a ** 2``: ``softmax_scale = a ** 2 / sqrt(head_dim)`` (``a = 0.1 ln(factor) + 1`` unless given).
+
+    >>> keys = yarn_keys({"rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    ...                   "original_max_position_embeddings": 4096, "truncate": False}}, 64)
+    >>> keys["rope_scaling_factor"], keys["rope_yarn_truncate"], round(keys["softmax_scale"], 6)
+    (32.0, False, 0.226658)
+    """
+    import math
+
+    from megatron_pack.config.hf_config import rope_settings
+
+    scaling = rope_settings(hf)[1]
+    if scaling["rope_type"] != "yarn":
+        return {"rope_scaling": "none"}
+    factor = float(scaling["factor"])
+    attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return {"rope_scaling": "yarn", "rope_scaling_factor": factor,
+            "rope_original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
+            "rope_yarn_beta_fast": float(scaling.get("beta_fast") or 32.0),
+            "rope_yarn_beta_slow": float(scaling.get("beta_slow") or 1.0),
+            "rope_yarn_truncate": bool(scaling.get("truncate", True)),
+            "softmax_scale": float(attention) ** 2 / math.sqrt(head_dim)}
+
+
+def _gpt_oss_keys(hf: dict) -> dict:
+    layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(int(hf["num_hidden_layers"]))]
+    window = hf.get("sliding_window") if "sliding_attention" in layer_types else None
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    return {"num_experts": int(hf["num_local_experts"]), "moe_router_topk": int(hf["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(hf["intermediate_size"]), "moe_router_pre_softmax": False,
+            "add_qkv_bias": True, "add_bias_linear": True, "softmax_type": "learnable", "activation": "quick_geglu",
+            "glu_linear_offset": 1.0, "activation_clamp": float(hf.get("swiglu_limit", 7.0)),
+            "window_size": [int(window) - 1, 0] if window else None,
+            "window_attn_skip_freq": gemma3_layer_pattern(layer_types) if window else None,
+            **yarn_keys(hf, head_dim)}
+
+
+GPT_OSS = register_family(Family(
+    model_type="gpt_oss", summary="gpt-oss (GptOssForCausalLM; sliding-window and full layers in turn, learnable "
+    "sinks, YaRN, a biased MoE block with a clamped SwiGLU; bf16 / fp32 weights, MXFP4 dequantised first)",
+    architectures=("GptOssForCausalLM",), rules=GPT_OSS_RULES,
+    refused=(
+        Refuse("quantization_config", "(an MXFP4 checkpoint) is not loaded as it is: dequantise it with transformers "
+               "and save it in bf16 (GptOssForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config("
+               "dequantize=True), dtype=torch.bfloat16).save_pretrained(out)), then set model.pretrained=out.",
+               allowed=(None,)),
+        Refuse("attention_bias", "is not supported (gpt-oss with biases on q/k/v/o only).", allowed=(True, None)),
+        Refuse("swiglu_alpha", "is not supported (the experts' gate is x * sigmoid(1.702 x): swiglu_alpha 1.702).",
+               allowed=(None, 1.702)),
+        Refuse("router_jitter_noise", "is not supported; set it to 0.", allowed=(None, 0, 0.0)),
+        *(Refuse(key, _MTP) for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))),
+    layer_types=("full_attention", "sliding_attention"), rope_types=("default", "yarn"), derive=_gpt_oss_keys))
+

@@ -31,14 +31,17 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "rope_original_max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
              "moe_router_pre_softmax", "moe_shared_expert_ffn_hidden_size", "moe_shared_expert_gate",
              "mrope_section", "image_token_id", "window_size", "window_attn_skip_freq", "softmax_type",
-             "rotary_base_local", "softmax_scale", "zero_centered_norm", "post_norms", "scale_embeddings")
+             "rotary_base_local", "softmax_scale", "zero_centered_norm", "post_norms", "scale_embeddings",
+             "add_bias_linear", "glu_linear_offset", "activation_clamp", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
+             "rope_yarn_truncate")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
 
-SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one")
+SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one",
+               "heads")
 """Names a rule's ``shape`` may use: hidden size, FFN size, vocabulary, head dim, all query heads
 (heads x head dim), all key/value heads (groups x head dim), the experts of a MoE layer (a
-router's rows), one expert's FFN size, a shared expert's, and 1 (a gate's single row);
-``transforms.Dims.size`` resolves them."""
+router's rows), one expert's FFN size, a shared expert's, 1 (a gate's single row) and the query heads (a sink
+logit each); ``transforms.Dims.size`` resolves them."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,19 @@ class Rule:
         glob = {"i": None if layer is None else layer + layer_offset,
                 "e": None if expert is None else expert + expert_offset}
         return _fill(self.mcore, local), tuple(_fill(h, glob) for h in self.hf)
+
+
+def stacked_part(name: str) -> Optional[tuple[str, int]]:
+    """(stacked tensor, index) of an HF name ``<tensor>[<k>]``: slice k of a tensor that stacks every expert of a
+    layer along dim 0 (gpt-oss's ``mlp.experts.gate_up_proj`` [experts, hidden, 2 * ffn]); None for a plain name.
+
+    >>> stacked_part("model.layers.0.mlp.experts.down_proj[3]"), stacked_part("model.norm.weight")
+    (('model.layers.0.mlp.experts.down_proj', 3), None)
+    """
+    if not name.endswith("]") or "[" not in name:
+        return None
+    base, index = name[:-1].rsplit("[", 1)
+    return base, int(index)
 
 
 def _fill(name: str, values: dict[str, Optional[int]]) -> str:

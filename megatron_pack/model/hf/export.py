@@ -30,6 +30,7 @@ from torch import Tensor
 
 from megatron_pack.config.hf_config import family_of, read_hf_config
 from megatron_pack.model.hf.load import SafetensorsFolder
+from megatron_pack.config.hf_config.record import stacked_part
 from megatron_pack.model.hf.mapping import export_tensors, load_shard
 from megatron_pack.model.hf.transforms import Dims
 from megatron_pack.model.hf.rules import OUTPUT, TE_ALIASES, Placement, rules_for
@@ -159,6 +160,26 @@ def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, *,
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:3]} have no Hugging Face name in the {model_type} table; "
                          "nothing is dropped silently (was it trained with another model?).")
+    return stack_tensors(out)
+
+
+def stack_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The slices ``<tensor>[k]`` (``record.stacked_part``: one expert each) stacked along a new dim 0 as
+    ``<tensor>``, in order of k; other tensors as they are (the order of first appearance kept)."""
+    parts: dict[str, dict[int, Tensor]] = {}
+    out: dict[str, Tensor] = {}
+    for name, tensor in tensors.items():
+        stacked = stacked_part(name)
+        if stacked is None:
+            out[name] = tensor
+        else:
+            parts.setdefault(stacked[0], {})[stacked[1]] = tensor
+            out.setdefault(stacked[0], None)
+    for base, slices in parts.items():
+        if sorted(slices) != list(range(len(slices))):
+            raise ValueError(f"{base}: experts {sorted(slices)} exported, not 0..{len(slices) - 1}; export the whole "
+                             "model (every expert-parallel rank's experts).")
+        out[base] = torch.stack([slices[k] for k in range(len(slices))])
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
-from megatron_pack.config.hf_config.record import canonical_hf_name
+from megatron_pack.config.hf_config.record import canonical_hf_name, stacked_part
 from megatron_pack.model.hf.folder_check import INDEX, SINGLE
 from megatron_pack.model.hf.mapping import load_shard_into, shard_shape
 from megatron_pack.model.hf.transforms import Dims
@@ -84,14 +84,26 @@ class SafetensorsFolder:
             yield handle.get_slice(self.stored[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with self._slice(name) as part:
-            return tuple(part.get_shape())
+        stacked = stacked_part(name)
+        with self._slice(stacked[0] if stacked else name) as part:
+            return tuple(part.get_shape())[1:] if stacked else tuple(part.get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        with self._slice(name) as part:
+        stacked = stacked_part(name)
+        with self._slice(stacked[0] if stacked else name) as part:
             return _DTYPES[part.get_dtype()]
 
     def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> Tensor:
+        """The tensor ``name`` (rows, columns of it); ``<tensor>[k]`` is slice k of a stacked tensor
+        (``record.stacked_part``), read alone."""
+        stacked = stacked_part(name)
+        if stacked is not None:
+            base, k = stacked
+            with self._slice(base) as part:
+                index = (slice(k, k + 1),) + ((rows or slice(None),) if rows is not None or cols is not None else ())
+                tensor = part[index + ((cols,) if cols is not None else ())][0]
+            self.bytes_read += tensor.numel() * tensor.element_size()
+            return tensor
         with self._slice(name) as part:
             if cols is not None:
                 tensor = part[rows or slice(None), cols]
@@ -220,11 +232,17 @@ def _load_vision(params: dict, tower, source: SafetensorsFolder, folder, filled:
     return names
 
 
+def stored_name(name: str) -> str:
+    """The tensor a folder stores ``name`` in: a stacked tensor for ``<tensor>[k]``, else ``name``."""
+    stacked = stacked_part(name)
+    return stacked[0] if stacked else name
+
+
 def _whole_model_names(hf: dict, dims: Dims, tied: bool, source: SafetensorsFolder) -> set[str]:
     """Every HF tensor some chunk of the model reads (a stage's folder check is the whole model's): the
     rules' names, and a vision tower's tensors (the first stage's, whichever stage this is)."""
     whole = Placement(derive_model_keys(hf)["num_layers"], num_experts=dims.num_experts)
-    names = {n for _, _, names in rules_for(hf["model_type"], tied=tied, placement=whole) for n in names}
+    names = {stored_name(n) for _, _, names in rules_for(hf["model_type"], tied=tied, placement=whole) for n in names}
     tower = family_of(hf["model_type"]).vision
     if tower is not None:
         names |= {n for n in source.weight_map if n.startswith(tower.hf_prefix)}

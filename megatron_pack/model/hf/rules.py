@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple, Optional
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of
-from megatron_pack.config.hf_config.record import Family, Rule
+from megatron_pack.config.hf_config.record import Family, Rule, stacked_part
 from megatron_pack.model.hf.transforms import Dims, transform
 
 __all__ = ["Binding", "IGNORED_HF", "Placement", "TE_ALIASES", "hf_shapes", "rule_hf_shapes", "rules_for", "shapes_for"]
@@ -155,5 +155,22 @@ def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """
     keys = derive_model_keys(hf)
     dims = Dims.from_model_config(SimpleNamespace(**keys), tp=1)
-    return shapes_for(family_of(hf["model_type"]), dims, tied=not keys["untie_embeddings_and_output_weights"],
-                      placement=Placement.whole(SimpleNamespace(**keys)))
+    return stack_shapes(shapes_for(family_of(hf["model_type"]), dims, tied=not keys["untie_embeddings_and_output_weights"],
+                                   placement=Placement.whole(SimpleNamespace(**keys))))
+
+
+def stack_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shapes by stored tensor: the slices ``<tensor>[0..E-1]`` of shape s (``record.stacked_part``) as one
+    ``<tensor>`` of shape (E,) + s.
+
+    >>> stack_shapes({"a[0]": (3,), "a[1]": (3,), "b": (2,)})
+    {'a': (2, 3), 'b': (2,)}
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        stacked = stacked_part(name)
+        if stacked is None:
+            out[name] = shape
+        else:
+            out[stacked[0]] = (max(stacked[1] + 1, out.get(stacked[0], (0,))[0]),) + tuple(shape)
+    return out

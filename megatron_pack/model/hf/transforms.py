@@ -97,7 +97,8 @@ class Dims:
         """A size a rule's ``shape`` names (``record.SHAPE_SIZES``)."""
         sizes = {"hidden": self.hidden, "ffn": self.ffn, "vocab": self.vocab, "head_dim": self.head_dim,
                  "q": self.num_heads * self.head_dim, "kv": self.num_groups * self.head_dim,
-                 "experts": self.num_experts or None, "expert_ffn": self.expert_ffn, "shared_ffn": self.shared_ffn, "one": 1}
+                 "experts": self.num_experts or None, "expert_ffn": self.expert_ffn, "shared_ffn": self.shared_ffn, "one": 1,
+                 "heads": self.num_heads}
         if sizes.get(name) is None:
             raise ValueError(f"Dims has no size {name!r} (set {name} for the shapes config.json implies).")
         return sizes[name]
@@ -320,3 +321,77 @@ class GatedMLP(Transform):
     def export(self, shards, dims):
         halves = [s.chunk(2, dim=0) for s in shards]
         return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
+
+
+@register_transform
+class Heads(Transform):
+    """One value per query head, the heads split over ranks as attention splits them (gpt-oss's sinks ->
+    ``core_attention.softmax_offset``): [4] over 2 ranks, rank 1 holds heads 2, 3."""
+
+    name, split_dim = "heads", 0
+
+    def shard_shape(self, hf_shapes, dims):
+        return (hf_shapes[0][0] // dims.tp,)
+
+    def load(self, names, reader, dims, rank):
+        return reader.read(names[0], _part(rank, reader.shape(names[0])[0] // dims.tp))
+
+    def export(self, shards, dims):
+        return [_cat(shards)]
+
+
+def _rows_first(t: Tensor) -> Tensor:
+    """A matrix transposed (x @ W's layout <-> a linear's weight); a bias vector as it is."""
+    return t.T if t.dim() == 2 else t
+
+
+@register_transform
+class InterleavedGateUp(Transform):
+    """One expert's [hidden, 2F] tensor whose columns interleave gate and up (gpt-oss's ``gate_up_proj[e]``:
+    gate = [:, 0::2], up = [:, 1::2], applied as x @ W) -> ``linear_fc1`` [gate_r; up_r] on rank r, as
+    ``gate_up``. Its bias [2F] interleaves alike -> [gate bias_r; up bias_r].
+
+    H=64, F=48 over 2 ranks: gate_up_proj[e] [64, 96] -> rank 1 holds [gate cols 24-47; up cols 24-47].T = [48, 64].
+    """
+
+    name, split_dim = "interleaved_gate_up", 0
+
+    def hf_shapes(self, shape, num_parts, dims):
+        return [tuple(shape[:-1]) + (2 * shape[-1],)]
+
+    def shard_shape(self, hf_shapes, dims):
+        shape = hf_shapes[0]
+        return (shape[-1] // dims.tp,) + tuple(shape[:-1])
+
+    def load(self, names, reader, dims, rank):
+        whole = reader.read(names[0])
+        gate, up = whole[..., 0::2], whole[..., 1::2]
+        cols = _part(rank, gate.shape[-1] // dims.tp)
+        return _cat([_rows_first(gate[..., cols]), _rows_first(up[..., cols])]).contiguous()
+
+    def export(self, shards, dims):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        gate, up = _rows_first(_cat([h[0] for h in halves])), _rows_first(_cat([h[1] for h in halves]))  # [..., F]
+        import torch
+
+        return [torch.stack([gate, up], dim=-1).reshape(tuple(gate.shape[:-1]) + (2 * gate.shape[-1],)).contiguous()]
+
+
+@register_transform
+class RowTransposed(Transform):
+    """One expert's [F, hidden] tensor applied as x @ W (gpt-oss's ``down_proj[e]``) -> RowParallelLinear
+    ``linear_fc2`` [hidden, F / tp]: its transpose, columns split. [48, 64] over 2 ranks: rank 1 holds rows
+    24-47, transposed: [64, 24]."""
+
+    name, split_dim = "row_transposed", 1
+
+    def shard_shape(self, hf_shapes, dims):
+        rows, cols = hf_shapes[0]
+        return (cols, rows // dims.tp)
+
+    def load(self, names, reader, dims, rank):
+        rows = reader.shape(names[0])[0]
+        return reader.read(names[0], _part(rank, rows // dims.tp)).T.contiguous()
+
+    def export(self, shards, dims):
+        return [_cat(shards, dim=1).T.contiguous()]

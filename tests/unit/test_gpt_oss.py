@@ -1,0 +1,217 @@
+"""gpt-oss in and out: a tiny random GptOssForCausalLM through our packed THD model, proved against transformers.
+
+The folder (4 layers: windowed, full, windowed, full; sliding_window 8; a learnable sink per head; YaRN with factor 4
+over an original context of 64 positions, truncate false; 4 experts, top 2; biases on q/k/v/o, the router and every
+expert; clamp 7 and offset 1 in the experts' gate) is transformers' own model, every parameter drawn so that a
+dropped bias, sink or clamp would show. One pack of a 47-token sample, a 20-token one and a 58-token one (windows
+shorter than the samples) runs at world 1; each sample's logits must equal transformers' logits of the sample alone.
+Each gpt-oss feature is checked to matter (transformers' logits change without it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+VOCAB = 301
+
+
+def _config(**extra):
+    import transformers as T
+
+    return T.GptOssConfig(**{**dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=256, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 64},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0), **extra})
+
+
+def _folder(root) -> str:
+    import transformers as T
+
+    from _hf import save_tokenizer
+
+    torch.manual_seed(0)
+    model = T.GptOssForCausalLM(_config())
+    with torch.no_grad():  # transformers starts the router, the sinks and the biases at 0: draw them all
+        for name, param in model.named_parameters():
+            scale = (1.0 if name.endswith(("sinks", "router.weight", "router.bias", "norm.weight"))
+                     else 0.3 if "bias" in name else 0.1)  # matrices small: logits O(1), float32 agrees to 1e-5
+            param.copy_(scale * torch.randn(param.shape))
+    path = root / "gpt_oss"
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return str(path)
+
+
+def _samples() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() + [2] for n in (47, 20, 58)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return _folder(tmp_path_factory.mktemp("gpt_oss"))
+
+
+def _packed_logits(folder: str, overrides: tuple[str, ...] = ()) -> list[torch.Tensor]:
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()]
+    batch = collate_thd(samples, pack_size=128, pad_multiple=4)
+    cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu", *overrides])
+    try:
+        model = build_model(cfg, initialize_parallel(cfg))
+        with torch.no_grad():
+            logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    return [logits[0, cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :VOCAB] for s in range(len(cu) - 1)]
+
+
+def test_packed_logits_equal_transformers_per_sample_at_world_1(folder):
+    from _hf import hf_logits
+
+    refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
+    assert all(len(ref) > 8 for ref in refs)  # every sample is longer than the window
+    for s, (got, ref) in enumerate(zip(_packed_logits(folder), refs)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+
+
+FEATURES = {  # id: transformers config change that removes one gpt-oss feature (its logits must then change)
+    "window": dict(sliding_window=4096),
+    "yarn": dict(rope_scaling=None),
+    "yarn_truncate": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                       "original_max_position_embeddings": 64}),
+    "clamp": dict(swiglu_limit=0.5),
+}
+
+
+@pytest.mark.parametrize("change", FEATURES.values(), ids=FEATURES.keys())
+def test_each_gpt_oss_feature_changes_transformers_logits(folder, change):
+    """Guard: the comparison above would fail if our model ignored any one of these."""
+    import transformers as T
+
+    ids = torch.tensor([_samples()[0][:-1]])
+    with torch.no_grad():
+        ref = T.AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        other = T.AutoModelForCausalLM.from_pretrained(folder, config=_config(**change)).eval()(ids).logits
+    assert float((ref - other).abs().max()) > 1e-3
+
+
+TENSORS = {  # id: (HF tensor whose values are zeroed, must change transformers' logits)
+    "sinks": "model.layers.0.self_attn.sinks",
+    "router_bias": "model.layers.0.mlp.router.bias",
+    "expert_up_bias": "model.layers.1.mlp.experts.gate_up_proj_bias",
+    "expert_down_bias": "model.layers.1.mlp.experts.down_proj_bias",
+    "o_proj_bias": "model.layers.2.self_attn.o_proj.bias",
+}
+
+
+@pytest.mark.parametrize("name", TENSORS.values(), ids=TENSORS.keys())
+def test_each_gpt_oss_tensor_changes_transformers_logits(folder, name):
+    import transformers as T
+
+    ids = torch.tensor([_samples()[0][:-1]])
+    model = T.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.get_parameter(name).zero_()
+        other = model(ids).logits
+    assert float((ref - other).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_export_gives_back_the_folder_bit_for_bit_and_transformers_loads_it(folder, tmp_path, tp):
+    """Through every transform and back (at TP=2 the experts' interleaved gate/up split per rank), then
+    transformers loads the folder and gives the source's logits."""
+    import transformers as T
+    from safetensors.torch import load_file
+
+    from megatron_pack.config import load_config
+    from megatron_pack.model.hf.export import export_folder, shards_from_pretrained
+
+    cfg = load_config([f"model.pretrained={folder}", "train.device=cpu"])
+    shards = shards_from_pretrained(folder, cfg.model, tp=tp)
+    assert shards[0]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"].shape == (2 * 48 // tp, 64)
+    export_folder(output=tmp_path / "out", source=folder, model_cfg=cfg.model, shards=shards)
+    want = load_file(f"{folder}/model.safetensors")
+    got = {}
+    for path in (tmp_path / "out").glob("*.safetensors"):
+        got.update(load_file(path))
+    assert sorted(got) == sorted(want)
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
+    ids = torch.tensor([_samples()[1][:-1]])
+    with torch.no_grad():
+        ref = T.AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        out = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_the_folder_check_reads_stacked_experts(folder):
+    """The folder check (before launch, headers only) knows the stacked expert tensors' shapes."""
+    from megatron_pack.model.hf.folder_check import folder_problems
+    from megatron_pack.model.hf.rules import hf_shapes
+
+    shapes = hf_shapes(json.loads(open(f"{folder}/config.json").read()))
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 64, 96)
+    assert shapes["model.layers.0.mlp.experts.down_proj_bias"] == (4, 64)
+    assert folder_problems(folder) == []
+
+
+HUB_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+           "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+           "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "intermediate_size": 2880,
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+           "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+           "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+           "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+           "tie_word_embeddings": False, "vocab_size": 201088}
+"""openai/gpt-oss-20b config.json as published, less its quantization_config (the MXFP4 one is refused below)."""
+
+
+def test_hub_config_becomes_model_keys():
+    import math
+
+    from megatron_pack.config.hf_config import derive_model_keys, refusal
+
+    assert refusal(HUB_20B, "x") is None
+    keys = derive_model_keys(HUB_20B)
+    expected = dict(window_size=[127, 0], window_attn_skip_freq=2, softmax_type="learnable", num_experts=32,
+                    moe_router_topk=4, moe_ffn_hidden_size=2880, moe_router_pre_softmax=False, add_qkv_bias=True,
+                    add_bias_linear=True, activation="quick_geglu", glu_linear_offset=1.0, activation_clamp=7.0,
+                    rope_scaling="yarn", rope_scaling_factor=32.0, rope_original_max_position_embeddings=4096,
+                    rope_yarn_truncate=False, rotary_base=150000, kv_channels=64, num_query_groups=8,
+                    untie_embeddings_and_output_weights=True)
+    assert {k: keys[k] for k in expected} == expected
+    assert keys["softmax_scale"] == pytest.approx((0.1 * math.log(32) + 1) ** 2 / 8)
+
+
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.embed_tokens"]}
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(quantization_config=MXFP4), "dequantise it with transformers and save it in bf16"),
+    (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5"),
+    (dict(attention_bias=False), "attention_bias=false"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' is not supported for gpt_oss"),
+    (dict(layer_types=["full_attention", "sliding_attention"] * 12), "not every N-th layer full_attention"),
+], ids=["mxfp4", "alpha", "no_attention_bias", "dynamic_rope", "full_first"])
+def test_what_gpt_oss_cannot_read_is_refused_in_one_line(change, fragment, tmp_path):
+    from megatron_pack.config.hf_config import UnsupportedModel, pretrained_model_keys
+
+    (tmp_path / "config.json").write_text(json.dumps({**HUB_20B, **change}))
+    with pytest.raises(UnsupportedModel) as info:
+        pretrained_model_keys(tmp_path)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
