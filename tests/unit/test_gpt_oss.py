@@ -87,6 +87,58 @@ def test_packed_logits_equal_transformers_per_sample_at_world_1(folder):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
 
 
+LAYOUTS = {  # id: overrides of a 2-rank world (the biased experts stay whole under TP: expert TP 1, EP 2)
+    "cp2": ("parallel.context_parallel_size=2",),
+    "ep2": ("parallel.expert_model_parallel_size=2",),
+    "tp2_sp_ep2": ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                   "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"),
+}
+
+
+def _worker(rank: int, world_size: int, folder: str) -> dict:
+    from megatron_pack.config import load_config
+    from megatron_pack.config.validate import validate
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import destroy_parallel, gather_full_logits, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()]
+    batch = collate_thd(samples, pack_size=128, pad_multiple=4)
+    cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    out = {}
+    for name, layout in LAYOUTS.items():
+        cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu",
+                           "peft.method=none", *layout])
+        validate(cfg, world_size=world_size)
+        pg = initialize_parallel(cfg)
+        model = build_model(cfg, pg)
+        local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
+        with torch.no_grad():
+            logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
+        full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0, :, :VOCAB]
+        for s in range(len(cu) - 1):
+            out[f"{name}_{s}"] = full[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s]].numpy()
+        destroy_parallel()
+    return out
+
+
+def test_packed_logits_equal_transformers_per_sample_at_cp2_ep2_and_tp2(folder, tmp_path):
+    """The same pack at CP=2, at EP=2 (two experts a rank) and at TP=2 with sequence parallelism and EP=2: every rank
+    gives each sample transformers' logits of the sample alone."""
+    from _dist import spawn_world
+    from _hf import hf_logits
+
+    results = spawn_world(_worker, 2, tmp_path, folder, timeout_s=300)
+    refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
+    for rank, res in enumerate(results):
+        for layout in LAYOUTS:
+            for s, ref in enumerate(refs):
+                torch.testing.assert_close(torch.as_tensor(res[f"{layout}_{s}"]), ref, atol=1e-5, rtol=1e-5,
+                                           msg=f"rank {rank} {layout} sample {s}")
+
+
 FEATURES = {  # id: transformers config change that removes one gpt-oss feature (its logits must then change)
     "window": dict(sliding_window=4096),
     "yarn": dict(rope_scaling=None),
@@ -215,3 +267,16 @@ def test_what_gpt_oss_cannot_read_is_refused_in_one_line(change, fragment, tmp_p
     with pytest.raises(UnsupportedModel) as info:
         pretrained_model_keys(tmp_path)
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"), "biased experts split over expert TP"),
+    (("peft.method=lora", "peft.target_modules=[linear_qkv,linear_fc1]"), "LoRA on biased experts"),
+], ids=["experts_over_tp", "lora_on_experts"])
+def test_what_the_layout_cannot_do_with_gpt_oss_is_refused_before_launch(folder, overrides, fragment):
+    from megatron_pack.config import ConfigError, load_config
+    from megatron_pack.config.validate import validate
+
+    with pytest.raises(ConfigError) as info:  # load_config runs the rules it can; validate the world-size ones
+        validate(load_config([f"model.pretrained={folder}", "train.device=cpu", *overrides]), world_size=2)
+    assert any(fragment in line for line in str(info.value).splitlines())
