@@ -166,6 +166,25 @@ class ModelConfig(_Group):
     post_attention_layernorm and post_feedforward_layernorm)."""
     scale_embeddings: bool = False
     """Multiply the token embeddings by sqrt(hidden_size), rounded to their dtype (Gemma)."""
+    full_attention_interval: Optional[int] = None
+    """Hybrid linear attention (Qwen3.5): every N-th layer (N, 2N, ... counted from 1) is full attention, the others
+    packed Gated DeltaNet layers (model/linear_attention.py; config.json full_attention_interval / layer_types);
+    null: every layer full attention. The linear_* keys below size the linear-attention layers."""
+    linear_num_key_heads: int = 16
+    """Gated DeltaNet query/key heads (with model.full_attention_interval)."""
+    linear_num_value_heads: int = 32
+    """Gated DeltaNet value heads, a multiple of model.linear_num_key_heads."""
+    linear_key_head_dim: int = 128
+    """Gated DeltaNet query/key head dim."""
+    linear_value_head_dim: int = 128
+    """Gated DeltaNet value head dim."""
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet causal conv1d width (restarted at every sample)."""
+    attention_output_gate: bool = False
+    """Full-attention output gated per channel by sigmoid of a second query projection (Qwen3.5's doubled q_proj;
+    megatron-core's attention_output_gate)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dims RoPE rotates, the first ones (Qwen3.5: partial_rotary_factor 0.25)."""
     softmax_type: str = "vanilla"
     """'vanilla', 'off-by-one' (a sink logit 0 per head) or 'learnable' (a trained sink logit per head,
     softmax_offset, as gpt-oss): an extra logit in every query's softmax with no value behind it."""
@@ -260,7 +279,7 @@ class ModelConfig(_Group):
             problems.append("model.resize_vocab (True) grows a pretrained model's vocabulary and needs model.pretrained "
                             "(None); a model built from model.* takes the tokenizer's size by itself: drop "
                             "model.resize_vocab.")
-        return problems + self._mrope_problems() + _window_problems(self)
+        return problems + self._mrope_problems() + _window_problems(self) + _linear_attention_problems(self)
 
     def _mrope_problems(self) -> list[str]:
         if self.mrope_section is None:
@@ -287,6 +306,23 @@ class ModelConfig(_Group):
                             f"({heads}) when model.kv_channels is None; set model.kv_channels=<head dim> "
                             f"or model.num_attention_heads to a divisor of {self.hidden_size}.")
         return problems
+
+
+def _linear_attention_problems(m: "ModelConfig") -> list[str]:
+    """model.full_attention_interval (>= 1) and the Gated DeltaNet sizes; model.rotary_percent in (0, 1]."""
+    problems = _positive("model", m, ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                      "linear_value_head_dim", "linear_conv_kernel_dim"))
+    every = m.full_attention_interval
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        problems.append(f"model.full_attention_interval ({every!r}) must be an integer >= 1 (every N-th layer full "
+                        "attention; Qwen3.5: 4); null makes every layer full attention.")
+    if not problems and m.linear_num_value_heads % m.linear_num_key_heads:
+        problems.append(f"model.linear_num_value_heads ({m.linear_num_value_heads}) must be a multiple of "
+                        f"model.linear_num_key_heads ({m.linear_num_key_heads}); use config.json's values.")
+    if not 0 < m.rotary_percent <= 1:
+        problems.append(f"model.rotary_percent ({m.rotary_percent}) must be in (0, 1] (config.json "
+                        "partial_rotary_factor); 1 rotates every dim.")
+    return problems
 
 
 def _window_problems(m: "ModelConfig") -> list[str]:

@@ -568,6 +568,30 @@ def _validate_tensor_parallel(cfg: Config) -> list[str]:
     return problems
 
 
+def _validate_linear_attention(cfg: Config) -> list[str]:
+    """The Gated DeltaNet layers split their key heads over TP, then over CP (model/linear_attention.py)."""
+    model, par = cfg.model, cfg.parallel
+    if model.full_attention_interval is None or model.full_attention_interval == 1:
+        return []
+    if model.attention_backend == "te":
+        return ["model.attention_backend ('te') with model.full_attention_interval: the linear-attention (hybrid) "
+                "stack is built on the torch backend only (auto picks it); set model.attention_backend=torch."]
+    problems = []
+    if cfg.peft.method != "none":
+        problems.append(f"peft.method ({cfg.peft.method!r}) with model.full_attention_interval: adapters on the "
+                        "linear-attention (hybrid) stack are not supported yet; set peft.method=none.")
+    if par.pipeline_model_parallel_size > 1:
+        problems.append(f"parallel.pipeline_model_parallel_size ({par.pipeline_model_parallel_size}) with "
+                        "model.full_attention_interval: the hybrid stack is not proved across pipeline stages yet; "
+                        "set parallel.pipeline_model_parallel_size=1.")
+    tp, cp, heads = par.tensor_model_parallel_size, par.context_parallel_size, model.linear_num_key_heads
+    if heads % (tp * cp):
+        problems.append(f"model.linear_num_key_heads ({heads}) must be divisible by parallel.tensor_model_parallel_size"
+                        f" x parallel.context_parallel_size ({tp} x {cp}): the linear-attention layers split their "
+                        f"heads over TP, then over CP; choose TP x CP dividing {heads}.")
+    return problems
+
+
 def vocab_problems(cfg: Config) -> list[str]:
     """model.vocab_size divisible by TP (the embedding and output layer are split over TP ranks).
 
@@ -921,6 +945,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_validate_pipeline_parallel, early=True),
     Rule(_validate_sequence_parallel, early=True),
     Rule(_validate_tensor_parallel),
+    Rule(_validate_linear_attention),
     Rule(_validate_context_parallel),
     Rule(_validate_per_token_loss),
     Rule(_validate_offline_packing),

@@ -122,6 +122,10 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         window_attn_skip_freq=m.window_attn_skip_freq, softmax_type=m.softmax_type,
         gated_linear_unit=m.activation in GATED_ACTIVATIONS, activation_func=_activation(m.activation),
         softmax_scale=m.softmax_scale, layernorm_zero_centered_gamma=m.zero_centered_norm,
+        # the hybrid stack's Gated DeltaNet sizes (read by model/linear_attention.py) and the gated full attention
+        linear_num_key_heads=m.linear_num_key_heads, linear_num_value_heads=m.linear_num_value_heads,
+        linear_key_head_dim=m.linear_key_head_dim, linear_value_head_dim=m.linear_value_head_dim,
+        linear_conv_kernel_dim=m.linear_conv_kernel_dim, attention_output_gate=m.attention_output_gate,
         add_bias_linear=m.add_bias_linear, init_method_std=m.init_method_std,
         # gpt-oss's experts: act(min(gate, c)) * (clamp(up, -c, c) + offset)
         glu_linear_offset=m.glu_linear_offset, activation_func_clamp_value=m.activation_clamp,
@@ -187,11 +191,14 @@ def recompute_kwargs(cfg: Config) -> dict:
 
 
 def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layernorm: bool = False,
-                     num_experts: Optional[int] = None):
+                     num_experts: Optional[int] = None, full_attention_interval: Optional[int] = None,
+                     layer_offset: int = 0):
     """Block spec of megatron-core local modules with our THD attention core and SP-capable norms.
 
     ``qk_layernorm`` (Qwen3) norms each query/key head; megatron-core's ``finalize_model_grads``
-    sums those weights' gradients over TP (each TP rank sees only its own heads)."""
+    sums those weights' gradients over TP (each TP rank sees only its own heads).
+    ``full_attention_interval`` N (Qwen3.5): global layer i (from 0; this chunk's first is ``layer_offset``) is full
+    attention when (i + 1) % N == 0, a packed Gated DeltaNet layer otherwise."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -219,7 +226,23 @@ def local_block_spec(num_layers: int, *, attention_mode: str = "thd", qk_layerno
         mlp=moe_mlp_spec() if num_experts else ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm)
+    specs = [layer] * num_layers
+    if full_attention_interval is not None:
+        from megatron_pack.model.linear_attention import linear_attention_layer_spec
+
+        linear = linear_attention_layer_spec(layer)
+        specs = [layer if is_full_attention(layer_offset + i, full_attention_interval) else linear
+                 for i in range(num_layers)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
+
+
+def is_full_attention(layer: int, full_attention_interval: Optional[int]) -> bool:
+    """Whether global layer ``layer`` (from 0) is full attention: every N-th counted from 1; None: every layer.
+
+    >>> [is_full_attention(i, 4) for i in range(4)]
+    [False, False, False, True]
+    """
+    return full_attention_interval is None or (layer + 1) % full_attention_interval == 0
 
 
 def te_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
@@ -329,7 +352,10 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     enable_cpu_compat_without_cuda()
     _check_divisibility(cfg)
     on_gpu = pg.device.type == "cuda"  # decided once, in the parallel state
-    backend = choose_backend(cfg.model.attention_backend, attention_mode=attention_mode, on_gpu=on_gpu)
+    requested = cfg.model.attention_backend
+    if cfg.model.full_attention_interval is not None and requested == "auto":
+        requested = "torch"  # the hybrid (linear-attention) stack is built from the local spec only
+    backend = choose_backend(requested, attention_mode=attention_mode, on_gpu=on_gpu)
     _check_cuda_graphs(cfg, backend)
     _check_fp8(cfg, backend, on_gpu)
     _deterministic_te_env(cfg, backend)
@@ -343,16 +369,20 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=pg.tp_rank, ep_rank=pg.ep_rank, etp_rank=pg.etp_rank,
                                     te_rng_tracker=graph_rng(cfg, backend), force_reset_rng=graph_rng(cfg, backend))
     stage = stage_of(cfg, pg, vp_stage)
+    if backend == "te" and cfg.model.full_attention_interval is not None:  # validate() refuses it first
+        raise ValueError("model.full_attention_interval (linear attention) runs on model.attention_backend=torch only.")
     spec = (te_layer_spec(cfg.model.qk_layernorm, cfg.model.num_experts) if backend == "te" else
             local_block_spec(stage.num_local_layers, attention_mode=attention_mode, qk_layernorm=cfg.model.qk_layernorm,
-                             num_experts=cfg.model.num_experts))
+                             num_experts=cfg.model.num_experts,
+                             full_attention_interval=cfg.model.full_attention_interval,
+                             layer_offset=stage.layer_offset))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
         pre_process=stage.is_first, post_process=stage.is_last, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type="rope" if cfg.model.mrope_section is None else "mrope",
-        rotary_base=cfg.model.rotary_base,
+        rotary_base=cfg.model.rotary_base, rotary_percent=cfg.model.rotary_percent,
         seq_len_interpolation_factor=cfg.model.rope_scaling_factor if cfg.model.rope_scaling == "linear" else None,
         pg_collection=pg.pg_collection, vp_stage=vp_stage if stage.vp_size > 1 else None,
     )

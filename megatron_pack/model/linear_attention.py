@@ -143,6 +143,10 @@ def _gdn_class() -> type:
                     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
             self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=self.dv,
                                          eps=config.layernorm_epsilon)
+            if getattr(self.out_norm, "zero_centered", False):  # the gated norm scales by its weight as stored
+                self.out_norm.zero_centered = False  # (Qwen3.5's other norms by 1 + weight; _gated_norm reads it)
+                with torch.no_grad():
+                    self.out_norm.weight.fill_(1.0)
             for param in self.out_norm.parameters():  # summed over TP in _gated_norm's backward instead
                 param.sequence_parallel = False
             self.out_proj = build_module(submodules.out_proj, self.v_dim, config.hidden_size, config=config,

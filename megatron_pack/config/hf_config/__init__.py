@@ -165,14 +165,14 @@ def _rope_refusal(hf: dict[str, Any], where: str, family: Family) -> str | None:
                 f"rope_type: {', '.join(family.rope_types)} (llama3: Llama 3.1 / 3.2).")
     if float(theta) != int(theta):
         return f"{where}: rope_theta={theta} is not an integer, which model.rotary_base needs."
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    if hf.get("partial_rotary_factor", 1.0) != 1.0 and not family.text_positions:
         return f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported (full rotary only)."
     return None
 
 
 def _mrope_refusal(hf: dict[str, Any], where: str, family: Family) -> str | None:
     section = rope_settings(hf)[1].get("mrope_section")
-    if section is not None and family.vision is None:
+    if section is not None and family.vision is None and not family.text_positions:
         return (f"{where}: rope_scaling mrope_section {section} (multimodal RoPE) is not supported for "
                 f"{family.model_type}; a vision-language model needs its family ({_vision_families()}).")
     if family.vision is not None and section is None:
@@ -214,6 +214,9 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "rotary_base_local": None, "softmax_scale": None, "zero_centered_norm": False, "post_norms": False,
         "scale_embeddings": False, "add_bias_linear": False, "glu_linear_offset": 0.0, "activation_clamp": None,
         "rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0, "rope_yarn_truncate": True,
+        "full_attention_interval": None, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "attention_output_gate": False, "rotary_percent": 1.0,
         **family_of(model_type).model_keys,
         **(family.derive(hf) if (family := family_of(model_type)).derive else {}),
     }

@@ -265,6 +265,61 @@ GEMMA3 = register_family(Family(
     layer_types=("full_attention", "sliding_attention"), rope_types=("default", "linear"), derive=_gemma3_keys))
 
 
+# Qwen3.5 text: Gated DeltaNet (linear attention, model/linear_attention.py) layers with every N-th layer a gated
+# full attention (q_proj doubled: each head's query then its output gate); Llama's MLP and norms, every norm but the
+# Gated DeltaNet's output norm scaling by 1 + weight.
+_LA, _SA = "model.layers.{i}.linear_attn.", _L + "self_attention."
+_LLAMA_ATTENTION = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight")
+QWEN3_5_RULES = tuple(r for r in LLAMA_RULES if not r.mcore.endswith(_LLAMA_ATTENTION)) + (
+    Rule(_SA + "linear_qkv.weight", (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"), "qkv_gated",
+         ("head_dim", "hidden"), layer_type="full_attention"),
+    Rule(_SA + "linear_proj.weight", (_A + "o_proj.weight",), "row", ("hidden", "q"), layer_type="full_attention"),
+    *(Rule(r.mcore, r.hf, r.kind, r.shape, layer_type="full_attention") for r in QK_NORM_RULES),
+    Rule(_SA + "in_proj.weight", tuple(_LA + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")), "gdn_columns",
+         ("lin_conv", "hidden"), layer_type="linear_attention"),
+    Rule(_SA + "conv1d.weight", (_LA + "conv1d.weight",), "gdn_columns", ("lin_conv", "one", "conv_width"),
+         layer_type="linear_attention"),
+    Rule(_SA + "dt_bias", (_LA + "dt_bias",), "gdn_columns", ("lin_heads",), layer_type="linear_attention"),
+    Rule(_SA + "A_log", (_LA + "A_log",), "gdn_columns", ("lin_heads",), layer_type="linear_attention"),
+    Rule(_SA + "out_norm.weight", (_LA + "norm.weight",), "replicated", ("lin_dv",), layer_type="linear_attention"),
+    Rule(_SA + "out_proj.weight", (_LA + "out_proj.weight",), "row", ("hidden", "lin_v"),
+         layer_type="linear_attention"),
+)
+
+
+def hybrid_layer_interval(layer_types: list[str]) -> int:
+    """``model.full_attention_interval`` for Qwen3.5's ``layer_types``: every N-th layer full attention.
+
+    >>> hybrid_layer_interval(["linear_attention"] * 3 + ["full_attention"]), hybrid_layer_interval(["full_attention"])
+    (4, 1)
+    """
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    every = full[0] + 1 if full else 0
+    if not full or full != list(range(every - 1, len(layer_types), every)):
+        raise ValueError(f"layer_types {layer_types} is not every N-th layer full_attention (N >= 1), the others "
+                         "linear_attention.")
+    return every
+
+
+def _qwen3_5_keys(hf: dict) -> dict:
+    every = int(hf.get("full_attention_interval") or 4)
+    layer_types = hf.get("layer_types") or ["linear_attention" if (i + 1) % every else "full_attention"
+                                            for i in range(int(hf["num_hidden_layers"]))]
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))  # transformers' default
+    return {"qk_layernorm": True, "zero_centered_norm": True, "attention_output_gate": True,
+            "rotary_percent": float(partial), "full_attention_interval": hybrid_layer_interval(layer_types),
+            **{key: int(hf[key]) for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                             "linear_value_head_dim", "linear_conv_kernel_dim")}}
+
+
+QWEN3_5 = register_family(Family(
+    model_type="qwen3_5_text", summary="Qwen3.5 text, dense (Qwen3_5ForCausalLM; Gated DeltaNet linear attention with "
+    "every N-th layer a gated full attention, QK norm, partial RoPE; no MTP head)",
+    architectures=("Qwen3_5ForCausalLM",), rules=QWEN3_5_RULES, refused=DENSE_REFUSALS + (O_PROJ_BIAS,),
+    layer_types=("full_attention", "linear_attention"), text_positions=True, derive=_qwen3_5_keys))
+
+
 # gpt-oss: attention with biases on q/k/v/o and a learnable sink logit per head, windowed and full layers in
 # turn, YaRN RoPE, and a MoE block whose router and experts carry biases. transformers stacks every expert of a
 # layer in one tensor: ``name[e]`` is its slice e (``record.stacked_part``). gate_up_proj[e] [hidden, 2 * ffn]

@@ -35,6 +35,9 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "add_bias_linear", "glu_linear_offset", "activation_clamp", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
              "rope_yarn_truncate")
 """The ``model.*`` keys that come from config.json when ``model.pretrained`` is set."""
+ARCH_KEYS += ("full_attention_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim", "attention_output_gate", "rotary_percent")
+"""... and those of a hybrid linear-attention stack (Qwen3.5)."""
 
 SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one",
                "heads")
@@ -42,6 +45,12 @@ SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expe
 (heads x head dim), all key/value heads (groups x head dim), the experts of a MoE layer (a
 router's rows), one expert's FFN size, a shared expert's, 1 (a gate's single row) and the query heads (a sink
 logit each); ``transforms.Dims.size`` resolves them."""
+
+
+SHAPE_SIZES += ("lin_conv", "lin_v", "lin_heads", "lin_dv", "conv_width")
+"""A linear-attention (Gated DeltaNet) layer's sizes: its conv1d channels (query, key and value heads: 2 x key
+heads x key dim + value heads x value dim), all value heads x value dim, the value heads, one value head's dim, and
+the conv1d width."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,9 @@ class Rule:
     """The transform's registered name: 'replicated', 'row', 'vocab', 'qkv', 'gate_up', ..."""
     shape: Optional[tuple[str, ...]] = None
     """Each HF tensor's shape in ``SHAPE_SIZES`` names; for 'qkv' one head's (the transform counts the heads)."""
+    layer_type: Optional[str] = None
+    """A per-layer rule of one kind of layer only ('full_attention' or 'linear_attention' of a hybrid stack, where
+    ``rules.Placement.linear_layers`` says which layers are linear); None: every layer."""
 
     def __post_init__(self):
         for placeholder in ("{i}", "{e}"):
@@ -198,6 +210,9 @@ class Family:
     """config.json ``layer_types`` values the family reads (its ``derive`` turns a pattern into model.* keys)."""
     rope_types: tuple[str, ...] = ("default", "llama3")
     """RoPE ``rope_type`` values the family reads (Gemma 3's full-attention layers: linear)."""
+    text_positions: bool = False
+    """RoPE read for text alone: a partial_rotary_factor (model.rotary_percent) and an M-RoPE section (Qwen3.5's
+    text stack: with text positions its three position rows are equal, which is plain RoPE) are accepted."""
     derive: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None
     """config.json -> the ``model.*`` keys that depend on its values (a MoE family's experts, top-k, router
     normalisation), applied after ``model_keys``; torch-free."""

@@ -29,7 +29,7 @@ from megatron_pack.config.hf_config.record import canonical_hf_name, stacked_par
 from megatron_pack.model.hf.folder_check import INDEX, SINGLE
 from megatron_pack.model.hf.mapping import load_shard_into, shard_shape
 from megatron_pack.model.hf.transforms import Dims
-from megatron_pack.model.hf.rules import TE_ALIASES, Placement, rule_hf_shapes, rules_for
+from megatron_pack.model.hf.rules import TE_ALIASES, Placement, linear_layers, rule_hf_shapes, rules_for
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -156,7 +156,15 @@ def placement_of(model) -> Placement:
     return Placement(len(layers), layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
                      pre_process=model.pre_process, post_process=model.post_process,
                      num_experts=moe.num_local_experts if moe is not None else 0,
-                     expert_offset=moe.local_expert_indices[0] if moe is not None else 0)
+                     expert_offset=moe.local_expert_indices[0] if moe is not None else 0,
+                     linear_layers=tuple(layer.layer_number - 1 for layer in layers
+                                         if isinstance(getattr(layer, "self_attention", None), _linear_attention_class())))
+
+
+def _linear_attention_class() -> type:
+    from megatron_pack.model.linear_attention import PackedGatedDeltaNet
+
+    return PackedGatedDeltaNet
 
 
 def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp_rank: int, tp_size: int,
@@ -241,7 +249,9 @@ def stored_name(name: str) -> str:
 def _whole_model_names(hf: dict, dims: Dims, tied: bool, source: SafetensorsFolder) -> set[str]:
     """Every HF tensor some chunk of the model reads (a stage's folder check is the whole model's): the
     rules' names, and a vision tower's tensors (the first stage's, whichever stage this is)."""
-    whole = Placement(derive_model_keys(hf)["num_layers"], num_experts=dims.num_experts)
+    keys = derive_model_keys(hf)
+    whole = Placement(keys["num_layers"], num_experts=dims.num_experts,
+                      linear_layers=linear_layers(keys["num_layers"], keys["full_attention_interval"]))
     names = {stored_name(n) for _, _, names in rules_for(hf["model_type"], tied=tied, placement=whole) for n in names}
     tower = family_of(hf["model_type"]).vision
     if tower is not None:

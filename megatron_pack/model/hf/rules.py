@@ -39,6 +39,17 @@ _LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
 """megatron-core names outside the layers that only the last pipeline stage holds."""
 
 
+def linear_layers(num_layers: int, full_attention_interval: Optional[int]) -> tuple[int, ...]:
+    """The linear-attention layers (from 0) of ``num_layers`` with every N-th full attention (None: none).
+
+    >>> linear_layers(8, 4), linear_layers(8, None)
+    ((0, 1, 2, 4, 5, 6), ())
+    """
+    if full_attention_interval is None:
+        return ()
+    return tuple(i for i in range(num_layers) if (i + 1) % full_attention_interval)
+
+
 @dataclass(frozen=True)
 class Placement:
     """The part of the model one chunk holds, and where it sits in Hugging Face's global numbering.
@@ -60,11 +71,21 @@ class Placement:
     """Experts of every MoE layer the chunk holds (0: a dense model)."""
     expert_offset: int = 0
     """Global index of the chunk's first expert (its local expert 0)."""
+    linear_layers: tuple[int, ...] = ()
+    """Global indices of the linear-attention layers of a hybrid stack (Qwen3.5): a rule with ``layer_type``
+    'linear_attention' binds to these layers only, one with 'full_attention' to the others."""
 
     @classmethod
     def whole(cls, model_cfg) -> "Placement":
         """The whole model of ``model.*`` (every layer, and every expert of a MoE model)."""
-        return cls(model_cfg.num_layers, num_experts=getattr(model_cfg, "num_experts", None) or 0)
+        return cls(model_cfg.num_layers, num_experts=getattr(model_cfg, "num_experts", None) or 0,
+                   linear_layers=linear_layers(model_cfg.num_layers, getattr(model_cfg, "full_attention_interval", None)))
+
+    def layer_holds(self, rule: Rule, layer: int) -> bool:
+        """Whether local ``layer`` of the chunk has ``rule``'s tensor (its layer type's)."""
+        if rule.layer_type is None:
+            return True
+        return (layer + self.layer_offset in self.linear_layers) == (rule.layer_type == "linear_attention")
 
     def with_experts(self, dims: Dims, ep_rank: int) -> "Placement":
         """This chunk on expert-parallel rank ``ep_rank``: experts [r * E / EP, (r + 1) * E / EP) of each layer."""
@@ -107,6 +128,8 @@ def rules_for(model_type: str, *, tied: bool, num_layers: Optional[int] = None,
             raise ValueError(f"rule {rule.mcore} of {model_type} is per expert, but the placement holds no experts; "
                              "give Placement.with_experts(dims, ep_rank).")
         for layer in (range(placement.num_layers) if rule.per_layer else [None]):
+            if layer is not None and not placement.layer_holds(rule, layer):
+                continue
             for expert in (range(placement.num_experts) if rule.per_expert else [None]):
                 mcore, hf = rule.names(layer, expert, layer_offset=placement.layer_offset,
                                        expert_offset=placement.expert_offset)

@@ -67,6 +67,16 @@ class Dims:
     """One expert's FFN size (``model.moe_ffn_hidden_size``)."""
     shared_ffn: Optional[int] = None
     """A shared expert's FFN size (``model.moe_shared_expert_ffn_hidden_size``)."""
+    linear_qk: Optional[int] = None
+    """A linear-attention layer's query (= key) width: key heads x key head dim (Qwen3.5's Gated DeltaNet)."""
+    linear_v: Optional[int] = None
+    """Its value width: value heads x value head dim."""
+    linear_heads: Optional[int] = None
+    """Its value heads."""
+    linear_dv: Optional[int] = None
+    """Its value head dim."""
+    conv_width: Optional[int] = None
+    """Its conv1d width."""
 
     def __post_init__(self):
         if self.num_experts % self.ep:
@@ -99,6 +109,9 @@ class Dims:
                  "q": self.num_heads * self.head_dim, "kv": self.num_groups * self.head_dim,
                  "experts": self.num_experts or None, "expert_ffn": self.expert_ffn, "shared_ffn": self.shared_ffn, "one": 1,
                  "heads": self.num_heads}
+        if self.linear_qk is not None:
+            sizes.update({"lin_conv": 2 * self.linear_qk + self.linear_v, "lin_v": self.linear_v,
+                          "lin_heads": self.linear_heads, "lin_dv": self.linear_dv, "conv_width": self.conv_width})
         if sizes.get(name) is None:
             raise ValueError(f"Dims has no size {name!r} (set {name} for the shapes config.json implies).")
         return sizes[name]
@@ -113,7 +126,17 @@ class Dims:
                    vocab=model.vocab_size, tp=tp, hidden=model.hidden_size, ep=ep, etp=etp,
                    num_experts=getattr(model, "num_experts", None) or 0,
                    expert_ffn=getattr(model, "moe_ffn_hidden_size", None),
-                   shared_ffn=getattr(model, "moe_shared_expert_ffn_hidden_size", None))
+                   shared_ffn=getattr(model, "moe_shared_expert_ffn_hidden_size", None), **_linear_dims(model))
+
+
+def _linear_dims(model) -> dict:
+    """The linear-attention sizes of a hybrid ``model.*`` (``model.full_attention_interval``); {} otherwise."""
+    if getattr(model, "full_attention_interval", None) is None:
+        return {}
+    return {"linear_qk": model.linear_num_key_heads * model.linear_key_head_dim,
+            "linear_v": model.linear_num_value_heads * model.linear_value_head_dim,
+            "linear_heads": model.linear_num_value_heads, "linear_dv": model.linear_value_head_dim,
+            "conv_width": model.linear_conv_kernel_dim}
 
 
 def _part(rank: int, per_rank: int) -> slice:
@@ -321,6 +344,108 @@ class GatedMLP(Transform):
     def export(self, shards, dims):
         halves = [s.chunk(2, dim=0) for s in shards]
         return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
+
+
+@register_transform
+class GatedQKV(Transform):
+    """q (with its output gate), k, v -> linear_qkv with megatron-core's ``attention_output_gate`` layout, per query
+    group g: [q heads of g; their gates; k head g; v head g]. HF's q_proj holds each head's query then its gate
+    (Qwen3.5: [h0 query; h0 gate; h1 query; ...]).
+
+    nq=4, ng=2, d=16 over 2 ranks, rank 1: q_proj rows 64-127 (heads 2, 3 with their gates), k rows 16-31, v rows
+    16-31 -> [q2, q3, gate2, gate3, k1, v1] = [96, H].
+    """
+
+    name, split_dim = "qkv_gated", 0
+
+    def hf_shapes(self, shape, num_parts, dims):
+        head, tail = shape[0], tuple(shape[1:])
+        return [(2 * dims.num_heads * head,) + tail, (dims.num_groups * head,) + tail, (dims.num_groups * head,) + tail]
+
+    def shard_shape(self, hf_shapes, dims):
+        return (sum(s[0] for s in hf_shapes) // dims.tp,) + tuple(hf_shapes[0][1:])
+
+    def load(self, names, reader, dims, rank):
+        groups, per_group, d = dims.num_groups // dims.tp, dims.num_heads // dims.num_groups, dims.head_dim
+        q_gate = reader.read(names[0], _part(rank, groups * per_group * 2 * d))
+        tail = tuple(q_gate.shape[1:])
+        q, gate = q_gate.reshape((groups, per_group, 2, d) + tail).unbind(2)
+        k = reader.read(names[1], _part(rank, groups * d)).reshape((groups, d) + tail)
+        v = reader.read(names[2], _part(rank, groups * d)).reshape((groups, d) + tail)
+        fused = _cat([q.reshape((groups, per_group * d) + tail), gate.reshape((groups, per_group * d) + tail), k, v],
+                     dim=1)
+        return fused.reshape((groups * (2 * per_group + 2) * d,) + tail)
+
+    def export(self, shards, dims):
+        import torch
+
+        per_group, d = dims.num_heads // dims.num_groups, dims.head_dim
+        qs, ks, vs = [], [], []
+        for shard in shards:
+            tail = tuple(shard.shape[1:])
+            q, gate, k, v = shard.reshape((-1, (2 * per_group + 2) * d) + tail).split(
+                [per_group * d, per_group * d, d, d], dim=1)
+            pairs = torch.stack([q.reshape((-1, per_group, d) + tail), gate.reshape((-1, per_group, d) + tail)], 2)
+            qs.append(pairs.reshape((-1,) + tail))
+            ks.append(k.reshape((-1,) + tail))
+            vs.append(v.reshape((-1,) + tail))
+        return [_cat(qs), _cat(ks), _cat(vs)]
+
+
+@register_transform
+class LinearAttentionColumns(Transform):
+    """A Gated DeltaNet's per-head tensors, split by heads over ranks as ``PackedGatedDeltaNet`` holds them: each
+    HF tensor's rows split over the ranks, the [q; k; v] one (rows 2 * qk + v: ``in_proj_qkv``, ``conv1d``) section
+    by section; rank r's shard is its parts in order.
+
+    Qwen3.5, qk=16 (2 key heads of 8), v=32 (4 value heads of 8), hidden 32, over 2 ranks: in_proj_qkv [64, 32],
+    in_proj_z [32, 32], in_proj_b, in_proj_a [4, 32] -> rank 1's in_proj = [q 8-15; k 8-15; v 16-31; z 16-31;
+    b 2-3; a 2-3] = [44, 32]; conv1d [64, 1, 4] -> [q 8-15; k 8-15; v 16-31] = [32, 1, 4]; dt_bias [4] -> [2, 3].
+    """
+
+    name, split_dim = "gdn_columns", 0
+
+    def hf_shapes(self, shape, num_parts, dims):
+        if num_parts == 1:
+            return [tuple(shape)]
+        rows = [dims.size("lin_conv"), dims.linear_v, dims.linear_heads, dims.linear_heads][:num_parts]
+        return [(r,) + tuple(shape[1:]) for r in rows]
+
+    def shard_shape(self, hf_shapes, dims):
+        return (sum(s[0] for s in hf_shapes) // dims.tp,) + tuple(hf_shapes[0][1:])
+
+    @staticmethod
+    def _sections(rows: int, dims: Dims) -> list[int]:
+        """The sections of an HF tensor of ``rows`` rows that split over ranks separately."""
+        if dims.linear_qk is not None and rows == 2 * dims.linear_qk + dims.linear_v:
+            return [dims.linear_qk, dims.linear_qk, dims.linear_v]
+        return [rows]
+
+    def load(self, names, reader, dims, rank):
+        parts = []
+        for name in names:
+            start = 0
+            for size in self._sections(reader.shape(name)[0], dims):
+                per_rank = size // dims.tp
+                parts.append(reader.read(name, slice(start + rank * per_rank, start + (rank + 1) * per_rank)))
+                start += size
+        return _cat(parts)
+
+    def export(self, shards, dims):
+        if dims.linear_qk is None:
+            raise ValueError("gdn_columns needs the linear-attention sizes (Dims.from_model_config of a hybrid model).")
+        rows = shards[0].shape[0] * dims.tp
+        full = 2 * dims.linear_qk + dims.linear_v
+        sizes = ([full, dims.linear_v, dims.linear_heads, dims.linear_heads] if rows > full else [rows])
+        sections = [s for size in sizes for s in self._sections(size, dims)]
+        per_rank = [s.split([size // dims.tp for size in sections]) for s in shards]
+        joined = [_cat([pieces[j] for pieces in per_rank]) for j in range(len(sections))]
+        out, j = [], 0
+        for size in sizes:
+            count = len(self._sections(size, dims))
+            out.append(_cat(joined[j:j + count]))
+            j += count
+        return out
 
 
 @register_transform

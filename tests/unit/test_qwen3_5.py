@@ -1,0 +1,238 @@
+"""Qwen3.5 text (dense) in and out: a tiny random Qwen3_5ForCausalLM through our packed THD model, proved against
+transformers.
+
+The folder (4 layers in Qwen3.5's pattern: three Gated DeltaNet linear-attention layers, then one gated full
+attention; q_proj doubled for the output gate, QK norms, partial RoPE 0.25, norms that scale by 1 + weight drawn away
+from 0, the Gated DeltaNet's output norm plain) is transformers' own model. A pack of a 47-, a 9- and a 30-token
+sample must give each sample's logits as transformers gives them for the sample alone (float32); a 5-token sample
+packed after a 150-token one must give its logits alone exactly (STYLE 24: the recurrent state and the conv1d tail
+restart at the boundary); each Qwen3.5 feature is checked to change transformers' logits (the comparison would see
+it dropped); the export gives the folder back bit for bit at TP=1 and TP=2, and transformers loads it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _dist import spawn_world
+
+VOCAB = 301
+LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def _config(**extra):
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**{**dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0), **extra})
+
+
+def _folder(root) -> str:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    from _hf import save_tokenizer
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(_config())
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms drawn so a dropped or mis-centred one would show; decays not at their init
+        for name, param in model.named_parameters():
+            noise = 0.3 * torch.randn(param.shape, generator=gen)
+            if name.endswith("linear_attn.norm.weight"):  # plain RMSNorm weight (scale w)
+                param.copy_(1.0 + noise)
+            elif "norm" in name:  # Qwen3_5RMSNorm: scale 1 + w
+                param.copy_(noise)
+            elif name.endswith(("dt_bias", "A_log")):
+                param.add_(noise)
+    path = root / "qwen3_5"
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return _folder(tmp_path_factory.mktemp("qwen3_5"))
+
+
+def _samples(lengths=(47, 9, 30), seed=4) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() + [2] for n in lengths]
+
+
+def _packed_logits(model, batch) -> torch.Tensor:
+    from megatron_pack.training.step import get_packed_seq_params
+
+    with torch.no_grad():
+        return model(batch["tokens"], batch["position_ids"], None,
+                     packed_seq_params=get_packed_seq_params(batch))[0, :, :VOCAB]
+
+
+@pytest.fixture
+def world_of_one_model(folder):
+    """build(overrides) -> our model of ``folder`` in a world of one (groups torn down after the test)."""
+    from megatron_pack.config import load_config
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    def build(*overrides):
+        cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu",
+                           *overrides])
+        destroy_parallel()
+        return build_model(cfg, initialize_parallel(cfg))
+
+    yield build
+    destroy_parallel(destroy_process_group=True)
+
+
+def test_packed_logits_equal_transformers_per_sample(folder, world_of_one_model):
+    """World of one: each sample's logits in the pack equal transformers' of the sample alone (1e-5, float32)."""
+    from _hf import hf_logits
+
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.linear_attention import PackedGatedDeltaNet
+
+    model = world_of_one_model()
+    kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+    assert kinds == ["PackedGatedDeltaNet"] * 3 + ["SelfAttention"]
+    assert sum(isinstance(m, PackedGatedDeltaNet) for m in model.modules()) == 3
+    samples = _samples()
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in samples], pack_size=128,
+                        pad_multiple=4)
+    logits = _packed_logits(model, batch)
+    cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    refs = hf_logits(folder, [ids[:-1] for ids in samples])
+    assert len(refs) == 3 and cu_pad[1] > 0
+    for s, ref in enumerate(refs):
+        torch.testing.assert_close(logits[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s]], ref, atol=1e-5, rtol=1e-5,
+                                   msg=f"sample {s}")
+
+
+def test_sample_after_a_long_one_gives_its_logits_alone(world_of_one_model):
+    """STYLE 24 on the whole model: a 5-token sample packed after a 150-token one, exactly as alone."""
+    from megatron_pack.data.batches.thd import collate_thd
+
+    model = world_of_one_model()
+    long, short = _samples((150, 5), seed=7)
+    # both packs of one size (the same GEMM shapes): the short sample's rows may then not differ by a bit
+    pack = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in (long, short)], pack_size=160,
+                       pad_multiple=8, pad_to_max_length=True)
+    alone = collate_thd([{"input_ids": short, "loss_mask": [1] * len(short)}], pack_size=160, pad_multiple=8,
+                        pad_to_max_length=True)
+    start = int(pack["cu_seqlens_padded"][1])
+    packed, single = _packed_logits(model, pack)[start:start + 5], _packed_logits(model, alone)[:5]
+    torch.testing.assert_close(packed, single, atol=0, rtol=0)
+    joined = collate_thd([{"input_ids": long[:-1] + short, "loss_mask": [1] * (len(long) - 1 + len(short))}],
+                         pack_size=160)
+    as_one = _packed_logits(model, joined)[150:155]  # guard: without the boundary the short sample's logits differ
+    assert float((as_one - single).abs().max()) > 1e-3
+
+
+FEATURES = {  # id: transformers config change that removes one Qwen3.5 feature (its logits must then change)
+    "partial_rotary": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 1.0}),
+    "hybrid_pattern": dict(layer_types=["linear_attention"] * 2 + ["full_attention"] * 2),
+}
+
+
+@pytest.mark.parametrize("change", FEATURES.values(), ids=FEATURES.keys())
+def test_each_qwen3_5_feature_changes_transformers_logits(folder, change):
+    """Guard: the comparison above would fail if our model ignored any one of these (the norms' centring and the
+    output gate are exercised by the drawn weights: a dropped one changes every logit)."""
+    import transformers as T
+
+    ids = torch.tensor([_samples()[0][:-1]])
+    with torch.no_grad():
+        ref = T.AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        other = T.AutoModelForCausalLM.from_pretrained(folder, config=_config(**change)).eval()(ids).logits
+    assert float((ref - other).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_export_gives_back_the_folder_bit_for_bit(folder, tmp_path, tp):
+    """Every tensor of the folder through our layout (TP shards) and back, bit for bit; transformers loads it."""
+    import transformers as T
+    from safetensors.torch import load_file
+
+    from megatron_pack.config import load_config
+    from megatron_pack.model.hf.export import export_folder, shards_from_pretrained
+
+    cfg = load_config([f"model.pretrained={folder}", "train.device=cpu"])
+    shards = shards_from_pretrained(folder, cfg.model, tp=tp)
+    assert any(k.endswith("self_attention.in_proj.weight") for k in shards[0])
+    export_folder(output=tmp_path / "out", source=folder, model_cfg=cfg.model, shards=shards)
+    want = load_file(f"{folder}/model.safetensors")
+    got = {}
+    for path in (tmp_path / "out").glob("*.safetensors"):
+        got.update(load_file(path))
+    assert sorted(got) == sorted(want) and len(got) > 40
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["layer_types"] == LAYER_TYPES
+    T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+HUB_TEXT = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "head_dim": 256, "vocab_size": 248320, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+            "layer_types": LAYER_TYPES * 2, "tie_word_embeddings": False, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+"""A Qwen3.5 text stack's config.json (the Hub folders' text_config, eight layers) as transformers 5 writes it."""
+
+
+@pytest.mark.parametrize("hf,expected", [
+    (HUB_TEXT, dict(full_attention_interval=4, rotary_percent=0.25, rotary_base=10000000, attention_output_gate=True,
+                    qk_layernorm=True, zero_centered_norm=True, linear_num_key_heads=16, linear_num_value_heads=32,
+                    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, kv_channels=256,
+                    untie_embeddings_and_output_weights=True)),
+    ({k: v for k, v in HUB_TEXT.items() if k != "layer_types"}, dict(full_attention_interval=4)),
+], ids=["text_config", "interval_without_layer_types"])
+def test_hub_config_becomes_model_keys(hf, expected):
+    from megatron_pack.config.hf_config import derive_model_keys, refusal
+
+    assert refusal(hf, "x") is None
+    keys = derive_model_keys(hf)
+    assert {k: keys[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(layer_types=["linear_attention", "full_attention", "full_attention"] + ["linear_attention"] * 5),
+     "not every N-th layer full_attention"),
+    (dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"]),
+     "model_type 'qwen3_5' is not supported; supported:"),
+    (dict(mtp_num_hidden_layers=1), "mtp_num_hidden_layers=1 (multi-token-prediction heads) is not supported"),
+    (dict(attention_bias=True), "attention_bias=true"),
+    (dict(layer_types=["sliding_attention"] * 8), "layer_types ['sliding_attention'] is not supported"),
+], ids=["irregular_pattern", "vlm", "mtp", "attention_bias", "sliding"])
+def test_what_qwen3_5_cannot_read_is_refused_in_one_line(change, fragment, tmp_path):
+    from megatron_pack.config.hf_config import UnsupportedModel, pretrained_model_keys
+
+    (tmp_path / "config.json").write_text(json.dumps({**HUB_TEXT, **change}))
+    with pytest.raises(UnsupportedModel) as info:
+        pretrained_model_keys(tmp_path)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["model.attention_backend=te"], "built on the torch backend only"),
+    (["peft.method=lora"], "peft.method ('lora') with model.full_attention_interval"),
+    (["parallel.pipeline_model_parallel_size=2"], "not proved across pipeline stages"),
+    (["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"],
+     "model.linear_num_key_heads (2) must be divisible"),
+], ids=["te_backend", "lora", "pipeline", "heads_over_tp_cp"])
+def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, overrides, fragment):
+    from megatron_pack.config import load_config
+    from megatron_pack.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config([f"model.pretrained={folder}", "train.device=cpu", *overrides])
+    assert fragment in str(info.value)
