@@ -4,7 +4,8 @@ transformers.
 The folder (4 layers in Qwen3.5's pattern: three Gated DeltaNet linear-attention layers, then one gated full
 attention; q_proj doubled for the output gate, QK norms, partial RoPE 0.25, norms that scale by 1 + weight drawn away
 from 0, the Gated DeltaNet's output norm plain) is transformers' own model. A pack of a 47-, a 9- and a 30-token
-sample must give each sample's logits as transformers gives them for the sample alone (float32); a 5-token sample
+sample must give each sample's logits as transformers gives them for the sample alone (float32), in a world of one
+and in a 2-rank world at CP=2, TP=2 and TP=2 with sequence parallelism; a 5-token sample
 packed after a 150-token one must give its logits alone exactly (STYLE 24: the recurrent state and the conv1d tail
 restart at the boundary); each Qwen3.5 feature is checked to change transformers' logits (the comparison would see
 it dropped); the export gives the folder back bit for bit at TP=1 and TP=2, and transformers loads it.
@@ -133,6 +134,54 @@ def test_sample_after_a_long_one_gives_its_logits_alone(world_of_one_model):
                          pack_size=160)
     as_one = _packed_logits(model, joined)[150:155]  # guard: without the boundary the short sample's logits differ
     assert float((as_one - single).abs().max()) > 1e-3
+
+
+LAYOUTS = {  # id: the parallel layout of a 2-rank world
+    "cp2": ["parallel.context_parallel_size=2"],
+    "tp2": ["parallel.tensor_model_parallel_size=2"],
+    "tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+}
+
+
+def _layout_worker(rank: int, world_size: int, folder: str) -> dict:
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import destroy_parallel, gather_full_logits, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()]
+    batch = collate_thd(samples, pack_size=128, pad_multiple=4)
+    cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    out = {}
+    for name, layout in LAYOUTS.items():
+        cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", *layout])
+        pg = initialize_parallel(cfg)
+        model = build_model(cfg, pg)
+        local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
+        with torch.no_grad():
+            logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
+        full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0, :, :VOCAB]
+        for s in range(len(cu) - 1):
+            out[f"{name}_{s}"] = full[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s]].numpy()
+        destroy_parallel()
+    return out
+
+
+def test_packed_logits_equal_transformers_per_sample_at_cp2_and_tp2(folder, tmp_path):
+    """One 2-rank gloo world: at CP=2 (the linear layers trade the sequence split for a head split), TP=2 and TP=2 with
+    sequence parallelism, every rank's gathered logits of each sample equal transformers' of the sample alone."""
+    from _hf import hf_logits
+
+    results = spawn_world(_layout_worker, 2, tmp_path, folder, timeout_s=300)
+    refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
+    assert len(results) == 2 and len(refs) == 3
+    for rank, res in enumerate(results):
+        for layout in LAYOUTS:
+            for s, ref in enumerate(refs):
+                torch.testing.assert_close(torch.as_tensor(res[f"{layout}_{s}"]), ref, atol=1e-5, rtol=1e-5,
+                                           msg=f"rank {rank} {layout} sample {s}")
 
 
 FEATURES = {  # id: transformers config change that removes one Qwen3.5 feature (its logits must then change)
