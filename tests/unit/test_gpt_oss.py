@@ -280,3 +280,44 @@ def test_what_the_layout_cannot_do_with_gpt_oss_is_refused_before_launch(folder,
     with pytest.raises(ConfigError) as info:  # load_config runs the rules it can; validate the world-size ones
         validate(load_config([f"model.pretrained={folder}", "train.device=cpu", *overrides]), world_size=2)
     assert any(fragment in line for line in str(info.value).splitlines())
+
+
+def test_lora_on_attention_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path):
+    """LoRA on linear_qkv and linear_proj (4 layers x 2 adapters), B drawn away from 0 so the adapters act: the peft
+    folder export writes, on transformers' GptOssForCausalLM, gives each sample our packed logits."""
+    import transformers as T
+    from peft import PeftModel
+
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.peft.export import export_adapter
+    from megatron_pack.model.peft.lora import adapter_state
+    from megatron_pack.model.peft.meta import peft_meta
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()], pack_size=128)
+    cu = batch["cu_seqlens"].tolist()
+    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu",
+                       "peft.method=lora", "peft.target_modules=[linear_qkv,linear_proj]", "peft.dropout=0"])
+    try:
+        model = build_model(cfg, initialize_parallel(cfg))
+        with torch.no_grad():
+            for name, param in adapter_state(model).items():
+                if "linear_out" in name:
+                    param.copy_(0.05 * torch.randn(param.shape))
+            logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    assert model.num_adapters == 4 * 2
+    export_adapter(output=tmp_path / "adapter", shards=[{k: v.detach() for k, v in adapter_state(model).items()}],
+                   peft=peft_meta(cfg), source=folder, model_cfg=cfg.model)
+    base = T.AutoModelForCausalLM.from_pretrained(folder).eval()
+    refs_base = [base(torch.tensor([ids[:-1]])).logits[0].detach() for ids in _samples()]
+    tuned = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        for s, ids in enumerate(_samples()):
+            ref = tuned(torch.tensor([ids[:-1]])).logits[0]
+            assert float((ref - refs_base[s]).abs().max()) > 1e-3  # guard: the adapters act
+            torch.testing.assert_close(logits[0, cu[s]:cu[s + 1], :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")

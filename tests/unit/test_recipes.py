@@ -15,6 +15,7 @@ import pytest
 
 from megatron_pack.config import load_config
 from megatron_pack.config.loader import config_dir
+from test_gpt_oss import HUB_20B  # the Hub config.json: one home, tests/unit/test_gpt_oss.py
 
 # config.json of the Hugging Face folders the pretrained recipes name (architecture keys only: what
 # load_config reads from model.pretrained); the published configs of these models.
@@ -58,7 +59,8 @@ _GEMMA3_12B_TEXT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma
 """Gemma 3 12B's text_config (google/gemma-3-12b-it) as its language model alone (Gemma3ForCausalLM)."""
 PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B,
               "models/Llama-3.3-70B-Instruct": _LLAMA33_70B, "models/Qwen3-30B-A3B": _QWEN3_30B_A3B,
-              "models/Qwen2.5-VL-7B-Instruct": _QWEN25_VL_7B, "models/gemma-3-12b-it-text": _GEMMA3_12B_TEXT}
+              "models/Qwen2.5-VL-7B-Instruct": _QWEN25_VL_7B, "models/gemma-3-12b-it-text": _GEMMA3_12B_TEXT,
+              "models/gpt-oss-20b-bf16": HUB_20B}
 
 RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
 
@@ -147,6 +149,32 @@ def test_qwen3_moe_recipe_is_expert_parallel():
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_router_pre_softmax) == (128, 8, 768, False)
     assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.context_parallel_size) == (16, 1, 2)
     assert p.tensor_model_parallel_size == 2 and p.sequence_parallel
+
+
+def test_gpt_oss_20b_recipe_fits_its_memory_estimate_and_a_transformer_engine_host(tmp_path):
+    """gpt-oss-20b at its world size: the header states what train --check estimates (with and without the
+    distributed optimizer; under 80 GB), and the layout passes the Transformer Engine rules (windows and sinks under
+    CP need cp_comm_type=a2a, biased experts expert TP 1)."""
+    from megatron_pack.config.host import Host
+    from megatron_pack.config.validate import validate
+    from megatron_pack.training.memory_estimate import estimate_memory
+
+    path = config_dir() / "experiment" / "gpt_oss_20b_sft.yaml"
+    args = ["experiment=gpt_oss_20b_sft", "data.input=train.jsonl", *_pretrained_folder(path, tmp_path)]
+    cfg = load_config(args, world_size=8)
+    plain = load_config([*args, "ddp.use_distributed_optimizer=false"], world_size=8)
+    validate(cfg, world_size=8, host=Host(gpu=True, transformer_engine=True, transformer_engine_version="2.9.0"))
+    header = " ".join(line.lstrip("# ") for line in path.read_text().splitlines())
+    est, alone = estimate_memory(cfg, 8), estimate_memory(plain, 8)
+    gib = lambda v: f"{v / 2 ** 30:.2f}"  # noqa: E731
+    assert (f"params {gib(est.params)}, grads {gib(est.grads)}, optimizer {gib(est.optimizer)}, activations "
+            f"{gib(est.activations)} (8k tokens, selective recompute), total {gib(est.total)} GiB") in header
+    assert f"optimizer is {gib(alone.optimizer)} and the total {gib(alone.total)} GiB" in header
+    assert est.total < 80e9
+    m, p = cfg.model, cfg.parallel
+    assert (m.num_experts, m.moe_router_topk, m.window_size, m.softmax_type, m.rope_scaling) == (
+        32, 4, [127, 0], "learnable", "yarn")
+    assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.cp_comm_type) == (8, 1, "a2a")
 
 
 def test_qwen2_5_vl_recipe_counts_the_vision_tower(tmp_path):
