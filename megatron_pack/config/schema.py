@@ -106,7 +106,7 @@ class ModelConfig(_Group):
     normalization: str = "RMSNorm"
     """'RMSNorm' or 'LayerNorm'."""
     activation: str = "swiglu"
-    """'swiglu' or 'gelu'."""
+    """'swiglu', 'gelu', 'geglu' or 'quick_geglu' (config/choices.py ACTIVATIONS)."""
     rotary_base: int = 10000
     """RoPE base frequency."""
     untie_embeddings_and_output_weights: bool = True
