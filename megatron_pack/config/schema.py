@@ -951,7 +951,8 @@ class PeftConfig(_Group):
     dropout: float = 0.0
     """Dropout on the adapter's input (peft's ``lora_dropout``)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """megatron-core linears that get an adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    """megatron-core linears that get an adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2; also in_proj,
+    out_proj (a hybrid model's linear-attention projections, model.full_attention_interval)."""
 
     def field_problems(self) -> list[str]:
         problems = _choice(self.GROUP, self, "method")
@@ -960,7 +961,7 @@ class PeftConfig(_Group):
             problems.append(f"peft.alpha ({self.alpha}) must be > 0; set peft.alpha={self.dim} (scale 1).")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"peft.dropout ({self.dropout}) must be in [0, 1); set peft.dropout=0.0.")
-        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS + LINEAR_ATTENTION_TARGETS]
         if unknown or not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
             problems.append(f"peft.target_modules ({list(self.target_modules)}) must be distinct names from "
                             f"{list(LORA_TARGETS)} (megatron-core names; q/k/v are the fused linear_qkv, gate/up "
@@ -970,6 +971,8 @@ class PeftConfig(_Group):
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The megatron-core linears LoRA can adapt (column-parallel: linear_qkv, linear_fc1; row-parallel: the others)."""
+LINEAR_ATTENTION_TARGETS = ("in_proj", "out_proj")
+"""... and a linear-attention layer's (Gated DeltaNet: in_proj column-parallel, out_proj row-parallel); not default."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

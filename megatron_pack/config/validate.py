@@ -577,9 +577,6 @@ def _validate_linear_attention(cfg: Config) -> list[str]:
         return ["model.attention_backend ('te') with model.full_attention_interval: the linear-attention (hybrid) "
                 "stack is built on the torch backend only (auto picks it); set model.attention_backend=torch."]
     problems = []
-    if cfg.peft.method != "none":
-        problems.append(f"peft.method ({cfg.peft.method!r}) with model.full_attention_interval: adapters on the "
-                        "linear-attention (hybrid) stack are not supported yet; set peft.method=none.")
     if par.pipeline_model_parallel_size > 1:
         problems.append(f"parallel.pipeline_model_parallel_size ({par.pipeline_model_parallel_size}) with "
                         "model.full_attention_interval: the hybrid stack is not proved across pipeline stages yet; "

@@ -98,7 +98,8 @@ def expert_targets(model_type: str, targets, placement: Placement) -> list[tuple
 def hf_module_names(model_type: str, targets) -> list[str]:
     """peft's ``target_modules`` for our megatron-core targets: linear_qkv -> q_proj, k_proj, v_proj, ..."""
     names = []
-    for _, _, hf in adapter_targets(model_type, targets, placement=Placement(1, num_experts=1)):
+    # two layers, one of each kind of a hybrid stack (a rule with a layer_type binds to one of them)
+    for _, _, hf in adapter_targets(model_type, targets, placement=Placement(2, num_experts=1, linear_layers=(0,))):
         names += [h.rsplit(".", 1)[-1] for h in hf]
     return list(dict.fromkeys(names))
 

@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
-ROW_PARALLEL = ("linear_proj", "linear_fc2")
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "in_proj")  # in_proj / out_proj: a Gated DeltaNet layer's
+ROW_PARALLEL = ("linear_proj", "linear_fc2", "out_proj")
 
 
 class LoRAAdapter(nn.Module):
