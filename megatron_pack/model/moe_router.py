@@ -109,6 +109,25 @@ class PackedTopKRouter(TopKRouter):
         return probs
 
 
+def expert_output_linear_class() -> type:
+    """megatron-core's ``RowParallelLinear`` for an expert's ``linear_fc2`` whose output is its own tensor.
+
+    A biased expert (gpt-oss) adds its bias in place to that output (megatron-core's ``MLP.forward``:
+    ``output += output_bias * probs``). Where the expert's linear has no expert communication (EP 1 and expert TP 1)
+    megatron-core's TP reduce hands its input back as its output, a view autograd forbids changing in place; the
+    copy is made only then (biased, training)."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class ExpertOutputLinear(RowParallelLinear):
+        def forward(self, input_):
+            output, bias = super().forward(input_)
+            if bias is not None and torch.is_grad_enabled() and not self.explicit_expert_comm:
+                output = output.clone()
+            return output, bias
+
+    return ExpertOutputLinear
+
+
 def moe_mlp_spec():
     """megatron-core's ``MoELayer`` spec with local linears (``SequentialMLP`` experts, a ``SharedExpertMLP``
     when ``moe_shared_expert_intermediate_size`` is set) and our router."""
@@ -121,6 +140,7 @@ def moe_mlp_spec():
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    experts = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=expert_output_linear_class())
     return ModuleSpec(module=PackedMoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+        experts=ModuleSpec(module=SequentialMLP, submodules=experts),
         shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears), router=PackedTopKRouter))

@@ -321,3 +321,47 @@ def test_lora_on_attention_exports_to_peft_and_transformers_gives_our_logits(fol
             ref = tuned(torch.tensor([ids[:-1]])).logits[0]
             assert float((ref - refs_base[s]).abs().max()) > 1e-3  # guard: the adapters act
             torch.testing.assert_close(logits[0, cu[s]:cu[s + 1], :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+
+
+GRADS = {  # our parameter: transformers' (its gradient under the summed token loss of every sample must match)
+    "decoder.layers.0.self_attention.core_attention.softmax_offset": "model.layers.0.self_attn.sinks",
+    "decoder.layers.2.self_attention.linear_proj.bias": "model.layers.2.self_attn.o_proj.bias",
+    "decoder.layers.1.mlp.router.bias": "model.layers.1.mlp.router.bias",
+    "decoder.layers.3.mlp.experts.local_experts.2.linear_fc2.bias": "model.layers.3.mlp.experts.down_proj_bias[2]",
+}
+
+
+def test_gradients_of_sinks_and_biases_equal_transformers(folder):
+    """A training step's backward at world 1 (EP 1: the biased experts' output is their own tensor, which
+    megatron-core then changes in place): the gradients of a sink, an o_proj bias, a router bias and an expert's
+    bias under the summed token loss equal transformers' summed over the samples run alone."""
+    import transformers as T
+
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()], pack_size=128)
+    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu"])
+    try:
+        model = build_model(cfg, initialize_parallel(cfg))
+        losses = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch),
+                       labels=batch["labels"])  # per-token loss [1, T]
+        (losses * batch["loss_mask"]).sum().backward()
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    ours = dict(model.named_parameters())
+    hf = T.AutoModelForCausalLM.from_pretrained(folder).train()
+    total = 0
+    for ids in _samples():
+        logits = hf(torch.tensor([ids[:-1]])).logits[0]
+        total = total + torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
+    total.backward()
+    for name, hf_name in GRADS.items():
+        base, _, expert = hf_name.partition("[")
+        want = hf.get_parameter(base).grad
+        want = want[int(expert[:-1])] if expert else want
+        assert float(want.abs().max()) > 1e-4, hf_name  # guard: the parameter matters
+        torch.testing.assert_close(ours[name].grad, want, atol=1e-5, rtol=1e-4, msg=name)
