@@ -338,3 +338,20 @@ def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, overr
     with pytest.raises(ConfigError) as info:
         load_config([f"model.pretrained={folder}", "train.device=cpu", *overrides])
     assert fragment in str(info.value)
+
+
+def test_recipe_builds_the_hybrid_stack_at_its_layout(tmp_path):
+    """configs/experiment/qwen3_5_text_sft.yaml at its world size (8) on a folder of transformers' default sizes:
+    the hybrid keys come from config.json and the Gated DeltaNet heads split over TP x CP."""
+    from megatron_pack.config import load_config
+
+    folder = tmp_path / "models/qwen3_5-text"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({**HUB_TEXT, "num_hidden_layers": 32,
+                                                    "layer_types": LAYER_TYPES * 8}))
+    cfg = load_config(["experiment=qwen3_5_text_sft", f"model.pretrained={folder}", "data.tokenizer=byte",
+                       "data.input=train.jsonl"], world_size=8)
+    m, par = cfg.model, cfg.parallel
+    assert (m.num_layers, m.full_attention_interval, m.rotary_percent, m.attention_output_gate) == (32, 4, 0.25, True)
+    assert (par.tensor_model_parallel_size, par.context_parallel_size, par.sequence_parallel) == (2, 2, True)
+    assert m.linear_num_key_heads % (par.tensor_model_parallel_size * par.context_parallel_size) == 0
