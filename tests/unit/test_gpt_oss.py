@@ -254,12 +254,12 @@ MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.sel
 
 
 @pytest.mark.parametrize("change,fragment", [
-    (dict(quantization_config=MXFP4), "dequantise it with transformers and save it in bf16"),
+    (dict(quantization_config={"quant_method": "bitsandbytes"}), "dequantise it with transformers and save it in bf16"),
     (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5"),
     (dict(attention_bias=False), "attention_bias=false"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' is not supported for gpt_oss"),
     (dict(layer_types=["full_attention", "sliding_attention"] * 12), "not every N-th layer full_attention"),
-], ids=["mxfp4", "alpha", "no_attention_bias", "dynamic_rope", "full_first"])
+], ids=["other_quantisation", "alpha", "no_attention_bias", "dynamic_rope", "full_first"])
 def test_what_gpt_oss_cannot_read_is_refused_in_one_line(change, fragment, tmp_path):
     from megatron_pack.config.hf_config import UnsupportedModel, pretrained_model_keys
 
@@ -365,3 +365,75 @@ def test_gradients_of_sinks_and_biases_equal_transformers(folder):
         want = want[int(expert[:-1])] if expert else want
         assert float(want.abs().max()) > 1e-4, hf_name  # guard: the parameter matters
         torch.testing.assert_close(ours[name].grad, want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _mxfp4_folder(root) -> str:
+    """A tiny gpt-oss folder as the Hub's are: its experts' gate_up_proj / down_proj stored MXFP4 (random FP4 codes,
+    scales 2^-8..2^-4), everything else float32; FFN 64 (MXFP4 packs 32 values a block)."""
+    import transformers as T
+    from safetensors.torch import load_file, save_file
+
+    from _hf import save_tokenizer
+
+    torch.manual_seed(0)
+    path = root / "gpt_oss_mxfp4"
+    T.GptOssForCausalLM(_config(intermediate_size=64)).save_pretrained(path)
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, value in load_file(path / "model.safetensors").items():
+        if name.endswith(("gate_up_proj", "down_proj")):
+            experts, rows, cols = value.shape  # x @ W: [E, in, out]; MXFP4 stores [E, out, in / 32, 16]
+            tensors[name + "_blocks"] = torch.randint(0, 256, (experts, cols, rows // 32, 16), generator=gen,
+                                                      dtype=torch.uint8)
+            tensors[name + "_scales"] = torch.randint(119, 124, (experts, cols, rows // 32), generator=gen,
+                                                      dtype=torch.uint8)
+        else:
+            tensors[name] = (1.0 if name.endswith(("sinks", "router.weight", "router.bias", "norm.weight")) else
+                             0.3 if "bias" in name else 0.1) * torch.randn(value.shape, generator=gen)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = MXFP4
+    (path / "config.json").write_text(json.dumps(config))
+    save_tokenizer(path)
+    return str(path)
+
+
+def test_an_mxfp4_folder_loads_dequantised_as_transformers_does_and_exports_plain(tmp_path):
+    """The Hub's layout: our packed logits of each sample equal transformers' of the folder loaded with
+    Mxfp4Config(dequantize=True) (1e-5); the folder check passes it; export writes plain tensors and a config.json
+    without quantization_config, which transformers loads to the same logits."""
+    import transformers as T
+
+    from megatron_pack.config import load_config
+    from megatron_pack.model.hf.export import export_folder, shards_from_pretrained
+    from megatron_pack.model.hf.folder_check import folder_problems
+
+    folder = _mxfp4_folder(tmp_path)
+    assert folder_problems(folder) == []
+    ref_model = T.AutoModelForCausalLM.from_pretrained(folder, quantization_config=T.Mxfp4Config(dequantize=True),
+                                                       dtype=torch.float32).eval()
+    with torch.no_grad():
+        refs = [ref_model(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()]
+    assert float(ref_model.model.layers[0].mlp.experts.gate_up_proj.abs().max()) > 0  # guard: experts are read
+    for s, (got, ref) in enumerate(zip(_packed_logits(folder), refs)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+    cfg = load_config([f"model.pretrained={folder}", "train.device=cpu"])
+    export_folder(output=tmp_path / "out", source=folder, model_cfg=cfg.model,
+                  shards=shards_from_pretrained(folder, cfg.model, tp=1))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    plain = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(torch.tensor([_samples()[1][:-1]])).logits[0], refs[1], atol=0, rtol=0)
+
+
+def test_mxfp4_without_transformers_integration_and_other_quantisations_are_refused_in_one_line(tmp_path, monkeypatch):
+    from megatron_pack.config.hf_config import UnsupportedModel, families, pretrained_model_keys
+
+    cases = {"mxfp4_no_integration": (MXFP4, "which is not installed; install it, or dequantise"),
+             "fp8": ({"quant_method": "fp8"}, "dequantise it with transformers and save it in bf16")}
+    monkeypatch.setattr(families, "mxfp4_integration", lambda: False)
+    for case, (quantization, fragment) in cases.items():
+        (tmp_path / "config.json").write_text(json.dumps({**HUB_20B, "quantization_config": quantization}))
+        with pytest.raises(UnsupportedModel) as info:
+            pretrained_model_keys(tmp_path)
+        assert fragment in str(info.value) and "\n" not in str(info.value), case

@@ -367,6 +367,32 @@ def yarn_keys(hf: dict, head_dim: int) -> dict:
             "softmax_scale": float(attention) ** 2 / math.sqrt(head_dim)}
 
 
+def mxfp4_integration() -> bool:
+    """transformers ships its MXFP4 integration (``transformers.integrations.mxfp4``, >= 4.55), found without
+    importing transformers (this layer is torch-free)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("transformers")
+    return bool(spec and spec.submodule_search_locations and any(
+        (Path(p) / "integrations" / "mxfp4.py").is_file() for p in spec.submodule_search_locations))
+
+
+class RefuseQuantization(Refuse):
+    """A quantised checkpoint: MXFP4 (the Hub's gpt-oss) loads, dequantised by transformers' own code
+    (``model/hf/load.py``), where transformers has it; anything else is refused with the way to dequantise it."""
+
+    def problem(self, hf, where, model_type, supported):
+        config = hf.get(self.key)
+        if isinstance(config, dict) and config.get("quant_method") == "mxfp4" and mxfp4_integration():
+            return None
+        if isinstance(config, dict) and config.get("quant_method") == "mxfp4":
+            return (f"{where}: quantization_config quant_method 'mxfp4' is dequantised on load by transformers' MXFP4 "
+                    "integration (transformers >= 4.55), which is not installed; install it, or "
+                    + self.why.removeprefix("is not loaded as it is: "))
+        return super().problem(hf, where, model_type, supported)
+
+
 def _gpt_oss_keys(hf: dict) -> dict:
     layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                             for i in range(int(hf["num_hidden_layers"]))]
@@ -383,13 +409,13 @@ def _gpt_oss_keys(hf: dict) -> dict:
 
 GPT_OSS = register_family(Family(
     model_type="gpt_oss", summary="gpt-oss (GptOssForCausalLM; sliding-window and full layers in turn, learnable "
-    "sinks, YaRN, a biased MoE block with a clamped SwiGLU; bf16 / fp32 weights, MXFP4 dequantised first)",
+    "sinks, YaRN, a biased MoE block with a clamped SwiGLU; MXFP4 experts dequantised on load)",
     architectures=("GptOssForCausalLM",), rules=GPT_OSS_RULES,
     refused=(
-        Refuse("quantization_config", "(an MXFP4 checkpoint) is not loaded as it is: dequantise it with transformers "
-               "and save it in bf16 (GptOssForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config("
-               "dequantize=True), dtype=torch.bfloat16).save_pretrained(out)), then set model.pretrained=out.",
-               allowed=(None,)),
+        RefuseQuantization("quantization_config", "is not loaded as it is: dequantise it with transformers and save "
+                           "it in bf16 (GptOssForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config("
+                           "dequantize=True), dtype=torch.bfloat16).save_pretrained(out)), then set "
+                           "model.pretrained=out.", allowed=(None,)),
         Refuse("attention_bias", "is not supported (gpt-oss with biases on q/k/v/o only).", allowed=(True, None)),
         Refuse("swiglu_alpha", "is not supported (the experts' gate is x * sigmoid(1.702 x): swiglu_alpha 1.702).",
                allowed=(None, 1.702)),

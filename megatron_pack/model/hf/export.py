@@ -244,6 +244,7 @@ def new_output_folder(output: Path) -> Iterator[Path]:
 
 def _copy_metadata(source: Path, dst: Path, dtype: torch.dtype) -> None:
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config.pop("quantization_config", None)  # the tensors written are dequantised (an MXFP4 gpt-oss source)
     config["torch_dtype" if "torch_dtype" in config or "dtype" not in config else "dtype"] = DTYPE_NAMES[dtype]
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
     for name in ("generation_config.json",) + TOKENIZER_FILES:

@@ -36,6 +36,11 @@ from megatron_pack.model.hf.rules import hf_shapes
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 LOADED_DTYPES = ("F32", "BF16", "F16")
+"""The dtypes loaded as they are; MXFP4, a pair of tensors (``mxfp4_tensors``), is dequantised on load by transformers'
+own code."""
+MXFP4_PARTS = ("_blocks", "_scales")
+"""An MXFP4 tensor ``X`` is stored as ``X_blocks`` (uint8 [..., out, in / 32, 16]: two FP4 values a byte) and
+``X_scales`` (uint8 [..., out, in / 32]: a power-of-two exponent + 127 per block of 32) (gpt-oss's experts)."""
 """safetensors dtypes ``model.hf.load`` reads (as torch float32 / bfloat16 / float16)."""
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
@@ -166,6 +171,26 @@ def read_tensors(folder: str | Path, where: str) -> dict[str, TensorEntry]:
             raise FolderProblem(f"{where}: {INDEX} places {name} in {file}, whose header does not hold it; "
                                 f"the folder is incomplete: {REDOWNLOAD}.")
         out[canonical_hf_name(name)] = headers[file][name]
+    return mxfp4_tensors(out)
+
+
+def mxfp4_tensors(entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """``entries`` with each MXFP4 pair ``X_blocks`` / ``X_scales`` (``MXFP4_PARTS``) as one entry ``X`` of dtype
+    MXFP4 and the shape transformers dequantises it to: blocks [E, out, G, 16] -> [E, G * 32, out] (x @ W).
+
+    >>> e = lambda n, dtype, *shape: TensorEntry(n, "f", dtype, shape, 0, 0)
+    >>> mxfp4_tensors({"w_blocks": e("w_blocks", "U8", 4, 96, 2, 16), "w_scales": e("w_scales", "U8", 4, 96, 2)})["w"].shape
+    (4, 64, 96)
+    """
+    out = dict(entries)
+    for name, blocks in entries.items():
+        base = name[:-len(MXFP4_PARTS[0])]
+        if not name.endswith(MXFP4_PARTS[0]) or base + MXFP4_PARTS[1] not in entries:
+            continue
+        *prefix, rows, groups, width = blocks.shape
+        out[base] = TensorEntry(base, blocks.file, "MXFP4", (*prefix[:1], groups * width * 2, rows, *prefix[1:]),
+                                blocks.begin, blocks.end)
+        del out[name], out[base + MXFP4_PARTS[1]]
     return out
 
 
@@ -190,7 +215,7 @@ def folder_problems(folder: str | Path, *, where: Optional[str] = None, hf: Opti
         elif entry.shape != shape:
             problems.append(f"{where}: {entry.file} holds {name} with shape {list(entry.shape)}, config.json gives "
                             f"{list(shape)}; the weights do not match config.json: {REDOWNLOAD}.")
-        elif entry.dtype not in LOADED_DTYPES:
+        elif entry.dtype not in LOADED_DTYPES + ("MXFP4",):
             problems.append(f"{where}: {entry.file} holds {name} as {entry.dtype}, which megatron_pack does not load "
                             f"({', '.join(LOADED_DTYPES)}); save the folder again in one of those (transformers: "
                             "from_pretrained(dir, dtype=torch.bfloat16).save_pretrained(dir)).")
@@ -226,6 +251,8 @@ def nonfinite_problems(folder: str | Path, *, where: Optional[str] = None, hf: O
         data = np.memmap(folder / file, dtype=np.uint8, mode="r")
         for name in (n for n in expected if tensors[n].file == file):
             entry = tensors[name]
+            if entry.dtype == "MXFP4":  # FP4 codes and power-of-two scales: every code is a finite value
+                continue
             view, exponent, mantissa = _EXPONENT[entry.dtype]
             values = data[entry.begin:entry.end].view(view)
             num_nan = num_inf = 0

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
 from megatron_pack.config.hf_config.record import canonical_hf_name, stacked_part
-from megatron_pack.model.hf.folder_check import INDEX, SINGLE
+from megatron_pack.model.hf.folder_check import INDEX, MXFP4_PARTS, SINGLE
 from megatron_pack.model.hf.mapping import load_shard_into, shard_shape
 from megatron_pack.model.hf.transforms import Dims
 from megatron_pack.model.hf.rules import TE_ALIASES, Placement, linear_layers, rule_hf_shapes, rules_for
@@ -51,7 +51,15 @@ class SafetensorsFolder:
         """Tensor name (the Hub spelling the rules use) -> file; ``self.stored`` keeps the name in the file."""
         mapping = self._stored_weight_map()
         self.stored = {canonical_hf_name(name): name for name in mapping}
-        return {canonical_hf_name(name): file for name, file in mapping.items()}
+        names = {canonical_hf_name(name): file for name, file in mapping.items()}
+        blocks, scales = MXFP4_PARTS
+        self.mxfp4 = {n[:-len(blocks)]: (n, n[:-len(blocks)] + scales) for n in names
+                      if n.endswith(blocks) and n[:-len(blocks)] + scales in names}
+        self.pair_files = {n: names[n] for pair in self.mxfp4.values() for n in pair}
+        for base, pair in self.mxfp4.items():  # one tensor X for the pair (folder_check.mxfp4_tensors)
+            names[base] = names[pair[0]]
+            del names[pair[0]], names[pair[1]]
+        return names
 
     def _stored_weight_map(self) -> dict[str, str]:
         from safetensors import safe_open
@@ -77,26 +85,55 @@ class SafetensorsFolder:
         pages a read touched leave this process's RSS at once (a shard file can hold gigabytes)."""
         from safetensors import safe_open
 
-        if name not in self.weight_map:
+        file = self.weight_map.get(name) if name not in self.pair_files else self.pair_files[name]
+        if file is None:
             raise KeyError(f"model.pretrained ({self.root}) has no tensor {name!r}; the folder does not match its "
                            "config.json (re-download it).")
-        with safe_open(self.root / self.weight_map[name], framework="pt") as handle:
+        with safe_open(self.root / file, framework="pt") as handle:
             yield handle.get_slice(self.stored[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
         stacked = stacked_part(name)
-        with self._slice(stacked[0] if stacked else name) as part:
-            return tuple(part.get_shape())[1:] if stacked else tuple(part.get_shape())
+        base = stacked[0] if stacked else name
+        if base in self.mxfp4:
+            with self._slice(self.mxfp4[base][0]) as part:
+                experts, rows, groups, width = part.get_shape()
+            whole = (experts, groups * width * 2, rows)
+        else:
+            with self._slice(base) as part:
+                whole = tuple(part.get_shape())
+        return whole[1:] if stacked else whole
 
     def dtype(self, name: str) -> torch.dtype:
         stacked = stacked_part(name)
-        with self._slice(stacked[0] if stacked else name) as part:
+        base = stacked[0] if stacked else name
+        if base in self.mxfp4:
+            return torch.float32  # dequantised exactly (FP4 code x power of two)
+        with self._slice(base) as part:
             return _DTYPES[part.get_dtype()]
+
+    def _mxfp4(self, base: str, experts: slice) -> Tensor:
+        """Experts ``experts`` of the MXFP4 pair of ``base`` in float32, [n, in, out] (x @ W), by transformers'
+        ``convert_moe_packed_tensors`` (its own dequantisation, the one from_pretrained runs)."""
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        blocks, scales = (self._read_stored(n, experts) for n in self.mxfp4[base])
+        return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+
+    def _read_stored(self, name: str, rows: slice) -> Tensor:
+        with self._slice(name) as part:
+            tensor = part[rows]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> Tensor:
         """The tensor ``name`` (rows, columns of it); ``<tensor>[k]`` is slice k of a stacked tensor
         (``record.stacked_part``), read alone."""
         stacked = stacked_part(name)
+        if stacked is not None and stacked[0] in self.mxfp4:
+            base, k = stacked
+            tensor = self._mxfp4(base, slice(k, k + 1))[0]
+            return tensor[rows or slice(None)][:, cols] if cols is not None else tensor[rows or slice(None)]
         if stacked is not None:
             base, k = stacked
             with self._slice(base) as part:
