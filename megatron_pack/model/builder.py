@@ -126,6 +126,8 @@ def transformer_config_from(cfg: Config, *, backend: str = "torch", on_gpu: bool
         linear_num_key_heads=m.linear_num_key_heads, linear_num_value_heads=m.linear_num_value_heads,
         linear_key_head_dim=m.linear_key_head_dim, linear_value_head_dim=m.linear_value_head_dim,
         linear_conv_kernel_dim=m.linear_conv_kernel_dim, attention_output_gate=m.attention_output_gate,
+        # a hybrid stack's layers hold different tensors: checkpoint them per layer, not stacked over layers
+        hetereogenous_dist_checkpoint=m.full_attention_interval is not None,
         add_bias_linear=m.add_bias_linear, init_method_std=m.init_method_std,
         # gpt-oss's experts: act(min(gate, c)) * (clamp(up, -c, c) + offset)
         glu_linear_offset=m.glu_linear_offset, activation_func_clamp_value=m.activation_clamp,

@@ -249,12 +249,40 @@ def read_full_model(path: str | Path) -> dict[str, torch.Tensor]:
     dcp.load(state, storage_reader=checkpoint_reader(path), no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
-        if key.startswith("decoder.layers."):
-            rest = key[len("decoder.layers."):]
+        rest = key[len("decoder.layers."):]
+        if key.startswith("decoder.layers.") and rest.split(".", 1)[0].isdigit():
+            out.update(_unstack_experts(key, tensor))  # a hybrid stack's layers are stored one by one
+        elif key.startswith("decoder.layers."):
             for i, layer in enumerate(tensor.unbind(0)):
                 out.update(_unstack_experts(f"decoder.layers.{i}.{rest}", layer))
         else:
             out[key] = tensor
+    return _join_split_parts(out)
+
+
+_SPLIT_PARTS = ("query", "key", "value", "z", "beta", "alpha")
+"""megatron-core's ``GatedDeltaNet.sharded_state_dict`` stores ``in_proj.weight`` as its parts ``<name>.query``,
+``.key``, ``.value``, ``.z``, ``.beta``, ``.alpha`` (``conv1d.weight``: the first three), each whole over the heads;
+the TP=1 parameter is their concatenation along dim 0, in this order."""
+
+
+def _join_split_parts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every ``<name>.<part>`` of ``_SPLIT_PARTS`` joined back into ``<name>`` (a linear-attention
+    layer's in_proj and conv1d).
+
+    >>> sorted(_join_split_parts({"w.query": torch.zeros(2), "w.key": torch.ones(2), "b": torch.ones(1)}))
+    ['b', 'w']
+    """
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    out = {}
+    for key, tensor in state.items():
+        base, _, part = key.rpartition(".")
+        if part in _SPLIT_PARTS and base.endswith((".in_proj.weight", ".conv1d.weight", ".conv1d.bias")):
+            parts.setdefault(base, {})[part] = tensor
+        else:
+            out[key] = tensor
+    for base, named in parts.items():
+        out[base] = torch.cat([named[p] for p in _SPLIT_PARTS if p in named])
     return out
 
 
