@@ -245,10 +245,6 @@ _MOE_REFUSED = (  # (applies, key and value, why and fix) for a MoE model (model
      f"tensor parallel size {_expert_tp(c)}", "biased experts split over expert TP (megatron-core 0.16.1 adds an "
      "expert's bias only with whole experts); set parallel.expert_tensor_parallel_size=1 and "
      "parallel.expert_model_parallel_size to a multiple of parallel.tensor_model_parallel_size"),
-    (lambda c: _expert_lora(c) and c.model.add_bias_linear, lambda c: f"peft.target_modules "
-     f"({list(c.peft.target_modules)}) with model.add_bias_linear (True)", "LoRA on biased experts (gpt-oss: the peft "
-     "export of adapters on its stacked, interleaved gate_up_proj is not built); set "
-     "peft.target_modules=[linear_qkv,linear_proj]"),
     (lambda c: c.model.cuda_graph_impl != "none", lambda c: f"model.cuda_graph_impl ({c.model.cuda_graph_impl})",
      "CUDA graphs of MoE layers (the router reads per-pack metadata on the host); set model.cuda_graph_impl=none"),
 )

@@ -271,8 +271,7 @@ def test_what_gpt_oss_cannot_read_is_refused_in_one_line(change, fragment, tmp_p
 
 @pytest.mark.parametrize("overrides,fragment", [
     (("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"), "biased experts split over expert TP"),
-    (("peft.method=lora", "peft.target_modules=[linear_qkv,linear_fc1]"), "LoRA on biased experts"),
-], ids=["experts_over_tp", "lora_on_experts"])
+], ids=["experts_over_tp"])
 def test_what_the_layout_cannot_do_with_gpt_oss_is_refused_before_launch(folder, overrides, fragment):
     from megatron_pack.config import ConfigError, load_config
     from megatron_pack.config.validate import validate
@@ -282,16 +281,27 @@ def test_what_the_layout_cannot_do_with_gpt_oss_is_refused_before_launch(folder,
     assert any(fragment in line for line in str(info.value).splitlines())
 
 
-def test_lora_on_attention_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path):
-    """LoRA on linear_qkv and linear_proj (4 layers x 2 adapters), B drawn away from 0 so the adapters act: the peft
-    folder export writes, on transformers' GptOssForCausalLM, gives each sample our packed logits."""
+LORA = {  # id: (peft.target_modules, adapters)
+    "attention": ("[linear_qkv,linear_proj]", 4 * 2),
+    "attention_and_experts": ("[linear_qkv,linear_proj,linear_fc1,linear_fc2]", 4 * (2 + 2 * 4)),
+}
+
+
+@pytest.mark.parametrize("targets,num_adapters", LORA.values(), ids=LORA.keys())
+def test_lora_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path, targets, num_adapters):
+    """LoRA on the attention (4 layers x 2 adapters), and on every expert's linear_fc1 / linear_fc2 too (peft's
+    target_parameters on the stacked gate_up_proj, whose gate and up columns interleave, and down_proj); B drawn
+    away from 0 so the adapters act: the peft folder the export writes, on transformers' GptOssForCausalLM, gives
+    each sample our packed logits, and reads back to our adapter tensors exactly."""
     import transformers as T
     from peft import PeftModel
 
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
-    from megatron_pack.model.peft.export import export_adapter
+    from safetensors.torch import load_file
+
+    from megatron_pack.model.peft.export import export_adapter, shards_from_peft
     from megatron_pack.model.peft.lora import adapter_state
     from megatron_pack.model.peft.meta import peft_meta
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -300,19 +310,22 @@ def test_lora_on_attention_exports_to_peft_and_transformers_gives_our_logits(fol
     batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()], pack_size=128)
     cu = batch["cu_seqlens"].tolist()
     cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu",
-                       "peft.method=lora", "peft.target_modules=[linear_qkv,linear_proj]", "peft.dropout=0"])
+                       "peft.method=lora", f"peft.target_modules={targets}", "peft.dropout=0"])
     try:
         model = build_model(cfg, initialize_parallel(cfg))
         with torch.no_grad():
             for name, param in adapter_state(model).items():
                 if "linear_out" in name:
-                    param.copy_(0.05 * torch.randn(param.shape))
+                    param.copy_(0.02 * torch.randn(param.shape))
             logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
     finally:
         destroy_parallel(destroy_process_group=True)
-    assert model.num_adapters == 4 * 2
-    export_adapter(output=tmp_path / "adapter", shards=[{k: v.detach() for k, v in adapter_state(model).items()}],
-                   peft=peft_meta(cfg), source=folder, model_cfg=cfg.model)
+    assert model.num_adapters == num_adapters
+    ours = {k: v.detach() for k, v in adapter_state(model).items()}
+    export_adapter(output=tmp_path / "adapter", shards=[ours], peft=peft_meta(cfg), source=folder, model_cfg=cfg.model)
+    back = shards_from_peft(load_file(tmp_path / "adapter" / "adapter_model.safetensors"), "gpt_oss", cfg.model,
+                            cfg.peft.target_modules, tp_rank=0, tp_size=1)
+    assert sorted(back) == sorted(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
     base = T.AutoModelForCausalLM.from_pretrained(folder).eval()
     refs_base = [base(torch.tensor([ids[:-1]])).logits[0].detach() for ids in _samples()]
     tuned = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()

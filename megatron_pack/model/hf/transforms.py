@@ -183,6 +183,15 @@ class Transform(ABC):
     def export(self, shards: list[Tensor], dims: Dims) -> list[Tensor]:
         """The HF tensors from every rank's shard (rank order): the inverse of ``load``."""
 
+    def lora_b_to_hf(self, b: Tensor) -> Tensor:
+        """A whole expert's LoRA B [out, r] (rows as megatron-core's linear) in the HF tensor's output order (peft's
+        target_parameters on the stacked tensor); rows are in the same order unless a layout interleaves them."""
+        return b
+
+    def lora_b_from_hf(self, b: Tensor) -> Tensor:
+        """The inverse of ``lora_b_to_hf``."""
+        return b
+
 
 TRANSFORMS: dict[str, Transform] = {}
 """Registered name -> transform (one stateless object per class)."""
@@ -500,6 +509,14 @@ class InterleavedGateUp(Transform):
         import torch
 
         return [torch.stack([gate, up], dim=-1).reshape(tuple(gate.shape[:-1]) + (2 * gate.shape[-1],)).contiguous()]
+
+    def lora_b_to_hf(self, b):
+        """B [2F, r] = [gate; up] rows -> HF's output order, gate and up interleaved: rows g0, u0, g1, u1, ..."""
+        gate, up = b.chunk(2, dim=0)
+        return _cat([gate, up], dim=1).reshape(b.shape).contiguous()
+
+    def lora_b_from_hf(self, b):
+        return _cat([b[0::2], b[1::2]]).contiguous()
 
 
 @register_transform

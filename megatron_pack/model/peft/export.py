@@ -111,6 +111,14 @@ def hf_parameter_names(model_type: str, targets) -> list[str]:
     return [f"mlp.experts.{EXPERT_PARAMETERS[leaf]}" for leaf in EXPERT_PARAMETERS if leaf in targets]
 
 
+def _expert_transform(model_type: str, prefix: str):
+    """The transform of the family rule for an expert linear's weight (``...local_experts.0.linear_fc1``)."""
+    from megatron_pack.model.hf.transforms import transform
+
+    leaf = "." + prefix.rsplit(".", 1)[-1] + ".weight"
+    return transform(next(r.kind for r in family_of(model_type).rules if r.per_expert and r.mcore.endswith(leaf)))
+
+
 def stack_experts(a_experts: list[Tensor], b_experts: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Every expert's A [r, in] and B [out, r] (global order) -> peft's lora_A [E r, in], lora_B [out, r E]."""
     return torch.cat(a_experts, 0), torch.stack(b_experts, -1).reshape(b_experts[0].shape[0], -1)
@@ -165,7 +173,9 @@ def peft_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, ta
         if missing:
             raise ValueError(f"the checkpoint has no adapter for {missing[0]}; it was written with other "
                              "peft.target_modules (or without peft=lora).")
-        a, b = stack_experts([shards[0][p + IN] for p in prefixes], [shards[0][p + OUT] for p in prefixes])
+        rows = _expert_transform(model_type, prefixes[0])  # gpt-oss: gate / up rows interleaved in HF's order
+        a, b = stack_experts([shards[0][p + IN] for p in prefixes],
+                             [rows.lora_b_to_hf(shards[0][p + OUT]) for p in prefixes])
         out[f"{stem}lora_A.weight"], out[f"{stem}lora_B.weight"] = a, b
         used.update(p + suffix for p in prefixes for suffix in (IN, OUT))
     out.update(_vocab_tensors(shards, model_type, model_cfg, used))
@@ -326,10 +336,11 @@ def shards_from_peft(tensors: dict[str, Tensor], model_type: str, model_cfg, tar
         if a_name not in tensors or b_name not in tensors:
             raise ValueError(f"{where} has no {a_name if a_name not in tensors else b_name}; it was not written for "
                              "these peft.target_modules.")
+        rows = _expert_transform(model_type, prefixes[0])
         for local, prefix in enumerate(prefixes):
-            whole = unstack_expert(tensors[a_name], tensors[b_name], placement.expert_offset + local,
-                                   model_cfg.num_experts)
-            out[prefix + IN], out[prefix + OUT] = expert_tp_shard(prefix, *whole, etp_rank, etp_size)
+            a, b = unstack_expert(tensors[a_name], tensors[b_name], placement.expert_offset + local,
+                                  model_cfg.num_experts)
+            out[prefix + IN], out[prefix + OUT] = expert_tp_shard(prefix, a, rows.lora_b_from_hf(b), etp_rank, etp_size)
     return out
 
 
