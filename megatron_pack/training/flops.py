@@ -9,8 +9,12 @@ A pack of sub-sequences of real lengths ``s_1 .. s_N`` (padding excluded) costs,
                                                                  4 * a * s_i^2 / 2 per sub-sequence
     MLP          2 * (3 if SwiGLU else 2) * h * f * sum(s_i)     fc1 (gate and up) and fc2
     MoE MLP      2 * h * E * sum(s_i) (router) + top-k experts' MLPs (+ a shared expert's) per token
+    gate         2 * h * a * sum(s_i) with model.attention_output_gate (linear_qkv's gate rows)
 
-and once, the output layer ``2 * h * V * sum(s_i)``. The attention term is the sum of ``s_i^2`` over
+A hybrid stack's Gated DeltaNet layers (all but every model.full_attention_interval-th) replace the projections
+and the attention term by their own token mixing, linear in s_i (``_linear_attention_flops_per_token``).
+
+Once per token, the output layer ``2 * h * V * sum(s_i)``. The attention term is the sum of ``s_i^2`` over
 the pack's sub-sequences (each attends only within itself), not ``T^2`` over the pack. Forward and
 backward are ``3 x`` the forward (the backward computes two GEMMs per forward GEMM); activation
 recomputation is not counted (it is not model work). Worked example, the tiny preset (h 64, 4 heads of
@@ -69,8 +73,23 @@ def forward_flops(m: ModelConfig, real_tokens: float, sum_sq: float) -> float:
             per_token += 2 * h if m.moe_shared_expert_gate else 0
     else:
         per_token += _mlp_flops_per_token(m, m.ffn_hidden_size)
-    layers = m.num_layers * (per_token * real_tokens + 2 * a * sum_sq)
-    return float(layers + 2 * h * m.vocab_size * real_tokens)
+    if m.attention_output_gate:  # linear_qkv also projects a gate per query channel
+        per_token += 2 * h * a
+    full = m.num_layers if m.full_attention_interval is None else m.num_layers // m.full_attention_interval
+    layers = full * (per_token * real_tokens + 2 * a * sum_sq)
+    linear = (per_token - 2 * (h * (a + 2 * g) + a * h) - (2 * h * a if m.attention_output_gate else 0)
+              + _linear_attention_flops_per_token(m))
+    return float(layers + (m.num_layers - full) * linear * real_tokens + 2 * h * m.vocab_size * real_tokens)
+
+
+def _linear_attention_flops_per_token(m: ModelConfig) -> int:
+    """A Gated DeltaNet layer's token mixing, per token (``model.full_attention_interval``'s linear layers):
+    in_proj 2 h (2 qk + 2 v + 2 Hv) and out_proj 2 v h, the conv1d 2 W (2 qk + v), and the delta rule in its
+    recurrent form, per value head S^T k, the rank-1 update and S^T q: 3 x 2 dk dv (its chunked form computes the same
+    up to the intra-chunk terms, not counted). qk = key heads x dk, v = value heads (Hv) x dv, W the conv width."""
+    h, dk, dv, hv = m.hidden_size, m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_value_heads
+    qk, v = m.linear_num_key_heads * dk, hv * dv
+    return 2 * h * (2 * qk + 2 * v + 2 * hv) + 2 * v * h + 2 * m.linear_conv_kernel_dim * (2 * qk + v) + 6 * hv * dk * dv
 
 
 def step_flops(m: ModelConfig, real_tokens: float, sum_sq: float) -> float:

@@ -371,3 +371,20 @@ def test_a_checkpoint_of_the_hybrid_stack_reads_back_as_the_model(world_of_one_m
     assert "decoder.layers.0.self_attention.in_proj.weight" in params and len(params) > 40
     assert sorted(full) == sorted(params)
     assert all(torch.equal(full[n], params[n]) for n in params)
+
+
+def test_step_flops_count_the_linear_attention_layers():
+    """The tiny model's 3 Gated DeltaNet layers and 1 gated full attention, counted by hand (flops.py's formulas):
+    one 8-token sample."""
+    from megatron_pack.config.hf_config import derive_model_keys
+    from megatron_pack.config.schema import ModelConfig
+    from megatron_pack.training.flops import forward_flops
+
+    keys = derive_model_keys({**_config().to_dict(), "architectures": ["Qwen3_5ForCausalLM"]})
+    m = ModelConfig(**{k: v for k, v in keys.items() if k in ModelConfig.__dataclass_fields__})
+    h, a, g, f, n, v = 64, 64, 32, 96, 8, VOCAB
+    mlp = 2 * 3 * h * f
+    full = 2 * (h * (2 * a + 2 * g) + a * h) + mlp  # q and its gate, k, v; o_proj
+    qk, vv, hv = 2 * 8, 4 * 8, 4
+    linear = 2 * h * (2 * qk + 2 * vv + 2 * hv) + 2 * vv * h + 2 * 4 * (2 * qk + vv) + 6 * hv * 8 * 8 + mlp
+    assert forward_flops(m, n, n * n) == full * n + 2 * a * n * n + 3 * linear * n + 2 * h * v * n
