@@ -292,7 +292,8 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path
     """LoRA on the attention (4 layers x 2 adapters), and on every expert's linear_fc1 / linear_fc2 too (peft's
     target_parameters on the stacked gate_up_proj, whose gate and up columns interleave, and down_proj); B drawn
     away from 0 so the adapters act: the peft folder the export writes, on transformers' GptOssForCausalLM, gives
-    each sample our packed logits, and reads back to our adapter tensors exactly."""
+    each sample our packed logits, and reads back to our adapter tensors exactly; the merged export (base plus
+    adapters, in transformers' layout) gives peft's logits."""
     import transformers as T
     from peft import PeftModel
 
@@ -301,7 +302,7 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path
     from megatron_pack.model.builder import build_model
     from safetensors.torch import load_file
 
-    from megatron_pack.model.peft.export import export_adapter, shards_from_peft
+    from megatron_pack.model.peft.export import export_adapter, export_merged, shards_from_peft
     from megatron_pack.model.peft.lora import adapter_state
     from megatron_pack.model.peft.meta import peft_meta
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -334,6 +335,12 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path
             ref = tuned(torch.tensor([ids[:-1]])).logits[0]
             assert float((ref - refs_base[s]).abs().max()) > 1e-3  # guard: the adapters act
             torch.testing.assert_close(logits[0, cu[s]:cu[s + 1], :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+    export_merged(output=tmp_path / "merged", shards=[ours], peft=peft_meta(cfg), source=folder, base=folder,
+                  model_cfg=cfg.model)  # base + (alpha / r) B A, written as transformers' layout
+    merged = T.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([_samples()[1][:-1]])
+        torch.testing.assert_close(merged(ids).logits, tuned(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 GRADS = {  # our parameter: transformers' (its gradient under the summed token loss of every sample must match)
