@@ -99,17 +99,22 @@ def _mlp_params(cfg, ffn: int) -> int:
     return h * (2 * ffn if cfg.model.activation in GATED_ACTIVATIONS else ffn) + ffn * h
 
 
-def layer_params(cfg, tp: int) -> int:
+def layer_params(cfg, tp: int, linear: bool = False) -> int:
     """Parameters of one transformer layer on one TP rank, without a MoE layer's routed experts
     (``expert_layer_params``): its MLP is then the router ([experts, hidden], replicated) and the shared
-    expert (split over TP like a dense MLP) with its gate."""
+    expert (split over TP like a dense MLP) with its gate. ``linear``: a hybrid stack's Gated DeltaNet layer."""
     m = cfg.model
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
     h = m.hidden_size
-    sharded = h * (q + 2 * g) + q * h
+    sharded = h * (q + 2 * g) + q * h + (h * q if m.attention_output_gate else 0)  # the gate: q_proj doubled
     sharded += (q + 2 * g) if m.add_qkv_bias else 0
     norms = 2 * h * (2 if m.normalization == "LayerNorm" else 1) + (2 * kv if m.qk_layernorm else 0)
+    if linear:  # a Gated DeltaNet layer: in_proj, conv1d, dt_bias, A_log and out_proj split by heads; out_norm whole
+        dv, hv = m.linear_value_head_dim, m.linear_num_value_heads
+        qk, v = m.linear_num_key_heads * m.linear_key_head_dim, hv * dv
+        sharded = h * (2 * qk + 2 * v + 2 * hv) + (2 * qk + v) * m.linear_conv_kernel_dim + 2 * hv + v * h
+        norms = 2 * h * (2 if m.normalization == "LayerNorm" else 1) + dv
     if not m.num_experts:
         return (sharded + _mlp_params(cfg, m.ffn_hidden_size)) // tp + norms
     shared = _mlp_params(cfg, m.moe_shared_expert_ffn_hidden_size) if m.moe_shared_expert_ffn_hidden_size else 0
@@ -153,7 +158,10 @@ def stage_params(cfg, stage: int) -> int:
     m, par = cfg.model, cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     h, vocab_rows = m.hidden_size, _vocab(cfg, tp) // tp
-    total = layer_params(cfg, tp) * (m.num_layers // pp) + stage_expert_params(cfg, stage)
+    per_stage = m.num_layers // pp
+    num_linear = 0 if m.full_attention_interval is None else per_stage - per_stage // m.full_attention_interval
+    total = (layer_params(cfg, tp) * (per_stage - num_linear) + layer_params(cfg, tp, linear=True) * num_linear
+             + stage_expert_params(cfg, stage))
     if stage == 0:
         total += vocab_rows * h
     if stage == pp - 1:

@@ -388,3 +388,22 @@ def test_step_flops_count_the_linear_attention_layers():
     qk, vv, hv = 2 * 8, 4 * 8, 4
     linear = 2 * h * (2 * qk + 2 * vv + 2 * hv) + 2 * vv * h + 2 * 4 * (2 * qk + vv) + 6 * hv * 8 * 8 + mlp
     assert forward_flops(m, n, n * n) == full * n + 2 * a * n * n + 3 * linear * n + 2 * h * v * n
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_parameter_count_of_the_memory_estimate_is_the_models(folder, world_of_one_model, tp):
+    """train --check's parameter count (memory_estimate.stage_params) of the hybrid stack equals the built model's at
+    TP=1; at TP=2 the Gated DeltaNet's per-head tensors and the gated linear_qkv halve (the norms stay whole)."""
+    from megatron_pack.config import load_config
+    from megatron_pack.training.memory_estimate import layer_params, stage_params
+
+    model = world_of_one_model()
+    cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", f"parallel.tensor_model_parallel_size={tp}"])
+    if tp == 1:
+        assert stage_params(cfg, 0) == sum(p.numel() for p in model.parameters())
+    full = [layer for layer in model.decoder.layers if not hasattr(layer.self_attention, "A_log")][0]
+    linear = model.decoder.layers[0]
+    norms = {"full": 2 * 64 + 2 * 16, "linear": 2 * 64 + 8}
+    for kind, layer in (("full", full), ("linear", linear)):
+        whole = sum(p.numel() for p in layer.parameters())
+        assert layer_params(cfg, tp, linear=kind == "linear") == (whole - norms[kind]) // tp + norms[kind], kind
