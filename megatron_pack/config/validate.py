@@ -573,10 +573,6 @@ def _validate_linear_attention(cfg: Config) -> list[str]:
         return ["model.attention_backend ('te') with model.full_attention_interval: the linear-attention (hybrid) "
                 "stack is built on the torch backend only (auto picks it); set model.attention_backend=torch."]
     problems = []
-    if par.pipeline_model_parallel_size > 1:
-        problems.append(f"parallel.pipeline_model_parallel_size ({par.pipeline_model_parallel_size}) with "
-                        "model.full_attention_interval: the hybrid stack is not proved across pipeline stages yet; "
-                        "set parallel.pipeline_model_parallel_size=1.")
     tp, cp, heads = par.tensor_model_parallel_size, par.context_parallel_size, model.linear_num_key_heads
     if heads % (tp * cp):
         problems.append(f"model.linear_num_key_heads ({heads}) must be divisible by parallel.tensor_model_parallel_size"

@@ -5,7 +5,7 @@ The folder (4 layers in Qwen3.5's pattern: three Gated DeltaNet linear-attention
 attention; q_proj doubled for the output gate, QK norms, partial RoPE 0.25, norms that scale by 1 + weight drawn away
 from 0, the Gated DeltaNet's output norm plain) is transformers' own model. A pack of a 47-, a 9- and a 30-token
 sample must give each sample's logits as transformers gives them for the sample alone (float32), in a world of one
-and in a 2-rank world at CP=2, TP=2 and TP=2 with sequence parallelism; a 5-token sample
+and in a 2-rank world at CP=2, TP=2, TP=2 with sequence parallelism and PP=2; a 5-token sample
 packed after a 150-token one must give its logits alone exactly (STYLE 24: the recurrent state and the conv1d tail
 restart at the boundary); each Qwen3.5 feature is checked to change transformers' logits (the comparison would see
 it dropped); the export gives the folder back bit for bit at TP=1 and TP=2, and transformers loads it.
@@ -140,16 +140,17 @@ LAYOUTS = {  # id: the parallel layout of a 2-rank world
     "cp2": ["parallel.context_parallel_size=2"],
     "tp2": ["parallel.tensor_model_parallel_size=2"],
     "tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],  # layers 0-1 (linear) and 2-3 (linear, full attention)
 }
 
 
 def _layout_worker(rank: int, world_size: int, folder: str) -> dict:
+    """Each layout's logits of every sample of the pack, through megatron-core's forward-only schedule (as verify
+    runs it: pipeline stages, TP and CP gathered), on the ranks of the last stage."""
+    from megatron_pack.cli.verify import build_chunks, schedule_logits
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
-    from megatron_pack.model.builder import build_model
-    from megatron_pack.parallel.cp import slice_thd_batch
-    from megatron_pack.parallel.groups import destroy_parallel, gather_full_logits, initialize_parallel
-    from megatron_pack.training.step import get_packed_seq_params
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
     samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()]
     batch = collate_thd(samples, pack_size=128, pad_multiple=4)
@@ -157,31 +158,30 @@ def _layout_worker(rank: int, world_size: int, folder: str) -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
         cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", *layout])
-        pg = initialize_parallel(cfg)
-        model = build_model(cfg, pg)
-        local = slice_thd_batch(batch, pg.cp_size, pg.cp_rank)
-        with torch.no_grad():
-            logits = model(local["tokens"], local["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
-        full = gather_full_logits(logits, batch["cu_seqlens_padded"], pg)[0, :, :VOCAB]
-        for s in range(len(cu) - 1):
-            out[f"{name}_{s}"] = full[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s]].numpy()
+        state = initialize_parallel(cfg)
+        logits, _ = schedule_logits(build_chunks(cfg, state), [batch], state, seq_length=128)
+        if logits is not None:
+            for s in range(len(cu) - 1):
+                out[f"{name}_{s}"] = logits[0][cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :VOCAB].numpy()
         destroy_parallel()
     return out
 
 
-def test_packed_logits_equal_transformers_per_sample_at_cp2_and_tp2(folder, tmp_path):
-    """One 2-rank gloo world: at CP=2 (the linear layers trade the sequence split for a head split), TP=2 and TP=2 with
-    sequence parallelism, every rank's gathered logits of each sample equal transformers' of the sample alone."""
+def test_packed_logits_equal_transformers_per_sample_at_cp2_tp2_and_pp2(folder, tmp_path):
+    """One 2-rank gloo world: at CP=2 (the linear layers trade the sequence split for a head split), TP=2, TP=2 with
+    sequence parallelism and PP=2 (each stage builds its layers' kinds from their global index), every rank of the
+    last stage gives each sample transformers' logits of the sample alone."""
     from _hf import hf_logits
 
     results = spawn_world(_layout_worker, 2, tmp_path, folder, timeout_s=300)
     refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
     assert len(results) == 2 and len(refs) == 3
-    for rank, res in enumerate(results):
-        for layout in LAYOUTS:
-            for s, ref in enumerate(refs):
-                torch.testing.assert_close(torch.as_tensor(res[f"{layout}_{s}"]), ref, atol=1e-5, rtol=1e-5,
-                                           msg=f"rank {rank} {layout} sample {s}")
+    held = {(rank, layout) for rank, res in enumerate(results) for layout in LAYOUTS if f"{layout}_0" in res}
+    assert held == {(r, layout) for r in (0, 1) for layout in LAYOUTS if layout != "pp2"} | {(1, "pp2")}
+    for rank, layout in sorted(held):
+        for s, ref in enumerate(refs):
+            torch.testing.assert_close(torch.as_tensor(results[rank][f"{layout}_{s}"]), ref, atol=1e-5, rtol=1e-5,
+                                       msg=f"rank {rank} {layout} sample {s}")
 
 
 FEATURES = {  # id: transformers config change that removes one Qwen3.5 feature (its logits must then change)
@@ -327,10 +327,9 @@ def test_what_qwen3_5_cannot_read_is_refused_in_one_line(change, fragment, tmp_p
 
 @pytest.mark.parametrize("overrides,fragment", [
     (["model.attention_backend=te"], "built on the torch backend only"),
-    (["parallel.pipeline_model_parallel_size=2"], "not proved across pipeline stages"),
     (["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"],
      "model.linear_num_key_heads (2) must be divisible"),
-], ids=["te_backend", "pipeline", "heads_over_tp_cp"])
+], ids=["te_backend", "heads_over_tp_cp"])
 def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, overrides, fragment):
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError
