@@ -287,6 +287,7 @@ HUB_TEXT = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text
             "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
             "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
             "layer_types": LAYER_TYPES * 2, "tie_word_embeddings": False, "hidden_act": "silu",
+            "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,  # no MTP head built (as transformers)
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
 """A Qwen3.5 text stack's config.json (the Hub folders' text_config, eight layers) as transformers 5 writes it."""
@@ -312,10 +313,9 @@ def test_hub_config_becomes_model_keys(hf, expected):
      "not every N-th layer full_attention"),
     (dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"]),
      "model_type 'qwen3_5' is not supported; supported:"),
-    (dict(mtp_num_hidden_layers=1), "mtp_num_hidden_layers=1 (multi-token-prediction heads) is not supported"),
     (dict(attention_bias=True), "attention_bias=true"),
     (dict(layer_types=["sliding_attention"] * 8), "layer_types ['sliding_attention'] is not supported"),
-], ids=["irregular_pattern", "vlm", "mtp", "attention_bias", "sliding"])
+], ids=["irregular_pattern", "vlm", "attention_bias", "sliding"])
 def test_what_qwen3_5_cannot_read_is_refused_in_one_line(change, fragment, tmp_path):
     from megatron_pack.config.hf_config import UnsupportedModel, pretrained_model_keys
 
@@ -406,3 +406,21 @@ def test_parameter_count_of_the_memory_estimate_is_the_models(folder, world_of_o
     for kind, layer in (("full", full), ("linear", linear)):
         whole = sum(p.numel() for p in layer.parameters())
         assert layer_params(cfg, tp, linear=kind == "linear") == (whole - norms[kind]) // tp + norms[kind], kind
+
+
+def test_a_folder_still_holding_the_mtp_head_is_refused_in_one_line(folder, tmp_path):
+    """config.json's mtp_num_hidden_layers is read as transformers' Qwen3_5ForCausalLM reads it (no MTP head);
+    its tensors, where a folder still holds them, are named by the folder check rather than dropped."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_pack.model.hf.folder_check import folder_problems
+
+    shutil.copytree(folder, tmp_path / "m")
+    assert folder_problems(tmp_path / "m") == []  # guard: the folder itself passes
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, str(tmp_path / "m" / "model.safetensors"),
+              metadata={"format": "pt"})
+    problems = folder_problems(tmp_path / "m")
+    assert len(problems) == 1 and "mtp.fc.weight" in problems[0] and "\n" not in problems[0]

@@ -316,7 +316,10 @@ def _qwen3_5_keys(hf: dict) -> dict:
 QWEN3_5 = register_family(Family(
     model_type="qwen3_5_text", summary="Qwen3.5 text, dense (Qwen3_5ForCausalLM; Gated DeltaNet linear attention with "
     "every N-th layer a gated full attention, QK norm, partial RoPE; no MTP head)",
-    architectures=("Qwen3_5ForCausalLM",), rules=QWEN3_5_RULES, refused=DENSE_REFUSALS + (O_PROJ_BIAS,),
+    architectures=("Qwen3_5ForCausalLM",), rules=QWEN3_5_RULES,
+    # mtp_num_hidden_layers stays in the text config transformers saves from a Hub folder; Qwen3_5ForCausalLM builds
+    # no MTP head from it (nor do we: a folder that still holds mtp.* tensors is refused by the folder check)
+    refused=tuple(r for r in DENSE_REFUSALS if not r.key.startswith("mtp_")) + (O_PROJ_BIAS,),
     layer_types=("full_attention", "linear_attention"), text_positions=True, derive=_qwen3_5_keys))
 
 
