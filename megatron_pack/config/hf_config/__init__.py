@@ -194,7 +194,8 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     llama3 = scaling["rope_type"] == "llama3"
     return {
         "num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
-        "ffn_hidden_size": int(hf["intermediate_size"]), "num_attention_heads": heads,
+        # a MoE config.json may name no dense MLP (Qwen3.5-MoE): its experts' width, until the family derives it
+        "ffn_hidden_size": int(hf.get("intermediate_size") or hf["moe_intermediate_size"]), "num_attention_heads": heads,
         "num_query_groups": int(hf.get("num_key_value_heads") or heads), "kv_channels": int(head_dim),
         "vocab_size": int(hf["vocab_size"]), "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
         "normalization": "RMSNorm", "activation": "swiglu", "rotary_base": int(theta),

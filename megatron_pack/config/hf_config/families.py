@@ -323,6 +323,29 @@ QWEN3_5 = register_family(Family(
     layer_types=("full_attention", "linear_attention"), text_positions=True, derive=_qwen3_5_keys))
 
 
+def _qwen3_5_moe_keys(hf: dict) -> dict:
+    # HF: softmax over all experts, top-k, then always divided by the k probabilities' sum (megatron-core's
+    # pre_softmax=False); a shared expert behind a sigmoid gate in every layer
+    return {**_qwen3_5_keys(hf), "num_experts": int(hf["num_experts"]),
+            "moe_router_topk": int(hf["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]), "moe_router_pre_softmax": False,
+            "ffn_hidden_size": int(hf["moe_intermediate_size"]),
+            "moe_shared_expert_ffn_hidden_size": int(hf.get("shared_expert_intermediate_size") or 0) or None,
+            "moe_shared_expert_gate": bool(hf.get("shared_expert_intermediate_size"))}
+
+
+QWEN3_5_MOE = register_family(Family(
+    model_type="qwen3_5_moe_text", summary="Qwen3.5-MoE text (Qwen3_5MoeForCausalLM; Qwen3.5's hybrid layers, a MoE "
+    "block with a gated shared expert in every layer; no MTP head)",
+    architectures=("Qwen3_5MoeForCausalLM",),
+    rules=tuple(r for r in QWEN3_5_RULES if not r.mcore.endswith(_DENSE_MLP))
+    + expert_rules("mlp", "gate_proj", "up_proj", "down_proj", "gate") + SHARED_EXPERT_RULES,
+    refused=tuple(r for r in MOE_REFUSALS
+                  if not r.key.startswith("mtp_") and r.key != "shared_expert_intermediate_size")
+    + (O_PROJ_BIAS,),
+    layer_types=("full_attention", "linear_attention"), text_positions=True, derive=_qwen3_5_moe_keys))
+
+
 # gpt-oss: attention with biases on q/k/v/o and a learnable sink logit per head, windowed and full layers in
 # turn, YaRN RoPE, and a MoE block whose router and experts carry biases. transformers stacks every expert of a
 # layer in one tensor: ``name[e]`` is its slice e (``record.stacked_part``). gate_up_proj[e] [hidden, 2 * ffn]
