@@ -65,7 +65,7 @@ FIELD_CASES = [  # (id, group, fields, fragments of the problem; () = valid)
     ("checkpoint-weights-only", "checkpoint", dict(load_weights_only=True, load="/ck"), ()),
     ("verify-tolerance", "verify", dict(tolerance=0.0), ("verify.tolerance (0.0)",)),
     ("verify-reference", "verify", dict(reference="torch"), ("verify.reference ('torch')", "set verify.reference=self")),
-    ("model-rope-scaling", "model", dict(rope_scaling="yarn"), ("model.rope_scaling ('yarn')",)),
+    ("model-rope-scaling", "model", dict(rope_scaling="dynamic"), ("model.rope_scaling ('dynamic')",)),
     ("model-llama3-factors", "model", dict(rope_scaling="llama3", rope_low_freq_factor=4.0),
      ("model.rope_low_freq_factor (4.0)",)),
     ("model-norm-eps", "model", dict(norm_epsilon=0.0), ("model.norm_epsilon (0.0)",)),

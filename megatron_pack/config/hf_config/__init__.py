@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import megatron_pack.config.hf_config.families  # noqa: F401  (registers the supported families)
-from megatron_pack.config.hf_config.record import FAMILIES, Family
+from megatron_pack.config.hf_config.record import FAMILIES, Family, rope_settings, text_view
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_FAMILIES", "UnsupportedModel", "apply_pretrained", "contradictions",
-           "derive_model_keys", "family_of", "hub_id_problem", "pretrained_model_keys", "read_hf_config", "refusal",
-           "rope_settings", "text_view"]
+           "derive_model_keys", "family_of", "hub_id_problem", "pretrained_model_keys", "read_hf_config", "refusal"]
 
 
 class _FamilyField(Mapping):
@@ -90,33 +89,6 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise UnsupportedModel(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg}); re-download the model "
                                "folder.") from None
-
-
-def text_view(hf: dict[str, Any]) -> dict[str, Any]:
-    """config.json as its language model reads it: a vision-language config saved by transformers 5 nests the
-    language model's keys under ``text_config`` (the Hub's Qwen2.5-VL files keep them at the top)."""
-    text = hf.get("text_config")
-    return {**hf, **text} if isinstance(text, dict) else hf
-
-
-def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, rope scaling dict with 'rope_type') from either transformers spelling.
-
-    Multimodal RoPE (``{"type": "mrope", "mrope_section": [16, 24, 24]}``) is rope_type 'default' with
-    an ``mrope_section``: the frequencies are the default ones, split over three position rows."""
-    hf = text_view(hf)
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-        params = params["full_attention"]  # per layer type (Gemma 3, transformers 5): the full-attention layers'
-    if isinstance(params, dict):
-        scaling = dict(params)
-        theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    else:
-        scaling = dict(hf.get("rope_scaling") or {})
-        theta = hf.get("rope_theta", 10000.0)
-    kind = scaling.get("type", "default")
-    scaling.setdefault("rope_type", "default" if kind == "mrope" else kind)
-    return float(theta), scaling
 
 
 def family_of(model_type: str) -> Family:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_pack.config.hf_config.record import Family, Refuse, Rule, VisionTower, register_family
+from megatron_pack.config.hf_config.record import Family, Refuse, Rule, VisionTower, register_family, rope_settings
 
 _L, _A, _M = "decoder.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}."
 LLAMA_RULES = (
@@ -377,8 +377,6 @@ def yarn_keys(hf: dict, head_dim: int) -> dict:
     (32.0, False, 0.226658)
     """
     import math
-
-    from megatron_pack.config.hf_config import rope_settings
 
     scaling = rope_settings(hf)[1]
     if scaling["rope_type"] != "yarn":

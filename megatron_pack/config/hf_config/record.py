@@ -237,3 +237,30 @@ def register_family(family: Family) -> Family:
         raise ValueError(f"model_type {family.model_type!r} already has a family record.")
     FAMILIES[family.model_type] = family
     return family
+
+
+def text_view(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json as its language model reads it: a vision-language config saved by transformers 5 nests the
+    language model's keys under ``text_config`` (the Hub's Qwen2.5-VL files keep them at the top)."""
+    text = hf.get("text_config")
+    return {**hf, **text} if isinstance(text, dict) else hf
+
+
+def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, rope scaling dict with 'rope_type') from either transformers spelling.
+
+    Multimodal RoPE (``{"type": "mrope", "mrope_section": [16, 24, 24]}``) is rope_type 'default' with
+    an ``mrope_section``: the frequencies are the default ones, split over three position rows."""
+    hf = text_view(hf)
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (Gemma 3, transformers 5): the full-attention layers'
+    if isinstance(params, dict):
+        scaling = dict(params)
+        theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        scaling = dict(hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", 10000.0)
+    kind = scaling.get("type", "default")
+    scaling.setdefault("rope_type", "default" if kind == "mrope" else kind)
+    return float(theta), scaling

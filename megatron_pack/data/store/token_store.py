@@ -93,6 +93,16 @@ def init_worker(tokenizer: str, schema: SampleSchema | tuple, answer_only_loss: 
                    images=image_spec(tokenizer, tok), image_root=image_root)
 
 
+def _init_pool_worker(*args) -> None:
+    """``init_worker`` in a pool worker, which leaves Ctrl-C to the parent: the parent stops reading, cancels the
+    chunks not started and waits for the running ones; a worker that took the signal too printed its own
+    traceback from wherever it waited (the issue-43 Ctrl-C test caught one waiting for its next chunk)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    init_worker(*args)
+
+
 def _records(chunk: Chunk) -> Iterator[tuple[int, dict | DataError]]:
     if chunk.kind == "synthetic":  # with a vision-language folder, the set with generated images
         seed, start, stop, max_length = chunk.items
@@ -223,7 +233,7 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
     # hang joining its task-handler thread; the executor cancels what has not started and waits for the rest
     pending: deque = deque()
     try:
-        with ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method), initializer=init_worker,
+        with ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method), initializer=_init_pool_worker,
                                  initargs=(tokenizer, schema, answer_only_loss, chat_template, on_bad_record,
                                            image_root)) as pool:
             try:
