@@ -250,3 +250,28 @@ class MemoryPacks:
 
     def __getitem__(self, index: int) -> list[dict]:
         return self.packs[index]
+
+
+def logit_change(folder: Path | str, config, ids: torch.Tensor) -> float:
+    """The largest change of transformers' logits of ``ids`` when the folder's model is loaded with ``config``
+    instead of its own config.json (the family tests' guard: a feature whose removal changes nothing proves nothing)."""
+    import transformers as T
+
+    with torch.no_grad():
+        ref = T.AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        other = T.AutoModelForCausalLM.from_pretrained(folder, config=config).eval()(ids).logits
+    return float((ref - other).abs().max())
+
+
+def config_refusal(folder: Path, hf: dict) -> str:
+    """The message ``pretrained_model_keys`` refuses a folder with config.json ``hf`` with (fails if it reads it)."""
+    import json
+
+    import pytest
+
+    from megatron_pack.config.hf_config import UnsupportedModel, pretrained_model_keys
+
+    (folder / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(UnsupportedModel) as info:
+        pretrained_model_keys(folder)
+    return str(info.value)
