@@ -12,6 +12,16 @@ bytes, and computes the patch grid from the stored size with the processor's res
 Example, patch 14, merge 2, min 28*28, max 112*112 pixels: a 100 x 60 (w x h) image resizes to 112 x 56,
 grid (1, 4, 8), 8 tokens.
 
+The families: Qwen2.5-VL, Qwen3-VL (``qwen3_vl``, ``qwen3_vl_moe``) and Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) all
+load transformers' ``Qwen2VLImageProcessor`` (its auto mapping), so one rule serves them; only the settings differ
+(Qwen3-VL / Qwen3.5 folders: patch 16, merge 2, ``size: {shortest_edge, longest_edge}`` in pixels, no top-level
+``min_pixels`` / ``max_pixels``). The settings are read where ``AutoImageProcessor`` reads them: the
+``image_processor`` entry of ``processor_config.json`` (what transformers 5's processor ``save_pretrained``
+writes) first, else ``preprocessor_config.json``.
+
+Video is refused: a ``{"type": "video"}`` part, a record's non-empty ``videos`` column, or a rendered
+``<|video_pad|>`` token is a bad record (``non_text_part``), never a silently dropped clip.
+
 Record shapes (``stage_images``), each turned into chat content parts with ``{"type": "image",
 "image_index": k}`` (k: the image's index in the record) for the chat template to render:
 
@@ -49,7 +59,12 @@ IMAGE_INDEX_KEY = "image_index"
 CONVERTED_MODES = ("RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1")
 """Modes the processor's ``do_convert_rgb`` turns into RGB without loss of range."""
 IMAGE_TOKENS = {"image": "<|image_pad|>", "start": "<|vision_start|>", "end": "<|vision_end|>"}
+VIDEO_TOKEN = "<|video_pad|>"
+VIDEO_KEY = "videos"
+"""LLaMA-Factory's video column (``<video>`` placeholders); a record with videos is refused."""
 PROCESSOR_FILE = "preprocessor_config.json"
+NESTED_PROCESSOR_FILE = "processor_config.json"
+"""transformers 5's processor file: every sub-processor's settings under its name (``image_processor``)."""
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -82,6 +97,8 @@ class ImageSpec:
     image_token_id: int
     vision_start_id: int
     vision_end_id: int
+    video_token_id: Optional[int] = None
+    """``<|video_pad|>``'s id where the tokenizer has it (a record rendering it is refused); not in ``identity``."""
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """``(t, h, w)`` patches of an image of ``height`` x ``width`` pixels, as the processor returns it."""
@@ -100,29 +117,52 @@ class ImageSpec:
                 "vision_end_id": self.vision_end_id}
 
 
+def processor_settings(folder: str) -> Optional[tuple[Path, dict]]:
+    """``(file, settings)`` of the folder's image processor, read where ``AutoImageProcessor`` reads them:
+    ``processor_config.json``'s ``image_processor`` entry first, else ``preprocessor_config.json``; None for a
+    folder without an image processor (a text folder)."""
+    from megatron_pack.data.formats.sources import DataError
+
+    if folder == "byte":
+        return None
+    for name, entry in ((NESTED_PROCESSOR_FILE, "image_processor"), (PROCESSOR_FILE, None)):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text())
+        except ValueError as exc:
+            raise DataError(f"{path} is not valid JSON ({exc}); save it again with the processor's save_pretrained.")
+        if entry is None:
+            return path, config
+        if isinstance(config, dict) and isinstance(config.get(entry), dict):
+            return path, config[entry]
+    return None
+
+
 def image_spec(folder: str, tokenizer) -> Optional[ImageSpec]:
-    """The ``ImageSpec`` of a tokenizer folder holding ``preprocessor_config.json`` (None: a text folder)."""
-    if folder == "byte" or not (Path(folder) / PROCESSOR_FILE).is_file():
+    """The ``ImageSpec`` of a tokenizer folder with an image processor (``processor_settings``; None: a text
+    folder)."""
+    found = processor_settings(folder)
+    if found is None:
         return None
     from megatron_pack.data.formats.sources import DataError
 
-    path = Path(folder) / PROCESSOR_FILE
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}); save it again with the processor's save_pretrained.")
+    path, config = found
     size = config.get("size") or {}
     ids = {name: tokenizer.tok.convert_tokens_to_ids(text) for name, text in IMAGE_TOKENS.items()}
     unknown = [IMAGE_TOKENS[n] for n, i in ids.items() if i is None or i == tokenizer.tok.unk_token_id]
     if unknown:
-        raise DataError(f"data.tokenizer ({folder}) has {PROCESSOR_FILE} but no token(s) {unknown}; a Qwen2-VL "
-                        "folder's tokenizer has them: point data.tokenizer at the full model folder.")
+        raise DataError(f"data.tokenizer ({folder}) has {path.name} but no token(s) {unknown}; a Qwen2-VL, Qwen3-VL "
+                        "or Qwen3.5 folder's tokenizer has them: point data.tokenizer at the full model folder.")
+    video = tokenizer.tok.convert_tokens_to_ids(VIDEO_TOKEN)
     return ImageSpec(patch_size=int(config.get("patch_size", 14)), merge_size=int(config.get("merge_size", 2)),
                      temporal_patch_size=int(config.get("temporal_patch_size", 2)),
                      min_pixels=int(_pixels(config, size, "min_pixels", "shortest_edge", 56 * 56)),
                      max_pixels=int(_pixels(config, size, "max_pixels", "longest_edge", 28 * 28 * 1280)),
                      do_convert_rgb=bool(config.get("do_convert_rgb", True)), image_token_id=int(ids["image"]),
-                     vision_start_id=int(ids["start"]), vision_end_id=int(ids["end"]))
+                     vision_start_id=int(ids["start"]), vision_end_id=int(ids["end"]),
+                     video_token_id=None if video is None or video == tokenizer.tok.unk_token_id else int(video))
 
 
 def _pixels(config: dict, size: dict, key: str, edge: str, default: int) -> int:
@@ -180,6 +220,10 @@ def _message_lists(record: dict, schema: SampleSchema) -> list[tuple[str, list]]
 def stage_images(record: dict, schema: SampleSchema, base_dir: Path) -> tuple[dict, list[ImageRef]]:
     """``(record, refs)``: the record with every image as a ``{"type": "image", "image_index": k}`` content
     part and the images in order of appearance. A record without images comes back as it is, with ``[]``."""
+    videos = record.get(VIDEO_KEY)
+    if videos:
+        raise RecordError(f"the record lists {VIDEO_KEY} ({videos!r:.60}); video is not supported (images only): "
+                          "drop the videos and their <video> placeholders, or the record", "non_text_part")
     listed = record.get(schema.images_key)
     if listed is not None and not isinstance(listed, list):
         raise RecordError(f"{schema.images_key!r} ({listed!r:.60}) must be a list of images; write "
@@ -227,7 +271,13 @@ def _stage_content(content, where: str, listed: list, num_from_list: int, refs: 
             if text:
                 parts.append({"type": "text", "text": text})
         return parts, num_from_list
-    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+    if not isinstance(content, list):
+        return None, num_from_list
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and (part.get("type") == "video" or "video" in part):
+            raise RecordError(f"{where}[{j}] is a video part; video is not supported (images only): remove the part "
+                              "or the record", "non_text_part")
+    if not any(isinstance(p, dict) and p.get("type") == "image" for p in content):
         return None, num_from_list
     parts = []
     for j, part in enumerate(content):
@@ -288,9 +338,13 @@ def inspect_image(ref: ImageRef, spec: ImageSpec, where: str) -> ImageInfo:
 def expand_images(ids: np.ndarray, mask: np.ndarray, images: list[ImageInfo], spec: ImageSpec):
     """``(ids, mask, starts)``: each rendered ``<|image_pad|>`` repeated to its image's token count (the mask
     value repeated with it), and the first pad position of every image. The template must render one pad per
-    image, in order; any other count refuses the record.
+    image, in order; any other count refuses the record, as does a rendered ``<|video_pad|>``. A record without
+    images comes through too (``images`` empty): a pad token in its text is refused.
 
     Example, one image of 3 tokens: ids ``[S, P, E, x]`` -> ``[S, P, P, P, E, x]``, starts ``[1]``."""
+    if spec.video_token_id is not None and np.any(np.asarray(ids) == spec.video_token_id):
+        raise RecordError("the chat template rendered <|video_pad|> (the text holds the token itself); video is not "
+                          "supported (images only): remove the token from the text or the record", "non_text_part")
     where = np.flatnonzero(np.asarray(ids) == spec.image_token_id)
     if len(where) != len(images):
         raise RecordError(f"the chat template rendered {len(where)} <|image_pad|> token(s) for {len(images)} image(s) "

@@ -84,7 +84,7 @@ def init_worker(tokenizer: str, schema: SampleSchema | tuple, answer_only_loss: 
                 chat_template: str | None = None, on_bad_record: str = "error", image_root: str | None = None) -> None:
     """Per-process state: each worker builds its own tokenizer from its name (the object is never sent).
     ``schema`` is one ``SampleSchema``, or a tuple of them indexed by the chunk's file (data.sources).
-    A tokenizer folder with ``preprocessor_config.json`` turns images on (``formats.images``); relative
+    A tokenizer folder with an image processor (``formats.images.processor_settings``) turns images on; relative
     image paths start at ``image_root``, or at each data file's folder."""
     from megatron_pack.data.formats.images import image_spec
 
@@ -159,11 +159,11 @@ def _encode_with_images(tok, records: list[dict], schema: SampleSchema, answer_o
     for k, result in zip(fine, _encode_records(tok, [staged[k][0] for k in fine], schema, answer_only)):
         infos = staged[k][1]
         try:
-            if isinstance(result, Exception) or not infos:
-                out[k] = result if isinstance(result, Exception) else (*result, None)
+            if isinstance(result, Exception):
+                out[k] = result
                 continue
-            ids, mask, starts = expand_images(result[0], result[1], infos, spec)
-            out[k] = (ids, mask, (infos, starts))
+            ids, mask, starts = expand_images(result[0], result[1], infos, spec)  # refuses stray pad tokens too
+            out[k] = (ids, mask, (infos, starts)) if infos else (*result, None)
         except RecordError as exc:
             out[k] = exc
     return out
