@@ -123,16 +123,21 @@ def test_image_tokens_from_the_stored_size_equal_the_family_processor(folders, m
         bounds["min"] += round(height / 32) * round(width / 32) * 32 * 32 < 32 * 32
         bounds["max"] += round(height / 32) * round(width / 32) * 32 * 32 > 128 * 128 >= resized
     assert bounds["min"] >= 3 and bounds["max"] >= 3, bounds  # the table makes both bounds bind
+    assert len(SIZES) == 14  # docs/data.md: "on 14 sizes"
 
 
 def test_hand_computed_counts():
     """patch 16, merge 2 (factor 32), 1024 .. 16384 pixels: 100 x 60 rounds to 96 x 64, grid (1, 4, 6), 6 tokens
     (docs/data.md's example); 1 x 1 grows to 32 x 32, 1 token; 4000 x 3000 shrinks to 128 x 96, 12 tokens."""
-    from megatron_pack.data.formats.images import smart_resize
+    from megatron_pack.data.formats.images import ImageSpec, smart_resize
 
     assert smart_resize(60, 100, 32, 1024, 16384) == (64, 96)
     assert smart_resize(1, 1, 32, 1024, 16384) == (32, 32)
     assert smart_resize(3000, 4000, 32, 1024, 16384) == (96, 128)
+    spec = ImageSpec(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=1024, max_pixels=16384,
+                     do_convert_rgb=True, image_token_id=5, vision_start_id=3, vision_end_id=4)
+    grids = [spec.grid(60, 100), spec.grid(1, 1), spec.grid(3000, 4000)]
+    assert grids == [(1, 4, 6), (1, 2, 2), (1, 6, 8)] and [spec.num_tokens(g) for g in grids] == [6, 1, 12]
 
 
 def test_an_aspect_ratio_above_200_is_refused_as_by_the_processor(folders):
@@ -259,7 +264,8 @@ def _bad_cases(root: Path):
         ("image_count_mismatch", {"messages": _user("what <|image_pad|>?")},
          "rendered 1 <|image_pad|> token(s) for 0 image(s)"),
         ("non_text_part", {"messages": _user([{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "q"}])},
-         "messages[0].content[0] is a video part; video is not supported"),
+         "t.jsonl: line 2: messages[0].content[0] is a video part; video is not supported (images only): remove "
+         "the part or the record."),  # docs/data.md quotes this line
         ("non_text_part", {"messages": _user([{"type": "image", "image": "img/ok.png"},
                                               {"type": "video", "video": ["f0.png", "f1.png"]}])},
          "messages[0].content[1] is a video part"),

@@ -235,9 +235,10 @@ def _content(content: Any, where: str) -> str | list[dict]:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image":
-            raise RecordError(f"{where}[{j}] is a 'image' part, but data.tokenizer has no preprocessor_config.json; "
-                              "set data.tokenizer to a vision-language model folder (Qwen2.5-VL) or remove the image",
-                              "non_text_part")
+            raise RecordError(f"{where}[{j}] is a 'image' part, but data.tokenizer has no image processor "
+                              "(preprocessor_config.json, or processor_config.json's image_processor); set "
+                              "data.tokenizer to a vision-language model folder (Qwen2.5-VL, Qwen3-VL, Qwen3.5) or "
+                              "remove the image", "non_text_part")
         if kind != "text" or not isinstance(part.get("text"), str):
             raise RecordError(f"{where}[{j}] is a {kind or type(part).__name__!r} part; only text parts "
                               "({\"type\": \"text\", \"text\": \"...\"}) can be trained on: remove the non-text part or "
