@@ -60,12 +60,16 @@ def family_config(model_type: str, tokenizer):
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
            (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
             ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+    # interleaved M-RoPE as the published folders have it, sections summing to the rotary half: head_dim 8 for
+    # Qwen3-VL; head_dim 16 with Qwen3.5's partial rotary (0.5 here) -> 8 rotary dims
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
     text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rope_parameters": rope}
     if "moe" in model_type:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     if model_type.startswith("qwen3_5"):
-        text.update(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        text.update(head_dim=16, rope_parameters={**rope, "partial_rotary_factor": 0.5},
+                    layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
               "patch_size": PATCH_SIZE, "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE,
