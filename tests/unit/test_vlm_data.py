@@ -271,7 +271,7 @@ def test_an_image_larger_than_the_pack_is_named_or_dropped(tmp_path, folder):
     write_jsonl(tmp_path / "t.jsonl", [short, big])
     out = refused(tmp_path, *_prepare_args(folder, "t.jsonl", 16))
     assert "t.jsonl: line 2: image 0 takes 16 tokens (grid 1x8x8)" in out
-    assert "packing.packed_sequence_size=18" in out and "max_pixels" in out
+    assert "packing.packed_sequence_size=18" in out and "max_pixels" in out and "processor_config.json" in out
     ok(tmp_path, *_prepare_args(folder, "t.jsonl", 16, "packing.on_overflow=drop"))
     plans = list((tmp_path / "ds" / "plans").iterdir())
     acc = json.loads((plans[0] / "metadata.json").read_text())["accounting"]

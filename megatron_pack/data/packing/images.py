@@ -73,5 +73,6 @@ def _refuse_images_over_the_pack(store, settings: PlanSettings, include) -> None
     raise DataError(f"{len(too_big)} image(s) take more tokens than the pack holds ({settings.truncate_to}):\n"
                     + "\n".join(lines) + more + f"\nFix: set packing.packed_sequence_size={needed} "
                     f"model.seq_length={needed} (or more), lower max_pixels (size.longest_edge) in the folder's "
-                    "preprocessor_config.json and re-run prepare, or set packing.on_overflow=drop to leave those "
+                    "image processor settings (processor_config.json's image_processor, else preprocessor_config.json) "
+                    "and re-run prepare, or set packing.on_overflow=drop to leave those "
                     "samples out (counted).")
