@@ -55,6 +55,7 @@ MODULE_SECONDS = {
     "tests/unit/test_dist_harness.py": 28,
     "tests/functional/test_vlm_model.py": 26,
     "tests/unit/test_prepare.py": 22,
+    "tests/functional/test_window_sink_cli.py": 22,  # measured alone (its torchrun world's start-up included)
     "tests/functional/test_reliability_folders.py": 22,
     "tests/unit/test_vlm_data.py": 21,
     "tests/unit/test_resume_check.py": 18,

@@ -1,10 +1,10 @@
 """Gemma 3 (text) in and out: a tiny random Gemma3ForCausalLM through our packed THD model, proved against transformers.
 
-The folder (4 layers: windowed, full, windowed, full; sliding_window 8; local RoPE base 10000, global 1e6 with
+The folder (4 layers: three windowed, then one full; sliding_window 8; local RoPE base 10000, global 1e6 with
 linear scaling 8; query_pre_attn_scalar 24 != head_dim 16; tied embeddings; every norm weight drawn away from 0)
 is transformers' own model. One pack of a 47-token sample, a 9-token one and a 30-token one (windows shorter than
-the samples) runs at CP=2 and at TP=2 on gloo; each sample's logits must equal transformers' logits of the sample
-alone. Each Gemma feature is checked to matter (transformers' logits change without it), the export gives back the
+the samples) runs at world 1, CP=2, TP=2 and PP=2 on gloo; each sample's logits must equal transformers' logits
+of the sample alone. Each Gemma feature is checked to matter (transformers' logits change without it), the export gives back the
 folder's tensors bit for bit, and LoRA adapters attach to every linear without changing the logits at init.
 """
 
@@ -25,7 +25,7 @@ def _config(**extra):
 
     return T.Gemma3TextConfig(**{**dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=4,
         rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=10000.0, rope_theta=1e6,
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0), **extra})
 
@@ -81,6 +81,9 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
             post = [sharded[k] for k in sharded if "post_layernorm" in k]
             out["tp2_post_norms"] = np.array([[*t.global_shape, *t.local_shape] for t in post])
         destroy_parallel()
+    from test_gpt_oss import SHORT_AFTER_LONG, pipeline_logits
+
+    out.update(pipeline_logits(folder, [*_samples(), SHORT_AFTER_LONG], VOCAB))
     return out
 
 
@@ -89,19 +92,40 @@ def folder(tmp_path_factory) -> str:
     return _folder(tmp_path_factory.mktemp("gemma3"))
 
 
-def test_packed_logits_equal_transformers_per_sample_at_cp2_and_tp2(folder, tmp_path):
+def test_packed_logits_equal_transformers_per_sample_at_cp2_tp2_and_pp2(folder, tmp_path):
     """Our CP=2 and TP=2 logits of each sample in the pack equal transformers' of the sample alone; the TP=2
-    model's checkpoint description holds every post-norm."""
+    model's checkpoint description holds every post-norm. At PP=2 the second stage holds layers 3 (windowed) and 4
+    (full, the other RoPE base): its layers count from 3, or layer 4 would be windowed with the local base; the
+    pack there also ends with a sample shorter than the window after the 47-token one."""
+    from test_gpt_oss import SHORT_AFTER_LONG
+
     from _hf import hf_logits
 
-    res = spawn_world(_worker, 2, tmp_path, folder, timeout_s=300)[0]
-    refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
+    results = spawn_world(_worker, 2, tmp_path, folder, timeout_s=300)
+    res = results[0]
+    refs = hf_logits(folder, [ids[:-1] for ids in [*_samples(), SHORT_AFTER_LONG]])
     # attention's and MLP's in each of 4 layers: global [layers 4, hidden 64], local [64] (replicated over TP)
     assert res["tp2_post_norms"].tolist() == [[4, 64, 64]] * 8
     for layout in ("cp2", "tp2"):
-        for s, ref in enumerate(refs):
+        for s, ref in enumerate(refs[:3]):
             torch.testing.assert_close(torch.as_tensor(res[f"{layout}_{s}"]), ref, atol=1e-4, rtol=1e-4,
                                        msg=f"{layout} sample {s}")
+    assert [r["pp2_layers"].tolist() for r in results] == [[1, 2], [3, 4]]
+    for s, ref in enumerate(refs):
+        torch.testing.assert_close(torch.as_tensor(results[1][f"pp2_{s}"]), ref, atol=1e-5, rtol=1e-5,
+                                   msg=f"pp2 sample {s}")
+
+
+def test_packed_logits_equal_transformers_per_sample_at_world_1(folder):
+    from test_gpt_oss import SHORT_AFTER_LONG, packed_logits_world_1
+
+    from _hf import hf_logits
+
+    samples = [*_samples(), SHORT_AFTER_LONG]
+    refs = hf_logits(folder, [ids[:-1] for ids in samples])
+    assert sum(len(ref) > 8 for ref in refs) == 3 and len(refs[-1]) < 8  # three longer than the window, one shorter
+    for s, (got, ref) in enumerate(zip(packed_logits_world_1(folder, samples, VOCAB), refs)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
 
 
 FEATURES = {  # id: transformers config change that removes one Gemma feature (its logits must then change)

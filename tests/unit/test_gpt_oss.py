@@ -59,14 +59,20 @@ def folder(tmp_path_factory) -> str:
 
 
 def _packed_logits(folder: str, overrides: tuple[str, ...] = ()) -> list[torch.Tensor]:
+    return packed_logits_world_1(folder, _samples(), VOCAB, overrides)
+
+
+def packed_logits_world_1(folder: str, samples: list[list[int]], vocab: int, overrides: tuple[str, ...] = ()
+                          ) -> list[torch.Tensor]:
+    """Each sample's logits [n - 1, vocab] from one pack of ``samples`` at world 1 (padded to multiples of 4)."""
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.step import get_packed_seq_params
 
-    samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()]
-    batch = collate_thd(samples, pack_size=128, pad_multiple=4)
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in samples], pack_size=160,
+                        pad_multiple=4)
     cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
     cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu", *overrides])
     try:
@@ -75,7 +81,7 @@ def _packed_logits(folder: str, overrides: tuple[str, ...] = ()) -> list[torch.T
             logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
     finally:
         destroy_parallel(destroy_process_group=True)
-    return [logits[0, cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :VOCAB] for s in range(len(cu) - 1)]
+    return [logits[0, cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :vocab] for s in range(len(cu) - 1)]
 
 
 def test_packed_logits_equal_transformers_per_sample_at_world_1(folder):
@@ -121,22 +127,60 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
         for s in range(len(cu) - 1):
             out[f"{name}_{s}"] = full[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s]].numpy()
         destroy_parallel()
+    out.update(pipeline_logits(folder, [*_samples(), SHORT_AFTER_LONG], VOCAB))
     return out
 
 
-def test_packed_logits_equal_transformers_per_sample_at_cp2_ep2_and_tp2(folder, tmp_path):
+SHORT_AFTER_LONG = [7, 19, 33, 2]
+"""A 4-token sample after the 58-token one in the PP=2 pack: shorter than the window (8), which would reach back
+into the long sample if it crossed the boundary."""
+
+
+def pipeline_logits(folder: str, samples: list[list[int]], vocab: int) -> dict:
+    """Each sample's logits from one pack at PP=2 (two layers a stage: megatron-core's forward-only schedule, the
+    first stage's activations sent to the second; ``cli.verify.schedule_logits``), on the last stage; {} elsewhere."""
+    from megatron_pack.cli.verify import build_chunks, schedule_logits
+    from megatron_pack.config import load_config
+    from megatron_pack.config.validate import validate
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in samples], pack_size=160)
+    cu = batch["cu_seqlens"].tolist()
+    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu",
+                       "peft.method=none", "parallel.pipeline_model_parallel_size=2"])
+    validate(cfg, world_size=2)
+    enable_cpu_compat_without_cuda()
+    pg = initialize_parallel(cfg)
+    chunks = build_chunks(cfg, pg)
+    layers = [layer.layer_number for layer in chunks[0].decoder.layers]
+    logits, _ = schedule_logits(chunks, [batch], pg, 160)
+    destroy_parallel()
+    if logits is None:
+        return {"pp2_layers": layers}
+    return {"pp2_layers": layers, **{f"pp2_{s}": logits[0][cu[s]:cu[s + 1], :vocab].numpy() for s in range(len(cu) - 1)}}
+
+
+def test_packed_logits_equal_transformers_per_sample_at_cp2_ep2_tp2_and_pp2(folder, tmp_path):
     """The same pack at CP=2, at EP=2 (two experts a rank) and at TP=2 with sequence parallelism and EP=2: every rank
-    gives each sample transformers' logits of the sample alone."""
+    gives each sample transformers' logits of the sample alone. At PP=2 (layers 1-2 on rank 0, 3-4 on rank 1) the
+    last stage gives them too, for a pack that also ends with a sample shorter than the window."""
     from _dist import spawn_world
     from _hf import hf_logits
 
     results = spawn_world(_worker, 2, tmp_path, folder, timeout_s=300)
-    refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
+    refs = hf_logits(folder, [ids[:-1] for ids in [*_samples(), SHORT_AFTER_LONG]])
     for rank, res in enumerate(results):
         for layout in LAYOUTS:
-            for s, ref in enumerate(refs):
+            for s, ref in enumerate(refs[:3]):
                 torch.testing.assert_close(torch.as_tensor(res[f"{layout}_{s}"]), ref, atol=1e-5, rtol=1e-5,
                                            msg=f"rank {rank} {layout} sample {s}")
+    assert [r["pp2_layers"].tolist() for r in results] == [[1, 2], [3, 4]]
+    assert not any(k.startswith("pp2_") and k != "pp2_layers" for k in results[0])
+    for s, ref in enumerate(refs):
+        torch.testing.assert_close(torch.as_tensor(results[1][f"pp2_{s}"]), ref, atol=1e-5, rtol=1e-5,
+                                   msg=f"pp2 sample {s}")
 
 
 FEATURES = {  # id: transformers config change that removes one gpt-oss feature (its logits must then change)
@@ -348,7 +392,9 @@ GRADS = {  # our parameter: transformers' (its gradient under the summed token l
 def test_gradients_of_sinks_and_biases_equal_transformers(folder):
     """A training step's backward at world 1 (EP 1: the biased experts' output is their own tensor, which
     megatron-core then changes in place): the gradients of a sink, an o_proj bias, a router bias and an expert's
-    bias under the summed token loss equal transformers' summed over the samples run alone."""
+    bias under the summed token loss equal transformers' summed over the samples run alone, in float64 (the
+    reference carries no rounding of its own; the core's sink gradient against a plain-torch float64 loop:
+    tests/unit/test_attention_reach.py)."""
     import transformers as T
 
     from megatron_pack.config import load_config
@@ -367,7 +413,7 @@ def test_gradients_of_sinks_and_biases_equal_transformers(folder):
     finally:
         destroy_parallel(destroy_process_group=True)
     ours = dict(model.named_parameters())
-    hf = T.AutoModelForCausalLM.from_pretrained(folder).train()
+    hf = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, experts_implementation="eager").train()
     total = 0
     for ids in _samples():
         logits = hf(torch.tensor([ids[:-1]])).logits[0]
@@ -378,7 +424,7 @@ def test_gradients_of_sinks_and_biases_equal_transformers(folder):
         want = hf.get_parameter(base).grad
         want = want[int(expert[:-1])] if expert else want
         assert float(want.abs().max()) > 1e-4, hf_name  # guard: the parameter matters
-        torch.testing.assert_close(ours[name].grad, want, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(ours[name].grad.double(), want, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def _mxfp4_folder(root) -> str:

@@ -167,8 +167,9 @@ def drop_untrained_turns(mask: list[int], messages: list[dict], first_trained: i
 
 
 def plain_messages(messages: list[dict]) -> list[dict]:
-    """The messages as chat templates take them (``{role, content}``, no weights)."""
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    """The messages as chat templates take them (``{role, content}`` and an assistant's ``thinking``, no weights)."""
+    return [{"role": m["role"], "content": m["content"], **({THINKING_KEY: m[THINKING_KEY]} if THINKING_KEY in m else {})}
+            for m in messages]
 
 
 def _message_list(record: dict, key: str, schema: SampleSchema, allow_empty: bool = False) -> list[dict]:
@@ -186,6 +187,9 @@ def _message_list(record: dict, key: str, schema: SampleSchema, allow_empty: boo
 
 WEIGHT_KEY = "weight"
 """A message's loss weight (ShareGPT / Axolotl): 0 keeps an assistant turn as context only."""
+THINKING_KEY = "thinking"
+"""An assistant turn's reasoning, passed to the chat template as the message's ``thinking`` field (transformers'
+name: gpt-oss's harmony template renders it in the ``analysis`` channel); docs/data.md says which tokens carry loss."""
 
 
 def _message(message: Any, where: str, schema: SampleSchema, aliases: dict[str, str]) -> dict:
@@ -213,6 +217,13 @@ def _message(message: Any, where: str, schema: SampleSchema, aliases: dict[str, 
                           "fix the record", "bad_weight")
     if weight == 0 and role == "assistant":
         out[WEIGHT_KEY] = 0
+    thinking = message.get(THINKING_KEY)
+    if thinking is not None:
+        if role != "assistant" or not isinstance(thinking, str):
+            raise RecordError(f"{where}.{THINKING_KEY} ({thinking!r:.40}) must be a string on an assistant turn (its "
+                              "reasoning, which gpt-oss's template renders in the analysis channel); move it to the "
+                              "assistant turn or remove it", "wrong_type")
+        out[THINKING_KEY] = thinking
     return out
 
 

@@ -22,7 +22,8 @@ The skeleton is rendered by transformers' own renderer (``render_jinja_template`
 A sentinel is ``PAD OPEN index CLOSE PAD`` with private-use characters a template never holds
 (checked); a slot printed with its pads is verbatim, one printed without is trimmed (``trim``
 strips the pads, which are whitespace), anything else is refused. Messages reach the template
-as ``{"role", "content": str}`` only (``chat.chat_messages`` normalises them), so no other field
+as ``{"role", "content": str}`` only (``chat.chat_messages`` normalises them; a record whose assistant turn has
+``thinking`` is rendered by Jinja, one at a time: ``tokenizer.HFTokenizer.encode_samples``), so no other field
 varies between records.
 """
 

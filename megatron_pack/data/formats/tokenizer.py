@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_pack.data.formats.chat import (ROLES, RecordError, SampleSchema, chat_messages,  # noqa: F401
+from megatron_pack.data.formats.chat import (ROLES, THINKING_KEY, RecordError, SampleSchema, chat_messages,  # noqa: F401
                                              drop_untrained_turns, plain_messages, read_chat_template, record_kind,
                                              untrained_turns)
 
@@ -91,6 +91,10 @@ class ByteTokenizer:
         else:
             pieces = [([self.bos_id], 0)]
             messages, first_trained = chat_messages(record, schema)
+            if any(THINKING_KEY in m for m in messages):
+                raise RecordError(f"an assistant turn has '{THINKING_KEY}' (reasoning), which data.tokenizer=byte has no "
+                                  "place for; set data.tokenizer to a folder whose chat template renders it (gpt-oss) "
+                                  "or drop the field", "template_refused", fatal=True)
             for i, message in enumerate(messages):
                 answer = int(message["role"] == "assistant" and i >= first_trained and message.get("weight", 1) != 0)
                 pieces += [([self.role_ids[message["role"]]], 0), (message["content"].encode("utf-8"), answer),
@@ -271,6 +275,10 @@ class HFTokenizer:
         from jinja2 import TemplateError
 
         plain = plain_messages(messages)
+        if any(THINKING_KEY in m for m in plain) and THINKING_KEY not in self.tok.chat_template:
+            raise RecordError(f"an assistant turn has '{THINKING_KEY}' (reasoning), which the chat template of "
+                              f"{self.path} never reads (it would be dropped); use a template that renders it "
+                              "(gpt-oss's harmony template) or drop the field", "template_refused", fatal=True)
         try:
             ids, mask = self.chat_ids_and_mask(plain)
             if first_trained:  # TRL conversational: assistant turns inside the prompt are context
@@ -304,7 +312,8 @@ class HFTokenizer:
                 if fast and record_kind(record, schema) == "chat":
                     messages, first_trained = chat_messages(record, schema)
                     if first_trained == 0 and not untrained_turns(messages) and \
-                            all(isinstance(m["content"], str) for m in messages):  # image parts: one at a time
+                            all(isinstance(m["content"], str) and THINKING_KEY not in m  # image parts, reasoning:
+                                for m in messages):  # one at a time (the batch pastes contents only)
                         batch.append(i)
                         conversations.append(messages)
                         continue
