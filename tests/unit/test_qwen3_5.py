@@ -14,6 +14,7 @@ it dropped); the export gives the folder back bit for bit at TP=1 and TP=2, and 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,10 +145,42 @@ LAYOUTS = {  # id: the parallel layout of a 2-rank world
 }
 
 
-def _layout_worker(rank: int, world_size: int, folder: str) -> dict:
-    """Each layout's logits of every sample of the pack, through megatron-core's forward-only schedule (as verify
-    runs it: pipeline stages, TP and CP gathered), on the ranks of the last stage."""
+MOE_LAYOUTS = {  # id: a 2-rank layout of the Qwen3.5-MoE stack (experts whole per rank at EP=2, split at TP=2)
+    "cp2": ["parallel.context_parallel_size=2"],
+    "tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    "ep2": ["parallel.expert_model_parallel_size=2"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],
+}
+MOE_LORA_LAYOUTS = {  # id: a 2-rank layout the Qwen3.5-MoE adapters (exported at world 1) are read into
+    "cp2_lora": ["parallel.context_parallel_size=2"],
+    "ep2_lora": ["parallel.expert_model_parallel_size=2"],
+    "tp2_sp_lora": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+}
+
+
+def _layout_logits(cfg, state, batch, adapter=None):
+    """The pack's whole logits [T, V] on the last stage (None elsewhere), through verify's schedule; with
+    ``adapter``, this rank's part of a peft adapter folder read into the model first (``load_adapter``)."""
     from megatron_pack.cli.verify import build_chunks, schedule_logits
+    from megatron_pack.config.hf_config import read_hf_config
+    from megatron_pack.model.peft.export import load_adapter
+
+    chunks = build_chunks(cfg, state)
+    if adapter is not None:
+        filled = load_adapter(chunks[0], adapter, read_hf_config(cfg.model.pretrained)["model_type"], cfg.model,
+                              cfg.peft.target_modules, tp_rank=state.tp_rank, tp_size=state.tp_size,
+                              ep_rank=state.ep_rank, ep_size=state.pg_collection.ep.size(), etp_rank=state.etp_rank,
+                              etp_size=state.pg_collection.expt_tp.size())
+        assert filled > 0
+    logits, _ = schedule_logits(chunks, [batch], state, seq_length=128)
+    return None if logits is None else logits[0]
+
+
+def _layout_worker(rank: int, world_size: int, folder: str, moe_folder: str, moe_adapter: str) -> dict:
+    """Each layout's logits of every sample of the pack, through megatron-core's forward-only schedule (as verify
+    runs it: pipeline stages, TP, CP and EP gathered), on the ranks of the last stage: the dense stack's
+    (``LAYOUTS``), the MoE stack's (``moe_`` + ``MOE_LAYOUTS``) and the MoE stack's with LoRA (``moe_`` +
+    ``MOE_LORA_LAYOUTS``)."""
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -155,33 +188,50 @@ def _layout_worker(rank: int, world_size: int, folder: str) -> dict:
     samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()]
     batch = collate_thd(samples, pack_size=128, pad_multiple=4)
     cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    lora = ["peft.method=lora", f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"]
+    runs = [(name, folder, layout, None) for name, layout in LAYOUTS.items()]
+    runs += [(f"moe_{name}", moe_folder, layout, None) for name, layout in MOE_LAYOUTS.items()]
+    runs += [(f"moe_{name}", moe_folder, layout + lora, moe_adapter) for name, layout in MOE_LORA_LAYOUTS.items()]
     out = {}
-    for name, layout in LAYOUTS.items():
-        cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", *layout])
-        state = initialize_parallel(cfg)
-        logits, _ = schedule_logits(build_chunks(cfg, state), [batch], state, seq_length=128)
+    for name, path, layout, adapter in runs:
+        cfg = load_config([f"model.pretrained={path}", "train.device=cpu", *layout])
+        logits = _layout_logits(cfg, initialize_parallel(cfg), batch, adapter)
         if logits is not None:
             for s in range(len(cu) - 1):
-                out[f"{name}_{s}"] = logits[0][cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :VOCAB].numpy()
+                out[f"{name}_{s}"] = logits[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :VOCAB].numpy()
         destroy_parallel()
     return out
 
 
-def test_packed_logits_equal_transformers_per_sample_at_cp2_tp2_and_pp2(folder, tmp_path):
+@pytest.fixture(scope="module")
+def layout_results(folder, moe_folder, moe_lora, tmp_path_factory) -> list[dict]:
+    """One 2-rank gloo world runs every layout of both stacks (``_layout_worker``): one dict per rank."""
+    results = spawn_world(_layout_worker, 2, tmp_path_factory.mktemp("layouts"), folder, moe_folder,
+                          moe_lora["adapter"], timeout_s=300)
+    assert len(results) == 2
+    return results
+
+
+def _check_layouts(results, refs, names, pp_names=()):
+    """Every rank of the last stage of each layout gives each sample the reference logits (1e-5)."""
+    held = {(rank, name) for rank, res in enumerate(results) for name in names if f"{name}_0" in res}
+    assert held == {(r, name) for r in (0, 1) for name in names if name not in pp_names} | {
+        (1, name) for name in pp_names}
+    for rank, name in sorted(held):
+        for s, ref in enumerate(refs):
+            torch.testing.assert_close(torch.as_tensor(results[rank][f"{name}_{s}"]), ref, atol=1e-5, rtol=1e-5,
+                                       msg=f"rank {rank} {name} sample {s}")
+
+
+def test_packed_logits_equal_transformers_per_sample_at_cp2_tp2_and_pp2(folder, layout_results):
     """One 2-rank gloo world: at CP=2 (the linear layers trade the sequence split for a head split), TP=2, TP=2 with
     sequence parallelism and PP=2 (each stage builds its layers' kinds from their global index), every rank of the
     last stage gives each sample transformers' logits of the sample alone."""
     from _hf import hf_logits
 
-    results = spawn_world(_layout_worker, 2, tmp_path, folder, timeout_s=300)
     refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
-    assert len(results) == 2 and len(refs) == 3
-    held = {(rank, layout) for rank, res in enumerate(results) for layout in LAYOUTS if f"{layout}_0" in res}
-    assert held == {(r, layout) for r in (0, 1) for layout in LAYOUTS if layout != "pp2"} | {(1, "pp2")}
-    for rank, layout in sorted(held):
-        for s, ref in enumerate(refs):
-            torch.testing.assert_close(torch.as_tensor(results[rank][f"{layout}_{s}"]), ref, atol=1e-5, rtol=1e-5,
-                                       msg=f"rank {rank} {layout} sample {s}")
+    assert len(refs) == 3
+    _check_layouts(layout_results, refs, list(LAYOUTS), pp_names=("pp2",))
 
 
 FEATURES = {  # id: transformers config change that removes one Qwen3.5 feature (its logits must then change)
@@ -335,15 +385,13 @@ def test_what_qwen3_5_cannot_read_is_refused_in_one_line(change, fragment, tmp_p
     (["model.attention_backend=te"], "built on the torch backend only"),
     (["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"],
      "model.linear_num_key_heads (2) must be divisible"),
-    (["peft.method=lora"], "adapters on a hybrid mixture-of-experts stack (Qwen3.5-MoE) are not proved yet"),
-], ids=["te_backend", "heads_over_tp_cp", "moe_lora"])
-def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, moe_folder, overrides, fragment):
+], ids=["te_backend", "heads_over_tp_cp"])
+def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, overrides, fragment):
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        load_config([f"model.pretrained={moe_folder if 'lora' in str(overrides) else folder}", "train.device=cpu",
-                     *overrides])
+        load_config([f"model.pretrained={folder}", "train.device=cpu", *overrides])
     assert fragment in str(info.value)
 
 
@@ -511,3 +559,100 @@ def test_moe_export_gives_back_the_folder_bit_for_bit(moe_folder, tmp_path, tp):
     assert sorted(got) == sorted(want) and any(".mlp.experts.3.down_proj" in k for k in got)
     assert all(torch.equal(got[k], want[k]) for k in got)
     T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_moe_packed_logits_equal_transformers_per_sample_at_cp2_tp2_ep2_and_pp2(moe_folder, layout_results):
+    """The 2-rank world of the dense layouts (``layout_results``): the MoE stack at CP=2 (the Gated DeltaNet's
+    all-to-all beside the routed experts), TP=2 with sequence parallelism (experts split over TP), EP=2 (two whole
+    experts per rank, tokens dispatched across ranks) and PP=2 gives each sample transformers' logits alone."""
+    from _hf import hf_logits
+
+    refs = hf_logits(moe_folder, [ids[:-1] for ids in _samples()])
+    _check_layouts(layout_results, refs, [f"moe_{name}" for name in MOE_LAYOUTS], pp_names=("moe_pp2",))
+
+
+MOE_LORA_TARGETS = LORA_TARGETS
+"""Every projection, the experts' linear_fc1 / linear_fc2 (and the shared expert's) included."""
+
+
+@pytest.fixture(scope="module")
+def moe_lora(moe_folder, tmp_path_factory) -> dict:
+    """LoRA on every projection of the MoE stack at world 1, B drawn away from 0: the pack's logits and the peft
+    folder ``export.adapter`` writes (``adapter``), with the number of adapters."""
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.peft.export import export_adapter
+    from megatron_pack.model.peft.lora import adapter_state
+    from megatron_pack.model.peft.meta import peft_meta
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()], pack_size=128)
+    cfg = load_config([f"model.pretrained={moe_folder}", "train.device=cpu", "peft.method=lora",
+                       f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"])
+    gen = torch.Generator().manual_seed(3)
+    try:
+        model = build_model(cfg, initialize_parallel(cfg))
+        with torch.no_grad():
+            for name, param in adapter_state(model).items():
+                if "linear_out" in name:
+                    param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+        logits = _packed_logits(model, batch)
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    adapter = tmp_path_factory.mktemp("qwen3_5_moe_lora") / "adapter"
+    export_adapter(output=adapter, shards=[{k: v.detach() for k, v in adapter_state(model).items()}],
+                   peft=peft_meta(cfg), source=moe_folder, model_cfg=cfg.model)
+    cu = batch["cu_seqlens"].tolist()
+    return {"adapter": str(adapter), "num_adapters": model.num_adapters,
+            "logits": [logits[cu[s]:cu[s + 1]] for s in range(len(cu) - 1)]}
+
+
+@pytest.fixture(scope="module")
+def moe_peft_logits(moe_folder, moe_lora) -> list[torch.Tensor]:
+    """transformers' Qwen3_5MoeForCausalLM with the exported adapter folder loaded by peft: each sample's logits
+    (guarded: the adapters change every sample's logits)."""
+    import transformers as T
+    from peft import PeftModel
+
+    base = T.AutoModelForCausalLM.from_pretrained(moe_folder).eval()
+    with torch.no_grad():
+        plain = [base(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()]
+        tuned = PeftModel.from_pretrained(base, moe_lora["adapter"]).eval()
+        refs = [tuned(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()]
+    assert all(float((ref - p).abs().max()) > 1e-3 for ref, p in zip(refs, plain))
+    return refs
+
+
+def test_moe_lora_on_attention_linear_attention_and_experts_exports_to_peft(moe_folder, moe_lora, moe_peft_logits):
+    """LoRA on the gated attention, the Gated DeltaNet's in_proj / out_proj, every expert and the shared expert
+    (48 adapters): the export names the experts' 3D parameters in ``target_parameters`` (peft's ParamWrapper) and
+    transformers + PeftModel gives each sample our packed logits at world 1; read back at TP=2 and out again, the
+    folder's tensors are bit for bit the same."""
+    from safetensors.torch import load_file
+
+    from megatron_pack.config import load_config
+    from megatron_pack.model.peft.export import peft_tensors, shards_from_peft
+
+    # per layer: in_proj, out_proj (3 linear) or linear_qkv, linear_proj (1 full); 4 experts x 2; shared expert x 2
+    assert moe_lora["num_adapters"] == 3 * 2 + 2 + 4 * (4 * 2 + 2)
+    config = json.loads((Path(moe_lora["adapter"]) / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert {"q_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj",
+            "down_proj"} <= set(config["target_modules"])
+    written = load_file(Path(moe_lora["adapter"]) / "adapter_model.safetensors")
+    assert written["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (4 * 32, 64)
+    cfg = load_config([f"model.pretrained={moe_folder}", "train.device=cpu", "peft.method=lora",
+                       f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"])
+    tp2 = [shards_from_peft(written, "qwen3_5_moe_text", cfg.model, cfg.peft.target_modules, tp_rank=r, tp_size=2)
+           for r in range(2)]
+    back = peft_tensors(tp2, "qwen3_5_moe_text", cfg.model, cfg.peft.target_modules)
+    assert sorted(back) == sorted(written) and all(torch.equal(back[k], written[k]) for k in written)
+    for s, ref in enumerate(moe_peft_logits):
+        torch.testing.assert_close(moe_lora["logits"][s][:, :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+
+
+def test_moe_lora_read_into_cp2_ep2_and_tp2_gives_peft_logits(moe_peft_logits, layout_results):
+    """The adapter folder read into each 2-rank layout (``load_adapter``: each EP rank its experts' adapters, each TP
+    rank its rows; the Gated DeltaNet's adapted in_proj under CP's all-to-all) gives peft's logits of every sample."""
+    _check_layouts(layout_results, moe_peft_logits, [f"moe_{name}" for name in MOE_LORA_LAYOUTS])
