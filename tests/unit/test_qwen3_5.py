@@ -1,14 +1,13 @@
-"""Qwen3.5 text (dense) in and out: a tiny random Qwen3_5ForCausalLM through our packed THD model, proved against
-transformers.
+"""Qwen3.5 text, dense and MoE, in and out: tiny random Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM folders
+(tests/_qwen3_5.py) through our packed THD model, proved against transformers.
 
-The folder (4 layers in Qwen3.5's pattern: three Gated DeltaNet linear-attention layers, then one gated full
-attention; q_proj doubled for the output gate, QK norms, partial RoPE 0.25, norms that scale by 1 + weight drawn away
-from 0, the Gated DeltaNet's output norm plain) is transformers' own model. A pack of a 47-, a 9- and a 30-token
-sample must give each sample's logits as transformers gives them for the sample alone (float32), in a world of one
-and in a 2-rank world at CP=2, TP=2, TP=2 with sequence parallelism and PP=2; a 5-token sample
-packed after a 150-token one must give its logits alone exactly (STYLE 24: the recurrent state and the conv1d tail
-restart at the boundary); each Qwen3.5 feature is checked to change transformers' logits (the comparison would see
-it dropped); the export gives the folder back bit for bit at TP=1 and TP=2, and transformers loads it.
+A pack of a 47-, a 9- and a 30-token sample must give each sample's logits as transformers gives them for the sample
+alone (float32), in a world of one and in a 2-rank world at CP=2, TP=2, TP=2 with sequence parallelism and PP=2 (the
+MoE stack also at EP=2); a 5-token sample packed after a 150-token one must give its logits alone exactly (STYLE 24:
+the recurrent state and the conv1d tail restart at the boundary); each Qwen3.5 feature is checked to change
+transformers' logits (the comparison would see it dropped); the export gives the folder back bit for bit at TP=1 and
+TP=2, and transformers loads it. LoRA (the MoE stack's experts through peft's target_parameters too) exports to peft
+and transformers + PeftModel gives our logits, at world 1 and (MoE) read into CP=2, EP=2 and TP=2.
 """
 
 from __future__ import annotations
@@ -20,53 +19,16 @@ import pytest
 import torch
 
 from _dist import spawn_world
-
-VOCAB = 301
-LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
-
-
-def _config(**extra):
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(**{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0), **extra})
-
-
-def _folder(root) -> str:
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
-
-    from _hf import save_tokenizer
-
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(_config())
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # norms drawn so a dropped or mis-centred one would show; decays not at their init
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):  # plain RMSNorm weight (scale w)
-                param.copy_(1.0 + noise)
-            elif "norm" in name:  # Qwen3_5RMSNorm: scale 1 + w
-                param.copy_(noise)
-            elif name.endswith(("dt_bias", "A_log")):
-                param.add_(noise)
-    path = root / "qwen3_5"
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return str(path)
+from _qwen3_5 import LAYER_TYPES, VOCAB
+from _qwen3_5 import make_dense_folder as _folder
+from _qwen3_5 import make_moe_folder as _moe_folder
+from _qwen3_5 import samples as _samples
+from _qwen3_5 import text_config as _config
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
     return _folder(tmp_path_factory.mktemp("qwen3_5"))
-
-
-def _samples(lengths=(47, 9, 30), seed=4) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() + [2] for n in lengths]
 
 
 def _packed_logits(model, batch) -> torch.Tensor:
@@ -483,34 +445,6 @@ def test_a_folder_still_holding_the_mtp_head_is_refused_in_one_line(folder, tmp_
 
 
 # ---- Qwen3.5-MoE text: the same hybrid layers, a MoE block with a gated shared expert in every layer ----
-
-def _moe_folder(root) -> str:
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
-
-    from _hf import save_tokenizer
-
-    dense = {k: v for k, v in _config().to_dict().items() if k in Qwen3_5MoeTextConfig.__dataclass_fields__
-             and k not in ("model_type", "transformers_version", "intermediate_size")}
-    torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**dense, "moe_intermediate_size": 24, "num_experts": 4,
-                                                          "num_experts_per_tok": 2,
-                                                          "shared_expert_intermediate_size": 32}))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # as the dense folder; the router drawn so that tokens spread over the experts
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(1.0 + noise)
-            elif "norm" in name or name.endswith("mlp.gate.weight"):
-                param.copy_(noise if "norm" in name else 3 * noise)
-            elif name.endswith(("dt_bias", "A_log")):
-                param.add_(noise)
-    path = root / "qwen3_5_moe"
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory) -> str:
