@@ -26,7 +26,7 @@ def text_config(**extra):
         bos_token_id=1, eos_token_id=2, pad_token_id=0), **extra})
 
 
-def make_dense_folder(root, name: str = "qwen3_5") -> str:
+def make_dense_folder(root, folder_name: str = "qwen3_5") -> str:
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
     from _hf import save_tokenizer
@@ -43,7 +43,7 @@ def make_dense_folder(root, name: str = "qwen3_5") -> str:
                 param.copy_(noise)
             elif name.endswith(("dt_bias", "A_log")):
                 param.add_(noise)
-    path = root / name
+    path = root / folder_name
     model.save_pretrained(path)
     save_tokenizer(path)
     return str(path)
@@ -54,7 +54,7 @@ def samples(lengths=(47, 9, 30), seed=4) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() + [2] for n in lengths]
 
 
-def make_moe_folder(root, name: str = "qwen3_5_moe") -> str:
+def make_moe_folder(root, folder_name: str = "qwen3_5_moe") -> str:
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
@@ -76,7 +76,7 @@ def make_moe_folder(root, name: str = "qwen3_5_moe") -> str:
                 param.copy_(noise if "norm" in name else 3 * noise)
             elif name.endswith(("dt_bias", "A_log")):
                 param.add_(noise)
-    path = root / name
+    path = root / folder_name
     model.save_pretrained(path)
     save_tokenizer(path)
     return str(path)
