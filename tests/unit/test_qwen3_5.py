@@ -357,21 +357,46 @@ def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, overr
     assert fragment in str(info.value)
 
 
-def test_recipe_builds_the_hybrid_stack_at_its_layout(tmp_path):
-    """configs/experiment/qwen3_5_text_sft.yaml at its world size (8) on a folder of transformers' default sizes:
-    the hybrid keys come from config.json and the Gated DeltaNet heads split over TP x CP."""
-    from megatron_pack.config import load_config
+RECIPES = {  # recipe: (folder it names, its config.json at transformers' default sizes, world size, TP, CP, EP)
+    "qwen3_5_text_sft": ("models/qwen3_5-text", {**HUB_TEXT, "num_hidden_layers": 32, "layer_types": LAYER_TYPES * 8},
+                         8, 2, 2, 1),
+    "qwen3_5_moe_text_sft": ("models/qwen3_5-moe-text", {**HUB_MOE_TEXT, "num_hidden_layers": 40,
+                                                         "layer_types": LAYER_TYPES * 10}, 32, 2, 2, 16),
+}
 
-    folder = tmp_path / "models/qwen3_5-text"
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_builds_the_hybrid_stack_at_its_layout_and_states_its_memory_estimate(tmp_path, recipe):
+    """configs/experiment/<recipe>.yaml at its world size on a folder of transformers' default sizes: the hybrid keys
+    come from config.json, the Gated DeltaNet heads split over TP x CP, and the header states what ``train --check``
+    estimates per rank, its Gated DeltaNet layers counted as such (more than if every layer were full attention)."""
+    from dataclasses import replace
+
+    from megatron_pack.config import load_config
+    from megatron_pack.config.loader import config_dir
+    from megatron_pack.training.memory_estimate import estimate_memory
+
+    name, hub, world, tp, cp, ep = RECIPES[recipe]
+    folder = tmp_path / name
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({**HUB_TEXT, "num_hidden_layers": 32,
-                                                    "layer_types": LAYER_TYPES * 8}))
-    cfg = load_config(["experiment=qwen3_5_text_sft", f"model.pretrained={folder}", "data.tokenizer=byte",
-                       "data.input=train.jsonl"], world_size=8)
+    (folder / "config.json").write_text(json.dumps(hub))
+    cfg = load_config([f"experiment={recipe}", f"model.pretrained={folder}", "data.tokenizer=byte",
+                       "data.input=train.jsonl"], world_size=world)
     m, par = cfg.model, cfg.parallel
-    assert (m.num_layers, m.full_attention_interval, m.rotary_percent, m.attention_output_gate) == (32, 4, 0.25, True)
-    assert (par.tensor_model_parallel_size, par.context_parallel_size, par.sequence_parallel) == (2, 2, True)
-    assert m.linear_num_key_heads % (par.tensor_model_parallel_size * par.context_parallel_size) == 0
+    assert (m.num_layers, m.full_attention_interval, m.rotary_percent, m.attention_output_gate) == (
+        hub["num_hidden_layers"], 4, 0.25, True)
+    assert (par.tensor_model_parallel_size, par.context_parallel_size, par.sequence_parallel,
+            par.expert_model_parallel_size) == (tp, cp, True, ep)
+    assert m.linear_num_key_heads % (tp * cp) == 0
+    est = estimate_memory(cfg, world)
+    gib = lambda v: f"{v / 2 ** 30:.2f}"  # noqa: E731
+    header = " ".join(line.lstrip("# ") for line in (config_dir() / "experiment" / f"{recipe}.yaml").read_text()
+                      .splitlines())
+    assert (f"params {gib(est.params)}, grads {gib(est.grads)}, optimizer {gib(est.optimizer)}, activations "
+            f"{gib(est.activations)}") in header and f"total {gib(est.total)} GiB" in header
+    assert est.total < 80 * 2 ** 30  # an 80 GB GPU
+    as_full = estimate_memory(replace(cfg, model=replace(m, full_attention_interval=None)), world)
+    assert est.activations > as_full.activations  # the Gated DeltaNet's conv1d window and states are counted
 
 
 def test_a_checkpoint_of_the_hybrid_stack_reads_back_as_the_model(world_of_one_model, tmp_path):
