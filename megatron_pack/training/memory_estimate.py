@@ -44,7 +44,8 @@ stage, in bytes:
   normalised q and k, the gated output norm, fp32 decay and beta; with the torch kernel (the CPU path) every
   chunk's fp32 products and the recurrent state ``[value heads / TP, dk, dv]`` of every 64-token chunk of each
   sub-sequence (``linear_state_bytes_per_token``); with fla (the GPU) its chunk matrix, and the chunk states its
-  backward recomputes as one layer's working set (``linear_working_bytes_per_token``).
+  backward recomputes as one layer's working set (``linear_working_bytes_per_token``; the GPU estimate assumes
+  fla is installed: without it the torch kernel runs there too and keeps the CPU path's states).
 
 The worst rank (``peak_stage``) is the stage with the largest total: the first stage holds the
 embedding and the most micro-batches in flight, the last the output layer.
