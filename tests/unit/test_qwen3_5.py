@@ -541,30 +541,43 @@ def moe_lora(moe_folder, tmp_path_factory) -> dict:
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
-    from megatron_pack.model.peft.export import export_adapter
+    from megatron_pack.model.peft.export import export_adapter, peft_tensors
     from megatron_pack.model.peft.lora import adapter_state
     from megatron_pack.model.peft.meta import peft_meta
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
 
     batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()], pack_size=128)
     cfg = load_config([f"model.pretrained={moe_folder}", "train.device=cpu", "peft.method=lora",
                        f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"])
     gen = torch.Generator().manual_seed(3)
+    cu = batch["cu_seqlens"].tolist()
     try:
         model = build_model(cfg, initialize_parallel(cfg))
         with torch.no_grad():
             for name, param in adapter_state(model).items():
                 if "linear_out" in name:
                     param.copy_(0.05 * torch.randn(param.shape, generator=gen))
-        logits = _packed_logits(model, batch)
+        logits = model(batch["tokens"], batch["position_ids"], None,
+                       packed_seq_params=get_packed_seq_params(batch))[0, :, :VOCAB]
+        samples = [logits[cu[s]:cu[s + 1]] for s in range(len(cu) - 1)]
+        sum((x * w).sum() for x, w in zip(samples, _grad_weights())).backward()
     finally:
         destroy_parallel(destroy_process_group=True)
+    adapters = adapter_state(model)
     adapter = tmp_path_factory.mktemp("qwen3_5_moe_lora") / "adapter"
-    export_adapter(output=adapter, shards=[{k: v.detach() for k, v in adapter_state(model).items()}],
+    export_adapter(output=adapter, shards=[{k: v.detach() for k, v in adapters.items()}],
                    peft=peft_meta(cfg), source=moe_folder, model_cfg=cfg.model)
-    cu = batch["cu_seqlens"].tolist()
-    return {"adapter": str(adapter), "num_adapters": model.num_adapters,
-            "logits": [logits[cu[s]:cu[s + 1]] for s in range(len(cu) - 1)]}
+    grads = peft_tensors([{k: v.grad for k, v in adapters.items()}], "qwen3_5_moe_text", cfg.model,
+                         cfg.peft.target_modules)
+    return {"adapter": str(adapter), "num_adapters": model.num_adapters, "grads": grads,
+            "logits": [x.detach() for x in samples]}
+
+
+def _grad_weights() -> list[torch.Tensor]:
+    """A fixed random weight per sample's logits: the scalar both models differentiate, sum(logits x weight)."""
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(len(ids) - 1, VOCAB, generator=gen) for ids in _samples()]
 
 
 @pytest.fixture(scope="module")
@@ -609,6 +622,33 @@ def test_moe_lora_on_attention_linear_attention_and_experts_exports_to_peft(moe_
     assert sorted(back) == sorted(written) and all(torch.equal(back[k], written[k]) for k in written)
     for s, ref in enumerate(moe_peft_logits):
         torch.testing.assert_close(moe_lora["logits"][s][:, :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+
+
+FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                          "in_proj_a"))
+"""transformers' linears one of ours fuses: our one lora_A is each part's, so its gradient is the sum of theirs."""
+
+
+def test_moe_lora_gradients_equal_peft(moe_folder, moe_lora):
+    """The adapters' gradients of sum(logits x weight) over the pack (ours, exported to peft's names) equal peft's on
+    transformers over each sample alone: every expert's A and B through the ParamWrapper's 3D parameters, the Gated
+    DeltaNet's in_proj parts, the gated attention and the shared expert (a fused lora_A: the sum of its parts')."""
+    import transformers as T
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(moe_folder), moe_lora["adapter"],
+                                      is_trainable=True)
+    sum((model(torch.tensor([ids[:-1]])).logits[0] * w).sum() for ids, w in zip(_samples(), _grad_weights())).backward()
+    ref = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    ours = moe_lora["grads"]
+    assert sorted(ours) == sorted(ref) and any("mlp.experts.base_layer.lora_A" in k for k in ours)
+    for name, grad in ours.items():
+        module = name.split(".lora_")[0].rsplit(".", 1)[-1]
+        parts = next((g for g in FUSED_PARTS if module in g), (module,)) if ".lora_A." in name else (module,)
+        want = sum(ref[name.replace(f".{module}.", f".{part}.")] for part in parts)
+        scale = float(want.abs().max())
+        assert scale > 1e-3, name  # guard: every adapter gets a gradient
+        assert float((grad - want).abs().max()) <= 1e-5 * scale, name  # float32 sums in another order
 
 
 def test_moe_lora_read_into_cp2_ep2_and_tp2_gives_peft_logits(moe_peft_logits, layout_results):
