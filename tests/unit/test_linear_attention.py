@@ -353,6 +353,10 @@ class _StandInFla:
         self.calls = []
 
     def __call__(self, q, k, v, g, beta, scale=None, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **extra):
+        # what fla's chunk_gated_delta_rule asserts (fla/ops/gated_delta_rule/chunk.py): one dtype for q, k, v; batch 1
+        # and LongTensor boundaries in varlen mode; beta [B, T, H]
+        assert q.dtype == k.dtype == v.dtype and q.size(0) == 1 and beta.dim() == 3
+        assert cu_seqlens.dtype == torch.long and cu_seqlens.device == q.device
         self.calls.append({"cu_seqlens": cu_seqlens.tolist(), "l2norm": use_qk_l2norm_in_kernel, "extra": extra,
                            "shapes": [tuple(t.shape) for t in (q, k, v, g, beta)]})
         q, k, v, g, beta = (t[0] for t in (q, k, v, g, beta))
