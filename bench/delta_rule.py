@@ -7,10 +7,10 @@ is run without a varlen kernel. Ours: ``megatron_pack.model.delta_rule.packed_ga
 index over every sub-sequence that has that chunk. Each row prints both times, the speed-up (baseline
 / ours), the number of sequential scan steps each takes, and the largest output difference::
 
-    .venv/bin/python bench/delta_rule.py [--sizes 2048 4096 8192] [--mix short|mixed] [--repeats 5]
+    .venv/bin/python bench/delta_rule.py [--sizes 2048 4096 8192] [--mix short|mixed] [--repeats 5] [--heads 4 8 64]
 
-Heads: 4 query/key heads, 8 value heads, head dim 64 (Qwen3.5's shapes are 16/32/128; fewer here so the
-CPU run stays short); float32, one torch thread.
+Heads: 4 query/key heads, 8 value heads, head dim 64 by default (Qwen3.5's shapes are 16/32/128; fewer here so the
+CPU run stays short; ``--heads 8 16 128`` runs a TP=2 rank's half of Qwen3.5's layer); float32, one torch thread.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ MIXES = {"short": (32, 256), "mixed": (64, 1024)}
 """Real sub-sequence lengths drawn uniformly from this range (padded to 8)."""
 
 
-def make_pack(total: int, low: int, high: int, seed: int = 0):
+def make_pack(total: int, low: int, high: int, seed: int = 0, heads: tuple = (KEY_HEADS, VALUE_HEADS, DIM)):
+    key_heads, value_heads, dim = heads
     g = torch.Generator().manual_seed(seed)
     cu, cu_pad = [0], [0]
     while cu_pad[-1] < total:
@@ -35,10 +36,10 @@ def make_pack(total: int, low: int, high: int, seed: int = 0):
         padded = min(-(-real // 8) * 8, total - cu_pad[-1])
         cu.append(cu[-1] + real)
         cu_pad.append(cu_pad[-1] + padded)
-    q, k = (torch.nn.functional.normalize(torch.randn(total, KEY_HEADS, DIM, generator=g), dim=-1) for _ in range(2))
-    v = torch.randn(total, VALUE_HEADS, DIM, generator=g)
-    decay = -torch.rand(total, VALUE_HEADS, generator=g) * 0.1
-    beta = torch.rand(total, VALUE_HEADS, generator=g)
+    q, k = (torch.nn.functional.normalize(torch.randn(total, key_heads, dim, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(total, value_heads, dim, generator=g)
+    decay = -torch.rand(total, value_heads, generator=g) * 0.1
+    beta = torch.rand(total, value_heads, generator=g)
     return [t.requires_grad_(True) for t in (q, k, v, decay, beta)], cu, cu_pad
 
 
@@ -87,12 +88,15 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--mix", choices=sorted(MIXES), default="mixed")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--heads", type=int, nargs=3, default=[KEY_HEADS, VALUE_HEADS, DIM],
+                        metavar=("KEY", "VALUE", "DIM"), help="query/key heads, value heads, head dim "
+                        "(Qwen3.5's layer: 16 32 128; a TP=2 rank's half of it: 8 16 128)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"{'T':>6} {'seqs':>5} {'loop s':>8} {'packed s':>9} {'speed-up':>9} {'loop steps':>11} "
           f"{'packed steps':>13} {'max diff':>9}")
     for total in args.sizes:
-        inputs, cu, cu_pad = make_pack(total, *MIXES[args.mix])
+        inputs, cu, cu_pad = make_pack(total, *MIXES[args.mix], heads=tuple(args.heads))
         lengths = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
         chunks = [-(-n // CHUNK_SIZE) for n in lengths]
         with torch.no_grad():

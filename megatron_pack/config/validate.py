@@ -573,10 +573,6 @@ def _validate_linear_attention(cfg: Config) -> list[str]:
         return ["model.attention_backend ('te') with model.full_attention_interval: the linear-attention (hybrid) "
                 "stack is built on the torch backend only (auto picks it); set model.attention_backend=torch."]
     problems = []
-    if model.num_experts and cfg.peft.method != "none":
-        problems.append(f"peft.method ({cfg.peft.method!r}) with model.full_attention_interval and model.num_experts: "
-                        "adapters on a hybrid mixture-of-experts stack (Qwen3.5-MoE) are not proved yet; set "
-                        "peft.method=none (full fine-tuning).")
     tp, cp, heads = par.tensor_model_parallel_size, par.context_parallel_size, model.linear_num_key_heads
     if heads % (tp * cp):
         problems.append(f"model.linear_num_key_heads ({heads}) must be divisible by parallel.tensor_model_parallel_size"

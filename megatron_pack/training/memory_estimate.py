@@ -38,6 +38,14 @@ stage, in bytes:
   (core attention) keeps the same bytes as none with flash attention (no weights to drop), and
   drops the weights and expanded k, v (keeping q, k, v) with the unfused CPU kernels. The last stage adds the loss's fp32 softmax, ``vocab / TP x tokens x 4 B``,
   and its final norm.
+- a hybrid stack's Gated DeltaNet layer (``model.full_attention_interval``: every N-th layer full attention, with
+  its output gate's ``2 q`` when ``model.attention_output_gate``) keeps the same norms and MLP and, instead of
+  attention, ``linear_mixer_bytes_per_token``: in_proj's output, the conv1d window (each of its K taps' input), the
+  normalised q and k, the gated output norm, fp32 decay and beta; with the torch kernel (the CPU path) every
+  chunk's fp32 products and the recurrent state ``[value heads / TP, dk, dv]`` of every 64-token chunk of each
+  sub-sequence (``linear_state_bytes_per_token``); with fla (the GPU) its chunk matrix, and the chunk states its
+  backward recomputes as one layer's working set (``linear_working_bytes_per_token``; the GPU estimate assumes
+  fla is installed: without it the torch kernel runs there too and keeps the CPU path's states).
 
 The worst rank (``peak_stage``) is the stage with the largest total: the first stage holds the
 embedding and the most micro-batches in flight, the last the output layer.
@@ -187,27 +195,90 @@ def longest_sequence(cfg) -> int:
     return cfg.packing.max_single_sequence_length or cfg.packing.packed_sequence_size
 
 
-def layer_activation_bytes_per_token(cfg) -> int:
-    """Bytes autograd keeps per token for one layer without recomputation, on one rank."""
+def layer_activation_bytes_per_token(cfg, linear: bool = False) -> int:
+    """Bytes autograd keeps per token for one layer without recomputation, on one rank. ``linear``: a hybrid
+    stack's Gated DeltaNet layer (its mixer is ``linear_mixer_bytes_per_token``'s, the norms and MLP the same)."""
     m, par = cfg.model, cfg.parallel
     tp = par.tensor_model_parallel_size
     sp = tp if par.sequence_parallel else 1
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, g = m.num_attention_heads * kv, (m.num_query_groups or m.num_attention_heads) * kv
+    gate = 2 * q if m.attention_output_gate else 0  # the output gate's rows and their sigmoid
     unfused = unfused_kernels(cfg)
     per_ffn = (5 if unfused else 3) if m.activation in GATED_ACTIVATIONS else 2
     # a MoE layer's MLP part is its own (below); a dense layer's is per_ffn x ffn, / TP
     mlp = 0 if m.num_experts else per_ffn * m.ffn_hidden_size
-    if unfused:  # per norm: input, normalized, rstd + the linear's input; RoPE's cos/sin;
+    if linear:
+        norms = (6 * m.hidden_size + 2) // sp if unfused else 4 * m.hidden_size // sp
+        elements = norms + mlp // tp
+    elif unfused:  # per norm: input, normalized, rstd + the linear's input; RoPE's cos/sin;
         # math attention: q, k and v expanded to every head, the weights (heads x sequence), the output
         # twice (its copy into the pack, the projection's input); SwiGLU: fc1 out, silu, gate, fc2 input
         heads = m.num_attention_heads * longest_sequence(cfg)
         attention = 5 * q + heads if m.recompute_granularity != "selective" else 3 * q + 2 * g
-        elements = (6 * m.hidden_size + 2) // sp + 4 * kv + (attention + mlp) // tp
+        elements = (6 * m.hidden_size + 2) // sp + 4 * kv + (attention + gate + mlp) // tp
     else:
-        elements = 4 * m.hidden_size // sp + (2 * q + 2 * g + mlp) // tp
+        elements = 4 * m.hidden_size // sp + (2 * q + 2 * g + gate + mlp) // tp
     moe = _moe_activation_bytes_per_token(cfg, per_ffn, sp) if m.num_experts else 0
-    return _element_bytes(cfg) * elements + moe
+    mixer = linear_mixer_bytes_per_token(cfg) if linear else 0
+    return _element_bytes(cfg) * elements + moe + mixer
+
+
+DELTA_RULE_CHUNK = 64
+"""The chunk of the chunked delta rule (``model/delta_rule.py`` ``CHUNK_SIZE``, fla's): one recurrent state per chunk."""
+
+
+def _linear_heads(cfg) -> tuple[int, int, int, int, int]:
+    """(key heads, value heads) of one TP rank, key and value head dims, conv1d width: a Gated DeltaNet layer's."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    return (m.linear_num_key_heads // tp, m.linear_num_value_heads // tp, m.linear_key_head_dim,
+            m.linear_value_head_dim, m.linear_conv_kernel_dim)
+
+
+def linear_state_bytes_per_token(cfg) -> int:
+    """The Gated DeltaNet's recurrent state, per token of this rank: one fp32 state ``[value heads / TP, dk, dv]`` per
+    ``DELTA_RULE_CHUNK`` tokens of every sub-sequence (the state entering each chunk; chunks assumed full). Under CP
+    a rank runs every token of ``heads / CP`` heads (the all-to-all): the same bytes per local token."""
+    _, hv, dk, dv, _ = _linear_heads(cfg)
+    return 4 * hv * dk * dv // DELTA_RULE_CHUNK
+
+
+def linear_mixer_bytes_per_token(cfg) -> int:
+    """A Gated DeltaNet mixer's kept bytes per token of this rank (``model/linear_attention.py``), heads ``/ TP``:
+
+    - in the parameters' dtype: in_proj's output ``2 qk + 2 v + 2 hv`` (q, k, v, the gate z, b, a); the conv1d's
+      window, each of its ``K`` taps' shifted input, and its sum before and after SiLU (``(K + 2) x (2 qk + v)``);
+      q and k L2-normalised and expanded to the value heads (``2 hv dk``); the gated output norm's input, normed
+      output, act(z) and product (``4 v``);
+    - fp32: the decay g and beta (``2 hv``); the delta rule's: with fla (fused GPU kernels) its chunk matrix A
+      (``64 hv``), the states recomputed in backward (``linear_working_bytes_per_token``); with the torch kernel
+      (the CPU path) every chunk's fp32 copies and products (``hv (8 dk + 7 dv + 3 x 64 + 3)``) and the recurrent
+      state of every chunk (``linear_state_bytes_per_token``).
+
+    With ``qk = key heads x dk``, ``v = value heads x dv``, ``hv`` value heads (all per TP rank)."""
+    hk, hv, dk, dv, width = _linear_heads(cfg)
+    qk, v = hk * dk, hv * dv
+    elements = 2 * qk + 2 * v + 2 * hv + (width + 2) * (2 * qk + v) + 2 * hv * dk + 4 * v
+    if unfused_kernels(cfg):
+        fp32 = 2 * hv + hv * (8 * dk + 7 * dv + 3 * DELTA_RULE_CHUNK + 3)
+        return _element_bytes(cfg) * elements + 4 * fp32 + linear_state_bytes_per_token(cfg)
+    return _element_bytes(cfg) * elements + 4 * (2 * hv + DELTA_RULE_CHUNK * hv)
+
+
+def linear_working_bytes_per_token(cfg) -> int:
+    """fla's backward recomputes the chunk states of a layer (``[chunks, value heads, dk, dv]`` in the parameters'
+    dtype) and holds them while that layer's backward runs: a working set of one layer, not kept across layers
+    (the torch kernel keeps them instead: ``linear_mixer_bytes_per_token``)."""
+    if unfused_kernels(cfg):
+        return 0
+    _, hv, dk, dv, _ = _linear_heads(cfg)
+    return _element_bytes(cfg) * hv * dk * dv // DELTA_RULE_CHUNK
+
+
+def _num_linear_layers(cfg, layers: int) -> int:
+    """Gated DeltaNet layers among ``layers`` of a hybrid stack (every ``full_attention_interval``-th is full)."""
+    interval = cfg.model.full_attention_interval
+    return 0 if interval is None else layers - layers // interval
 
 
 def _moe_activation_bytes_per_token(cfg, per_ffn: int, sp: int) -> int:
@@ -262,16 +333,21 @@ def stage_activation_bytes(cfg, stage: int, dp: int) -> int:
     m, par = cfg.model, cfg.parallel
     tokens = tokens_per_microbatch(cfg)
     layers = m.num_layers // (par.pipeline_model_parallel_size * par.num_model_chunks)  # one chunk's
+    num_linear = _num_linear_layers(cfg, layers)
     full, kept = layer_activation_bytes_per_token(cfg), _layer_input_bytes_per_token(cfg)
+    linear = layer_activation_bytes_per_token(cfg, linear=True) if num_linear else 0
+    every = (layers - num_linear) * full + num_linear * linear  # the chunk's layers, each keeping everything
     if m.recompute_granularity == "full":
-        n = m.recompute_num_layers or 1
+        n, largest = m.recompute_num_layers or 1, max(full, linear)
         if (m.recompute_method or "uniform") == "uniform":
-            held, working = -(-layers // n) * kept, min(n, layers) * full
-        else:  # block: the first n layers of the stage recomputed, the rest keep everything
+            held, working = -(-layers // n) * kept, min(n, layers) * largest
+        else:  # block: the first n layers of the stage recomputed, the rest keep everything (at most)
             recomputed = min(n, layers)
-            held, working = recomputed * kept + (layers - recomputed) * full, full
+            held, working = recomputed * kept + (layers - recomputed) * largest, largest
     else:
-        held, working = layers * full, 0
+        held, working = every, 0
+    if num_linear:  # fla's backward of one Gated DeltaNet layer recomputes its chunk states
+        working = max(working, linear_working_bytes_per_token(cfg))
     output = _output_bytes_per_token(cfg) if stage == par.pipeline_model_parallel_size - 1 else 0
     # the softmax of the loss is freed before backward reaches the layers (and any recomputation)
     return tokens * (held * microbatches_in_flight(cfg, stage, dp) + max(output, working))

@@ -27,7 +27,12 @@ CASES = {"dp2": [], "dp2_distributed_optimizer_full_recompute": ["ddp.use_distri
          # 4 routed experts (top-2), 2 per rank: dense state sharded over DP, each rank's experts whole (expert-DP 1)
          "dp2_moe_ep2_distributed_optimizer": ["model.num_experts=4", "model.moe_router_topk=2",
                                                "model.moe_ffn_hidden_size=96", "parallel.expert_model_parallel_size=2",
-                                               "model.moe_aux_loss_coeff=0.01", "ddp.use_distributed_optimizer=true"]}
+                                               "model.moe_aux_loss_coeff=0.01", "ddp.use_distributed_optimizer=true"],
+         # a hybrid stack (Qwen3.5's layers): layer 0 a packed Gated DeltaNet (its conv1d window, the torch kernel's
+         # chunk products and recurrent states), layer 1 gated full attention
+         "dp2_hybrid_linear_attention": ["model.full_attention_interval=2", "model.linear_num_key_heads=2",
+                                         "model.linear_num_value_heads=4", "model.linear_key_head_dim=16",
+                                         "model.linear_value_head_dim=16", "model.attention_output_gate=true"]}
 COMPONENTS = ("params", "grads", "optimizer", "activations", "total")
 
 

@@ -344,6 +344,84 @@ def test_kernel_choice(monkeypatch, requested, device, dtype, fla_installed, exp
         assert delta_rule.choose_kernel(requested, torch.device(device), dtype) == expected
 
 
+class _StandInFla:
+    """What ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` computes with ``cu_seqlens`` (its varlen mode), written
+    independently: inputs [1, T, H, d], every segment of ``cu_seqlens`` from a zero state, token by token (float64
+    here); records each call's arguments. A CPU stand-in for the GPU kernel (fla needs CUDA and Triton)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, g, beta, scale=None, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **extra):
+        # what fla's chunk_gated_delta_rule asserts (fla/ops/gated_delta_rule/chunk.py): one dtype for q, k, v; batch 1
+        # and LongTensor boundaries in varlen mode; beta [B, T, H]
+        assert q.dtype == k.dtype == v.dtype and q.size(0) == 1 and beta.dim() == 3
+        assert cu_seqlens.dtype == torch.long and cu_seqlens.device == q.device
+        self.calls.append({"cu_seqlens": cu_seqlens.tolist(), "l2norm": use_qk_l2norm_in_kernel, "extra": extra,
+                           "shapes": [tuple(t.shape) for t in (q, k, v, g, beta)]})
+        q, k, v, g, beta = (t[0] for t in (q, k, v, g, beta))
+        scale = q.size(-1) ** -0.5 if scale is None else scale
+        rows = []
+        for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+            state = q.new_zeros(q.size(1), q.size(-1), v.size(-1))
+            for t in range(start, end):
+                state = state * g[t].exp()[:, None, None]
+                delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+                state = state + k[t][:, :, None] * delta[:, None, :]
+                rows.append(torch.einsum("hkv,hk->hv", state, q[t] * scale))
+        return torch.stack(rows)[None], None
+
+
+@pytest.mark.parametrize("cu,cu_pad", CASES, ids=IDS)
+def test_auto_dispatches_to_fla_where_it_imports_and_keeps_the_contract(monkeypatch, cu, cu_pad):
+    """With fla importable and the tensors on CUDA in bfloat16 (``choose_kernel``'s own rule, asked as for such
+    tensors: fla cannot run on a CPU), ``kernel='auto'`` calls fla's varlen kernel once, with the *padded* slot
+    boundaries (zero-length slots dropped), queries and keys already L2-normalised (not again in the kernel), heads
+    expanded, batch 1; the result is each sample's recurrence alone, padding rows zero and given no gradient."""
+    from megatron_pack.model import delta_rule
+
+    fla = _StandInFla()
+    monkeypatch.setattr(delta_rule, "_fla_chunk_gated_delta_rule", fla)
+    real_choice = delta_rule.choose_kernel
+    monkeypatch.setattr(delta_rule, "choose_kernel",
+                        lambda requested, device, dtype: real_choice(requested, torch.device("cuda"), torch.bfloat16))
+    inputs = _kernel_inputs((cu_pad or cu)[-1])
+    out = packed_gated_delta_rule(*inputs, cu, cu_pad, kernel="auto", use_qk_l2norm=True)
+    total = (cu_pad or cu)[-1]
+    assert fla.calls == [{"cu_seqlens": sorted(set(cu_pad or cu)), "l2norm": False, "extra": {},
+                          "shapes": [(1, total, VALUE_HEADS, HEAD_DIM)] * 3 + [(1, total, VALUE_HEADS)] * 2}]
+    ref = torch.zeros_like(out)
+    for start, n in _samples(cu, cu_pad):
+        ref[start:start + n] = _recurrence(*(t[start:start + n] for t in inputs))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert not out[~_real_rows(cu, cu_pad)].any() and float(ref.abs().max()) > 0.1
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    assert all(not grad[~_real_rows(cu, cu_pad)].any() for grad in grads)
+    torch.testing.assert_close(grads, torch.autograd.grad(ref.square().sum(), inputs), atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["fla_installed", "fla_absent"])
+def test_fla_is_imported_guarded(monkeypatch, installed):
+    """model/delta_rule.py imports fla's kernel when the package imports (the optional gpu extra) and is None
+    otherwise; a fresh copy of the module is loaded with a stand-in package (or its absence) in ``sys.modules``."""
+    import importlib.util
+    import types
+
+    from megatron_pack.model import delta_rule
+
+    fla = _StandInFla()
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = fla
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name) if installed else None)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module if installed else None)
+    spec = importlib.util.spec_from_file_location("_delta_rule_copy", delta_rule.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy._fla_chunk_gated_delta_rule is (fla if installed else None)
+    assert copy.choose_kernel("auto", torch.device("cuda"), torch.bfloat16) == ("fla" if installed else "torch")
+
+
 # ---- context parallelism ---------------------------------------------------------------------------
 
 PARALLEL_PACK = ([0, 150, 155, 164, 164, 164], [0, 152, 160, 172, 180, 180])

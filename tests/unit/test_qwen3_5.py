@@ -1,71 +1,34 @@
-"""Qwen3.5 text (dense) in and out: a tiny random Qwen3_5ForCausalLM through our packed THD model, proved against
-transformers.
+"""Qwen3.5 text, dense and MoE, in and out: tiny random Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM folders
+(tests/_qwen3_5.py) through our packed THD model, proved against transformers.
 
-The folder (4 layers in Qwen3.5's pattern: three Gated DeltaNet linear-attention layers, then one gated full
-attention; q_proj doubled for the output gate, QK norms, partial RoPE 0.25, norms that scale by 1 + weight drawn away
-from 0, the Gated DeltaNet's output norm plain) is transformers' own model. A pack of a 47-, a 9- and a 30-token
-sample must give each sample's logits as transformers gives them for the sample alone (float32), in a world of one
-and in a 2-rank world at CP=2, TP=2, TP=2 with sequence parallelism and PP=2; a 5-token sample
-packed after a 150-token one must give its logits alone exactly (STYLE 24: the recurrent state and the conv1d tail
-restart at the boundary); each Qwen3.5 feature is checked to change transformers' logits (the comparison would see
-it dropped); the export gives the folder back bit for bit at TP=1 and TP=2, and transformers loads it.
+A pack of a 47-, a 9- and a 30-token sample must give each sample's logits as transformers gives them for the sample
+alone (float32), in a world of one and in a 2-rank world at CP=2, TP=2, TP=2 with sequence parallelism and PP=2 (the
+MoE stack also at EP=2); a 5-token sample packed after a 150-token one must give its logits alone exactly (STYLE 24:
+the recurrent state and the conv1d tail restart at the boundary); each Qwen3.5 feature is checked to change
+transformers' logits (the comparison would see it dropped); the export gives the folder back bit for bit at TP=1 and
+TP=2, and transformers loads it. LoRA (the MoE stack's experts through peft's target_parameters too) exports to peft
+and transformers + PeftModel gives our logits, at world 1 and (MoE) read into CP=2, EP=2 and TP=2.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from _dist import spawn_world
-
-VOCAB = 301
-LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
-
-
-def _config(**extra):
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(**{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0), **extra})
-
-
-def _folder(root) -> str:
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
-
-    from _hf import save_tokenizer
-
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(_config())
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # norms drawn so a dropped or mis-centred one would show; decays not at their init
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):  # plain RMSNorm weight (scale w)
-                param.copy_(1.0 + noise)
-            elif "norm" in name:  # Qwen3_5RMSNorm: scale 1 + w
-                param.copy_(noise)
-            elif name.endswith(("dt_bias", "A_log")):
-                param.add_(noise)
-    path = root / "qwen3_5"
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return str(path)
+from _qwen3_5 import LAYER_TYPES, VOCAB
+from _qwen3_5 import make_dense_folder as _folder
+from _qwen3_5 import make_moe_folder as _moe_folder
+from _qwen3_5 import samples as _samples
+from _qwen3_5 import text_config as _config
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
     return _folder(tmp_path_factory.mktemp("qwen3_5"))
-
-
-def _samples(lengths=(47, 9, 30), seed=4) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() + [2] for n in lengths]
 
 
 def _packed_logits(model, batch) -> torch.Tensor:
@@ -144,10 +107,42 @@ LAYOUTS = {  # id: the parallel layout of a 2-rank world
 }
 
 
-def _layout_worker(rank: int, world_size: int, folder: str) -> dict:
-    """Each layout's logits of every sample of the pack, through megatron-core's forward-only schedule (as verify
-    runs it: pipeline stages, TP and CP gathered), on the ranks of the last stage."""
+MOE_LAYOUTS = {  # id: a 2-rank layout of the Qwen3.5-MoE stack (experts whole per rank at EP=2, split at TP=2)
+    "cp2": ["parallel.context_parallel_size=2"],
+    "tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    "ep2": ["parallel.expert_model_parallel_size=2"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],
+}
+MOE_LORA_LAYOUTS = {  # id: a 2-rank layout the Qwen3.5-MoE adapters (exported at world 1) are read into
+    "cp2_lora": ["parallel.context_parallel_size=2"],
+    "ep2_lora": ["parallel.expert_model_parallel_size=2"],
+    "tp2_sp_lora": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+}
+
+
+def _layout_logits(cfg, state, batch, adapter=None):
+    """The pack's whole logits [T, V] on the last stage (None elsewhere), through verify's schedule; with
+    ``adapter``, this rank's part of a peft adapter folder read into the model first (``load_adapter``)."""
     from megatron_pack.cli.verify import build_chunks, schedule_logits
+    from megatron_pack.config.hf_config import read_hf_config
+    from megatron_pack.model.peft.export import load_adapter
+
+    chunks = build_chunks(cfg, state)
+    if adapter is not None:
+        filled = load_adapter(chunks[0], adapter, read_hf_config(cfg.model.pretrained)["model_type"], cfg.model,
+                              cfg.peft.target_modules, tp_rank=state.tp_rank, tp_size=state.tp_size,
+                              ep_rank=state.ep_rank, ep_size=state.pg_collection.ep.size(), etp_rank=state.etp_rank,
+                              etp_size=state.pg_collection.expt_tp.size())
+        assert filled > 0
+    logits, _ = schedule_logits(chunks, [batch], state, seq_length=128)
+    return None if logits is None else logits[0]
+
+
+def _layout_worker(rank: int, world_size: int, folder: str, moe_folder: str, moe_adapter: str) -> dict:
+    """Each layout's logits of every sample of the pack, through megatron-core's forward-only schedule (as verify
+    runs it: pipeline stages, TP, CP and EP gathered), on the ranks of the last stage: the dense stack's
+    (``LAYOUTS``), the MoE stack's (``moe_`` + ``MOE_LAYOUTS``) and the MoE stack's with LoRA (``moe_`` +
+    ``MOE_LORA_LAYOUTS``)."""
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
@@ -155,33 +150,50 @@ def _layout_worker(rank: int, world_size: int, folder: str) -> dict:
     samples = [{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()]
     batch = collate_thd(samples, pack_size=128, pad_multiple=4)
     cu, cu_pad = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    lora = ["peft.method=lora", f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"]
+    runs = [(name, folder, layout, None) for name, layout in LAYOUTS.items()]
+    runs += [(f"moe_{name}", moe_folder, layout, None) for name, layout in MOE_LAYOUTS.items()]
+    runs += [(f"moe_{name}", moe_folder, layout + lora, moe_adapter) for name, layout in MOE_LORA_LAYOUTS.items()]
     out = {}
-    for name, layout in LAYOUTS.items():
-        cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", *layout])
-        state = initialize_parallel(cfg)
-        logits, _ = schedule_logits(build_chunks(cfg, state), [batch], state, seq_length=128)
+    for name, path, layout, adapter in runs:
+        cfg = load_config([f"model.pretrained={path}", "train.device=cpu", *layout])
+        logits = _layout_logits(cfg, initialize_parallel(cfg), batch, adapter)
         if logits is not None:
             for s in range(len(cu) - 1):
-                out[f"{name}_{s}"] = logits[0][cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :VOCAB].numpy()
+                out[f"{name}_{s}"] = logits[cu_pad[s]:cu_pad[s] + cu[s + 1] - cu[s], :VOCAB].numpy()
         destroy_parallel()
     return out
 
 
-def test_packed_logits_equal_transformers_per_sample_at_cp2_tp2_and_pp2(folder, tmp_path):
+@pytest.fixture(scope="module")
+def layout_results(folder, moe_folder, moe_lora, tmp_path_factory) -> list[dict]:
+    """One 2-rank gloo world runs every layout of both stacks (``_layout_worker``): one dict per rank."""
+    results = spawn_world(_layout_worker, 2, tmp_path_factory.mktemp("layouts"), folder, moe_folder,
+                          moe_lora["adapter"], timeout_s=300)
+    assert len(results) == 2
+    return results
+
+
+def _check_layouts(results, refs, names, pp_names=()):
+    """Every rank of the last stage of each layout gives each sample the reference logits (1e-5)."""
+    held = {(rank, name) for rank, res in enumerate(results) for name in names if f"{name}_0" in res}
+    assert held == {(r, name) for r in (0, 1) for name in names if name not in pp_names} | {
+        (1, name) for name in pp_names}
+    for rank, name in sorted(held):
+        for s, ref in enumerate(refs):
+            torch.testing.assert_close(torch.as_tensor(results[rank][f"{name}_{s}"]), ref, atol=1e-5, rtol=1e-5,
+                                       msg=f"rank {rank} {name} sample {s}")
+
+
+def test_packed_logits_equal_transformers_per_sample_at_cp2_tp2_and_pp2(folder, layout_results):
     """One 2-rank gloo world: at CP=2 (the linear layers trade the sequence split for a head split), TP=2, TP=2 with
     sequence parallelism and PP=2 (each stage builds its layers' kinds from their global index), every rank of the
     last stage gives each sample transformers' logits of the sample alone."""
     from _hf import hf_logits
 
-    results = spawn_world(_layout_worker, 2, tmp_path, folder, timeout_s=300)
     refs = hf_logits(folder, [ids[:-1] for ids in _samples()])
-    assert len(results) == 2 and len(refs) == 3
-    held = {(rank, layout) for rank, res in enumerate(results) for layout in LAYOUTS if f"{layout}_0" in res}
-    assert held == {(r, layout) for r in (0, 1) for layout in LAYOUTS if layout != "pp2"} | {(1, "pp2")}
-    for rank, layout in sorted(held):
-        for s, ref in enumerate(refs):
-            torch.testing.assert_close(torch.as_tensor(results[rank][f"{layout}_{s}"]), ref, atol=1e-5, rtol=1e-5,
-                                       msg=f"rank {rank} {layout} sample {s}")
+    assert len(refs) == 3
+    _check_layouts(layout_results, refs, list(LAYOUTS), pp_names=("pp2",))
 
 
 FEATURES = {  # id: transformers config change that removes one Qwen3.5 feature (its logits must then change)
@@ -335,33 +347,56 @@ def test_what_qwen3_5_cannot_read_is_refused_in_one_line(change, fragment, tmp_p
     (["model.attention_backend=te"], "built on the torch backend only"),
     (["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"],
      "model.linear_num_key_heads (2) must be divisible"),
-    (["peft.method=lora"], "adapters on a hybrid mixture-of-experts stack (Qwen3.5-MoE) are not proved yet"),
-], ids=["te_backend", "heads_over_tp_cp", "moe_lora"])
-def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, moe_folder, overrides, fragment):
+], ids=["te_backend", "heads_over_tp_cp"])
+def test_what_the_hybrid_stack_cannot_run_is_refused_before_launch(folder, overrides, fragment):
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        load_config([f"model.pretrained={moe_folder if 'lora' in str(overrides) else folder}", "train.device=cpu",
-                     *overrides])
+        load_config([f"model.pretrained={folder}", "train.device=cpu", *overrides])
     assert fragment in str(info.value)
 
 
-def test_recipe_builds_the_hybrid_stack_at_its_layout(tmp_path):
-    """configs/experiment/qwen3_5_text_sft.yaml at its world size (8) on a folder of transformers' default sizes:
-    the hybrid keys come from config.json and the Gated DeltaNet heads split over TP x CP."""
-    from megatron_pack.config import load_config
+RECIPES = {  # recipe: (folder it names, its config.json at transformers' default sizes, world size, TP, CP, EP)
+    "qwen3_5_text_sft": ("models/qwen3_5-text", {**HUB_TEXT, "num_hidden_layers": 32, "layer_types": LAYER_TYPES * 8},
+                         8, 2, 2, 1),
+    "qwen3_5_moe_text_sft": ("models/qwen3_5-moe-text", {**HUB_MOE_TEXT, "num_hidden_layers": 40,
+                                                         "layer_types": LAYER_TYPES * 10}, 32, 2, 2, 16),
+}
 
-    folder = tmp_path / "models/qwen3_5-text"
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_builds_the_hybrid_stack_at_its_layout_and_states_its_memory_estimate(tmp_path, recipe):
+    """configs/experiment/<recipe>.yaml at its world size on a folder of transformers' default sizes: the hybrid keys
+    come from config.json, the Gated DeltaNet heads split over TP x CP, and the header states what ``train --check``
+    estimates per rank, its Gated DeltaNet layers counted as such (more than if every layer were full attention)."""
+    from dataclasses import replace
+
+    from megatron_pack.config import load_config
+    from megatron_pack.config.loader import config_dir
+    from megatron_pack.training.memory_estimate import estimate_memory
+
+    name, hub, world, tp, cp, ep = RECIPES[recipe]
+    folder = tmp_path / name
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({**HUB_TEXT, "num_hidden_layers": 32,
-                                                    "layer_types": LAYER_TYPES * 8}))
-    cfg = load_config(["experiment=qwen3_5_text_sft", f"model.pretrained={folder}", "data.tokenizer=byte",
-                       "data.input=train.jsonl"], world_size=8)
+    (folder / "config.json").write_text(json.dumps(hub))
+    cfg = load_config([f"experiment={recipe}", f"model.pretrained={folder}", "data.tokenizer=byte",
+                       "data.input=train.jsonl"], world_size=world)
     m, par = cfg.model, cfg.parallel
-    assert (m.num_layers, m.full_attention_interval, m.rotary_percent, m.attention_output_gate) == (32, 4, 0.25, True)
-    assert (par.tensor_model_parallel_size, par.context_parallel_size, par.sequence_parallel) == (2, 2, True)
-    assert m.linear_num_key_heads % (par.tensor_model_parallel_size * par.context_parallel_size) == 0
+    assert (m.num_layers, m.full_attention_interval, m.rotary_percent, m.attention_output_gate) == (
+        hub["num_hidden_layers"], 4, 0.25, True)
+    assert (par.tensor_model_parallel_size, par.context_parallel_size, par.sequence_parallel,
+            par.expert_model_parallel_size) == (tp, cp, True, ep)
+    assert m.linear_num_key_heads % (tp * cp) == 0
+    est = estimate_memory(cfg, world)
+    gib = lambda v: f"{v / 2 ** 30:.2f}"  # noqa: E731
+    header = " ".join(line.lstrip("# ") for line in (config_dir() / "experiment" / f"{recipe}.yaml").read_text()
+                      .splitlines())
+    assert (f"params {gib(est.params)}, grads {gib(est.grads)}, optimizer {gib(est.optimizer)}, activations "
+            f"{gib(est.activations)}") in header and f"total {gib(est.total)} GiB" in header
+    assert est.total < 80 * 2 ** 30  # an 80 GB GPU
+    as_full = estimate_memory(replace(cfg, model=replace(m, full_attention_interval=None)), world)
+    assert est.activations > as_full.activations  # the Gated DeltaNet's conv1d window and states are counted
 
 
 def test_a_checkpoint_of_the_hybrid_stack_reads_back_as_the_model(world_of_one_model, tmp_path):
@@ -436,34 +471,6 @@ def test_a_folder_still_holding_the_mtp_head_is_refused_in_one_line(folder, tmp_
 
 # ---- Qwen3.5-MoE text: the same hybrid layers, a MoE block with a gated shared expert in every layer ----
 
-def _moe_folder(root) -> str:
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
-
-    from _hf import save_tokenizer
-
-    dense = {k: v for k, v in _config().to_dict().items() if k in Qwen3_5MoeTextConfig.__dataclass_fields__
-             and k not in ("model_type", "transformers_version", "intermediate_size")}
-    torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**dense, "moe_intermediate_size": 24, "num_experts": 4,
-                                                          "num_experts_per_tok": 2,
-                                                          "shared_expert_intermediate_size": 32}))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # as the dense folder; the router drawn so that tokens spread over the experts
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(1.0 + noise)
-            elif "norm" in name or name.endswith("mlp.gate.weight"):
-                param.copy_(noise if "norm" in name else 3 * noise)
-            elif name.endswith(("dt_bias", "A_log")):
-                param.add_(noise)
-    path = root / "qwen3_5_moe"
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory) -> str:
     return _moe_folder(tmp_path_factory.mktemp("qwen3_5_moe"))
@@ -511,3 +518,140 @@ def test_moe_export_gives_back_the_folder_bit_for_bit(moe_folder, tmp_path, tp):
     assert sorted(got) == sorted(want) and any(".mlp.experts.3.down_proj" in k for k in got)
     assert all(torch.equal(got[k], want[k]) for k in got)
     T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_moe_packed_logits_equal_transformers_per_sample_at_cp2_tp2_ep2_and_pp2(moe_folder, layout_results):
+    """The 2-rank world of the dense layouts (``layout_results``): the MoE stack at CP=2 (the Gated DeltaNet's
+    all-to-all beside the routed experts), TP=2 with sequence parallelism (experts split over TP), EP=2 (two whole
+    experts per rank, tokens dispatched across ranks) and PP=2 gives each sample transformers' logits alone."""
+    from _hf import hf_logits
+
+    refs = hf_logits(moe_folder, [ids[:-1] for ids in _samples()])
+    _check_layouts(layout_results, refs, [f"moe_{name}" for name in MOE_LAYOUTS], pp_names=("moe_pp2",))
+
+
+MOE_LORA_TARGETS = LORA_TARGETS
+"""Every projection, the experts' linear_fc1 / linear_fc2 (and the shared expert's) included."""
+
+
+@pytest.fixture(scope="module")
+def moe_lora(moe_folder, tmp_path_factory) -> dict:
+    """LoRA on every projection of the MoE stack at world 1, B drawn away from 0: the pack's logits and the peft
+    folder ``export.adapter`` writes (``adapter``), with the number of adapters."""
+    from megatron_pack.config import load_config
+    from megatron_pack.data.batches.thd import collate_thd
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.peft.export import export_adapter, peft_tensors
+    from megatron_pack.model.peft.lora import adapter_state
+    from megatron_pack.model.peft.meta import peft_meta
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()], pack_size=128)
+    cfg = load_config([f"model.pretrained={moe_folder}", "train.device=cpu", "peft.method=lora",
+                       f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"])
+    gen = torch.Generator().manual_seed(3)
+    cu = batch["cu_seqlens"].tolist()
+    try:
+        model = build_model(cfg, initialize_parallel(cfg))
+        with torch.no_grad():
+            for name, param in adapter_state(model).items():
+                if "linear_out" in name:
+                    param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+        logits = model(batch["tokens"], batch["position_ids"], None,
+                       packed_seq_params=get_packed_seq_params(batch))[0, :, :VOCAB]
+        samples = [logits[cu[s]:cu[s + 1]] for s in range(len(cu) - 1)]
+        sum((x * w).sum() for x, w in zip(samples, _grad_weights())).backward()
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    adapters = adapter_state(model)
+    adapter = tmp_path_factory.mktemp("qwen3_5_moe_lora") / "adapter"
+    export_adapter(output=adapter, shards=[{k: v.detach() for k, v in adapters.items()}],
+                   peft=peft_meta(cfg), source=moe_folder, model_cfg=cfg.model)
+    grads = peft_tensors([{k: v.grad for k, v in adapters.items()}], "qwen3_5_moe_text", cfg.model,
+                         cfg.peft.target_modules)
+    return {"adapter": str(adapter), "num_adapters": model.num_adapters, "grads": grads,
+            "logits": [x.detach() for x in samples]}
+
+
+def _grad_weights() -> list[torch.Tensor]:
+    """A fixed random weight per sample's logits: the scalar both models differentiate, sum(logits x weight)."""
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(len(ids) - 1, VOCAB, generator=gen) for ids in _samples()]
+
+
+@pytest.fixture(scope="module")
+def moe_peft_logits(moe_folder, moe_lora) -> list[torch.Tensor]:
+    """transformers' Qwen3_5MoeForCausalLM with the exported adapter folder loaded by peft: each sample's logits
+    (guarded: the adapters change every sample's logits)."""
+    import transformers as T
+    from peft import PeftModel
+
+    base = T.AutoModelForCausalLM.from_pretrained(moe_folder).eval()
+    with torch.no_grad():
+        plain = [base(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()]
+        tuned = PeftModel.from_pretrained(base, moe_lora["adapter"]).eval()
+        refs = [tuned(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()]
+    assert all(float((ref - p).abs().max()) > 1e-3 for ref, p in zip(refs, plain))
+    return refs
+
+
+def test_moe_lora_on_attention_linear_attention_and_experts_exports_to_peft(moe_folder, moe_lora, moe_peft_logits):
+    """LoRA on the gated attention, the Gated DeltaNet's in_proj / out_proj, every expert and the shared expert
+    (48 adapters): the export names the experts' 3D parameters in ``target_parameters`` (peft's ParamWrapper) and
+    transformers + PeftModel gives each sample our packed logits at world 1; read back at TP=2 and out again, the
+    folder's tensors are bit for bit the same."""
+    from safetensors.torch import load_file
+
+    from megatron_pack.config import load_config
+    from megatron_pack.model.peft.export import peft_tensors, shards_from_peft
+
+    # per layer: in_proj, out_proj (3 linear) or linear_qkv, linear_proj (1 full); 4 experts x 2; shared expert x 2
+    assert moe_lora["num_adapters"] == 3 * 2 + 2 + 4 * (4 * 2 + 2)
+    config = json.loads((Path(moe_lora["adapter"]) / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert {"q_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj",
+            "down_proj"} <= set(config["target_modules"])
+    written = load_file(Path(moe_lora["adapter"]) / "adapter_model.safetensors")
+    assert written["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (4 * 32, 64)
+    cfg = load_config([f"model.pretrained={moe_folder}", "train.device=cpu", "peft.method=lora",
+                       f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"])
+    tp2 = [shards_from_peft(written, "qwen3_5_moe_text", cfg.model, cfg.peft.target_modules, tp_rank=r, tp_size=2)
+           for r in range(2)]
+    back = peft_tensors(tp2, "qwen3_5_moe_text", cfg.model, cfg.peft.target_modules)
+    assert sorted(back) == sorted(written) and all(torch.equal(back[k], written[k]) for k in written)
+    for s, ref in enumerate(moe_peft_logits):
+        torch.testing.assert_close(moe_lora["logits"][s][:, :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+
+
+FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                          "in_proj_a"))
+"""transformers' linears one of ours fuses: our one lora_A is each part's, so its gradient is the sum of theirs."""
+
+
+def test_moe_lora_gradients_equal_peft(moe_folder, moe_lora):
+    """The adapters' gradients of sum(logits x weight) over the pack (ours, exported to peft's names) equal peft's on
+    transformers over each sample alone: every expert's A and B through the ParamWrapper's 3D parameters, the Gated
+    DeltaNet's in_proj parts, the gated attention and the shared expert (a fused lora_A: the sum of its parts')."""
+    import transformers as T
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(moe_folder), moe_lora["adapter"],
+                                      is_trainable=True)
+    sum((model(torch.tensor([ids[:-1]])).logits[0] * w).sum() for ids, w in zip(_samples(), _grad_weights())).backward()
+    ref = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    ours = moe_lora["grads"]
+    assert sorted(ours) == sorted(ref) and any("mlp.experts.base_layer.lora_A" in k for k in ours)
+    for name, grad in ours.items():
+        module = name.split(".lora_")[0].rsplit(".", 1)[-1]
+        parts = next((g for g in FUSED_PARTS if module in g), (module,)) if ".lora_A." in name else (module,)
+        want = sum(ref[name.replace(f".{module}.", f".{part}.")] for part in parts)
+        scale = float(want.abs().max())
+        assert scale > 1e-3, name  # guard: every adapter gets a gradient
+        assert float((grad - want).abs().max()) <= 1e-5 * scale, name  # float32 sums in another order
+
+
+def test_moe_lora_read_into_cp2_ep2_and_tp2_gives_peft_logits(moe_peft_logits, layout_results):
+    """The adapter folder read into each 2-rank layout (``load_adapter``: each EP rank its experts' adapters, each TP
+    rank its rows; the Gated DeltaNet's adapted in_proj under CP's all-to-all) gives peft's logits of every sample."""
+    _check_layouts(layout_results, moe_peft_logits, [f"moe_{name}" for name in MOE_LORA_LAYOUTS])

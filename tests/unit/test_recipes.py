@@ -16,6 +16,7 @@ import pytest
 from megatron_pack.config import load_config
 from megatron_pack.config.loader import config_dir
 from test_gpt_oss import HUB_20B  # the Hub config.json: one home, tests/unit/test_gpt_oss.py
+from test_qwen3_5 import HUB_MOE_TEXT as QWEN3_5_MOE_TEXT  # 40 layers of it: transformers' default sizes
 from test_qwen3_5 import HUB_TEXT as QWEN3_5_TEXT, LAYER_TYPES  # 32 layers of it: transformers' default sizes
 
 # config.json of the Hugging Face folders the pretrained recipes name (architecture keys only: what
@@ -62,7 +63,8 @@ PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-In
               "models/Llama-3.3-70B-Instruct": _LLAMA33_70B, "models/Qwen3-30B-A3B": _QWEN3_30B_A3B,
               "models/Qwen2.5-VL-7B-Instruct": _QWEN25_VL_7B, "models/gemma-3-12b-it-text": _GEMMA3_12B_TEXT,
               "models/gpt-oss-20b-bf16": HUB_20B,
-              "models/qwen3_5-text": {**QWEN3_5_TEXT, "num_hidden_layers": 32, "layer_types": LAYER_TYPES * 8}}
+              "models/qwen3_5-text": {**QWEN3_5_TEXT, "num_hidden_layers": 32, "layer_types": LAYER_TYPES * 8},
+              "models/qwen3_5-moe-text": {**QWEN3_5_MOE_TEXT, "num_hidden_layers": 40, "layer_types": LAYER_TYPES * 10}}
 
 RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
 
