@@ -1,0 +1,256 @@
+"""Qwen3.5 and Qwen3-VL as vision-language models (issue 44 items 1, 4, 6), proved against transformers.
+
+Tiny random folders of each family (``tests/_vlm3.py``: Qwen3.5 keeps its hybrid pattern, one Gated DeltaNet and one
+gated full-attention layer; Qwen3-VL has DeepStack from two vision blocks into decoder layers 0 and 1), packs of
+three samples (two images, none, one) built from transformers' image processor and ``get_rope_index`` per sample:
+
+1. interleaved M-RoPE: our angles equal transformers' rotary embedding (``recomposition_frequencies``) on random
+   positions, at the Hub's sizes and the tiny ones (Qwen3.5: partial rotary); megatron-core's contiguous layout
+   does not (guard);
+2. packed logits equal transformers' of each sample alone in a world of one (1e-5, float32), and in a 2-rank world
+   at CP=2, TP=2 with sequence parallelism and PP=2 through verify's forward-only schedule; DeepStack changes the
+   logits (the comparison would see it dropped), and a DeepStack layer off the first stage is refused in one line;
+3. the default ``model.freeze_vision`` trains the mergers (DeepStack's too) and nothing else of the tower.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _vlm3 as W
+from _dist import spawn_world
+
+DENSE = ("qwen3_5", "qwen3_vl")
+PAD = 4  # 2 x CP for CP=2, CP x TP for TP=2 with SP
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("vlm3")
+    return {family: str(W.make_folder(root, family)) for family in DENSE}
+
+
+@pytest.fixture(scope="module")
+def packs(folders) -> dict:
+    """family -> (the pack, transformers' logits of each sample alone)."""
+    out = {}
+    for family, folder in folders.items():
+        samples = W.samples(folder)
+        out[family] = (W.reference_pack(samples, PAD), [W.reference_logits(folder, s) for s in samples])
+    return out
+
+
+HUB_QWEN3_VL_8B = {  # Qwen3-VL-8B-Instruct's config.json as published (transformers 4.57's spelling)
+    "architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655, "model_type": "qwen3_vl",
+    "text_config": {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+                    "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
+                    "max_position_embeddings": 262144, "model_type": "qwen3_vl_text", "num_attention_heads": 32,
+                    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+                    "rope_theta": 5000000, "vocab_size": 151936},
+    "tie_word_embeddings": False, "video_token_id": 151656, "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+    "vision_config": {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+                      "hidden_size": 1152, "in_channels": 3, "intermediate_size": 4304, "model_type": "qwen3_vl",
+                      "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2}}
+
+
+def hub_qwen3_5() -> dict:
+    """A Qwen3.5 vision-language config.json (the text stack of test_qwen3_5's HUB_TEXT under text_config)."""
+    from test_qwen3_5 import HUB_TEXT
+
+    text = {k: v for k, v in HUB_TEXT.items() if k != "architectures"}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "image_token_id": 248056,
+            "video_token_id": 248057, "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+            "tie_word_embeddings": False, "text_config": text,
+            "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                              "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+                              "temporal_patch_size": 2, "num_position_embeddings": 2304, "model_type": "qwen3_5"}}
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_hub_config_becomes_model_keys(family):
+    from megatron_pack.config.hf_config import derive_model_keys, refusal
+
+    hf = hub_qwen3_5() if family == "qwen3_5" else HUB_QWEN3_VL_8B
+    assert refusal(hf, "x") is None
+    keys = derive_model_keys(hf)
+    want = (dict(mrope_section=[11, 11, 10], mrope_interleaved=True, rotary_percent=0.25, deepstack_layers=0,
+                 full_attention_interval=4, image_token_id=248056, kv_channels=256) if family == "qwen3_5" else
+            dict(mrope_section=[24, 20, 20], mrope_interleaved=True, rotary_percent=1.0, deepstack_layers=3,
+                 qk_layernorm=True, image_token_id=151655, num_layers=36, rotary_base=5000000))
+    assert {k: keys[k] for k in want} == want
+
+
+def test_a_text_config_under_a_vision_model_type_is_refused_in_one_line():
+    from test_qwen3_5 import HUB_TEXT
+
+    from megatron_pack.config.hf_config import refusal
+
+    message = refusal({**HUB_TEXT, "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]}, "x")
+    assert "without vision_config and image_token_id" in message and "qwen3_5_text" in message
+    assert "\n" not in message
+
+
+ROPE_CASES = {  # id: (transformers config kwargs of the text model, module)
+    "qwen3_vl_hub": (dict(head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                                         "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+                     "qwen3_vl"),
+    "qwen3_5_hub": (dict(head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                                        "mrope_interleaved": True}), "qwen3_5"),
+    "qwen3_vl_tiny": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+                      "qwen3_vl"),
+}
+
+
+@pytest.mark.parametrize("case", ROPE_CASES.values(), ids=ROPE_CASES.keys())
+def test_interleaved_mrope_equals_transformers(case):
+    import transformers as T
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    from megatron_pack.model.cpu_compat import enable_cpu_compat_without_cuda
+    from megatron_pack.model.vlm import interleaved_mrope
+
+    enable_cpu_compat_without_cuda()
+    kwargs, module = case
+    if module == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding as Rope
+        config = T.Qwen3VLTextConfig(hidden_size=64, num_attention_heads=4, **kwargs)
+    else:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding as Rope
+        config = T.Qwen3_5TextConfig(hidden_size=64, num_attention_heads=4, **kwargs)
+    params = config.rope_parameters
+    positions = torch.randint(0, 4000, (3, 1, 57), generator=torch.Generator().manual_seed(2))
+    cos, sin = Rope(config)(torch.zeros(1, dtype=torch.float32), positions)  # [1, T, rotary dims]
+    ours = MultimodalRotaryEmbedding(kv_channels=kwargs["head_dim"],
+                                     rotary_percent=params.get("partial_rotary_factor", 1.0),
+                                     rotary_base=int(params["rope_theta"]))
+    angles = interleaved_mrope(positions, ours.inv_freq, params["mrope_section"])  # [T, 1, 1, rotary dims]
+    assert angles.shape == (57, 1, 1, cos.shape[-1])
+    torch.testing.assert_close(angles[:, 0, 0].cos(), cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(angles[:, 0, 0].sin(), sin[0], atol=1e-6, rtol=0)
+    contiguous = ours(positions, params["mrope_section"])  # megatron-core's Qwen2.5-VL layout: not the same
+    assert float((contiguous[:, 0, 0].cos() - cos[0]).abs().max()) > 1e-2
+
+
+def _our_logits(folder: str, batch: dict, *overrides: str) -> torch.Tensor:
+    from megatron_pack.config import load_config
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu", *overrides])
+    try:
+        model = build_model(cfg, initialize_parallel(cfg))
+        with torch.no_grad():
+            decoder_input = vlm_decoder_input(model, batch, 1, 0, torch.device("cpu"))
+            return model(None, mrope_positions(batch, "cpu"), None, decoder_input=decoder_input,
+                         packed_seq_params=get_packed_seq_params(batch))[0]
+    finally:
+        destroy_parallel(destroy_process_group=True)
+
+
+def _assert_samples(logits: torch.Tensor, batch: dict, refs: list[torch.Tensor], what: str) -> None:
+    cu_pad = batch["cu_seqlens_padded"].tolist()
+    assert len(refs) == 3 and sum(len(r) for r in refs) > 70
+    for s, ref in enumerate(refs):
+        torch.testing.assert_close(logits[cu_pad[s]:cu_pad[s] + len(ref), :W.VOCAB], ref, atol=1e-5, rtol=1e-5,
+                                   msg=f"{what} sample {s}")
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_packed_logits_equal_transformers_per_sample(folders, packs, family):
+    """World of one: the pack's images through the tower, the features (and DeepStack's) at the image tokens, the
+    interleaved M-RoPE rows: each sample's logits as transformers gives them for the sample alone."""
+    batch, refs = packs[family]
+    assert batch["image_grid_thw"].shape[0] == 3
+    _assert_samples(_our_logits(folders[family], batch), batch, refs, family)
+
+
+def test_deepstack_changes_the_logits(folders, packs, monkeypatch):
+    """Guard: without the DeepStack additions the Qwen3-VL logits at and after the images move."""
+    import megatron_pack.model.vlm as vlm
+
+    batch, refs = packs["qwen3_vl"]
+    tower_output = vlm.image_features
+    monkeypatch.setattr(vlm, "image_features", lambda *a: (tower_output(*a)[0], []))
+    logits = _our_logits(folders["qwen3_vl"], batch)
+    assert float((logits[:len(refs[0]), :W.VOCAB] - refs[0]).abs().max()) > 1e-3
+
+
+def test_deepstack_off_the_first_stage_is_refused_in_one_line(folders):
+    from megatron_pack.config import load_config
+    from megatron_pack.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config([f"model.pretrained={folders['qwen3_vl']}", "train.device=cpu",
+                     "parallel.pipeline_model_parallel_size=4"])
+    message = str(err.value)
+    assert "parallel.pipeline_model_parallel_size (4)" in message and "layers 0..1" in message
+    load_config([f"model.pretrained={folders['qwen3_vl']}", "train.device=cpu",
+                 "parallel.pipeline_model_parallel_size=2"])  # 2 layers a stage: DeepStack's on the first
+
+
+LAYOUTS = {  # id: the parallel layout of a 2-rank world
+    "cp2": ["parallel.context_parallel_size=2"],
+    "tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],
+}
+
+
+def _layout_worker(rank: int, world_size: int, folders: dict, batches: dict) -> dict:
+    """Each family's and layout's logits of the pack through megatron-core's forward-only schedule (verify's), on
+    the last stage's ranks; and whether this CP rank's slice held an image token."""
+    from megatron_pack.cli.verify import build_chunks, schedule_logits
+    from megatron_pack.config import load_config
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    out = {}
+    for family, folder in folders.items():
+        batch = batches[family]
+        for name, layout in LAYOUTS.items():
+            cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", *layout])
+            state = initialize_parallel(cfg)
+            logits, _ = schedule_logits(build_chunks(cfg, state), [batch], state, seq_length=512)
+            if logits is not None:
+                out[f"{family}/{name}"] = logits[0][:, :W.VOCAB].numpy()
+            local = slice_thd_batch(batch, state.cp_size, state.cp_rank)["tokens"]
+            out[f"{family}/{name}/image_tokens"] = int((local == 5).sum())
+            destroy_parallel()
+    return out
+
+
+def test_packed_logits_equal_transformers_at_cp2_tp2_and_pp2(folders, packs, tmp_path):
+    """A 2-rank gloo world: at CP=2 (the images in the whole pack's embeddings and DeepStack rows, then the zigzag
+    slice), TP=2 with sequence parallelism (then the SP scatter) and PP=2 (tower and DeepStack layers on stage 0),
+    every rank of the last stage gives each sample transformers' logits alone."""
+    batches = {family: packs[family][0] for family in DENSE}
+    results = spawn_world(_layout_worker, 2, tmp_path, folders, batches, timeout_s=300)
+    for family in DENSE:
+        batch, refs = packs[family]
+        held = [(rank, name) for rank, res in enumerate(results) for name in LAYOUTS if f"{family}/{name}" in res]
+        assert held == [(0, "cp2"), (0, "tp2_sp"), (1, "cp2"), (1, "tp2_sp"), (1, "pp2")]
+        for rank, name in held:
+            _assert_samples(torch.as_tensor(results[rank][f"{family}/{name}"]), batch, refs, f"{family} {name} r{rank}")
+        assert all(int(results[r][f"{family}/cp2/image_tokens"]) > 0 for r in (0, 1))  # both CP slices hold images
+
+
+def test_freeze_vision_trains_the_mergers_only(folders):
+    from megatron_pack.config import load_config
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+
+    cfg = load_config([f"model.pretrained={folders['qwen3_vl']}", "train.device=cpu"])
+    try:
+        tower = build_model(cfg, initialize_parallel(cfg)).vision_model
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    trainable = sorted({n.split(".")[0] for n, p in tower.named_parameters() if p.requires_grad})
+    assert trainable == ["deepstack_merger_list", "merger"]
+    assert any(not p.requires_grad for n, p in tower.named_parameters() if n.startswith("blocks."))
