@@ -15,6 +15,8 @@ three samples (two images, none, one) built from transformers' image processor a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -254,3 +256,136 @@ def test_freeze_vision_trains_the_mergers_only(folders):
     trainable = sorted({n.split(".")[0] for n, p in tower.named_parameters() if p.requires_grad})
     assert trainable == ["deepstack_merger_list", "merger"]
     assert any(not p.requires_grad for n, p in tower.named_parameters() if n.startswith("blocks."))
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _rules_spelling(src, dst):
+    """``src`` re-saved in the spelling our rules use (``model.layers.*``, ``visual.*``), as a converted folder may be."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in _tensors(src).items()}
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _our_greedy(folder, prompt: list[int], pixels: torch.Tensor, grid: torch.Tensor, steps: int) -> list[int]:
+    """Greedy tokens of our packed model (world 1), the whole sequence again at each step, M-RoPE rows from
+    transformers' ``get_rope_index``."""
+    ids = list(prompt)
+    for _ in range(steps):
+        full = torch.tensor([ids + [2]])
+        rope = W.reference_model(folder).model.get_rope_index(full, (full == 5).to(torch.int32), image_grid_thw=grid)
+        batch = W.reference_pack([{"input_ids": ids + [2], "pixel_values": pixels, "image_grid_thw": grid,
+                                   "mrope": rope[0][:, 0]}])
+        ids.append(int(_our_logits(str(folder), batch)[len(ids) - 1, :W.VOCAB].argmax()))
+    return ids[len(prompt):]
+
+
+def _generate(folder) -> tuple:
+    """Greedy tokens from an image and a question through the folder's own image processor and chat template (and
+    the prompt's ids, pixels and grid)."""
+    import transformers as T
+
+    import _vlm as V
+
+    tok, proc = T.AutoTokenizer.from_pretrained(folder), T.AutoImageProcessor.from_pretrained(folder)
+    model = T.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    pixels = proc(images=[V.make_image(64, 96, 9)], return_tensors="pt")
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * (int(pixels["image_grid_thw"][0].prod()) // 4))
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, mm_token_type_ids=(ids == 5).to(torch.int32),
+                             pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                             max_new_tokens=4, do_sample=False)
+    return out[0, ids.shape[1]:].tolist(), ids[0].tolist(), pixels["pixel_values"], pixels["image_grid_thw"]
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_export_is_bit_exact_from_either_spelling_and_transformers_generates_from_an_image(folders, family, tmp_path):
+    """``megatron-pack export`` of the folder (transformers' module names, the Hub's) and of the same tensors in our
+    rules' spelling: every tensor (the tower's, DeepStack's mergers) back bit for bit under the module names, the
+    processor, chat template and tokenizer beside them; transformers generates from an image with the export as
+    with the source."""
+    from megatron_pack.cli.export import main
+
+    source = _tensors(folders[family])
+    assert any(k.startswith("model.language_model.layers.") for k in source)
+    renamed = _rules_spelling(folders[family], tmp_path / "rules")
+    for src, out in ((folders[family], tmp_path / "out"), (renamed, tmp_path / "out_rules")):
+        assert main([f"model.pretrained={src}", f"output={out}"]) == 0
+        exported = _tensors(out)
+        assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], source[k]) for k in source)
+        for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json"):
+            assert (out / name).read_bytes() == (Path(folders[family]) / name).read_bytes(), name
+    tokens, prompt, pixels, grid = _generate(tmp_path / "out")
+    assert len(tokens) == 4 and tokens == _generate(folders[family])[0]
+    assert _our_greedy(folders[family], prompt, pixels, grid, 4) == tokens  # and our model's greedy tokens
+
+
+LORA = {"qwen3_5": "[linear_qkv,linear_proj,linear_fc1,linear_fc2,in_proj,out_proj]",
+        "qwen3_vl": "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"}
+NUM_ADAPTERS = {"qwen3_5": 2 + 2 + 2 * 2, "qwen3_vl": 4 * 4}  # qwen3_5: in/out (linear), qkv/proj (full), fc1/fc2 x 2
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_lora_exports_to_peft_and_transformers_gives_our_logits(folders, packs, family, tmp_path):
+    """LoRA on the language model (Qwen3.5: the Gated DeltaNet's in_proj / out_proj by name too), B drawn away from
+    0: the peft folder the export writes, on transformers' VLM class, gives each sample of the pack (images
+    included) our packed logits, and adapts nothing of the tower."""
+    import json
+
+    from peft import PeftModel
+
+    from megatron_pack.config import load_config
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.model.peft.export import export_adapter
+    from megatron_pack.model.peft.lora import adapter_state
+    from megatron_pack.model.peft.meta import peft_meta
+    from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import get_packed_seq_params
+
+    folder, (batch, refs) = folders[family], packs[family]
+    cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", "peft.method=lora",
+                       f"peft.target_modules={LORA[family]}", "peft.dropout=0"])
+    gen = torch.Generator().manual_seed(3)
+    try:
+        model = build_model(cfg, initialize_parallel(cfg))
+        with torch.no_grad():
+            for name, param in adapter_state(model).items():
+                if "linear_out" in name:
+                    param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+            logits = model(None, mrope_positions(batch, "cpu"), None, packed_seq_params=get_packed_seq_params(batch),
+                           decoder_input=vlm_decoder_input(model, batch, 1, 0, torch.device("cpu")))[0]
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    assert model.num_adapters == NUM_ADAPTERS[family]
+    export_adapter(output=tmp_path / "adapter", shards=[{k: v.detach() for k, v in adapter_state(model).items()}],
+                   peft=peft_meta(cfg), source=folder, model_cfg=cfg.model)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    if family == "qwen3_5":
+        assert "in_proj_qkv" in config["target_modules"] and "in_proj_z" in config["target_modules"]
+    tuned = PeftModel.from_pretrained(W.reference_model(folder), tmp_path / "adapter").eval()
+    try:
+        adapted = {n.split(".lora_")[0] for n, _ in tuned.named_parameters() if "lora_" in n}
+        assert len(adapted) > NUM_ADAPTERS[family] and not any("visual" in n for n in adapted)
+        samples = W.samples(folder)
+        cu_pad = batch["cu_seqlens_padded"].tolist()
+        for s, sample in enumerate(samples):
+            ref = W.reference_logits(folder, sample, tuned)
+            assert float((ref - refs[s]).abs().max()) > 1e-3  # guard: the adapters act
+            torch.testing.assert_close(logits[cu_pad[s]:cu_pad[s] + len(ref), :W.VOCAB], ref, atol=1e-5, rtol=1e-5,
+                                       msg=f"sample {s}")
+    finally:
+        tuned.unload()  # the cached reference model without adapters again
