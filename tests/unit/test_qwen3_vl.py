@@ -205,12 +205,12 @@ LAYOUTS = {  # id: the parallel layout of a 2-rank world
 }
 
 
-def _layout_worker(rank: int, world_size: int, folders: dict, batches: dict) -> dict:
+def _layout_worker(rank: int, world_size: int, folders: dict, batches: dict, middle: dict) -> dict:
     """Each family's and layout's logits of the pack through megatron-core's forward-only schedule (verify's), on
-    the last stage's ranks; and whether this CP rank's slice held an image token."""
-    from megatron_pack.cli.verify import build_chunks, schedule_logits
+    the last stage's ranks, and verify's comparison with transformers at CP=2; then the loss and gradients of
+    both packs at DP=2 and at CP=2 (``_gradients``)."""
+    from megatron_pack.cli.verify import _load_reference, build_chunks, compare_with_transformers, schedule_logits
     from megatron_pack.config import load_config
-    from megatron_pack.parallel.cp import slice_thd_batch
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
 
     out = {}
@@ -222,9 +222,51 @@ def _layout_worker(rank: int, world_size: int, folders: dict, batches: dict) -> 
             logits, _ = schedule_logits(build_chunks(cfg, state), [batch], state, seq_length=512)
             if logits is not None:
                 out[f"{family}/{name}"] = logits[0][:, :W.VOCAB].numpy()
-            local = slice_thd_batch(batch, state.cp_size, state.cp_rank)["tokens"]
-            out[f"{family}/{name}/image_tokens"] = int((local == 5).sum())
+            if logits is not None and name == "cp2" and rank == 0:  # verify.reference=transformers' comparison
+                result = compare_with_transformers(logits[0], batch, _load_reference(folder)[0], W.VOCAB, 0)
+                out[f"{family}/verify"] = [result.max_logit_diff, int(result.passed(1e-5)), len(result.samples)]
             destroy_parallel()
+        out.update(_gradients(rank, family, folder, [batch, middle[family]]))
+    return out
+
+
+def _gradients(rank: int, family: str, folder: str, batches: list[dict]) -> dict:
+    """Loss and every parameter's gradient (the whole tower's, model.freeze_vision=false) of both packs through the
+    trainer's ``forward_step`` under megatron-core DDP and ``finalize_model_grads``, at DP=2 (each rank both packs)
+    and at CP=2, on rank 0; and each CP=2 rank's image tokens per pack."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_pack.config import load_config
+    from megatron_pack.model.builder import build_model
+    from megatron_pack.parallel.cp import slice_thd_batch
+    from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_pack.training.step import forward_step
+
+    out = {}
+    for name, layout in (("dp2", []), ("cp2", ["parallel.context_parallel_size=2"])):
+        cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", "model.freeze_vision=false", *layout])
+        state = initialize_parallel(cfg)
+        model = build_model(cfg, state)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, average_in_collective=False, overlap_grad_reduce=False), model,
+            pg_collection=state.pg_collection)
+        ddp.zero_grad_buffer()
+        loss, count = torch.zeros((), dtype=torch.float64), torch.zeros(())
+        for batch in batches:
+            output, loss_fn = forward_step(iter([batch]), ddp)
+            loss_sum, num, _ = loss_fn(output)
+            loss_sum.backward()
+            loss, count = loss + loss_sum.detach().double(), count + num
+        finalize_model_grads([ddp], num_tokens=count.to(torch.float32).clone(), pg_collection=state.pg_collection)
+        torch.distributed.all_reduce(loss, group=state.dp_cp_group)
+        torch.distributed.all_reduce(count, group=state.dp_cp_group)
+        if rank == 0:
+            out[f"{family}/{name}/loss"] = float(loss) / float(count)
+            out.update({f"{family}/{name}/grad/{n}": p.main_grad.numpy().copy() for n, p in model.named_parameters()})
+        if name == "cp2":
+            out[f"{family}/cp2/image_tokens"] = [int((slice_thd_batch(b, 2, state.cp_rank)["tokens"] == 5).sum())
+                                                 for b in batches]
+        destroy_parallel()
     return out
 
 
@@ -232,15 +274,52 @@ def test_packed_logits_equal_transformers_at_cp2_tp2_and_pp2(folders, packs, tmp
     """A 2-rank gloo world: at CP=2 (the images in the whole pack's embeddings and DeepStack rows, then the zigzag
     slice), TP=2 with sequence parallelism (then the SP scatter) and PP=2 (tower and DeepStack layers on stage 0),
     every rank of the last stage gives each sample transformers' logits alone."""
-    batches = {family: packs[family][0] for family in DENSE}
-    results = spawn_world(_layout_worker, 2, tmp_path, folders, batches, timeout_s=300)
+    results = world2(folders, packs, tmp_path)
     for family in DENSE:
         batch, refs = packs[family]
         held = [(rank, name) for rank, res in enumerate(results) for name in LAYOUTS if f"{family}/{name}" in res]
         assert held == [(0, "cp2"), (0, "tp2_sp"), (1, "cp2"), (1, "tp2_sp"), (1, "pp2")]
         for rank, name in held:
             _assert_samples(torch.as_tensor(results[rank][f"{family}/{name}"]), batch, refs, f"{family} {name} r{rank}")
-        assert all(int(results[r][f"{family}/cp2/image_tokens"]) > 0 for r in (0, 1))  # both CP slices hold images
+        worst, passed, num_samples = results[0][f"{family}/verify"].tolist()
+        assert num_samples == 3 and passed == 1 and worst <= 1e-5  # verify's transformers reference, at CP=2
+
+
+_WORLD: dict = {}
+
+
+def world2(folders, packs, tmp_path) -> list[dict]:
+    """The 2-rank world's results (run once for the module's tests)."""
+    if not _WORLD:
+        import _vlm as V
+
+        batches = {family: packs[family][0] for family in DENSE}
+        middle = {family: W.reference_pack([W.encode(folder, ["the answer is the answer is hello world what colour",
+                                                              V.make_image(32, 32, 4), "the answer is the answer is hello "
+                                                              "world what colour is it"])], PAD)
+                  for family, folder in folders.items()}
+        _WORLD["results"] = spawn_world(_layout_worker, 2, tmp_path, folders, batches, middle, timeout_s=300)
+    return _WORLD["results"]
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_loss_and_every_gradient_equal_at_cp2_and_dp2(folders, packs, family, tmp_path):
+    """The trainer's step at CP=2 (a pack whose image sits in the middle chunks: rank 0's slice has no image token,
+    its DeepStack rows are zeros and it still enters every collective) gives the loss and every gradient (the whole
+    tower's, DeepStack's mergers included) of DP=2 with each rank the whole packs (relative 1e-5)."""
+    results = world2(folders, packs, tmp_path)[0]
+    assert [int(n) for n in world2(folders, packs, tmp_path)[0][f"{family}/cp2/image_tokens"]][1] == 0
+    assert int(world2(folders, packs, tmp_path)[1][f"{family}/cp2/image_tokens"][1]) > 0
+    dp, cp = (results[f"{family}/{name}/loss"] for name in ("dp2", "cp2"))
+    assert abs(float(cp) - float(dp)) <= 1e-5 * abs(float(dp))
+    names = [k.split("/grad/")[1] for k in results if k.startswith(f"{family}/dp2/grad/")]
+    assert any("deepstack_merger_list" in n for n in names) == (family == "qwen3_vl")
+    worst, nonzero = 0.0, 0
+    for n in names:
+        want, got = (torch.as_tensor(results[f"{family}/{layout}/grad/{n}"]) for layout in ("dp2", "cp2"))
+        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+        nonzero += float(want.abs().max()) > 0
+    assert nonzero == len(names) > 40 and worst <= 1e-5
 
 
 def test_freeze_vision_trains_the_mergers_only(folders):
