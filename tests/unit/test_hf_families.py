@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_record_names_registered_transforms_and_shapes():
     assert list(FAMILIES) == ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe",
                              "qwen2_5_vl", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss", "qwen3_5",
-                             "qwen3_vl"]
+                             "qwen3_5_moe", "qwen3_vl"]
     rules = [rule for family in FAMILIES.values() for rule in family.rules]
     assert len(rules) >= 4 * 9
     assert {rule.kind for rule in rules} == {"replicated", "row", "vocab", "qkv", "gate_up", "heads", "interleaved_gate_up",

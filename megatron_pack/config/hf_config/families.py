@@ -471,6 +471,13 @@ QWEN3_5_VL = register_family(Family(
     refused=QWEN3_5.refused, layer_types=("full_attention", "linear_attention"), partial_rotary=True,
     derive=lambda hf: {**_qwen3_5_keys(hf), **_qwen2_5_vl_keys(hf)},
     vision=VisionTower("Qwen3_5VisionModel", "Qwen3_5VisionConfig", hf_prefix="visual."), module_names=True))
+QWEN3_5_MOE_VL = register_family(Family(
+    model_type="qwen3_5_moe", summary="Qwen3.5-MoE, vision-language (Qwen3_5MoeForConditionalGeneration; the "
+    "Qwen3.5-MoE text stack with interleaved M-RoPE; images; no MTP head; video refused)",
+    architectures=("Qwen3_5MoeForConditionalGeneration",), rules=QWEN3_5_MOE.rules,
+    refused=QWEN3_5_MOE.refused, layer_types=("full_attention", "linear_attention"), partial_rotary=True,
+    derive=lambda hf: {**_qwen3_5_moe_keys(hf), **_qwen2_5_vl_keys(hf)},
+    vision=VisionTower("Qwen3_5MoeVisionModel", "Qwen3_5MoeVisionConfig"), module_names=True))
 QWEN3_VL = register_family(Family(
     model_type="qwen3_vl", summary="Qwen3-VL, dense (Qwen3VLForConditionalGeneration; Qwen3's text stack with "
     "interleaved M-RoPE; DeepStack; images; video refused)",
