@@ -482,3 +482,35 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folders, packs, 
                                        msg=f"sample {s}")
     finally:
         tuned.unload()  # the cached reference model without adapters again
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_collate_mrope_rows_equal_transformers_rope_index(folders, family):
+    """The VLM batch's M-RoPE rows (``data/batches/vlm.py``, Qwen2.5-VL's rule for still images) are what Qwen3-VL's
+    and Qwen3.5's ``get_rope_index`` give each sample: images at (p, p + i, p + j), text after at p + max(h, w) / 2."""
+    from megatron_pack.data.batches.vlm import sample_mrope_positions
+
+    samples = W.samples(folders[family])
+    assert sum(s["image_grid_thw"].shape[0] for s in samples) == 3
+    for sample in samples:
+        ids = torch.tensor(sample["input_ids"])
+        starts = [int(i) for i in torch.nonzero(ids == 5).flatten() if i == 0 or ids[i - 1] != 5]
+        images = [{"start": a, "grid": g.tolist()} for a, g in zip(starts, sample["image_grid_thw"])]
+        ours = sample_mrope_positions(len(ids), images, merge_size=2)
+        assert torch.equal(torch.from_numpy(ours), sample["mrope"])
+
+
+def test_a_qwen3_5_folder_with_mtp_tensors_is_refused_by_the_folder_check(folders, tmp_path):
+    """The Hub's Qwen3.5 folders may still hold the multi-token-prediction head (``mtp.*``), which neither transformers
+    nor we build: the folder check names them (as for the text family) instead of dropping them silently."""
+    from safetensors.torch import save_file
+
+    from megatron_pack.model.hf.folder_check import folder_problems
+
+    folder = _rules_spelling(folders["qwen3_5"], tmp_path / "mtp")
+    tensors = _tensors(folder)
+    assert folder_problems(folder) == []
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    problems = folder_problems(folder)
+    assert len(problems) == 1 and "mtp.fc.weight" in problems[0], problems
