@@ -13,7 +13,8 @@ images (32x32 .. 128x128).
 |               | 2 key / 4 value heads of 8                                                                  |
 | qwen3_vl      | 4 layers, hidden 64, 4 heads / 2 KV of 16, QK norm, interleaved M-RoPE [2, 3, 3], DeepStack |
 |               | from vision blocks [0, 1] added after decoder layers 0 and 1                                |
-| *_moe         | the same with 4 experts, top 2, expert FFN 32 (Qwen3.5-MoE: a gated shared expert of 32)    |
+| *_moe         | the same with 4 experts, top 2, expert FFN 32 (Qwen3.5-MoE: a gated shared expert of 32;     |
+|               | Qwen3-VL-MoE: expert FFN 16, stacked experts; ``hub_orientation`` gives the Hub's layout)     |
 
 Vision tower (each family's own class): depth 2, hidden 32, 2 heads, patch 16, merge 2, temporal patch 2, a 4x4
 learned position grid, merger out 64. Vocabulary 301 (TP=2 pads it to 302). Norms, biases, the Gated DeltaNet's
@@ -48,7 +49,8 @@ def hf_config(family: str, **text_changes):
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                tie_word_embeddings=False)
     if family.startswith("qwen3_5"):
         text.update(num_hidden_layers=2, head_dim=32, layer_types=["linear_attention", "full_attention"],
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -63,8 +65,8 @@ def hf_config(family: str, **text_changes):
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                      "mrope_interleaved": True})
         vision["deepstack_visual_indexes"] = [0, 1]
-        if family == "qwen3_vl_moe":
-            text.update(_MOE)
+        if family == "qwen3_vl_moe":  # expert FFN 16: the stacked experts' orientations differ in shape (2F != H)
+            text.update(_MOE, moe_intermediate_size=16)
     text.update(text_changes)
     config_class = {"qwen3_5": T.Qwen3_5Config, "qwen3_vl": T.Qwen3VLConfig, "qwen3_5_moe": T.Qwen3_5MoeConfig,
                     "qwen3_vl_moe": T.Qwen3VLMoeConfig}[family]
@@ -179,3 +181,19 @@ def samples(folder: Path | str) -> list[dict]:
         encode(folder, ["what colour is it the answer is hello world"]),
         encode(folder, [V.make_image(96, 64, 3), "a blue circle"]),
     ]
+
+
+def hub_orientation(src: Path | str, dst: Path | str) -> Path:
+    """A Qwen3-VL-MoE folder with its stacked experts as the Hub stores them (``gate_up_proj`` [E, H, 2F],
+    ``down_proj`` [E, F, H]; transformers 5's ``save_pretrained`` writes its modules' [E, 2F, H] / [E, H, F])."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
+    hub = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+           for k, v in tensors.items()}
+    save_file(hub, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

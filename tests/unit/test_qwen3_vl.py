@@ -24,7 +24,7 @@ import _vlm3 as W
 from _dist import spawn_world
 
 DENSE = ("qwen3_5", "qwen3_vl")
-MOE = ("qwen3_5_moe",)
+MOE = ("qwen3_5_moe", "qwen3_vl_moe")
 ALL = DENSE + MOE
 PAD = 4  # 2 x CP for CP=2, CP x TP for TP=2 with SP
 
@@ -63,6 +63,17 @@ HUB_QWEN3_VL_8B = {  # Qwen3-VL-8B-Instruct's config.json as published (transfor
                       "spatial_merge_size": 2, "temporal_patch_size": 2}}
 
 
+HUB_QWEN3_VL_30B_A3B = {**HUB_QWEN3_VL_8B, "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+                        "model_type": "qwen3_vl_moe",
+                        "text_config": {**HUB_QWEN3_VL_8B["text_config"], "model_type": "qwen3_vl_moe_text",
+                                        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                                        "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                                        "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                                        "decoder_sparse_step": 1, "mlp_only_layers": []},
+                        "vision_config": {**HUB_QWEN3_VL_8B["vision_config"], "out_hidden_size": 2048}}
+"""Qwen3-VL-30B-A3B-Instruct's config.json (its sizes over the 8B's)."""
+
+
 def hub_qwen3_5(moe: bool = False) -> dict:
     """A Qwen3.5 (``moe``: Qwen3.5-MoE) vision-language config.json (the text stack of test_qwen3_5's HUB_TEXT /
     HUB_MOE_TEXT under text_config)."""
@@ -82,14 +93,17 @@ def hub_qwen3_5(moe: bool = False) -> dict:
 def test_hub_config_becomes_model_keys(family):
     from megatron_pack.config.hf_config import derive_model_keys, refusal
 
-    hf = hub_qwen3_5(family == "qwen3_5_moe") if family.startswith("qwen3_5") else HUB_QWEN3_VL_8B
+    hf = (hub_qwen3_5(family == "qwen3_5_moe") if family.startswith("qwen3_5") else
+          HUB_QWEN3_VL_30B_A3B if family == "qwen3_vl_moe" else HUB_QWEN3_VL_8B)
     assert refusal(hf, "x") is None
     keys = derive_model_keys(hf)
     want = (dict(mrope_section=[11, 11, 10], mrope_interleaved=True, rotary_percent=0.25, deepstack_layers=0,
                  full_attention_interval=4, image_token_id=248056, kv_channels=256,
                  num_experts=256 if family == "qwen3_5_moe" else None) if family.startswith("qwen3_5") else
             dict(mrope_section=[24, 20, 20], mrope_interleaved=True, rotary_percent=1.0, deepstack_layers=3,
-                 qk_layernorm=True, image_token_id=151655, num_layers=36, rotary_base=5000000))
+                 qk_layernorm=True, image_token_id=151655, rotary_base=5000000,
+                 num_experts=128 if family == "qwen3_vl_moe" else None,
+                 moe_ffn_hidden_size=768 if family == "qwen3_vl_moe" else None))
     assert {k: keys[k] for k in want} == want
 
 
@@ -181,6 +195,16 @@ def test_packed_logits_equal_transformers_per_sample(folders, packs, family):
     _assert_samples(_our_logits(folders[family], batch), batch, refs, family)
 
 
+def test_qwen3_vl_moe_reads_the_hubs_stacked_experts(folders, packs, tmp_path):
+    """The Hub's Qwen3-VL-MoE folders stack the experts as [E, H, 2F] / [E, F, H] (transformers 5 saves its modules'
+    [E, 2F, H] / [E, H, F], read above): the same logits from that folder, in transformers and in ours."""
+    batch, refs = packs["qwen3_vl_moe"]
+    hub = W.hub_orientation(folders["qwen3_vl_moe"], tmp_path / "hub")
+    theirs = [W.reference_logits(hub, s) for s in W.samples(hub)]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(theirs, refs))
+    _assert_samples(_our_logits(str(hub), batch), batch, refs, "hub")
+
+
 def test_deepstack_changes_the_logits(folders, packs, monkeypatch):
     """Guard: without the DeepStack additions the Qwen3-VL logits at and after the images move."""
     import megatron_pack.model.vlm as vlm
@@ -192,7 +216,7 @@ def test_deepstack_changes_the_logits(folders, packs, monkeypatch):
     assert float((logits[:len(refs[0]), :W.VOCAB] - refs[0]).abs().max()) > 1e-3
 
 
-def test_deepstack_off_the_first_stage_is_refused_in_one_line(folders):
+def test_deepstack_off_the_first_stage_and_under_full_recompute_is_refused_in_one_line(folders):
     from megatron_pack.config import load_config
     from megatron_pack.config.schema import ConfigError
 
@@ -203,6 +227,11 @@ def test_deepstack_off_the_first_stage_is_refused_in_one_line(folders):
     assert "parallel.pipeline_model_parallel_size (4)" in message and "layers 0..1" in message
     load_config([f"model.pretrained={folders['qwen3_vl']}", "train.device=cpu",
                  "parallel.pipeline_model_parallel_size=2"])  # 2 layers a stage: DeepStack's on the first
+    for overrides in (["model.recompute_granularity=full"], ["peft.method=lora"]):
+        family = "qwen3_vl_moe" if overrides[0].startswith("peft") else "qwen3_vl"
+        with pytest.raises(ConfigError) as err:
+            load_config([f"model.pretrained={folders[family]}", "train.device=cpu", *overrides])
+        assert overrides[0].split("=")[0] in str(err.value) and "DeepStack" in str(err.value)
 
 
 LAYOUTS = {  # id: the parallel layout of a 2-rank world
@@ -405,21 +434,27 @@ def _generate(folder) -> tuple:
 @pytest.mark.parametrize("family", ALL)
 def test_export_is_bit_exact_from_either_spelling_and_transformers_generates_from_an_image(folders, family, tmp_path):
     """``megatron-pack export`` of the folder (transformers' module names, the Hub's) and of the same tensors in our
-    rules' spelling: every tensor (the tower's, DeepStack's mergers) back bit for bit under the module names, the
-    processor, chat template and tokenizer beside them; transformers generates from an image with the export as
-    with the source."""
+    rules' spelling (Qwen3-VL-MoE: and with the experts stacked as the Hub does, which the export writes): every tensor
+    (the tower's, DeepStack's mergers) back bit for bit under the module names, the processor, chat template and
+    tokenizer beside them; transformers generates from an image with the export as with the source, and our packed
+    model's greedy tokens are transformers'."""
     from megatron_pack.cli.export import main
 
-    source = _tensors(folders[family])
+    sources = [folders[family], _rules_spelling(folders[family], tmp_path / "rules")]
+    if family == "qwen3_vl_moe":  # the experts as the Hub stacks them; transformers' own orientation exports to it
+        sources.append(W.hub_orientation(folders[family], tmp_path / "hub"))
+        assert _tensors(sources[2]).keys() == _tensors(sources[0]).keys()
+        assert sum(v.shape != _tensors(sources[0])[k].shape for k, v in _tensors(sources[2]).items()) == 2 * 4
+    source = _tensors(sources[-1] if family == "qwen3_vl_moe" else sources[0])
     assert any(k.startswith("model.language_model.layers.") for k in source)
-    renamed = _rules_spelling(folders[family], tmp_path / "rules")
-    for src, out in ((folders[family], tmp_path / "out"), (renamed, tmp_path / "out_rules")):
+    for i, src in enumerate(sources):
+        out = tmp_path / f"out{i}"
         assert main([f"model.pretrained={src}", f"output={out}"]) == 0
         exported = _tensors(out)
         assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], source[k]) for k in source)
         for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json"):
             assert (out / name).read_bytes() == (Path(folders[family]) / name).read_bytes(), name
-    tokens, prompt, pixels, grid = _generate(tmp_path / "out")
+    tokens, prompt, pixels, grid = _generate(tmp_path / "out0")
     assert len(tokens) == 4 and tokens == _generate(folders[family])[0]
     # and our model's greedy tokens, up to a generated image placeholder (which our packs read as an image token)
     steps = tokens.index(5) if 5 in tokens else len(tokens)

@@ -486,3 +486,29 @@ QWEN3_VL = register_family(Family(
     derive=lambda hf: {**_qwen2_5_vl_keys(hf), **_deepstack_keys(hf)},
     vision=VisionTower("Qwen3VLVisionModel", "Qwen3VLVisionConfig",
                        trainable_when_frozen=("merger.", "deepstack_merger_list.")), module_names=True))
+
+
+# Qwen3-VL-MoE: Qwen3-MoE's attention and router (softmax, top-k, always renormalised) with each layer's experts
+# stacked: mlp.experts.gate_up_proj [E, H, 2F] (x @ W, gate columns then up) and down_proj [E, F, H] on the Hub;
+# transformers 5's save_pretrained keeps its modules' [E, 2F, H] / [E, H, F], which read too (either_orientation);
+# the export writes the Hub's.
+def _qwen3_vl_moe_keys(hf: dict) -> dict:
+    return {**_qwen2_5_vl_keys(hf), **_deepstack_keys(hf), "num_experts": _num_experts(hf),
+            "moe_router_topk": int(hf["num_experts_per_tok"]), "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+            "moe_router_pre_softmax": False}
+
+
+QWEN3_VL_MOE = register_family(Family(
+    model_type="qwen3_vl_moe", summary="Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration; Qwen3-MoE's text stack with "
+    "interleaved M-RoPE, stacked experts; DeepStack; images; video refused)",
+    architectures=("Qwen3VLMoeForConditionalGeneration",),
+    rules=MOE_ATTENTION_RULES + QK_NORM_RULES + (
+        Rule(_L + "mlp.router.weight", (_M + "mlp.gate.weight",), "replicated", ("experts", "hidden")),
+        Rule(_EXPERT + "linear_fc1.weight", (_M + "mlp.experts.gate_up_proj[{e}]",), "stacked_gate_up",
+             ("hidden", "expert_ffn")),
+        Rule(_EXPERT + "linear_fc2.weight", (_M + "mlp.experts.down_proj[{e}]",), "stacked_down",
+             ("expert_ffn", "hidden"))),
+    model_keys={"qk_layernorm": True}, refused=MOE_REFUSALS + (O_PROJ_BIAS,), derive=_qwen3_vl_moe_keys,
+    either_orientation=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+    vision=VisionTower("Qwen3VLMoeVisionModel", "Qwen3VLMoeVisionConfig",
+                       trainable_when_frozen=("merger.", "deepstack_merger_list.")), module_names=True))
