@@ -549,3 +549,19 @@ def test_a_qwen3_5_folder_with_mtp_tensors_is_refused_by_the_folder_check(folder
               metadata={"format": "pt"})
     problems = folder_problems(folder)
     assert len(problems) == 1 and "mtp.fc.weight" in problems[0], problems
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_memory_estimate_counts_the_tower_as_transformers_builds_it(family):
+    """``train --check``'s tower share (``training/vision_memory.py``): every parameter of transformers' tower, and
+    the ones ``model.freeze_vision`` trains (the merger, DeepStack's mergers)."""
+    import transformers as T
+
+    from megatron_pack.training.vision_memory import vision_params, vision_trainable_params
+
+    config = W.hf_config(family)
+    tower = getattr(T, config.vision_config.__class__.__name__.replace("Config", "Model"))(config.vision_config)
+    vc = config.vision_config.to_dict()
+    merger = sum(p.numel() for n, p in tower.named_parameters() if n.startswith(("merger.", "deepstack_merger_list.")))
+    assert vision_params(vc) == sum(p.numel() for p in tower.parameters())
+    assert vision_trainable_params(vc, frozen=True) == merger > 0
