@@ -160,22 +160,28 @@ def test_interleaved_mrope_equals_transformers(case):
     assert float((contiguous[:, 0, 0].cos() - cos[0]).abs().max()) > 1e-2
 
 
-def _our_logits(folder: str, batch: dict, *overrides: str) -> torch.Tensor:
+def _our_logits(folder: str, *batches: dict) -> torch.Tensor | list[torch.Tensor]:
+    """Our model of ``folder`` in a world of one: each batch's logits [T, V'] (one batch: its logits alone); a batch
+    may be a function of the logits so far (greedy decoding)."""
     from megatron_pack.config import load_config
     from megatron_pack.model.builder import build_model
     from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
     from megatron_pack.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_pack.training.step import get_packed_seq_params
 
-    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu", *overrides])
+    cfg = load_config([f"model.pretrained={folder}", "model.attention_backend=torch", "train.device=cpu"])
+    out = []
     try:
         model = build_model(cfg, initialize_parallel(cfg))
         with torch.no_grad():
-            decoder_input = vlm_decoder_input(model, batch, 1, 0, torch.device("cpu"))
-            return model(None, mrope_positions(batch, "cpu"), None, decoder_input=decoder_input,
-                         packed_seq_params=get_packed_seq_params(batch))[0]
+            for batch in batches:
+                batch = batch(out) if callable(batch) else batch
+                decoder_input = vlm_decoder_input(model, batch, 1, 0, torch.device("cpu"))
+                out.append(model(None, mrope_positions(batch, "cpu"), None, decoder_input=decoder_input,
+                                 packed_seq_params=get_packed_seq_params(batch))[0])
     finally:
         destroy_parallel(destroy_process_group=True)
+    return out[0] if len(out) == 1 else out
 
 
 def _assert_samples(logits: torch.Tensor, batch: dict, refs: list[torch.Tensor], what: str) -> None:
@@ -241,6 +247,9 @@ LAYOUTS = {  # id: the parallel layout of a 2-rank world
 }
 
 
+MOE_LAYOUTS = {**LAYOUTS, "ep2": ["parallel.expert_model_parallel_size=2"]}
+
+
 def _layout_worker(rank: int, world_size: int, folders: dict, batches: dict, middle: dict) -> dict:
     """Each family's and layout's logits of the pack through megatron-core's forward-only schedule (verify's), on
     the last stage's ranks, and verify's comparison with transformers at CP=2; then the loss and gradients of
@@ -252,7 +261,7 @@ def _layout_worker(rank: int, world_size: int, folders: dict, batches: dict, mid
     out = {}
     for family, folder in folders.items():
         batch = batches[family]
-        for name, layout in (LAYOUTS if family in DENSE else {"cp2": LAYOUTS["cp2"]}).items():
+        for name, layout in (LAYOUTS if family in DENSE else MOE_LAYOUTS).items():
             cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", *layout])
             state = initialize_parallel(cfg)
             logits, _ = schedule_logits(build_chunks(cfg, state), [batch], state, seq_length=512)
@@ -309,14 +318,14 @@ def _gradients(rank: int, family: str, folder: str, batches: list[dict]) -> dict
 
 def test_packed_logits_equal_transformers_at_cp2_tp2_and_pp2(folders, packs, tmp_path):
     """A 2-rank gloo world: at CP=2 (the images in the whole pack's embeddings and DeepStack rows, then the zigzag
-    slice), TP=2 with sequence parallelism (then the SP scatter) and PP=2 (tower and DeepStack layers on stage 0),
-    every rank of the last stage gives each sample transformers' logits alone."""
+    slice), TP=2 with sequence parallelism (then the SP scatter), PP=2 (tower and DeepStack layers on stage 0) and,
+    for the MoE families, EP=2, every rank of the last stage gives each sample transformers' logits alone."""
     results = world2(folders, packs, tmp_path)
     for family in ALL:
         batch, refs = packs[family]
-        held = [(rank, name) for rank, res in enumerate(results) for name in LAYOUTS if f"{family}/{name}" in res]
-        assert held == ([(0, "cp2"), (0, "tp2_sp"), (1, "cp2"), (1, "tp2_sp"), (1, "pp2")] if family in DENSE
-                        else [(0, "cp2"), (1, "cp2")])  # MoE: CP=2 here
+        held = [(rank, name) for rank, res in enumerate(results) for name in MOE_LAYOUTS if f"{family}/{name}" in res]
+        ep = [] if family in DENSE else ["ep2"]  # the MoE families at EP=2 too
+        assert held == [(0, n) for n in ["cp2", "tp2_sp", *ep]] + [(1, n) for n in ["cp2", "tp2_sp", "pp2", *ep]]
         for rank, name in held:
             _assert_samples(torch.as_tensor(results[rank][f"{family}/{name}"]), batch, refs, f"{family} {name} r{rank}")
         worst, passed, num_samples = results[0][f"{family}/verify"].tolist()
@@ -398,12 +407,17 @@ def _our_greedy(folder, prompt: list[int], pixels: torch.Tensor, grid: torch.Ten
     """Greedy tokens of our packed model (world 1), the whole sequence again at each step, M-RoPE rows from
     transformers' ``get_rope_index``."""
     ids = list(prompt)
-    for _ in range(steps):
+
+    def step(logits_so_far: list) -> dict:  # the sequence with the last step's greedy token
+        if logits_so_far:
+            ids.append(int(logits_so_far[-1][len(ids) - 1, :W.VOCAB].argmax()))
         full = torch.tensor([ids + [2]])
         rope = W.reference_model(folder).model.get_rope_index(full, (full == 5).to(torch.int32), image_grid_thw=grid)
-        batch = W.reference_pack([{"input_ids": ids + [2], "pixel_values": pixels, "image_grid_thw": grid,
-                                   "mrope": rope[0][:, 0]}])
-        ids.append(int(_our_logits(str(folder), batch)[len(ids) - 1, :W.VOCAB].argmax()))
+        return W.reference_pack([{"input_ids": ids + [2], "pixel_values": pixels, "image_grid_thw": grid,
+                                  "mrope": rope[0][:, 0]}])
+
+    last = _our_logits(str(folder), *[step] * steps)
+    ids.append(int((last[-1] if isinstance(last, list) else last)[len(ids) - 1, :W.VOCAB].argmax()))
     return ids[len(prompt):]
 
 
