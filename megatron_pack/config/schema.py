@@ -289,8 +289,10 @@ class ModelConfig(_Group):
         return problems + self._mrope_problems() + _window_problems(self) + _linear_attention_problems(self)
 
     def _mrope_problems(self) -> list[str]:
-        if self.mrope_section is None:
-            return []
+        if self.mrope_section is None:  # the multimodal keys without a vision-language model would do nothing
+            return [f"model.{key} ({getattr(self, key)}) comes with a vision-language model.pretrained (Qwen3-VL, "
+                    f"Qwen3.5) and its model.mrope_section; leave it to config.json (drop model.{key})."
+                    for key in ("mrope_interleaved", "deepstack_layers") if getattr(self, key)]
         head_dim = self.kv_channels or self.hidden_size // self.num_attention_heads
         rotary = int(head_dim * self.rotary_percent) if self.rotary_percent < 1.0 else head_dim  # megatron-core's
         if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != rotary:

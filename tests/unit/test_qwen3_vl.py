@@ -579,3 +579,14 @@ def test_memory_estimate_counts_the_tower_as_transformers_builds_it(family):
     merger = sum(p.numel() for n, p in tower.named_parameters() if n.startswith(("merger.", "deepstack_merger_list.")))
     assert vision_params(vc) == sum(p.numel() for p in tower.parameters())
     assert vision_trainable_params(vc, frozen=True) == merger > 0
+
+
+@pytest.mark.parametrize("override", ["model.deepstack_layers=2", "model.mrope_interleaved=true"])
+def test_the_multimodal_keys_without_a_vision_model_are_refused_in_one_line(override):
+    """They would do nothing on a text model: refused, naming the key."""
+    from megatron_pack.config import load_config
+    from megatron_pack.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(["train.device=cpu", override])
+    assert f"{override.split('=')[0]} (" in str(err.value) and "vision-language model.pretrained" in str(err.value)
