@@ -271,8 +271,7 @@ def _layout_worker(rank: int, world_size: int, folders: dict, batches: dict, mid
                 result = compare_with_transformers(logits[0], batch, _load_reference(folder)[0], W.VOCAB, 0)
                 out[f"{family}/verify"] = [result.max_logit_diff, int(result.passed(1e-5)), len(result.samples)]
             destroy_parallel()
-        if family in DENSE:
-            out.update(_gradients(rank, family, folder, [batch, middle[family]]))
+        out.update(_gradients(rank, family, folder, [batch, middle[family]]))
     return out
 
 
@@ -344,27 +343,30 @@ def world2(folders, packs, tmp_path) -> list[dict]:
         middle = {family: W.reference_pack([W.encode(folder, ["the answer is the answer is hello world what colour",
                                                               V.make_image(32, 32, 4), "the answer is the answer is hello "
                                                               "world what colour is it"])], PAD)
-                  for family, folder in folders.items() if family in DENSE}
+                  for family, folder in folders.items()}
         _WORLD["results"] = spawn_world(_layout_worker, 2, tmp_path, folders, batches, middle, timeout_s=300)
     return _WORLD["results"]
 
 
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", ALL)
 def test_loss_and_every_gradient_equal_at_cp2_and_dp2(folders, packs, family, tmp_path):
     """The trainer's step at CP=2 (a pack whose image sits in the middle chunks: rank 0's slice has no image token,
     its DeepStack rows are zeros and it still enters every collective) gives the loss and every gradient (the whole
-    tower's, DeepStack's mergers included) of DP=2 with each rank the whole packs (relative 1e-5)."""
+    tower's, DeepStack's mergers included; the MoE families' every expert and router) of DP=2 with each rank the
+    whole packs (relative 1e-5)."""
     results = world2(folders, packs, tmp_path)[0]
     assert [int(n) for n in world2(folders, packs, tmp_path)[0][f"{family}/cp2/image_tokens"]][1] == 0
     assert int(world2(folders, packs, tmp_path)[1][f"{family}/cp2/image_tokens"][1]) > 0
     dp, cp = (results[f"{family}/{name}/loss"] for name in ("dp2", "cp2"))
     assert abs(float(cp) - float(dp)) <= 1e-5 * abs(float(dp))
     names = [k.split("/grad/")[1] for k in results if k.startswith(f"{family}/dp2/grad/")]
-    assert any("deepstack_merger_list" in n for n in names) == (family == "qwen3_vl")
+    assert any("deepstack_merger_list" in n for n in names) == family.startswith("qwen3_vl")
     worst, nonzero = 0.0, 0
     for n in names:
         want, got = (torch.as_tensor(results[f"{family}/{layout}/grad/{n}"]) for layout in ("dp2", "cp2"))
-        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+        # relative to the tensor's largest entry, or to 1e-4 for a tensor of tinier gradients (Qwen3.5-MoE's dt_bias:
+        # 2e-5, whose CP path sums in another order: 3e-10 apart)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-4)))
         nonzero += float(want.abs().max()) > 0
     assert nonzero == len(names) > 40 and worst <= 1e-5
 
