@@ -1,4 +1,4 @@
-"""Vision-language models (Qwen2.5-VL): the vision tower beside megatron-core's ``GPTModel``, and the embeddings
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5): the vision tower beside megatron-core's ``GPTModel``, and the embeddings
 of a VLM THD batch.
 
 The language model is megatron-core's ``GPTModel`` with multimodal RoPE (``position_embedding_type="mrope"``,
@@ -14,7 +14,10 @@ A pack's embeddings (``vlm_decoder_input``), in this order:
 2. the vision tower on the pack's ``pixel_values`` / ``image_grid_thw`` -> one feature row per image token;
 3. the features written at ``tokens == image_token_id`` (the count must match, else one line naming the
    pack's sample_ids);
-4. this CP rank's zigzag chunks (``parallel.cp.thd_partition_indices``), then the sequence-parallel scatter.
+4. this CP rank's zigzag chunks (``parallel.cp.thd_partition_indices``), then the sequence-parallel scatter;
+5. DeepStack (Qwen3-VL): each level of the tower's ``deepstack_features`` written at the image tokens of a zero
+   [T, H], sliced as in 4 (every rank, with or without image tokens in its slice), and added by a forward hook to
+   the output of decoder layer ``level`` (layers 0 .. ``model.deepstack_layers`` - 1, on the first stage).
 
 Worked example: a pack of 12 tokens with one 4x4-patch image (merge 2: 4 image tokens at rows 3..6), CP=2,
 ``cu_seqlens_padded=[0, 12]``: the tower gives 4 rows, written into rows 3..6 of the [12, H] embeddings;
@@ -23,6 +26,7 @@ gradient for the merger is zero, summed with rank 1's by DDP over DP x CP.
 
 RoPE: ``PackMropeEmbedding`` returns the whole pack's [T, 1, 1, D] table (no CP slice); megatron-core's
 THD RoPE reads a table of ``cu_seqlens[-1]`` rows as per-token positions and takes this CP rank's chunks itself.
+Qwen3-VL and Qwen3.5 interleave the three rows over the frequencies (``interleaved_mrope``).
 """
 
 from __future__ import annotations
