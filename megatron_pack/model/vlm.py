@@ -1,5 +1,5 @@
-"""Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5): the vision tower beside megatron-core's ``GPTModel``, and the embeddings
-of a VLM THD batch.
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5): the vision tower beside megatron-core's ``GPTModel``,
+and the embeddings of a VLM THD batch.
 
 The language model is megatron-core's ``GPTModel`` with multimodal RoPE (``position_embedding_type="mrope"``,
 ``model.mrope_section``). The vision tower and merger are transformers' own modules, built from the folder's
