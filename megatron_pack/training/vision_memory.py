@@ -1,8 +1,9 @@
 """The vision tower's share of the memory estimate (``memory_estimate``), from config.json's ``vision_config``.
 
-Torch-free. The tower (Qwen2.5-VL's, transformers' module; Qwen3-VL's and Qwen3.5's in ``vision_params``) sits on the first pipeline stage, whole on every
-TP and CP rank. Its parameters, per the module's layout, for hidden ``v``, MLP width ``f``, ``c`` input
-channels, temporal patch ``t``, patch ``p``, spatial merge ``m`` and output (language) width ``o``:
+Torch-free. The tower (Qwen2.5-VL's, transformers' module; Qwen3-VL's and Qwen3.5's in ``vision_params``) sits on
+the first pipeline stage, whole on every TP and CP rank. Its parameters, per the module's layout, for hidden ``v``,
+MLP width ``f``, ``c`` input channels, temporal patch ``t``, patch ``p``, spatial merge ``m`` and output (language)
+width ``o``:
 
 - patch embedding (a convolution without bias): ``v * c * t * p * p``;
 - each block: two RMSNorms ``2 v``, qkv ``3 v * v + 3 v``, proj ``v * v + v``, gate/up ``2 (f v + f)``,

@@ -340,9 +340,8 @@ def world2(folders, packs, tmp_path) -> list[dict]:
         import _vlm as V
 
         batches = {family: packs[family][0] for family in ALL}
-        middle = {family: W.reference_pack([W.encode(folder, ["the answer is the answer is hello world what colour",
-                                                              V.make_image(32, 32, 4), "the answer is the answer is hello "
-                                                              "world what colour is it"])], PAD)
+        text = "the answer is the answer is hello world what colour"  # an image in the middle chunks of CP=2
+        middle = {family: W.reference_pack([W.encode(folder, [text, V.make_image(32, 32, 4), text + " is it"])], PAD)
                   for family, folder in folders.items()}
         _WORLD["results"] = spawn_world(_layout_worker, 2, tmp_path, folders, batches, middle, timeout_s=300)
     return _WORLD["results"]
@@ -393,7 +392,8 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
 
 
 def _rules_spelling(src, dst):
-    """``src`` re-saved in the spelling our rules use (``model.layers.*``, ``visual.*``), as a converted folder may be."""
+    """``src`` re-saved in the spelling our rules use (``model.layers.*``, ``visual.*``), as a converted folder may
+    be."""
     import shutil
 
     from safetensors.torch import save_file
