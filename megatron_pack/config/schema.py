@@ -240,6 +240,13 @@ class ModelConfig(_Group):
     mrope_section: Optional[list[int]] = None
     """Multimodal RoPE (Qwen2.5-VL): rotary frequency pairs per (temporal, height, width) position row, summing to
     kv_channels / 2 (config.json rope_scaling.mrope_section); None: 1-D RoPE. Set by a vision-language model.pretrained."""
+    mrope_interleaved: bool = False
+    """Multimodal RoPE with the rows interleaved (Qwen3-VL, Qwen3.5: config.json mrope_interleaved): frequency pair j
+    turns with the height row when j % 3 == 1 (j < 3 x section[1]), the width row when j % 3 == 2 (j < 3 x
+    section[2]), else the temporal row; false: contiguous sections (Qwen2.5-VL). Set by model.pretrained."""
+    deepstack_layers: int = 0
+    """DeepStack (Qwen3-VL): the vision tower's features of its config.json deepstack_visual_indexes blocks are added
+    at the image tokens to the outputs of decoder layers 0 .. deepstack_layers - 1; 0: none. Set by model.pretrained."""
     image_token_id: Optional[int] = None
     """The image placeholder token whose positions receive the vision features (config.json image_token_id);
     set by a vision-language model.pretrained."""
@@ -282,12 +289,16 @@ class ModelConfig(_Group):
         return problems + self._mrope_problems() + _window_problems(self) + _linear_attention_problems(self)
 
     def _mrope_problems(self) -> list[str]:
-        if self.mrope_section is None:
-            return []
+        if self.mrope_section is None:  # the multimodal keys without a vision-language model would do nothing
+            return [f"model.{key} ({getattr(self, key)}) comes with a vision-language model.pretrained (Qwen3-VL, "
+                    f"Qwen3.5) and its model.mrope_section; leave it to config.json (drop model.{key})."
+                    for key in ("mrope_interleaved", "deepstack_layers") if getattr(self, key)]
         head_dim = self.kv_channels or self.hidden_size // self.num_attention_heads
-        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != head_dim:
-            return [f"model.mrope_section ({list(self.mrope_section)}) must be three numbers summing to kv_channels / 2 "
-                    f"({head_dim // 2}); leave it to model.pretrained's config.json (rope_scaling.mrope_section)."]
+        rotary = int(head_dim * self.rotary_percent) if self.rotary_percent < 1.0 else head_dim  # megatron-core's
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != rotary:
+            return [f"model.mrope_section ({list(self.mrope_section)}) must be three numbers summing to the rotary "
+                    f"kv_channels x rotary_percent / 2 ({rotary // 2}); leave it to model.pretrained's config.json "
+                    "(rope_scaling.mrope_section)."]
         if self.pretrained is None or self.image_token_id is None:
             return [f"model.mrope_section ({list(self.mrope_section)}) comes with a vision-language model.pretrained "
                     "(its vision tower and image_token_id); set model.pretrained to a Qwen2.5-VL folder or "

@@ -581,6 +581,33 @@ def _validate_linear_attention(cfg: Config) -> list[str]:
     return problems
 
 
+def _validate_deepstack(cfg: Config) -> list[str]:
+    """DeepStack (Qwen3-VL) adds the vision tower's features after decoder layers 0 .. deepstack_layers - 1: they
+    must be on the first stage's first chunk, beside the tower (model/vlm.py); the add is a forward hook, which
+    full-layer recompute would run outside the recomputed graph."""
+    model, par = cfg.model, cfg.parallel
+    if not model.deepstack_layers:
+        return []
+    problems = []
+    first = model.num_layers // max(1, par.pipeline_model_parallel_size * par.num_model_chunks)
+    if model.deepstack_layers > first:
+        problems.append(f"parallel.pipeline_model_parallel_size ({par.pipeline_model_parallel_size}) x parallel."
+                        f"virtual_pipeline_model_parallel_size ({par.num_model_chunks}) puts {first} of "
+                        f"{model.num_layers} layers on the first stage, but DeepStack adds the vision features after "
+                        f"layers 0..{model.deepstack_layers - 1} (model.deepstack_layers {model.deepstack_layers}, "
+                        "config.json deepstack_visual_indexes), which must sit with the vision tower on the first "
+                        f"stage; choose stages of at least {model.deepstack_layers} layers.")
+    if model.num_experts and cfg.peft.method != "none":
+        problems.append(f"peft.method ({cfg.peft.method!r}) with a Qwen3-VL-MoE model.pretrained (model.num_experts "
+                        f"{model.num_experts}, DeepStack): adapters on its stacked experts are not proved yet; set "
+                        "peft.method=none (full fine-tuning).")
+    if model.recompute_granularity == "full":
+        problems.append("model.recompute_granularity (full) with DeepStack (model.deepstack_layers "
+                        f"{model.deepstack_layers}): the features are added after those layers outside the recomputed "
+                        "graph; set model.recompute_granularity=selective or null.")
+    return problems
+
+
 def vocab_problems(cfg: Config) -> list[str]:
     """model.vocab_size divisible by TP (the embedding and output layer are split over TP ranks).
 
@@ -935,6 +962,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_validate_sequence_parallel, early=True),
     Rule(_validate_tensor_parallel),
     Rule(_validate_linear_attention),
+    Rule(_validate_deepstack),
     Rule(_validate_context_parallel),
     Rule(_validate_per_token_loss),
     Rule(_validate_offline_packing),

@@ -393,7 +393,8 @@ def build_model(cfg: Config, pg: Optional[ParallelState] = None, *, attention_mo
     if cfg.model.mrope_section is not None:  # a vision-language model (model/vlm.py)
         from megatron_pack.model.vlm import attach_vision
 
-        attach_vision(model, cfg.model.pretrained, cfg.model.image_token_id, _DTYPES[cfg.model.params_dtype])
+        attach_vision(model, cfg.model.pretrained, cfg.model.image_token_id, _DTYPES[cfg.model.params_dtype],
+                      interleaved=cfg.model.mrope_interleaved, deepstack_layers=cfg.model.deepstack_layers)
     elif backend == "torch":  # TE's fused RoPE already rotates by in-sequence position
         from megatron_pack.model.rope import use_in_sequence_rope
 

@@ -1,5 +1,5 @@
-"""Vision-language models (Qwen2.5-VL): the vision tower beside megatron-core's ``GPTModel``, and the embeddings
-of a VLM THD batch.
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5): the vision tower beside megatron-core's ``GPTModel``,
+and the embeddings of a VLM THD batch.
 
 The language model is megatron-core's ``GPTModel`` with multimodal RoPE (``position_embedding_type="mrope"``,
 ``model.mrope_section``). The vision tower and merger are transformers' own modules, built from the folder's
@@ -14,7 +14,10 @@ A pack's embeddings (``vlm_decoder_input``), in this order:
 2. the vision tower on the pack's ``pixel_values`` / ``image_grid_thw`` -> one feature row per image token;
 3. the features written at ``tokens == image_token_id`` (the count must match, else one line naming the
    pack's sample_ids);
-4. this CP rank's zigzag chunks (``parallel.cp.thd_partition_indices``), then the sequence-parallel scatter.
+4. this CP rank's zigzag chunks (``parallel.cp.thd_partition_indices``), then the sequence-parallel scatter;
+5. DeepStack (Qwen3-VL): each level of the tower's ``deepstack_features`` written at the image tokens of a zero
+   [T, H], sliced as in 4 (every rank, with or without image tokens in its slice), and added by a forward hook to
+   the output of decoder layer ``level`` (layers 0 .. ``model.deepstack_layers`` - 1, on the first stage).
 
 Worked example: a pack of 12 tokens with one 4x4-patch image (merge 2: 4 image tokens at rows 3..6), CP=2,
 ``cu_seqlens_padded=[0, 12]``: the tower gives 4 rows, written into rows 3..6 of the [12, H] embeddings;
@@ -23,6 +26,7 @@ gradient for the merger is zero, summed with rank 1's by DDP over DP x CP.
 
 RoPE: ``PackMropeEmbedding`` returns the whole pack's [T, 1, 1, D] table (no CP slice); megatron-core's
 THD RoPE reads a table of ``cu_seqlens[-1]`` rows as per-token positions and takes this CP rank's chunks itself.
+Qwen3-VL and Qwen3.5 interleave the three rows over the frequencies (``interleaved_mrope``).
 """
 
 from __future__ import annotations
@@ -55,9 +59,14 @@ def pack_mrope_class() -> type:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
     class PackMropeEmbedding(MultimodalRotaryEmbedding):
-        """M-RoPE frequencies [T, 1, 1, D] for every token of the pack; THD RoPE picks the CP rank's chunks."""
+        """M-RoPE frequencies [T, 1, 1, D] for every token of the pack; THD RoPE picks the CP rank's chunks.
+        ``mrope_interleaved`` (set by ``attach_vision``): the rows' frequencies interleaved (``interleaved_mrope``)."""
+
+        mrope_interleaved = False
 
         def forward(self, position_ids, mrope_section, cp_group=None):
+            if self.mrope_interleaved:
+                return interleaved_mrope(position_ids, self.inv_freq, mrope_section)
             group, self.cp_group = self.cp_group, None
             try:  # the BSHD slice of get_pos_emb_on_this_cp_rank is wrong for a THD pack: none here
                 return super().forward(position_ids, mrope_section, cp_group=None)
@@ -67,22 +76,60 @@ def pack_mrope_class() -> type:
     return PackMropeEmbedding
 
 
+def interleaved_mrope(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section) -> torch.Tensor:
+    """Interleaved M-RoPE (Qwen3-VL, Qwen3.5): the angles [T, b, 1, 2F] of the pack's rows ``position_ids`` [3, b, T]
+    for the ``F = len(inv_freq)`` rotary frequencies (F = kv_channels x rotary_percent / 2). Frequency j turns with
+    the height row where ``j % 3 == 1 and j < 3 * section[1]``, the width row where ``j % 3 == 2 and
+    j < 3 * section[2]``, else the temporal row; the F angles are repeated for the two rotated halves (transformers'
+    ``recomposition_frequencies``). Example, section [2, 1, 1] (F = 4): rows t, h, w, t for j = 0, 1, 2, 3."""
+    freqs = position_ids.to(inv_freq.device).float()[..., None] * inv_freq.float()  # [3, b, T, F]
+    rows = torch.zeros(inv_freq.numel(), dtype=torch.long, device=inv_freq.device)
+    for row in (1, 2):
+        rows[row:3 * int(mrope_section[row]):3] = row
+    chosen = freqs.gather(0, rows.expand(1, *freqs.shape[1:-1], -1))[0]  # [b, T, F]
+    emb = torch.cat((chosen, chosen), dim=-1)
+    return emb[..., None, :].transpose(0, 1).contiguous()  # [T, b, 1, 2F]
+
+
 _MROPE_CLASS: Optional[type] = None
 
 
-def attach_vision(model, folder: str, image_token_id: int, dtype: torch.dtype) -> None:
+def attach_vision(model, folder: str, image_token_id: int, dtype: torch.dtype, *, interleaved: bool = False,
+                  deepstack_layers: int = 0) -> None:
     """Make a ``GPTModel`` built with ``position_embedding_type="mrope"`` a vision-language chunk: the pack's
-    M-RoPE table, and on the first stage the vision tower (``vision_model``) and the whole-pack word lookup."""
+    M-RoPE table (``interleaved``: Qwen3-VL's and Qwen3.5's layout), and on the first stage the vision tower
+    (``vision_model``), the whole-pack word lookup and the DeepStack additions after its first ``deepstack_layers``
+    decoder layers (``validate()`` keeps those layers on the first stage)."""
     global _MROPE_CLASS
     if _MROPE_CLASS is None:
         _MROPE_CLASS = pack_mrope_class()
     model.rotary_pos_emb.__class__ = _MROPE_CLASS
+    model.rotary_pos_emb.mrope_interleaved = interleaved
     model.image_token_id = image_token_id
     model.vision_language = True
+    model.deepstack_inputs = None
     if model.pre_process:
         model.vision_model = build_vision_tower(folder, dtype)
         # the pack is embedded whole and sliced after the image features are in (sequence parallel included)
         model.embedding.word_embeddings.reduce_scatter_embeddings = False
+        for layer in model.decoder.layers:
+            if layer.layer_number - 1 < deepstack_layers:  # global numbers, from 1
+                layer.register_forward_hook(_deepstack_hook(model, layer.layer_number - 1))
+
+
+def _deepstack_hook(core, level: int):
+    """Forward hook of decoder layer ``level``: its output plus this rank's rows of DeepStack level ``level``
+    (``core.deepstack_inputs``, set for the pack by ``vlm_decoder_input``; None: a pack without images)."""
+
+    def hook(module, args, output):
+        rows = core.deepstack_inputs
+        if rows is None:
+            return output
+        hidden, context = output if isinstance(output, tuple) else (output, None)
+        hidden = hidden + rows[level].to(hidden.dtype)
+        return (hidden, context) if isinstance(output, tuple) else hidden
+
+    return hook
 
 
 def freeze_vision(model, folder: str, frozen: bool) -> int:
@@ -106,13 +153,15 @@ def _pixels(batch: Mapping[str, Any], dtype: torch.dtype, device) -> tuple[torch
     return pixels.to(device=device, dtype=dtype), grid.to(device=device, dtype=torch.int64)
 
 
-def image_features(tower: torch.nn.Module, batch: Mapping[str, Any], device) -> Optional[torch.Tensor]:
-    """The merged features [num_image_tokens, H] of the pack's images, or None when it has none."""
+def image_features(tower: torch.nn.Module, batch: Mapping[str, Any], device) -> tuple[Optional[torch.Tensor], list]:
+    """The merged features [num_image_tokens, H] of the pack's images (None when it has none) and the DeepStack
+    features (Qwen3-VL: one [num_image_tokens, H] per ``deepstack_visual_indexes`` block; [] for other towers)."""
     dtype = next(tower.parameters()).dtype
     pixels, grid = _pixels(batch, dtype, device)
     if grid.shape[0] == 0:
-        return None
-    return tower(pixels, grid_thw=grid).pooler_output
+        return None, []
+    out = tower(pixels, grid_thw=grid)
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
 
 def _zero_anchor(tower: torch.nn.Module) -> torch.Tensor:
@@ -147,16 +196,23 @@ def vlm_decoder_input(core, batch: Mapping[str, Any], cp_size: int, cp_rank: int
 
     tokens = batch["tokens"].to(device, non_blocking=True).reshape(-1)
     embeds = core.embedding.word_embeddings(tokens[None])[0]  # [T, H]
-    features = image_features(core.vision_model, batch, device)
+    features, deepstack = image_features(core.vision_model, batch, device)
     embeds = scatter_features(embeds, tokens, features, core.image_token_id, batch)
     if features is None:
         embeds = embeds + _zero_anchor(core.vision_model).to(embeds.dtype)
-    if cp_size > 1:
-        index = thd_partition_indices(batch["cu_seqlens_padded"], cp_size, cp_rank).to(device)
-        embeds = embeds.index_select(0, index)
-    embeds = embeds[:, None, :]  # [s, b, h]
+    index = thd_partition_indices(batch["cu_seqlens_padded"], cp_size, cp_rank).to(device) if cp_size > 1 else None
+
+    def local_rows(rows: torch.Tensor) -> torch.Tensor:  # this rank's [s, 1, h]: CP chunks, then the SP scatter
+        rows = (rows if index is None else rows.index_select(0, index))[:, None, :]
+        if core.config.sequence_parallel:
+            rows = tensor_parallel.scatter_to_sequence_parallel_region(rows, group=core.pg_collection.tp)
+        return rows
+
+    # DeepStack: each level's features at the image tokens of the whole pack (zeros elsewhere), then this rank's rows
+    core.deepstack_inputs = [local_rows(scatter_features(torch.zeros_like(embeds), tokens, level, core.image_token_id,
+                                                         batch)) for level in deepstack] or None
+    embeds = local_rows(embeds)
     if core.config.sequence_parallel:
-        embeds = tensor_parallel.scatter_to_sequence_parallel_region(embeds, group=core.pg_collection.tp)
         with tensor_parallel.get_cuda_rng_tracker().fork():
             return core.embedding.embedding_dropout(embeds)
     return core.embedding.embedding_dropout(embeds)

@@ -33,6 +33,8 @@ CP2_TP4_SP = dict(parallel__context_parallel_size=2, parallel__tensor_model_para
                   parallel__sequence_parallel=True, model__num_query_groups=4)
 GRAPHS = dict(model__cuda_graph_impl="local", data__pad_to_max_length=True)
 SOURCES = [{"name": "chat", "input": "chat.jsonl", "weight": 0.7}, {"name": "code", "input": "code.jsonl", "weight": 0.3}]
+VLM = dict(model__mrope_section=[2, 3, 3], model__mrope_interleaved=True, model__image_token_id=5,
+           model__pretrained="models/qwen3-vl")  # what a Qwen3-VL config.json sets (the folder is not read here)
 CPU_HOST = Host(gpu=False, transformer_engine=False)
 GPU_TE = Host(gpu=True, transformer_engine=True)
 GPU_NO_TE = Host(gpu=True, transformer_engine=False)
@@ -220,6 +222,9 @@ CASES = [
     ("linear_attention", dict(model__full_attention_interval=4, model__linear_num_key_heads=2,
                               parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=2), {},
      ("model.linear_num_key_heads (2) must be divisible", "choose TP x CP dividing 2")),
+    ("deepstack", dict(VLM, model__deepstack_layers=1, parallel__pipeline_model_parallel_size=2), {}, ()),
+    ("deepstack", dict(VLM, model__deepstack_layers=2, parallel__pipeline_model_parallel_size=2), {},
+     ("puts 1 of 2 layers on the first stage", "layers 0..1", "choose stages of at least 2 layers")),
     ("sequence_parallel", dict(parallel__sequence_parallel=True, parallel__tensor_model_parallel_size=2), {}, ()),
     ("sequence_parallel", dict(parallel__sequence_parallel=True), {},
      ("parallel.sequence_parallel (True)", "set parallel.sequence_parallel=false")),

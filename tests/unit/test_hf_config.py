@@ -204,11 +204,13 @@ GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"
 def test_every_family_listed_is_derivable():
     from test_gpt_oss import HUB_20B
     from test_qwen3_5 import HUB_MOE_TEXT, HUB_TEXT
+    from test_qwen3_vl import HUB_QWEN3_VL_8B, HUB_QWEN3_VL_30B_A3B, hub_qwen3_5
 
     examples = {"llama": LLAMA31_8B, "qwen2": QWEN25_7B, "qwen3": QWEN3_8B, "mistral": MISTRAL_V03,
                 "qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B, "qwen2_moe": QWEN15_MOE_A27B,
                 "qwen2_5_vl": QWEN25_VL_7B, "gemma3_text": GEMMA3_1B, "gpt_oss": HUB_20B, "qwen3_5_text": HUB_TEXT,
-                "qwen3_5_moe_text": HUB_MOE_TEXT}
+                "qwen3_5_moe_text": HUB_MOE_TEXT, "qwen3_5": hub_qwen3_5(), "qwen3_5_moe": hub_qwen3_5(moe=True),
+                "qwen3_vl": HUB_QWEN3_VL_8B, "qwen3_vl_moe": HUB_QWEN3_VL_30B_A3B}
     assert set(examples) == set(SUPPORTED_FAMILIES)
     assert all(refusal(hf, "x") is None for hf in examples.values())
 

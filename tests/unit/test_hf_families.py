@@ -32,11 +32,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_record_names_registered_transforms_and_shapes():
     assert list(FAMILIES) == ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe",
-                             "qwen2_5_vl", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss"]
+                             "qwen2_5_vl", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss", "qwen3_5",
+                             "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"]
     rules = [rule for family in FAMILIES.values() for rule in family.rules]
     assert len(rules) >= 4 * 9
     assert {rule.kind for rule in rules} == {"replicated", "row", "vocab", "qkv", "gate_up", "heads", "interleaved_gate_up",
-                                                 "row_transposed", "qkv_gated", "gdn_columns"} <= set(TRANSFORMS)
+                                                 "row_transposed", "qkv_gated", "gdn_columns",
+                                                 "stacked_gate_up", "stacked_down"} <= set(TRANSFORMS)
     assert all(rule.shape is not None for rule in rules)
     models = (ROOT / "docs/models.md").read_text()
     assert all(f"| `{model_type}` |" in models for model_type in FAMILIES)  # the docs list every record

@@ -135,7 +135,8 @@ def test_tables_cover_a_layer_once(family):
     assert "output_layer.weight" in mcore
     assert "output_layer.weight" not in [m for _, m, _ in rules_for(family, tied=True, placement=whole)]
     moe = any(rule.per_expert for rule, _, _ in rules)
-    assert moe == (family in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_5_moe_text"))
+    assert moe == (family in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_5_moe",
+                              "qwen3_vl_moe"))
     if moe:  # 2 layers x 4 experts x (fc1, fc2), and each layer's router
         biased = family == "gpt_oss"  # and each expert's two biases, each router's bias
         assert sum(".local_experts." in m for m in mcore) == 16 * (1 + biased)

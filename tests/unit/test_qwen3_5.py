@@ -332,10 +332,10 @@ def test_hub_config_becomes_model_keys(hf, expected):
     (dict(layer_types=["linear_attention", "full_attention", "full_attention"] + ["linear_attention"] * 5),
      "not every N-th layer full_attention"),
     (dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"]),
-     "model_type 'qwen3_5' is not supported; supported:"),
+     "without vision_config and image_token_id"),
     (dict(attention_bias=True), "attention_bias=true"),
     (dict(layer_types=["sliding_attention"] * 8), "layer_types ['sliding_attention'] is not supported"),
-], ids=["irregular_pattern", "vlm", "attention_bias", "sliding"])
+], ids=["irregular_pattern", "vlm_without_vision", "attention_bias", "sliding"])
 def test_what_qwen3_5_cannot_read_is_refused_in_one_line(change, fragment, tmp_path):
     from _hf import config_refusal
 

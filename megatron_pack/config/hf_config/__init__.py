@@ -137,7 +137,7 @@ def _rope_refusal(hf: dict[str, Any], where: str, family: Family) -> str | None:
                 f"rope_type: {', '.join(family.rope_types)} (llama3: Llama 3.1 / 3.2).")
     if float(theta) != int(theta):
         return f"{where}: rope_theta={theta} is not an integer, which model.rotary_base needs."
-    if hf.get("partial_rotary_factor", 1.0) != 1.0 and not family.text_positions:
+    if hf.get("partial_rotary_factor", 1.0) != 1.0 and not (family.text_positions or family.partial_rotary):
         return f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported (full rotary only)."
     return None
 
@@ -149,7 +149,15 @@ def _mrope_refusal(hf: dict[str, Any], where: str, family: Family) -> str | None
                 f"{family.model_type}; a vision-language model needs its family ({_vision_families()}).")
     if family.vision is not None and section is None:
         return f"{where}: {family.model_type} without rope_scaling mrope_section is not supported; re-download config.json."
+    if family.vision is not None and not (isinstance(hf.get("vision_config"), dict) and "image_token_id" in hf):
+        return (f"{where}: {family.model_type} (a vision-language model) without vision_config and image_token_id is "
+                "not supported; re-download config.json (a text-only folder has its own family: "
+                f"{_text_families()}).")
     return None
+
+
+def _text_families() -> str:
+    return ", ".join(t for t, f in FAMILIES.items() if f.vision is None)
 
 
 def _vision_families() -> str:
@@ -182,7 +190,7 @@ def derive_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         if llama3 else 8192,
         "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
         "moe_shared_expert_ffn_hidden_size": None, "moe_shared_expert_gate": False,
-        "mrope_section": None, "image_token_id": None,
+        "mrope_section": None, "image_token_id": None, "mrope_interleaved": False, "deepstack_layers": 0,
         "window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla",
         "rotary_base_local": None, "softmax_scale": None, "zero_centered_norm": False, "post_norms": False,
         "scale_embeddings": False, "add_bias_linear": False, "glu_linear_offset": 0.0, "activation_clamp": None,

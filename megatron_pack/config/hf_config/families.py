@@ -180,7 +180,8 @@ def _qwen2_5_vl_keys(hf: dict) -> dict:
     # hf is the language model's view (text_config merged over the top level); the M-RoPE sections
     # are rope_scaling's (Hub) or rope_parameters' (transformers 5)
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else hf.get("rope_scaling")
-    return {"mrope_section": [int(n) for n in params["mrope_section"]], "image_token_id": int(hf["image_token_id"])}
+    return {"mrope_section": [int(n) for n in params["mrope_section"]], "image_token_id": int(hf["image_token_id"]),
+            "mrope_interleaved": bool(params.get("mrope_interleaved", False))}
 
 
 QWEN2_5_VL = register_family(Family(
@@ -447,3 +448,67 @@ GPT_OSS = register_family(Family(
         *(Refuse(key, _MTP) for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))),
     layer_types=("full_attention", "sliding_attention"), rope_types=("default", "yarn"), derive=_gpt_oss_keys))
 
+
+
+# Qwen3.5 and Qwen3-VL as vision-language models: the text stacks above (Qwen3.5's hybrid one, Qwen3's), interleaved
+# M-RoPE (Qwen3.5: on its partial rotary dims), and transformers' vision towers (Qwen3-VL's with DeepStack). Hub and
+# transformers both store them under transformers' module names (model.language_model.*, model.visual.*), which the
+# export writes back.
+def _deepstack_keys(hf: dict) -> dict:
+    """``model.deepstack_layers``: Qwen3-VL adds the features of its ``deepstack_visual_indexes`` blocks after
+    decoder layers 0, 1, ... in that order (transformers' ``_deepstack_process``).
+
+    >>> _deepstack_keys({"vision_config": {"deepstack_visual_indexes": [8, 16, 24]}})
+    {'deepstack_layers': 3}
+    """
+    return {"deepstack_layers": len((hf.get("vision_config") or {}).get("deepstack_visual_indexes") or [])}
+
+
+QWEN3_5_VL = register_family(Family(
+    model_type="qwen3_5", summary="Qwen3.5, dense, vision-language (Qwen3_5ForConditionalGeneration; the Qwen3.5 text "
+    "stack with interleaved M-RoPE on its partial rotary dims; images; no MTP head; video refused)",
+    architectures=("Qwen3_5ForConditionalGeneration",), rules=QWEN3_5_RULES,
+    refused=QWEN3_5.refused, layer_types=("full_attention", "linear_attention"), partial_rotary=True,
+    derive=lambda hf: {**_qwen3_5_keys(hf), **_qwen2_5_vl_keys(hf)},
+    vision=VisionTower("Qwen3_5VisionModel", "Qwen3_5VisionConfig", hf_prefix="visual."), module_names=True))
+QWEN3_5_MOE_VL = register_family(Family(
+    model_type="qwen3_5_moe", summary="Qwen3.5-MoE, vision-language (Qwen3_5MoeForConditionalGeneration; the "
+    "Qwen3.5-MoE text stack with interleaved M-RoPE; images; no MTP head; video refused)",
+    architectures=("Qwen3_5MoeForConditionalGeneration",), rules=QWEN3_5_MOE.rules,
+    refused=QWEN3_5_MOE.refused, layer_types=("full_attention", "linear_attention"), partial_rotary=True,
+    derive=lambda hf: {**_qwen3_5_moe_keys(hf), **_qwen2_5_vl_keys(hf)},
+    vision=VisionTower("Qwen3_5MoeVisionModel", "Qwen3_5MoeVisionConfig"), module_names=True))
+QWEN3_VL = register_family(Family(
+    model_type="qwen3_vl", summary="Qwen3-VL, dense (Qwen3VLForConditionalGeneration; Qwen3's text stack with "
+    "interleaved M-RoPE; DeepStack; images; video refused)",
+    architectures=("Qwen3VLForConditionalGeneration",), rules=LLAMA_RULES + QK_NORM_RULES,
+    model_keys={"qk_layernorm": True}, refused=DENSE_REFUSALS + (O_PROJ_BIAS,),
+    derive=lambda hf: {**_qwen2_5_vl_keys(hf), **_deepstack_keys(hf)},
+    vision=VisionTower("Qwen3VLVisionModel", "Qwen3VLVisionConfig",
+                       trainable_when_frozen=("merger.", "deepstack_merger_list.")), module_names=True))
+
+
+# Qwen3-VL-MoE: Qwen3-MoE's attention and router (softmax, top-k, always renormalised) with each layer's experts
+# stacked: mlp.experts.gate_up_proj [E, H, 2F] (x @ W, gate columns then up) and down_proj [E, F, H] on the Hub;
+# transformers 5's save_pretrained keeps its modules' [E, 2F, H] / [E, H, F], which read too (either_orientation);
+# the export writes the Hub's.
+def _qwen3_vl_moe_keys(hf: dict) -> dict:
+    return {**_qwen2_5_vl_keys(hf), **_deepstack_keys(hf), "num_experts": _num_experts(hf),
+            "moe_router_topk": int(hf["num_experts_per_tok"]), "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+            "moe_router_pre_softmax": False}
+
+
+QWEN3_VL_MOE = register_family(Family(
+    model_type="qwen3_vl_moe", summary="Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration; Qwen3-MoE's text stack with "
+    "interleaved M-RoPE, stacked experts; DeepStack; images; video refused)",
+    architectures=("Qwen3VLMoeForConditionalGeneration",),
+    rules=MOE_ATTENTION_RULES + QK_NORM_RULES + (
+        Rule(_L + "mlp.router.weight", (_M + "mlp.gate.weight",), "replicated", ("experts", "hidden")),
+        Rule(_EXPERT + "linear_fc1.weight", (_M + "mlp.experts.gate_up_proj[{e}]",), "stacked_gate_up",
+             ("hidden", "expert_ffn")),
+        Rule(_EXPERT + "linear_fc2.weight", (_M + "mlp.experts.down_proj[{e}]",), "stacked_down",
+             ("expert_ffn", "hidden"))),
+    model_keys={"qk_layernorm": True}, refused=MOE_REFUSALS + (O_PROJ_BIAS,), derive=_qwen3_vl_moe_keys,
+    either_orientation=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+    vision=VisionTower("Qwen3VLMoeVisionModel", "Qwen3VLMoeVisionConfig",
+                       trainable_when_frozen=("merger.", "deepstack_merger_list.")), module_names=True))

@@ -38,6 +38,8 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
 ARCH_KEYS += ("full_attention_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "linear_conv_kernel_dim", "attention_output_gate", "rotary_percent")
 """... and those of a hybrid linear-attention stack (Qwen3.5)."""
+ARCH_KEYS += ("mrope_interleaved", "deepstack_layers")
+"""... and a Qwen3-VL / Qwen3.5 vision-language model's (interleaved M-RoPE, DeepStack)."""
 
 SHAPE_SIZES = ("hidden", "ffn", "vocab", "head_dim", "q", "kv", "experts", "expert_ffn", "shared_ffn", "one",
                "heads")
@@ -174,6 +176,35 @@ HF_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 transformers' module names (``model.language_model.layers.0...``) reads as the Hub's (``model.layers.0...``)."""
 
 
+def shape_matches(family: "Family", name: str, got: tuple, want: tuple) -> bool:
+    """The file's shape ``got`` of stored tensor ``name`` is the ``want`` config.json implies, or (a name in
+    ``family.either_orientation``) ``want`` with its last two dims swapped.
+
+    >>> f = Family("x", "", ("X",), (), either_orientation=("experts.down_proj",))
+    >>> shape_matches(f, "m.experts.down_proj", (4, 64, 16), (4, 16, 64)), shape_matches(f, "m.w", (2, 3), (3, 2))
+    (True, False)
+    """
+    got, want = tuple(got), tuple(want)
+    if got == want:
+        return True
+    swapped = want[:-2] + (want[-1], want[-2]) if len(want) >= 2 else want
+    return name.endswith(family.either_orientation) and bool(family.either_orientation) and got == swapped
+
+
+def export_hf_name(name: str, family: "Family") -> str:
+    """``name`` (the rules' spelling) as ``family``'s folders store it: transformers' module names where
+    ``family.module_names``.
+
+    >>> export_hf_name("visual.merger.norm.weight", Family("x", "", ("X",), (), module_names=True))
+    'model.visual.merger.norm.weight'
+    """
+    if family.module_names:
+        for other, ours in HF_ALIASES:
+            if name.startswith(ours):
+                return other + name[len(ours):]
+    return name
+
+
 def canonical_hf_name(name: str) -> str:
     """``name`` in the Hub spelling the rules use (``HF_ALIASES``).
 
@@ -213,6 +244,16 @@ class Family:
     text_positions: bool = False
     """RoPE read for text alone: a partial_rotary_factor (model.rotary_percent) and an M-RoPE section (Qwen3.5's
     text stack: with text positions its three position rows are equal, which is plain RoPE) are accepted."""
+    either_orientation: tuple[str, ...] = ()
+    """Stored tensor name endings whose last two dims may come swapped (Qwen3-VL-MoE's stacked experts: the Hub's
+    [E, H, 2F] or transformers 5's ``save_pretrained`` [E, 2F, H]); their transforms read either (``shape_matches``)."""
+    partial_rotary: bool = False
+    """A ``partial_rotary_factor`` below 1 is read (its derive sets model.rotary_percent) with M-RoPE positions too
+    (Qwen3.5 as a vision-language model)."""
+    module_names: bool = False
+    """The folder stores transformers' module names (``model.language_model.*``, ``model.visual.*``: Qwen3.5,
+    Qwen3-VL on the Hub and from ``save_pretrained``): the export writes them (``export_hf_name``); false: the
+    spelling the rules use (Qwen2.5-VL's Hub layout)."""
     derive: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None
     """config.json -> the ``model.*`` keys that depend on its values (a MoE family's experts, top-k, router
     normalisation), applied after ``model_keys``; torch-free."""

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from megatron_pack.config.hf_config import family_of, read_hf_config
 from megatron_pack.model.hf.load import SafetensorsFolder
-from megatron_pack.config.hf_config.record import stacked_part
+from megatron_pack.config.hf_config.record import export_hf_name, stacked_part
 from megatron_pack.model.hf.mapping import export_tensors, load_shard
 from megatron_pack.model.hf.transforms import Dims
 from megatron_pack.model.hf.rules import OUTPUT, TE_ALIASES, Placement, rules_for
@@ -160,7 +160,8 @@ def hf_tensors(shards: list[dict[str, Tensor]], model_type: str, model_cfg, *,
     if extra:
         raise ValueError(f"checkpoint tensors {extra[:3]} have no Hugging Face name in the {model_type} table; "
                          "nothing is dropped silently (was it trained with another model?).")
-    return stack_tensors(out)
+    family = family_of(model_type)  # the names the family's folders store (Qwen3-VL: transformers' module names)
+    return {export_hf_name(name, family): tensor for name, tensor in stack_tensors(out).items()}
 
 
 def stack_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

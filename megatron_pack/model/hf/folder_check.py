@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
-from megatron_pack.config.hf_config.record import canonical_hf_name
+from megatron_pack.config.hf_config.record import canonical_hf_name, shape_matches
 from megatron_pack.model.hf.rules import hf_shapes
 
 INDEX = "model.safetensors.index.json"
@@ -212,7 +212,7 @@ def folder_problems(folder: str | Path, *, where: Optional[str] = None, hf: Opti
             problems.append(f"{where} has no tensor {name}, which the {hf['model_type']} mapping needs "
                             f"(config.json: {derive_model_keys(hf)['num_layers']} layers); the folder is incomplete "
                             f"or does not match its config.json: {REDOWNLOAD}.")
-        elif entry.shape != shape:
+        elif not shape_matches(family_of(hf["model_type"]), name, entry.shape, shape):
             problems.append(f"{where}: {entry.file} holds {name} with shape {list(entry.shape)}, config.json gives "
                             f"{list(shape)}; the weights do not match config.json: {REDOWNLOAD}.")
         elif entry.dtype not in LOADED_DTYPES + ("MXFP4",):

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megatron_pack.config.hf_config import derive_model_keys, family_of, read_hf_config
-from megatron_pack.config.hf_config.record import canonical_hf_name, stacked_part
+from megatron_pack.config.hf_config.record import canonical_hf_name, shape_matches, stacked_part
 from megatron_pack.model.hf.folder_check import INDEX, MXFP4_PARTS, SINGLE
 from megatron_pack.model.hf.mapping import load_shard_into, shard_shape
 from megatron_pack.model.hf.transforms import Dims
@@ -228,7 +228,7 @@ def load_pretrained(model: torch.nn.Module, folder: str | Path, model_cfg, *, tp
             except KeyError:
                 raise ValueError(f"model has no parameter {mcore} for {hf_names[0]} of {folder}; the model was built "
                                  "with other model.* settings than config.json gives.") from None
-            _check_shapes(folder, rule, hf_names, source, dims, name, param, tp_rank)
+            _check_shapes(folder, rule, hf_names, source, dims, name, param, tp_rank, family_of(hf["model_type"]))
             load_shard_into(rule, hf_names, source, dims, tp_rank, param.data, etp_rank=etp_rank)
             filled.add(name)
             used.update(dict.fromkeys(hf_names))
@@ -296,10 +296,13 @@ def _whole_model_names(hf: dict, dims: Dims, tied: bool, source: SafetensorsFold
     return names
 
 
-def _check_shapes(folder, rule, hf_names, source: SafetensorsFolder, dims: Dims, name: str, param, tp_rank: int) -> None:
+def _check_shapes(folder, rule, hf_names, source: SafetensorsFolder, dims: Dims, name: str, param, tp_rank: int,
+                  family) -> None:
     """The file's shapes must be the ones config.json implies and give exactly this parameter's shard."""
     shapes = [source.shape(n) for n in hf_names]
-    if shapes != rule_hf_shapes(rule, dims) or tuple(shard_shape(rule, hf_names, source, dims)) != tuple(param.shape):
+    as_implied = all(shape_matches(family, stored_name(n), got, want)  # Qwen3-VL-MoE's experts: either orientation
+                     for n, got, want in zip(hf_names, shapes, rule_hf_shapes(rule, dims)))
+    if not as_implied or tuple(shard_shape(rule, hf_names, source, dims)) != tuple(param.shape):
         raise ValueError(f"{folder}: {', '.join(f'{n} {s}' for n, s in zip(hf_names, shapes))} do not give "
                          f"{name} {tuple(param.shape)} on TP rank {tp_rank}; the safetensors do not match config.json.")
 

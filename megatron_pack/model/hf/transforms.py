@@ -537,3 +537,62 @@ class RowTransposed(Transform):
 
     def export(self, shards, dims):
         return [_cat(shards, dim=1).T.contiguous()]
+
+
+def _linear_oriented(whole: Tensor, out_rows: int) -> Tensor:
+    """An expert's matrix as a linear's weight [out, in]: a Hub slice is [in, out] (applied as x @ W), transformers 5's
+    ``save_pretrained`` keeps its module's [out, in]; told apart by which dim has the ``out_rows`` rows (a square
+    matrix is read as the Hub's)."""
+    return whole.T if whole.shape[-1] == out_rows else whole
+
+
+@register_transform
+class StackedGateUp(Transform):
+    """One expert's slice of a stacked [experts, H, 2F] ``gate_up_proj`` (Qwen3-VL-MoE on the Hub: x @ W, gate
+    columns then up columns; transformers' own [experts, 2F, H] reads too) -> ``linear_fc1`` [gate_r; up_r] on
+    rank r, as ``gate_up``; written back in the Hub's [H, 2F].
+
+    H=64, F=16 over 2 ranks: gate_up_proj[e] [64, 32] -> rank 1 holds [gate cols 8-15; up cols 8-15].T = [16, 64].
+    """
+
+    name, split_dim = "stacked_gate_up", 0
+
+    def hf_shapes(self, shape, num_parts, dims):
+        return [(shape[0], 2 * shape[1])]
+
+    def shard_shape(self, hf_shapes, dims):
+        rows, cols = hf_shapes[0]
+        width = cols if cols == 2 * dims.expert_ffn else rows  # the 2F side, in either orientation
+        return (width // dims.tp, rows + cols - width)
+
+    def load(self, names, reader, dims, rank):
+        weight = _linear_oriented(reader.read(names[0]), 2 * dims.expert_ffn)  # [2F, H]
+        gate, up = weight.chunk(2, dim=0)
+        rows = _part(rank, gate.shape[0] // dims.tp)
+        return _cat([gate[rows], up[rows]]).contiguous()
+
+    def export(self, shards, dims):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [_cat([_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]).T.contiguous()]
+
+
+@register_transform
+class StackedDown(Transform):
+    """One expert's slice of a stacked [experts, F, H] ``down_proj`` (Qwen3-VL-MoE on the Hub: x @ W; transformers'
+    own [experts, H, F] reads too) -> RowParallelLinear ``linear_fc2`` [H, F / tp]; written back in the Hub's
+    [F, H]. [16, 64] over 2 ranks: rank 1 holds rows 8-15, transposed: [64, 8]."""
+
+    name, split_dim = "stacked_down", 1
+
+    def shard_shape(self, hf_shapes, dims):
+        rows, cols = hf_shapes[0]
+        ffn = rows if rows == dims.expert_ffn else cols
+        return (rows + cols - ffn, ffn // dims.tp)
+
+    def load(self, names, reader, dims, rank):
+        whole = reader.read(names[0])
+        weight = whole if whole.shape[-1] == dims.expert_ffn and whole.shape[0] != dims.expert_ffn else whole.T
+        return weight[:, _part(rank, weight.shape[1] // dims.tp)].contiguous()  # [H, F / tp]
+
+    def export(self, shards, dims):
+        return [_cat(shards, dim=1).T.contiguous()]
