@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from megatron_pack.data.formats.chat import RecordError, SampleSchema
+from megatron_pack.data.formats.chat import SampleSchema
 
 AUTO = SampleSchema("auto")
 MISTRAL = (
