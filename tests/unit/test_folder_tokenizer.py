@@ -54,7 +54,7 @@ def records(n: int, seed: int) -> list[dict]:
                              {"role": "assistant", "content": text(3)}]
         if i % 6 == 4:
             messages[-1] = {"role": "assistant", "content": [{"type": "text", "text": messages[-1]["content"]}]}
-        out.append({"messages": messages})
+        out.append({"prompt": text(6), "completion": text(4)} if i % 8 == 7 else {"messages": messages})
     return out
 
 
@@ -141,7 +141,7 @@ def test_prepare_tokens_and_masks_equal_transformers(folders, name):
     assert light.identity() == full.identity()
     batch = records(60, seed=3)
     got, want = light.encode_samples(batch, AUTO), full.encode_samples(batch, AUTO)
-    num_answer, num_refused, num_parts = 0, 0, 0
+    num_answer, num_refused, num_parts, num_prompts = 0, 0, 0, 0
     for record, a, b in zip(batch, got, want):
         if isinstance(b, Exception):
             assert type(a) is type(b) and str(a) == str(b)
@@ -149,13 +149,19 @@ def test_prepare_tokens_and_masks_equal_transformers(folders, name):
             continue
         assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
         num_answer += int(a[1].sum())
+        if "prompt" in record:
+            num_prompts += 1
+            continue
         num_parts += not isinstance(record["messages"][-1]["content"], str)
         if "unmarked" not in name and isinstance(record["messages"][-1]["content"], str):
             ref = full.tok.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
                                                return_assistant_tokens_mask=True)
             n = min(len(a[0]), len(ref["input_ids"]))
             assert ref["input_ids"][:n] == a[0].tolist()[:n] and ref["assistant_masks"][:n] == a[1].tolist()[:n]
-    assert num_answer > 300 and 0 < num_refused < 15 and num_parts >= 5  # guards: every path was met
+    assert num_answer > 300 and 0 < num_refused < 15 and num_parts >= 4 and num_prompts >= 5  # guards: every path
+    light.tok._transformers = None  # prompt/completion and plain chats need no transformers
+    light.encode_samples([r for r in batch if "prompt" in r or isinstance(r["messages"][-1]["content"], str)], AUTO)
+    assert light.tok._transformers is None
 
 
 def test_render_equals_transformers_render():
@@ -251,7 +257,7 @@ def test_prepare_imports_neither_transformers_nor_torch(folders, tmp_path):
     a whole prepare with a generic fast folder (store, plan, report) imports neither transformers nor torch in its
     main process (matplotlib draws report.png in a forked painter)."""
     data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in records(12, seed=4) if r["messages"][1]["content"]) + "\n")
+    data.write_text("\n".join(json.dumps(r) for r in records(12, seed=4)) + "\n")
     code = ("import sys\nimport megatron_pack.cli.prepare as p\n"
             "print(sorted(m for m in ('transformers', 'matplotlib', 'hydra', 'torch') if m in sys.modules))\n"
             f"rc = p.main(['tokenizer={folders['mistral_marked']}', 'input={data}', 'output={tmp_path / 'ds'}', "
@@ -261,3 +267,4 @@ def test_prepare_imports_neither_transformers_nor_torch(folders, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == "[]" and out.stdout.splitlines()[-1] == "0 []", out.stdout
     assert next((tmp_path / "ds" / "plans").glob("*/report.png")).stat().st_size > 1000
+    assert json.loads((tmp_path / "ds" / "metadata.json").read_text())["num_tokenize_workers"] == 1  # one chunk

@@ -90,7 +90,7 @@ def refusal(folder: Path, config: dict, backend) -> str | None:
 class FolderTokenizer:
     """What ``prepare`` uses of transformers' generic fast tokenizer of a folder, without transformers: the Rust
     ``backend_tokenizer``, ``chat_template`` (settable), ``special_tokens_map``, the special ids, ``len``,
-    ``get_vocab``, ``convert_tokens_to_ids``, ``decode``; any other attribute is transformers' tokenizer's (loaded
+    ``get_vocab``, ``convert_tokens_to_ids``, ``encode``, ``decode``; any other attribute is transformers' tokenizer's (loaded
     on first use, with this object's chat template)."""
 
     is_fast = True
@@ -146,6 +146,13 @@ class FolderTokenizer:
     @property
     def unk_token_id(self):
         return self._special_id("unk_token")
+
+    def encode(self, text, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        """transformers' ``encode`` of one string (its post-processor is tokenizer.json's: ``refusal``); any other
+        argument is transformers' to answer."""
+        if kwargs or not isinstance(text, str):
+            return self.transformers_tokenizer().encode(text, add_special_tokens=add_special_tokens, **kwargs)
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         """transformers' ``decode`` of a fast tokenizer (its clean-up skipped for BPE models, as there)."""
