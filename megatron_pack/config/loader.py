@@ -341,21 +341,31 @@ def composition_file(key: tuple) -> Optional[Path]:
     return Path(root) / "compositions" / f"{digest}.pkl"
 
 
+_STORE_MAX = 64
+"""Compositions kept on disk (20 kB each); the oldest go first (a schema edited often leaves stale ones)."""
+
+
 def _write_composition(path: Path, composed: DictConfig) -> None:
-    """Write atomically (a temporary file renamed: concurrent processes never read half a file); a folder that
-    cannot be written leaves the store empty, never an error."""
+    """Write atomically (a temporary file renamed: concurrent processes never read half a file), keeping the newest
+    ``_STORE_MAX``; a folder that cannot be written leaves the store as it is, never an error."""
     import os
     import pickle
     import tempfile
 
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".composition-")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(composed, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
-    except OSError:
-        pass
+        tmp = None
+        stored = sorted(path.parent.glob("*.pkl"), key=lambda p: p.stat().st_mtime_ns)
+        for old in stored[:-_STORE_MAX]:
+            old.unlink(missing_ok=True)
+    except Exception:  # noqa: BLE001 - a store that cannot be written (read-only home, full disk) is skipped
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 _COMPOSED: dict[tuple, DictConfig] = {}
