@@ -264,7 +264,7 @@ def plain_override(text: str) -> PlainOverride | None:
     (any case) -> None, ``true`` / ``false`` (any case) -> bool, an integer or a float in Python's spelling
     (``+`` / ``-``, ``1e-4``, ``.5``, ``inf``, ``nan``) -> int / float, anything else -> the string. None (Hydra's
     parser decides) for any other key or value: quotes, brackets, spaces, ``${...}``, escapes, globs, ``+`` /
-    ``++`` / ``~`` / ``@``, an empty value, and numbers with ``_`` (tests/unit/test_config_loader.py compares
+    ``++`` / ``~`` / ``@``, an empty value, and numbers with ``_`` (tests/unit/test_config_fast_path.py compares
     this with Hydra's parser on a table and on random words)."""
     key, sep, value = text.partition("=")
     if not sep or not _PLAIN_KEY.fullmatch(key) or not _PLAIN_VALUE.fullmatch(value):
