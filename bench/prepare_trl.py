@@ -12,9 +12,11 @@ Each round, in this order, each a fresh process, with the load average before an
 
 * **bare**: ``python -c "import tokenizers, numpy, pyarrow"`` (the floor of any Python tokenizing path), the
   minimum of 3;
+* **cold fixed**: the fixed command below with an empty config composition store (``MEGATRON_PACK_CACHE_DIR``:
+  the first run after installing or changing the presets, which composes with Hydra);
 * **fixed**: ``megatron-pack prepare`` of 100 records with the model folder as ``tokenizer=`` (whole command: the
-  store, the plan, report.json and report.png); goal: <= 4x bare; with ``--before DIR`` (a ``git archive`` of an
-  earlier commit) the same command from that tree too;
+  store, the plan, report.json and report.png; the composition store warm, as for every later run); goal: <= 4x
+  bare; with ``--before DIR`` (a ``git archive`` of an earlier commit) the same command from that tree too;
 * **prepare**: the same on ``--records`` records (default workers: one per core);
 * **TRL**: ``SFTTrainer._prepare_dataset`` (``bench/prepare_real.py``'s TRL child: ``datasets.map`` tokenizing with
   ``assistant_only_loss``, labels, ``bfd`` packing at 4096, ``dataset_num_proc`` = the cores) on the same
@@ -84,10 +86,14 @@ def _measured(cmd: list[str], env: dict | None = None, cwd: Path | None = None) 
         os.chdir(here)
 
 
-def _prepare(folder: Path, records: Path, out: Path, tree: str | None = None) -> dict:
-    """The whole ``megatron-pack prepare`` command; ``tree``: a source tree of another commit to run instead."""
+def _prepare(folder: Path, records: Path, out: Path, tree: str | None = None, store: Path | None = None) -> dict:
+    """The whole ``megatron-pack prepare`` command; ``tree``: a source tree of another commit to run instead;
+    ``store``: an empty folder as the config composition store (a first run's cost; the default store is warm)."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    if store is not None:
+        shutil.rmtree(store, ignore_errors=True)
+        env = {**(env or os.environ), "MEGATRON_PACK_CACHE_DIR": str(store)}
     # run from the work dir: `python -m` puts the current folder first on sys.path, before PYTHONPATH's tree
     return _measured([sys.executable, "-m", "megatron_pack.cli.main", "prepare", f"tokenizer={folder}",
                       f"input={records}", f"output={out}", f"packing.packed_sequence_size={PACK}",
@@ -145,35 +151,42 @@ def run(args) -> None:
     print(f"model folder {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))}); {args.records:,} records; "
           f"{len(os.sched_getaffinity(0))} cores")
     header = (f"{'round':>5} {'load before':>16} {'bare s':>7} {'fixed s':>8} {'fixed/bare':>10} {'bare cpu':>8} "
-              f"{'fixed cpu s':>11} {'cpu/bare':>8} {'before s':>8} {'before/bare':>11} {'before cpu':>10} "
+              f"{'fixed cpu s':>11} {'cpu/bare':>8} {'cold fixed s':>12} {'cold/bare':>10} {'before s':>8} "
+              f"{'before/bare':>11} {'before cpu':>10} "
               f"{'prepare s':>9} {'TRL s':>7} {'TRL map+pack s':>14} {'TRL/prep':>8} {'prep cpu s':>10} {'TRL cpu s':>9} "
               f"{'load after':>16}")
     print(header)
     for round_ in range(1, args.rounds + 1):
         before = _load()
         bare, bare_cpu = _bare()
+        cold = _prepare(folder, small, work / "ds_fixed_cold", store=work / "empty_store")
         fixed = _prepare(folder, small, work / "ds_fixed")
         old = _prepare(folder, small, work / "ds_fixed_before", args.before) if args.before else None
         earlier = old["wall"] if old else None
         prep = _prepare(folder, records, work / "ds_full")
         trl = _trl(folder, plain, work / "trl_out", args.peer_path)
         row = {"round": round_, "load_before": before, "bare": bare, "fixed": fixed["wall"], "fixed_cpu": fixed["cpu"],
-               "prepare": prep["wall"], "prepare_cpu": prep["cpu"], "trl": trl["wall"], "trl_cpu": trl["cpu"],
+               "fixed_cold": cold["wall"], "fixed_cold_cpu": cold["cpu"], "prepare": prep["wall"], "prepare_cpu": prep["cpu"], "trl": trl["wall"], "trl_cpu": trl["cpu"],
                "trl_inner": trl["prepare_seconds"], "fixed_before": earlier, "fixed_before_cpu": old["cpu"] if old else None, "bare_cpu": bare_cpu, "load_after": _load()}
         rows.append(row)
         print(f"{round_:>5} {before:>16} {bare:>7.2f} {row['fixed']:>8.2f} {row['fixed'] / bare:>9.1f}x {bare_cpu:>8.2f} "
-              f"{row['fixed_cpu']:>11.2f} {row['fixed_cpu'] / bare_cpu:>7.1f}x {_opt(earlier):>8} "
+              f"{row['fixed_cpu']:>11.2f} {row['fixed_cpu'] / bare_cpu:>7.1f}x {row['fixed_cold']:>12.2f} "
+              f"{row['fixed_cold'] / bare:>10.1f}x {_opt(earlier):>8} "
               f"{_opt(earlier and earlier / bare, 'x'):>11} {_opt(row['fixed_before_cpu']):>10} "
               f"{row['prepare']:>9.2f} {row['trl']:>7.2f} {row['trl_inner']:>14.2f} "
               f"{row['trl'] / row['prepare']:>7.2f}x {row['prepare_cpu']:>10.2f} {row['trl_cpu']:>9.2f} "
               f"{row['load_after']:>16}", flush=True)
-    med = {k: statistics.median(r[k] for r in rows) for k in ("bare", "fixed", "prepare", "trl")}
+    med = {k: statistics.median(r[k] for r in rows) for k in ("bare", "fixed", "fixed_cold", "prepare", "trl")}
     fixed_ratio = statistics.median(r["fixed"] / r["bare"] for r in rows)
+    cpu_ratio = statistics.median(r["fixed_cpu"] / r["bare_cpu"] for r in rows)
+    cold_ratio = statistics.median(r["fixed_cold"] / r["bare"] for r in rows)
+    trl_cpu_ratio = statistics.median(r["trl_cpu"] / r["prepare_cpu"] for r in rows)
     trl_ratio = statistics.median(r["trl"] / r["prepare"] for r in rows)
     print(f"medians over {len(rows)} rounds: bare {med['bare']:.2f} s, fixed {med['fixed']:.2f} s "
-          f"({fixed_ratio:.1f}x bare; goal <= 4x: {'met' if fixed_ratio <= 4 else 'NOT met'}), prepare "
+          f"({fixed_ratio:.1f}x bare; goal <= 4x: {'met' if fixed_ratio <= 4 else 'NOT met'}; CPU {cpu_ratio:.1f}x; "
+          f"cold store {med['fixed_cold']:.2f} s, {cold_ratio:.1f}x), prepare "
           f"{med['prepare']:.2f} s, TRL {med['trl']:.2f} s ({trl_ratio:.2f}x; goal >= 3x: "
-          f"{'met' if trl_ratio >= 3 else 'NOT met'})")
+          f"{'met' if trl_ratio >= 3 else 'NOT met'}; CPU {trl_cpu_ratio:.2f}x); load average {_load()}")
     (work / "results_against_trl.json").write_text(json.dumps(rows, indent=2))
 
 

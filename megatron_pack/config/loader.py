@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -163,15 +164,14 @@ def check_overrides(overrides: list[str], roots: Path | list[Path]) -> list[str]
 
 def override_problems(overrides: list[str], roots: Path | list[Path]) -> dict[str, str]:
     """``{override: its problem}`` for each override refused before Hydra composes (key, preset, value type)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     options, keys, problems = presets(roots), _all_keys(), {}
-    parser = OverridesParser.create()
+    parsers: dict = {}
     for text in overrides:
         try:
-            override = parser.parse_override(text)
-        except HydraException as exc:
+            override = _parse(text, parsers)
+        except Exception as exc:  # noqa: BLE001 - Hydra's parse errors are HydraExceptions; others propagate
+            if not _is_hydra_error(exc):
+                raise
             problems[text] = (f"{text}: not a key=value override ({str(exc).splitlines()[0]}); "
                               "write it as group.key=value, e.g. packing.packed_sequence_size=1024.")
             continue
@@ -234,6 +234,140 @@ def _normalize(overrides: list[str]) -> list[str]:
     return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
 
 
+class PlainOverride:
+    """A ``key=value`` override read without Hydra's parser: what ``OverridesParser.parse_override`` gives for it
+    (key, value and its type), for the overrides ``plain_override`` accepts; the rest go to Hydra."""
+
+    package = None
+
+    def __init__(self, key: str, value: Any, text: str):
+        self.key_or_group, self._value, self.input_line = key, value, text
+
+    def value(self) -> Any:
+        return self._value
+
+    def is_delete(self) -> bool:
+        return False
+
+    def is_sweep_override(self) -> bool:
+        return False
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_PLAIN_VALUE = re.compile(r"[A-Za-z0-9_./:@%+-]+")
+_INT = re.compile(r"[+-]?(?:0|[1-9][0-9]*)")
+_FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[0-9]+[eE][+-]?[0-9]+|[Ii][Nn][Ff]|[Nn][Aa][Nn])")
+
+
+def plain_override(text: str) -> PlainOverride | None:
+    """``group.key=value`` (or ``group=option``) whose value is a plain word, read as Hydra reads it: ``null``
+    (any case) -> None, ``true`` / ``false`` (any case) -> bool, an integer or a float in Python's spelling
+    (``+`` / ``-``, ``1e-4``, ``.5``, ``inf``, ``nan``) -> int / float, anything else -> the string. None (Hydra's
+    parser decides) for any other key or value: quotes, brackets, spaces, ``${...}``, escapes, globs, ``+`` /
+    ``++`` / ``~`` / ``@``, an empty value, and numbers with ``_`` (tests/unit/test_config_fast_path.py compares
+    this with Hydra's parser on a table and on random words)."""
+    key, sep, value = text.partition("=")
+    if not sep or not _PLAIN_KEY.fullmatch(key) or not _PLAIN_VALUE.fullmatch(value):
+        return None
+    if "_" in value and value[0] in "0123456789+-.":  # Hydra's digits take "_" (1_000); left to it
+        return None
+    lower = value.lower()
+    if lower == "null":
+        parsed: Any = None
+    elif lower in ("true", "false"):
+        parsed = lower == "true"
+    elif _INT.fullmatch(value):
+        parsed = int(value)
+    elif _FLOAT.fullmatch(value):
+        parsed = float(value)
+    else:
+        parsed = value
+    return PlainOverride(key, parsed, text)
+
+
+def _parse(text: str, parsers: dict):
+    """``plain_override(text)``, else Hydra's parse of it (its parser made once per call site, imported only then)."""
+    plain = plain_override(text)
+    if plain is not None:
+        return plain
+    if "hydra" not in parsers:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsers["hydra"] = OverridesParser.create()
+    return parsers["hydra"].parse_override(text)
+
+
+def _is_hydra_error(exc: BaseException) -> bool:
+    from hydra.errors import HydraException
+
+    return isinstance(exc, HydraException)
+
+
+def _is_change(override) -> bool:
+    if isinstance(override, PlainOverride):
+        return True
+    from hydra.core.override_parser.types import OverrideType
+
+    return override.type == OverrideType.CHANGE
+
+
+COMPOSITION_STORE_ENV = "MEGATRON_PACK_CACHE_DIR"
+"""Where Hydra's compositions are kept between processes (``$XDG_CACHE_HOME/megatron_pack`` or
+``~/.cache/megatron_pack`` unless set; ``off``: nowhere)."""
+
+
+def composition_file(key: tuple) -> Optional[Path]:
+    """The file of the composition store for ``key`` (selections, folders, their files' bytes), or None (store
+    off). The name also hashes what else shapes a composition: the schema's and this loader's source, the
+    installed Hydra and OmegaConf (their files' sizes and times) and Python's version."""
+    import hashlib
+    import importlib.util
+    import os
+    import sys
+
+    root = os.environ.get(COMPOSITION_STORE_ENV)
+    if root == "off":
+        return None
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron_pack")
+    here = Path(__file__).resolve().parent
+    code = b"".join((here / name).read_bytes() for name in ("schema.py", "choices.py", "loader.py", "search_path.py"))
+    installed = []
+    for package in ("hydra", "omegaconf"):
+        spec = importlib.util.find_spec(package)
+        stat = Path(spec.origin).stat() if spec and spec.origin else None
+        installed.append((package, spec.origin if spec else None, stat and (stat.st_size, stat.st_mtime_ns)))
+    digest = hashlib.blake2b(repr((key, installed, sys.version)).encode() + code, digest_size=20).hexdigest()
+    return Path(root) / "compositions" / f"{digest}.pkl"
+
+
+_STORE_MAX = 64
+"""Compositions kept on disk (20 kB each); the oldest go first (a schema edited often leaves stale ones)."""
+
+
+def _write_composition(path: Path, composed: DictConfig) -> None:
+    """Write atomically (a temporary file renamed: concurrent processes never read half a file), keeping the newest
+    ``_STORE_MAX``; a folder that cannot be written leaves the store as it is, never an error."""
+    import os
+    import pickle
+    import tempfile
+
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".composition-")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(composed, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+        tmp = None
+        stored = sorted(path.parent.glob("*.pkl"), key=lambda p: p.stat().st_mtime_ns)
+        for old in stored[:-_STORE_MAX]:
+            old.unlink(missing_ok=True)
+    except Exception:  # noqa: BLE001 - a store that cannot be written (read-only home, full disk) is skipped
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
 _COMPOSED: dict[tuple, DictConfig] = {}
 """Hydra's compositions of this process by (preset selections, search folders, what those folders hold): composing
 takes about 0.25 CPU-s, and a run composes several times (the entry, its checks, each rank's loaders), a process
@@ -257,20 +391,18 @@ def _split_values(overrides: list[str], search: Sequence[Path]) -> tuple[list[st
     or ``~``, not a sweep): Hydra applies exactly these after composing the defaults list, in their order
     (``ConfigLoaderImpl._apply_overrides_to_config``), so the composition of the rest can be reused for them.
     Anything else, or a folder on the search path whose name is the key, stays with Hydra."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import OverrideType
-    from hydra.errors import HydraException
-
-    parser = OverridesParser.create()
+    parsers: dict = {}
     selections, values = [], []
     for text in overrides:
         try:
-            override = parser.parse_override(text)
-        except HydraException:
+            override = _parse(text, parsers)
+        except Exception as exc:  # noqa: BLE001
+            if not _is_hydra_error(exc):
+                raise
             selections.append(text)  # Hydra says what is wrong with it
             continue
         key = override.key_or_group
-        plain = (override.type == OverrideType.CHANGE and override.package is None and not override.is_sweep_override()
+        plain = (_is_change(override) and override.package is None and not override.is_sweep_override()
                  and "." in key and key.split(".", 1)[0] in GROUPS and not any((Path(d) / key).exists() for d in search))
         if plain:
             values.append(override)
@@ -283,8 +415,6 @@ def _compose(overrides: list[str], user_dirs: list[Path]) -> DictConfig:
     """Hydra's composition of config.yaml with ``overrides``, searching ``user_dirs`` after the presets: a copy of
     the one composed before for the same preset selections and the same files, with the value overrides applied
     as Hydra applies them."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     selections, values = _split_values(overrides, [PRESETS_DIR, *user_dirs])
@@ -292,12 +422,46 @@ def _compose(overrides: list[str], user_dirs: list[Path]) -> DictConfig:
     if key not in _COMPOSED:
         if len(_COMPOSED) >= _COMPOSED_MAX:
             _COMPOSED.clear()
-        _COMPOSED[key] = _compose_with_hydra(selections, user_dirs)
+        _COMPOSED[key] = _stored_composition(key, selections, user_dirs)
     composed = copy.deepcopy(_COMPOSED[key])
+    if all(isinstance(v, PlainOverride) for v in values):
+        try:  # what Hydra's _apply_overrides_to_config does with a plain change (no package, no +, ++ or ~)
+            for value in values:
+                OmegaConf.update(composed, value.key_or_group, value.value(), merge=True)
+            return composed
+        except OmegaConfBaseException:  # refused: Hydra's own step below, for its message
+            composed = copy.deepcopy(_COMPOSED[key])
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    values = [parser.parse_override(v.input_line) if isinstance(v, PlainOverride) else v for v in values]
     try:
         ConfigLoaderImpl._apply_overrides_to_config(values, composed)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError([_hydra_message(exc)]) from exc
+    return composed
+
+
+def _stored_composition(key: tuple, selections: list[str], user_dirs: list[Path]) -> DictConfig:
+    """Hydra's composition for ``key``, read from the composition store where one was written for the same key
+    (only with no user folders: ``--config-dir``, ``$MEGATRON_PACK_CONFIG_DIR`` and ``experiment=FILE`` compose
+    anew in each process); else composed by Hydra and written there."""
+    path = None if user_dirs else composition_file(key)
+    if path is not None and path.is_file():
+        import pickle
+
+        try:
+            with open(path, "rb") as f:
+                stored = pickle.load(f)
+            if isinstance(stored, DictConfig):
+                return stored
+        except Exception:  # noqa: BLE001 - unreadable or written by other versions: composed anew, rewritten
+            pass
+    composed = _compose_with_hydra(selections, user_dirs)
+    if path is not None:
+        _write_composition(path, composed)
     return composed
 
 

@@ -153,8 +153,11 @@ def _tokenizer_path(name: str) -> str:
 
 def build_store(cfg, target: Path, inputs: dict, tokenizer, *, progress: bool = True) -> TokenStore:
     """Tokenize into a temporary directory beside ``target`` and rename it into place."""
-    num_workers = default_num_workers(cfg.data.tokenize_workers, tokenizer)
     total = _num_records(inputs["sources"])
+    num_workers = default_num_workers(cfg.data.tokenize_workers, tokenizer)
+    if cfg.data.tokenize_workers == 0 and total is not None:  # auto: no more workers than chunks (a small input
+        chunk = SYNTHETIC_CHUNK if inputs["sources"]["kind"] == "synthetic" else FILE_CHUNK  # tokenizes here,
+        num_workers = max(1, min(num_workers, -(-total // chunk)))  # with no pool to fork and feed)
     start, start_cpu = time.perf_counter(), time.process_time()
     with atomic_directory(target, replace=True) as tmp:
         results = tokenize_stream(_chunks(cfg, inputs), tokenizer=cfg.data.tokenizer, schema=_file_schemas(cfg, inputs),

@@ -17,8 +17,9 @@ comparison, ``length``, slice, method, other filter or whole-message use (``m | 
 control flow then depends on the roles and the number of messages only, so two conversations
 with the same roles take the same path through the template and print the same literals.
 
-The skeleton is rendered by transformers' own renderer (``render_jinja_template``, the call
-``apply_chat_template`` makes), so literals and ``{% generation %}`` spans are transformers'.
+The skeleton is rendered as transformers' own renderer renders it (``chat_render``: the environment and
+the call of ``render_jinja_template``, which ``apply_chat_template`` makes, tested equal), so literals and
+``{% generation %}`` spans are transformers'.
 A sentinel is ``PAD OPEN index CLOSE PAD`` with private-use characters a template never holds
 (checked); a slot printed with its pads is verbatim, one printed without is trimmed (``trim``
 strips the pads, which are whitespace), anything else is refused. Messages reach the template
@@ -242,11 +243,11 @@ def analyse(template: str) -> TemplateShape:
     """Whether ``template`` prints contents only verbatim or trimmed and never branches on them."""
     import jinja2
     from jinja2 import nodes
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from megatron_pack.data.formats.chat_render import compile_template
 
     if any(c in template for c in (PAD, OPEN, CLOSE)):
         return TemplateShape("the template holds the sentinel characters")
-    env = _compile_jinja_template(template).environment
+    env = compile_template(template).environment
     try:
         tree = env.parse(template)
     except jinja2.TemplateSyntaxError as exc:

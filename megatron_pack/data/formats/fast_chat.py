@@ -9,8 +9,8 @@ tokens in Python. Here the same steps run once per chunk of records:
 1. ``ChatRenderer.render`` gives each conversation's text and assistant character spans:
    pasted into the shape's skeleton when the template is a fixed pattern
    (``chat_skeleton.analyse``; the skeleton is rendered once per sequence of roles), else
-   rendered by ``render_jinja_template``, transformers' own renderer, with the arguments
-   ``apply_chat_template`` passes;
+   rendered as ``render_jinja_template``, transformers' own renderer, renders it with the arguments
+   ``apply_chat_template`` passes (``chat_render``, without importing transformers);
 2. the fast tokenizer's backend encodes every rendered text in one ``encode_batch`` call
    (``add_special_tokens=False``, no truncation or padding, as ``apply_chat_template`` does);
 3. ``assistant_mask`` marks the tokens that overlap a span, vectorised, with exactly the rule of
@@ -101,13 +101,9 @@ class ChatRenderer:
         self._turn_plans: dict = {}
 
     def jinja(self, messages: list[dict], add_generation_prompt: bool = False):
-        from transformers.utils.chat_template_utils import render_jinja_template
+        from megatron_pack.data.formats.chat_render import render
 
-        rendered, spans = render_jinja_template(
-            conversations=[messages], tools=None, documents=None, chat_template=self.template,
-            return_assistant_tokens_mask=self.marked, continue_final_message=False,
-            add_generation_prompt=add_generation_prompt, **self.kwargs)
-        return rendered[0], (list(spans[0]) if spans else [])
+        return render(self.template, messages, add_generation_prompt, self.marked, **self.kwargs)
 
     def skeleton(self, roles: tuple[str, ...], add_generation_prompt: bool = False):
         """The shape's ``Skeleton``, or None (not a fixed pattern, or this shape cannot be cut)."""

@@ -161,8 +161,12 @@ def _class_for_folder(folder: Path, class_name: str) -> str | None:
     return None
 
 
-def load_hf_tokenizer(path: str):
+def load_hf_tokenizer(path: str, *, folder_tokenizer: bool = False):
     """``AutoTokenizer.from_pretrained(path)``, without importing torch where the result is known.
+
+    With ``folder_tokenizer``, a generic fast folder that transformers would load unchanged comes back as a
+    ``folder_tokenizer.FolderTokenizer``, read by the ``tokenizers`` library without importing transformers
+    (the Rust tokenizer, the special tokens and the template transformers' would hold; tested equal).
 
     A folder with ``tokenizer.json`` and ``tokenizer_config.json`` (no ``auto_map``) whose
     ``tokenizer_class`` is the generic fast class, ``LlamaTokenizer`` or ``Qwen2Tokenizer`` (Llama 2,
@@ -175,6 +179,12 @@ def load_hf_tokenizer(path: str):
     matches a model id it special-cases the same way: those, and every other folder, go through it.
     """
     folder = Path(path)
+    if folder_tokenizer:
+        from megatron_pack.data.formats.folder_tokenizer import load_folder_tokenizer
+
+        light = load_folder_tokenizer(path, _auto_backend_model_ids())
+        if light is not None:
+            return light
     config_file = folder / "tokenizer_config.json"
     if config_file.is_file() and (folder / "tokenizer.json").is_file():
         try:
@@ -198,23 +208,31 @@ def load_hf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+_MODEL_IDS: list = []
+
+
 def _auto_backend_model_ids() -> list[str] | None:
     """``AutoTokenizer``'s ``MODEL_IDS_TO_TOKENIZERS_BACKEND`` read from its source (importing that
-    module imports torch); None when it cannot be read (then ``AutoTokenizer`` decides)."""
+    module imports torch); None when it cannot be read (then ``AutoTokenizer`` decides). Read once per process;
+    transformers' folder is found without importing it (``find_spec`` of a top-level package imports nothing)."""
+    if _MODEL_IDS:
+        return _MODEL_IDS[0]
     import ast
 
-    import transformers
-
+    found = None
     try:  # the file itself: finding its module spec would import transformers.models.auto (1 s or more)
-        source = (Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py").read_text()
+        spec = importlib.util.find_spec("transformers")
+        source = (Path(spec.origin).parent / "models" / "auto" / "tokenization_auto.py").read_text()
         for node in ast.parse(source).body:
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 if any(getattr(t, "id", None) == "MODEL_IDS_TO_TOKENIZERS_BACKEND" for t in targets):
-                    return list(ast.literal_eval(node.value))
-    except (AttributeError, OSError, SyntaxError, ValueError):
+                    found = list(ast.literal_eval(node.value))
+                    break
+    except (AttributeError, OSError, SyntaxError, TypeError, ValueError):
         pass
-    return None
+    _MODEL_IDS.append(found)
+    return found
 
 
 class HFTokenizer:
@@ -227,13 +245,11 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str, chat_template: str | None = None):
-        try:
-            import transformers  # noqa: F401
-        except ImportError as exc:
+        if importlib.util.find_spec("transformers") is None:  # found, not imported (0.7 s)
             raise ImportError(f"data.tokenizer={path!r} is a Hugging Face tokenizer, which needs transformers: "
-                              "pip install 'megatron_pack[hf]', or use data.tokenizer=byte.") from exc
+                              "pip install 'megatron_pack[hf]', or use data.tokenizer=byte.")
         self.path = str(path)
-        self.tok = load_hf_tokenizer(self.path)
+        self.tok = load_hf_tokenizer(self.path, folder_tokenizer=True)
         if chat_template is not None:  # data.chat_template: part of the identity, so of the store fingerprint
             self.tok.chat_template = read_chat_template(chat_template)
         self.name = Path(self.path).name
