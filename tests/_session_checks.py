@@ -57,6 +57,8 @@ MODULE_SECONDS = {
     "tests/unit/test_prepare.py": 22,
     "tests/functional/test_window_sink_cli.py": 22,  # measured alone (its torchrun world's start-up included)
     "tests/functional/test_qwen3_5_cli.py": 22,  # measured alone (its torchrun world's start-up included)
+    "tests/functional/test_qwen3_vl_cli.py": 19,  # measured alone (its torchrun world's start-up included)
+    "tests/unit/test_qwen3_vl.py": 31,  # measured alone on a shared machine (its 2-rank spawn_world included)
     "tests/functional/test_reliability_folders.py": 22,
     "tests/unit/test_vlm_data.py": 21,
     "tests/unit/test_resume_check.py": 18,

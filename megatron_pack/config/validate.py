@@ -597,10 +597,6 @@ def _validate_deepstack(cfg: Config) -> list[str]:
                         f"layers 0..{model.deepstack_layers - 1} (model.deepstack_layers {model.deepstack_layers}, "
                         "config.json deepstack_visual_indexes), which must sit with the vision tower on the first "
                         f"stage; choose stages of at least {model.deepstack_layers} layers.")
-    if model.num_experts and cfg.peft.method != "none":
-        problems.append(f"peft.method ({cfg.peft.method!r}) with a Qwen3-VL-MoE model.pretrained (model.num_experts "
-                        f"{model.num_experts}, DeepStack): adapters on its stacked experts are not proved yet; set "
-                        "peft.method=none (full fine-tuning).")
     if model.recompute_granularity == "full":
         problems.append("model.recompute_granularity (full) with DeepStack (model.deepstack_layers "
                         f"{model.deepstack_layers}): the features are added after those layers outside the recomputed "

@@ -233,11 +233,9 @@ def test_deepstack_off_the_first_stage_and_under_full_recompute_is_refused_in_on
     assert "parallel.pipeline_model_parallel_size (4)" in message and "layers 0..1" in message
     load_config([f"model.pretrained={folders['qwen3_vl']}", "train.device=cpu",
                  "parallel.pipeline_model_parallel_size=2"])  # 2 layers a stage: DeepStack's on the first
-    for overrides in (["model.recompute_granularity=full"], ["peft.method=lora"]):
-        family = "qwen3_vl_moe" if overrides[0].startswith("peft") else "qwen3_vl"
-        with pytest.raises(ConfigError) as err:
-            load_config([f"model.pretrained={folders[family]}", "train.device=cpu", *overrides])
-        assert overrides[0].split("=")[0] in str(err.value) and "DeepStack" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config([f"model.pretrained={folders['qwen3_vl']}", "train.device=cpu", "model.recompute_granularity=full"])
+    assert "model.recompute_granularity" in str(err.value) and "DeepStack" in str(err.value)
 
 
 LAYOUTS = {  # id: the parallel layout of a 2-rank world
@@ -479,21 +477,32 @@ def test_export_is_bit_exact_from_either_spelling_and_transformers_generates_fro
 
 LORA = {"qwen3_5": "[linear_qkv,linear_proj,linear_fc1,linear_fc2,in_proj,out_proj]",
         "qwen3_vl": "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"}
-NUM_ADAPTERS = {"qwen3_5": 2 + 2 + 2 * 2, "qwen3_vl": 4 * 4}  # qwen3_5: in/out (linear), qkv/proj (full), fc1/fc2 x 2
+LORA.update(qwen3_5_moe=LORA["qwen3_5"], qwen3_vl_moe=LORA["qwen3_vl"])
+NUM_ADAPTERS = {"qwen3_5": 2 + 2 + 2 * 2, "qwen3_vl": 4 * 4,  # qwen3_5: in/out (linear), qkv/proj (full), fc1/fc2 x 2
+                "qwen3_5_moe": 2 + 2 + 2 * (4 * 2 + 2),  # ... and per layer 4 experts x 2, the shared expert's 2
+                "qwen3_vl_moe": 4 * (2 + 4 * 2)}  # per layer qkv/proj, 4 experts x 2
+ADAPTED_MODULES = {"qwen3_5": 5 + 4 + 2 * 3, "qwen3_vl": 4 * (4 + 3),  # transformers' modules peft adapts: q/k/v/o,
+                   "qwen3_5_moe": 5 + 4 + 2 * (3 + 2),  # in_proj_qkv/z/b/a + out_proj, gate/up/down (the shared
+                   "qwen3_vl_moe": 4 * (4 + 2)}  # expert's), and the experts module with its nested base_layer
 
 
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", ALL)
 def test_lora_exports_to_peft_and_transformers_gives_our_logits(folders, packs, family, tmp_path):
-    """LoRA on the language model (Qwen3.5: the Gated DeltaNet's in_proj / out_proj by name too), B drawn away from
-    0: the peft folder the export writes, on transformers' VLM class, gives each sample of the pack (images
-    included) our packed logits, and adapts nothing of the tower."""
+    """LoRA on the language model (Qwen3.5: the Gated DeltaNet's in_proj / out_proj by name too; the MoE families:
+    every expert through peft's ``target_parameters`` on transformers' ``mlp.experts`` module, Qwen3.5-MoE's shared
+    expert as linears), B drawn away from 0: the peft folder the export writes, on transformers' VLM class, loads
+    every tensor and gives each sample of the pack (images included) our packed logits, and adapts nothing of the
+    tower; read back at TP=2 and out again, the folder's tensors are bit for bit the same. Qwen3-VL-MoE from the Hub's
+    orientation ([E, H, 2F] on file; transformers' module is [E, 2F, H] either way, which peft's ParamWrapper
+    adapts)."""
     import json
 
     from peft import PeftModel
+    from safetensors.torch import load_file
 
     from megatron_pack.config import load_config
     from megatron_pack.model.builder import build_model
-    from megatron_pack.model.peft.export import export_adapter
+    from megatron_pack.model.peft.export import export_adapter, peft_tensors, shards_from_peft
     from megatron_pack.model.peft.lora import adapter_state
     from megatron_pack.model.peft.meta import peft_meta
     from megatron_pack.model.vlm import mrope_positions, vlm_decoder_input
@@ -501,6 +510,8 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folders, packs, 
     from megatron_pack.training.step import get_packed_seq_params
 
     folder, (batch, refs) = folders[family], packs[family]
+    if family == "qwen3_vl_moe":  # the experts as the Hub stacks them (same logits: test_qwen3_vl_moe_reads_...)
+        folder = str(W.hub_orientation(folder, tmp_path / "hub"))
     cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", "peft.method=lora",
                        f"peft.target_modules={LORA[family]}", "peft.dropout=0"])
     gen = torch.Generator().manual_seed(3)
@@ -518,12 +529,27 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folders, packs, 
     export_adapter(output=tmp_path / "adapter", shards=[{k: v.detach() for k, v in adapter_state(model).items()}],
                    peft=peft_meta(cfg), source=folder, model_cfg=cfg.model)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         assert "in_proj_qkv" in config["target_modules"] and "in_proj_z" in config["target_modules"]
+    assert config["target_parameters"] == (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+                                           if family in MOE else None)
+    written = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    if family in MOE:  # E r rows of A over H (gate_up_proj) or F (down_proj); B [2F, r E]
+        ffn, r = 32 if family == "qwen3_5_moe" else 16, config["r"]
+        stem = "base_model.model.model.language_model.layers.1.mlp.experts."
+        assert written[stem + "base_layer.lora_A.weight"].shape == (4 * r, 64)
+        assert written[stem + "base_layer.lora_B.weight"].shape == (2 * ffn, r * 4)
+        assert written[stem + "lora_A.weight"].shape == (4 * r, ffn)
+    tp2 = [shards_from_peft(written, family, cfg.model, cfg.peft.target_modules, tp_rank=r, tp_size=2)
+           for r in range(2)]
+    back = peft_tensors(tp2, family, cfg.model, cfg.peft.target_modules)
+    assert sorted(back) == sorted(written) and all(torch.equal(back[k], written[k]) for k in written)
     tuned = PeftModel.from_pretrained(W.reference_model(folder), tmp_path / "adapter").eval()
     try:
         adapted = {n.split(".lora_")[0] for n, _ in tuned.named_parameters() if "lora_" in n}
-        assert len(adapted) > NUM_ADAPTERS[family] and not any("visual" in n for n in adapted)
+        assert len(adapted) == ADAPTED_MODULES[family] and not any("visual" in n for n in adapted)
+        loaded = {k.replace(".default", ""): v for k, v in tuned.state_dict().items() if "lora_" in k}
+        assert sorted(loaded) == sorted(written) and all(torch.equal(loaded[k], written[k]) for k in written)
         samples = W.samples(folder)
         cu_pad = batch["cu_seqlens_padded"].tolist()
         for s, sample in enumerate(samples):

@@ -18,6 +18,7 @@ from megatron_pack.config.loader import config_dir
 from test_gpt_oss import HUB_20B  # the Hub config.json: one home, tests/unit/test_gpt_oss.py
 from test_qwen3_5 import HUB_MOE_TEXT as QWEN3_5_MOE_TEXT  # 40 layers of it: transformers' default sizes
 from test_qwen3_5 import HUB_TEXT as QWEN3_5_TEXT, LAYER_TYPES  # 32 layers of it: transformers' default sizes
+from test_qwen3_vl import HUB_QWEN3_VL_30B_A3B, HUB_QWEN3_VL_8B, hub_qwen3_5  # the Hub's config.json; Qwen3.5 VLM's
 
 # config.json of the Hugging Face folders the pretrained recipes name (architecture keys only: what
 # load_config reads from model.pretrained); the published configs of these models.
@@ -59,12 +60,21 @@ _GEMMA3_12B_TEXT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma
                     "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                     "final_logit_softcapping": None, "attn_logit_softcapping": None, "torch_dtype": "bfloat16"}
 """Gemma 3 12B's text_config (google/gemma-3-12b-it) as its language model alone (Gemma3ForCausalLM)."""
+PRETRAINED_QWEN3_5_MOE_TEXT = {**QWEN3_5_MOE_TEXT, "num_hidden_layers": 40, "layer_types": LAYER_TYPES * 10}
 PRETRAINED = {"models/Llama-3.1-8B-Instruct": _LLAMA31_8B, "models/Qwen2.5-7B-Instruct": _QWEN25_7B,
               "models/Llama-3.3-70B-Instruct": _LLAMA33_70B, "models/Qwen3-30B-A3B": _QWEN3_30B_A3B,
               "models/Qwen2.5-VL-7B-Instruct": _QWEN25_VL_7B, "models/gemma-3-12b-it-text": _GEMMA3_12B_TEXT,
               "models/gpt-oss-20b-bf16": HUB_20B,
               "models/qwen3_5-text": {**QWEN3_5_TEXT, "num_hidden_layers": 32, "layer_types": LAYER_TYPES * 8},
-              "models/qwen3_5-moe-text": {**QWEN3_5_MOE_TEXT, "num_hidden_layers": 40, "layer_types": LAYER_TYPES * 10}}
+              "models/qwen3_5-moe-text": PRETRAINED_QWEN3_5_MOE_TEXT,
+              "models/Qwen3-VL-8B-Instruct": HUB_QWEN3_VL_8B, "models/Qwen3-VL-30B-A3B-Instruct": HUB_QWEN3_VL_30B_A3B,
+              "models/qwen3_5": {**hub_qwen3_5(), "text_config": {**hub_qwen3_5()["text_config"], "num_hidden_layers": 32,
+                                                                  "layer_types": LAYER_TYPES * 8}},
+              "models/qwen3_5_moe": {**hub_qwen3_5(moe=True),  # its merger's output the MoE text hidden 2048
+                                     "text_config": {k: v for k, v in PRETRAINED_QWEN3_5_MOE_TEXT.items()
+                                                     if k != "architectures"},
+                                     "vision_config": {**hub_qwen3_5(moe=True)["vision_config"], "out_hidden_size": 2048,
+                                                       "model_type": "qwen3_5_moe"}}}
 
 RECIPES = sorted(p for p in (config_dir() / "experiment").glob("*.yaml"))
 
@@ -198,3 +208,73 @@ def test_qwen2_5_vl_recipe_counts_the_vision_tower(tmp_path):
     assert 0.66e9 < tower < 0.70e9  # Qwen2.5-VL's vision encoder, ~0.67B parameters
     assert vlm.grads - plain.grads == merger * 4  # fp32 gradient buffer of the merger only
     assert vlm.activations > plain.activations
+
+
+_QWEN3_8B_TEXT = {**{k: v for k, v in HUB_QWEN3_VL_8B["text_config"].items() if k != "rope_scaling"},
+                  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "tie_word_embeddings": False}
+"""Qwen3-VL-8B's language model alone as a Qwen3 text folder (the same sizes, plain RoPE): the VLM recipe less its
+tower."""
+_QWEN3_30B_A3B_TEXT = {**{k: v for k, v in HUB_QWEN3_VL_30B_A3B["text_config"].items() if k != "rope_scaling"},
+                       "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "norm_topk_prob": True,
+                       "tie_word_embeddings": False}
+"""Qwen3-VL-30B-A3B's language model alone as a Qwen3-MoE text folder."""
+VLM_RECIPES = {  # recipe: (the same layout on its language model alone: recipe, folder, config.json; the tower's
+    # transformers class, the DeepStack levels, the estimate's total without the distributed optimizer or None)
+    "qwen3_vl_8b_sft": ("qwen3_vl_8b_sft", "models/qwen3-8b-text", _QWEN3_8B_TEXT, "Qwen3VLVisionModel", 3, True),
+    "qwen3_vl_30b_a3b_sft": ("qwen3_vl_30b_a3b_sft", "models/qwen3-30b-a3b-text", _QWEN3_30B_A3B_TEXT,
+                             "Qwen3VLMoeVisionModel", 3, False),
+    "qwen3_5_moe_vl_sft": ("qwen3_5_moe_text_sft", "models/qwen3_5-moe-text", PRETRAINED_QWEN3_5_MOE_TEXT,
+                           "Qwen3_5MoeVisionModel", 0, False),
+    "qwen3_5_vl_sft": ("qwen3_5_text_sft", "models/qwen3_5-text", PRETRAINED["models/qwen3_5-text"], "Qwen3_5VisionModel",
+                       0, False),
+}
+
+
+@pytest.mark.parametrize("recipe", list(VLM_RECIPES))
+def test_qwen3_vl_and_qwen3_5_vl_recipes_count_the_tower_and_state_their_estimate(tmp_path, recipe):
+    """The Qwen3-VL 8B and 30B-A3B, Qwen3.5 (9B) and Qwen3.5-MoE (35B-A3B) VLM recipes at their world size: interleaved M-RoPE, the image token and
+    DeepStack from config.json; the memory estimate's first stage holds every parameter of transformers' tower
+    (counted on its own module, built on the meta device) over the same layout's language model alone, of which only
+    the mergers (DeepStack's too) have gradients; the header states what ``train --check`` estimates (with and without
+    the distributed optimizer where it matters), under an 80 GB GPU."""
+    import json
+
+    import torch
+    import transformers as T
+
+    from megatron_pack.training.memory_estimate import estimate_memory, estimate_stage
+
+    text_recipe, text_folder, text_hub, tower_class, deepstack, states_plain = VLM_RECIPES[recipe]
+    path = config_dir() / "experiment" / f"{recipe}.yaml"
+    world = _world_size(path)
+    args = ["data.input=train.jsonl", *_pretrained_folder(path, tmp_path)]
+    cfg = load_config([f"experiment={recipe}", *args], world_size=world)
+    folder = tmp_path / text_folder
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(text_hub))
+    text = load_config([f"experiment={text_recipe}", f"model.pretrained={folder}", "data.tokenizer=byte",
+                        "data.input=train.jsonl"], world_size=world)
+    m, p = cfg.model, cfg.parallel
+    assert (m.mrope_interleaved, m.deepstack_layers, m.freeze_vision) == (True, deepstack, True)
+    assert (p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel) == (2, 2, True)
+    assert cfg.ddp.use_distributed_optimizer and text.ddp.use_distributed_optimizer
+    hub = PRETRAINED[cfg.model.pretrained.split(str(tmp_path) + "/")[1]]
+    vision_config = getattr(T, tower_class.replace("Model", "Config"))(**hub["vision_config"])
+    with torch.device("meta"):
+        tower = getattr(T, tower_class)(vision_config)
+    mergers = sum(v.numel() for n, v in tower.named_parameters() if n.startswith(("merger.", "deepstack_merger_list.")))
+    vlm, plain = estimate_stage(cfg, 0, world), estimate_stage(text, 0, world)
+    assert vlm.num_params - plain.num_params == sum(v.numel() for v in tower.parameters()) > 0.4e9
+    assert vlm.grads - plain.grads == mergers * 4 and mergers > 0  # fp32 gradient buffer of the mergers only
+    assert vlm.activations > plain.activations
+    est = estimate_memory(cfg, world)
+    gib = lambda v: f"{v / 2 ** 30:.2f}"  # noqa: E731
+    header = " ".join(line.lstrip("# ") for line in path.read_text().splitlines())
+    assert (f"params {gib(est.params)}, grads {gib(est.grads)}, optimizer {gib(est.optimizer)}, activations "
+            f"{gib(est.activations)} (8k tokens") in header and f"total {gib(est.total)} GiB" in header
+    assert est.total < 80e9
+    if states_plain:
+        alone = estimate_memory(load_config([f"experiment={recipe}", *args, "ddp.use_distributed_optimizer=false"],
+                                            world_size=world), world)
+        assert f"optimizer is {gib(alone.optimizer)} and the total {gib(alone.total)} GiB" in header
+        assert alone.total > 80e9

@@ -80,8 +80,9 @@ def expert_targets(model_type: str, targets, placement: Placement) -> list[tuple
     parameter. Example, qwen3_moe, both linears, 4 experts on 2 EP ranks, rank 1, layer 0's linear_fc1:
     ``("base_model.model.model.layers.0.mlp.experts.base_layer.",
     ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "...local_experts.1.linear_fc1"])``
-    (global experts 2 and 3)."""
+    (global experts 2 and 3); a vision-language model's under ``model.language_model.layers.0.mlp.experts``."""
     adapted = [leaf for leaf in EXPERT_PARAMETERS if leaf in targets]
+    vision = family_of(model_type).vision is not None
     grouped: dict[tuple[int, str], list[str]] = {}
     for rule, mcore, _ in rules_for(model_type, tied=False, placement=placement):
         leaf = mcore.removesuffix(".weight").rsplit(".", 1)[-1]
@@ -91,7 +92,8 @@ def expert_targets(model_type: str, targets, placement: Placement) -> list[tuple
     out = []
     for (layer, leaf), prefixes in sorted(grouped.items(), key=lambda kv: (kv[0][0], adapted.index(kv[0][1]))):
         nesting = "base_layer." * (len(adapted) - 1 - adapted.index(leaf))  # wrapped first = innermost
-        out.append((f"{PEFT_PREFIX}{EXPERTS_MODULE.format(layer=layer)}.{nesting}", prefixes))
+        module = _module_path(EXPERTS_MODULE.format(layer=layer), vision)
+        out.append((f"{PEFT_PREFIX}{module}.{nesting}", prefixes))
     return out
 
 
