@@ -13,7 +13,11 @@ all, so the workers finish together.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,13 @@ if str(_TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(_TESTS_DIR))
 
 import _session_checks  # noqa: E402
+
+# Hydra's compositions are kept on disk between processes (config/loader.py, ``MEGATRON_PACK_CACHE_DIR``, else
+# ~/.cache/megatron_pack): the session keeps its own store in a temporary folder, never the user's home. Set here,
+# at the controller's import, so the xdist workers and every command a test starts inherit the same store.
+if "MEGATRON_PACK_CACHE_DIR" not in os.environ:
+    os.environ["MEGATRON_PACK_CACHE_DIR"] = tempfile.mkdtemp(prefix="megatron-pack-test-store-")
+    atexit.register(shutil.rmtree, os.environ["MEGATRON_PACK_CACHE_DIR"], ignore_errors=True)  # by its maker only
 
 REPO = _TESTS_DIR.parent
 _DURATIONS: dict[str, float] = {}
