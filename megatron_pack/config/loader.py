@@ -62,14 +62,19 @@ def register_schema() -> None:
         return
     from hydra.core.config_store import ConfigStore
 
+    ConfigStore.instance().store(name=_SCHEMA_NAME, node=_schema_node())
+    _registered = True
+
+
+def _schema_node() -> DictConfig:
+    """The structured ``Config`` as the presets compose onto it (Hydra's base, and the base a stored composition's
+    YAML is merged onto)."""
     schema = OmegaConf.structured(Config)
     _unfreeze(schema)
     OmegaConf.set_struct(schema.data.role_aliases, False)  # a user mapping: its keys are the user's role names
     OmegaConf.set_struct(schema.data.sources, False)  # entries are user mappings, checked by DataConfig
     schema.train.min_lr = None  # unset unless YAML or an override sets it: TrainConfig derives it from train.lr
-
-    ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
-    _registered = True
+    return schema
 
 
 def _all_keys() -> list[str]:
@@ -338,7 +343,7 @@ def composition_file(key: tuple) -> Optional[Path]:
         stat = Path(spec.origin).stat() if spec and spec.origin else None
         installed.append((package, spec.origin if spec else None, stat and (stat.st_size, stat.st_mtime_ns)))
     digest = hashlib.blake2b(repr((key, installed, sys.version)).encode() + code, digest_size=20).hexdigest()
-    return Path(root) / "compositions" / f"{digest}.pkl"
+    return Path(root) / "compositions" / f"{digest}.yaml"
 
 
 _STORE_MAX = 64
@@ -346,21 +351,21 @@ _STORE_MAX = 64
 
 
 def _write_composition(path: Path, composed: DictConfig) -> None:
-    """Write atomically (a temporary file renamed: concurrent processes never read half a file), keeping the newest
-    ``_STORE_MAX``; a folder that cannot be written leaves the store as it is, never an error."""
+    """Write ``composed`` as YAML (no pickle: a file in a shared cache folder is data, never code), atomically (a
+    temporary file renamed: concurrent processes never read half a file), keeping the newest ``_STORE_MAX``; a folder
+    that cannot be written leaves the store as it is, never an error."""
     import os
-    import pickle
     import tempfile
 
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".composition-")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(composed, f, protocol=pickle.HIGHEST_PROTOCOL)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(OmegaConf.to_yaml(composed))
         os.replace(tmp, path)
         tmp = None
-        stored = sorted(path.parent.glob("*.pkl"), key=lambda p: p.stat().st_mtime_ns)
+        stored = sorted(path.parent.glob("*.yaml"), key=lambda p: p.stat().st_mtime_ns)
         for old in stored[:-_STORE_MAX]:
             old.unlink(missing_ok=True)
     except Exception:  # noqa: BLE001 - a store that cannot be written (read-only home, full disk) is skipped
@@ -450,14 +455,11 @@ def _stored_composition(key: tuple, selections: list[str], user_dirs: list[Path]
     anew in each process); else composed by Hydra and written there."""
     path = None if user_dirs else composition_file(key)
     if path is not None and path.is_file():
-        import pickle
-
-        try:
-            with open(path, "rb") as f:
-                stored = pickle.load(f)
-            if isinstance(stored, DictConfig):
-                return stored
-        except Exception:  # noqa: BLE001 - unreadable or written by other versions: composed anew, rewritten
+        try:  # the YAML onto the schema, as Hydra composes: the same types, values, interpolations and struct flags
+            stored = OmegaConf.merge(_schema_node(), OmegaConf.create(path.read_text(encoding="utf-8")))
+            OmegaConf.set_struct(stored, True)
+            return stored
+        except Exception:  # noqa: BLE001 - unreadable or damaged: composed anew, rewritten
             pass
     composed = _compose_with_hydra(selections, user_dirs)
     if path is not None:

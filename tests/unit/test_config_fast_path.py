@@ -80,18 +80,50 @@ def test_stored_composition_is_reused_in_a_new_process_and_rewritten_when_damage
     overrides = ["experiment=quickstart", "train.lr=0.002", "data.input=/tmp/x.jsonl"]
     loader._COMPOSED.clear()
     first = load_config(overrides)
-    files = list((tmp_path / "store" / "compositions").glob("*.pkl"))
+    files = list((tmp_path / "store" / "compositions").glob("*.yaml"))
     assert len(files) == 1
     loader._COMPOSED.clear()
     calls = []
     monkeypatch.setattr(loader, "_compose_with_hydra", lambda *a: calls.append(a) or pytest.fail("composed again"))
     assert load_config(overrides) == first and first.train.lr == 0.002 and not calls
     assert load_config(["experiment=quickstart", "train.lr=0.003"]).train.lr == 0.003  # values: same composition
-    files[0].write_bytes(b"not a pickle")
+    files[0].write_bytes(b"train: [not, a mapping")
     loader._COMPOSED.clear()
     monkeypatch.undo()
     monkeypatch.setenv(loader.COMPOSITION_STORE_ENV, str(tmp_path / "store"))
     assert load_config(overrides) == first
-    assert files[0].read_bytes() != b"not a pickle"
+    assert files[0].read_bytes() != b"train: [not, a mapping"
     monkeypatch.setenv(loader.COMPOSITION_STORE_ENV, "off")
     assert loader.composition_file(("any",)) is None
+
+
+@pytest.mark.parametrize("selections", [[], ["experiment=quickstart"], ["experiment=vlm_tiny"], ["model=pretrained"],
+                                        ["experiment=qwen3_5_text_sft"]],
+                         ids=["defaults", "quickstart", "vlm_tiny", "pretrained", "qwen3_5_text_sft"])
+def test_a_stored_composition_reads_back_as_hydra_composed_it(tmp_path, monkeypatch, selections):
+    """The store holds YAML, never a pickle (tests/unit/test_security.py): read back onto the schema it is Hydra's
+    composition again: the same YAML, the same node types and struct flags, the same refusal of a wrong value."""
+    from omegaconf import OmegaConf
+
+    from megatron_pack.config.loader import ConfigError
+
+    monkeypatch.setenv(loader.COMPOSITION_STORE_ENV, str(tmp_path / "store"))
+    composed = loader._compose_with_hydra(selections, [])
+    key = (tuple(selections), (), ("test",))
+    loader._write_composition(loader.composition_file(key), composed)
+    monkeypatch.setattr(loader, "_compose_with_hydra", lambda *a: pytest.fail("composed again"))
+    stored = loader._stored_composition(key, selections, [])
+    assert OmegaConf.to_yaml(stored) == OmegaConf.to_yaml(composed) and len(OmegaConf.to_yaml(stored)) > 1000
+    assert OmegaConf.is_struct(stored) and not OmegaConf.is_struct(stored.data.sources)
+    for group in loader.GROUPS:
+        assert OmegaConf.get_type(stored[group]) is OmegaConf.get_type(composed[group]), group
+    for bad in ("train.lr=fast", "train.no_such_key=1"):
+        messages = []
+        for base in (composed, stored):
+            loader._COMPOSED.clear()
+            monkeypatch.setattr(loader, "_stored_composition", lambda *a, _b=base: _b)
+            with pytest.raises(ConfigError) as refused:
+                load_config([*selections, bad])
+            messages.append(str(refused.value))
+        assert messages[0] == messages[1] and bad.split("=")[0].split(".")[1] in messages[0], messages
+    loader._COMPOSED.clear()
