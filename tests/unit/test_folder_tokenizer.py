@@ -254,17 +254,19 @@ def test_folders_transformers_would_change_are_refused(folders, tmp_path, case):
 
 def test_prepare_imports_neither_transformers_nor_torch(folders, tmp_path):
     """The fixed-cost guard: importing the prepare command imports none of transformers, matplotlib, hydra, torch;
-    a whole prepare with a generic fast folder (store, plan, report) imports neither transformers nor torch in its
-    main process (matplotlib draws report.png in a forked painter)."""
+    a whole prepare with a generic fast folder (store, plan, report) imports none of transformers, torch,
+    matplotlib (report.png is drawn with Pillow, in this process: no process is forked for it)."""
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in records(12, seed=4)) + "\n")
     code = ("import sys\nimport megatron_pack.cli.prepare as p\n"
             "print(sorted(m for m in ('transformers', 'matplotlib', 'hydra', 'torch') if m in sys.modules))\n"
             f"rc = p.main(['tokenizer={folders['mistral_marked']}', 'input={data}', 'output={tmp_path / 'ds'}', "
             "'packing.packed_sequence_size=256', 'data.on_bad_record=skip'])\n"
-            "print(rc, sorted(m for m in ('transformers', 'torch') if m in sys.modules))\n")
+            "import multiprocessing\n"
+            "print(rc, sorted(m for m in ('transformers', 'torch', 'matplotlib') if m in sys.modules), "
+            "len(multiprocessing.active_children()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[0] == "[]" and out.stdout.splitlines()[-1] == "0 []", out.stdout
+    assert out.stdout.splitlines()[0] == "[]" and out.stdout.splitlines()[-1] == "0 [] 0", out.stdout
     assert next((tmp_path / "ds" / "plans").glob("*/report.png")).stat().st_size > 1000
     assert json.loads((tmp_path / "ds" / "metadata.json").read_text())["num_tokenize_workers"] == 1  # one chunk
