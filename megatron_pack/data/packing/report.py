@@ -200,7 +200,12 @@ class ReportFigure:
     suptitle: str
 
     def save(self, path) -> None:
-        self.image.save(path, format="PNG")
+        """Write the PNG to ``path`` (a file name ending ``.png``: Pillow then imports its PNG writer alone, not
+        the five common ones) or a binary file object."""
+        if isinstance(path, (str, Path)) and str(path).lower().endswith(".png"):
+            self.image.save(path)
+        else:
+            self.image.save(path, format="PNG")
 
     def _repr_png_(self) -> bytes:  # shown in a notebook
         import io
