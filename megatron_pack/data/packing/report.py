@@ -221,14 +221,14 @@ def report_figure(n: dict) -> ReportFigure:
     from PIL import Image, ImageDraw
 
     text = lost_data_text(n["lost_data"]) if "lost_data" in n else ""
-    lines = _wrap(text, _font(11), WIDTH - 40) if text else []
+    lines = _wrap(text, _font(12), WIDTH - 40) if text else []
     panels = [_length_panel(n), _fill_panel(n), _padding_panel(n), _per_pack_panel(n)]
     image = Image.new("RGB", (WIDTH, HEIGHT), WHITE)
     draw = ImageDraw.Draw(image)
     top = 8
     for line in lines:  # what the plan kept and lost, over the panels
-        _text(draw, (WIDTH / 2, top), line, _font(11), "center")
-        top += 14
+        _text(draw, (WIDTH / 2, top), line, _font(12), "center")
+        top += 15
     row_height = (HEIGHT - top - 4) / 2
     for i, panel in enumerate(panels):
         x0, y0 = (i % 2) * WIDTH / 2, top + 4 + (i // 2) * row_height
@@ -260,10 +260,10 @@ def _length_panel(n: dict) -> Panel:
         legend.append(("none", INK, f"longer than pack: {over} ({n['num_samples_truncated']} truncated, "
                                     f"{n['num_samples_dropped_too_long']} dropped)"))
     highest = max([b[2] for b in bars] + [1])
-    # headroom above the highest bar (a third of the log axis) for the legend
+    room = (14 * len(legend) + 18) / 190  # the legend's share of the plot's ~190 pixels: the bars stay below it
     panel = Panel(f"sample length (THD tokens; P99 {h['p99']})", "tokens", "samples (log)",
                   (0.0, float(max(right, pack * 1.02) if pack <= right else right)),
-                  (0.7, 0.7 * (highest / 0.7) ** 1.5), "log", bars=bars, vlines=vlines, legend=legend)
+                  (0.7, 0.7 * (highest / 0.7) ** (1 / (1 - room))), "log", bars=bars, vlines=vlines, legend=legend)
     panel.xticks = _linear_ticks(*panel.xlim)
     panel.yticks = _log_ticks(*panel.ylim)
     return panel
@@ -302,7 +302,7 @@ def _per_pack_panel(n: dict) -> Panel:
 
 def _draw_panel(image, draw, p: Panel) -> None:
     left, top, right, bottom = p.box
-    small, label = _font(10), _font(11)
+    small, label = _font(11), _font(12)
     for x0, x1, height, colour in p.bars:
         if height <= p.ylim[0] or x1 <= p.xlim[0] or x0 >= p.xlim[1]:
             continue
@@ -323,7 +323,7 @@ def _draw_panel(image, draw, p: Panel) -> None:
         if top <= row <= bottom:
             draw.line((left - 4, row, left, row), fill=INK)
             _text(draw, (left - 6, row), text, small, "right", middle=True)
-    _text(draw, ((left + right) / 2, top - 18), p.title, _font(12), "center")
+    _text(draw, ((left + right) / 2, top - 18), p.title, _font(13), "center")
     if p.xlabel:
         _text(draw, ((left + right) / 2, bottom + 20), p.xlabel, label, "center")
     widest = max([_size(draw, text, small)[0] for _, text in p.yticks] + [0])
