@@ -46,7 +46,7 @@ setup(
         "numpy>=1.24",
         "pyarrow>=14",
         "tqdm>=4.60",
-        "matplotlib>=3.7",
+        "pillow>=10.1",  # report.png (ImageFont.load_default(size=)) and image records
         "tensorboard>=2.14",
         "safetensors>=0.4",  # model.pretrained: streamed, TP-sliced loading (megatron_pack.model.hf)
     ],

@@ -12,8 +12,9 @@ Each round, in this order, each a fresh process, with the load average before an
 
 * **bare**: ``python -c "import tokenizers, numpy, pyarrow"`` (the floor of any Python tokenizing path), the
   minimum of 3;
-* **cold fixed**: the fixed command below with an empty config composition store (``MEGATRON_PACK_CACHE_DIR``:
-  the first run after installing or changing the presets, which composes with Hydra);
+* **cold fixed**: the fixed command below with an empty cache (``MEGATRON_PACK_CACHE_DIR``: the first run after
+  installing or changing the presets, which composes with Hydra, or with a new tokenizer folder, whose vocabulary
+  hash is computed);
 * **fixed**: ``megatron-pack prepare`` of 100 records with the model folder as ``tokenizer=`` (whole command: the
   store, the plan, report.json and report.png; the composition store warm, as for every later run); goal: <= 4x
   bare; with ``--before DIR`` (a ``git archive`` of an earlier commit) the same command from that tree too;
@@ -22,7 +23,9 @@ Each round, in this order, each a fresh process, with the load average before an
   ``assistant_only_loss``, labels, ``bfd`` packing at 4096, ``dataset_num_proc`` = the cores) on the same
   conversations, whole process wall (imports, tokenizer load, dataset load, map, pack); goal: TRL / prepare >= 3.
 
-Ratios are per round (both sides measured minutes apart at most, under the same load); the table gives each
+Before the rounds each tree runs the fixed command once, unmeasured (its bytecode written, the cache filled); every
+``prepare`` runs with Python's bytecode cache on (``PYTHONDONTWRITEBYTECODE`` removed from its environment), as an
+installed package runs. Ratios are per round (both sides measured minutes apart at most, under the same load); the table gives each
 round and the medians. Needs ``trl`` and ``datasets`` where the TRL child runs (``pip install -e ".[bench]"``, or
 ``--peer-path DIR`` holding them, added to that child's ``PYTHONPATH`` only) and mistral-common's data folder
 (the installed package, or ``--mistral-data DIR``).
@@ -90,10 +93,14 @@ def _prepare(folder: Path, records: Path, out: Path, tree: str | None = None, st
     """The whole ``megatron-pack prepare`` command; ``tree``: a source tree of another commit to run instead;
     ``store``: an empty folder as the config composition store (a first run's cost; the default store is warm)."""
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    # bytecode cached, as an installed package runs (pip compiles it; a source tree writes __pycache__ on its first
+    # run): with PYTHONDONTWRITEBYTECODE set, every run would compile megatron_pack's sources again (~0.15 CPU-s)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if tree:
+        env["PYTHONPATH"] = tree
     if store is not None:
         shutil.rmtree(store, ignore_errors=True)
-        env = {**(env or os.environ), "MEGATRON_PACK_CACHE_DIR": str(store)}
+        env["MEGATRON_PACK_CACHE_DIR"] = str(store)
     # run from the work dir: `python -m` puts the current folder first on sys.path, before PYTHONPATH's tree
     return _measured([sys.executable, "-m", "megatron_pack.cli.main", "prepare", f"tokenizer={folder}",
                       f"input={records}", f"output={out}", f"packing.packed_sequence_size={PACK}",
@@ -156,6 +163,11 @@ def run(args) -> None:
               f"{'prepare s':>9} {'TRL s':>7} {'TRL map+pack s':>14} {'TRL/prep':>8} {'prep cpu s':>10} {'TRL cpu s':>9} "
               f"{'load after':>16}")
     print(header)
+    # one run of each tree before the rounds, not measured: writes its bytecode and fills the cache (the config
+    # composition, the vocabulary hash) as every run after a first one finds them
+    _prepare(folder, small, work / "ds_warm")
+    if args.before:
+        _prepare(folder, small, work / "ds_warm", args.before)
     for round_ in range(1, args.rounds + 1):
         before = _load()
         bare, bare_cpu = _bare()

@@ -16,7 +16,6 @@ import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Optional, Union
 
@@ -61,6 +60,7 @@ class CommandLine:
 def version_text() -> str:
     """``megatron-pack 0.1.0 (megatron-core 0.16.1, torch 2.13.0, python 3.11.x)``, read without importing them."""
     import platform
+    from importlib import metadata  # here: its import (email, zipfile, csv) is 10-20 ms of every command's start
 
     from megatron_pack import __version__
 

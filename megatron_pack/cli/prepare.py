@@ -69,10 +69,6 @@ def main(argv: list[str]) -> int:
     line = parse_command_line("prepare", argv)
     if isinstance(line, int):
         return line
-    if not line.print_config and rank == 0:  # report.png's painter imports matplotlib while the config composes
-        from megatron_pack.data.packing.report import ReportPainter
-
-        ReportPainter.shared()
     cfg = None
     try:
         overrides = expand_shorthands(line.overrides)
@@ -92,8 +88,7 @@ def main(argv: list[str]) -> int:
             from megatron_pack.data.prepare import prepare
 
             barrier = _barrier() if world_size > 1 else None
-            plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0,
-                               report_in_background=True)
+            plan_dir = prepare(cfg, rank=rank, world_size=world_size, barrier=barrier, progress=rank == 0)
             if world_size == 1:
                 record(cfg, plan_dir)
     except (ConfigError, DataError, FileNotFoundError, ImportError) as exc:

@@ -321,20 +321,29 @@ COMPOSITION_STORE_ENV = "MEGATRON_PACK_CACHE_DIR"
 ``~/.cache/megatron_pack`` unless set; ``off``: nowhere)."""
 
 
+def cache_root() -> Optional[Path]:
+    """The folder megatron_pack keeps what it may recompute in (``$MEGATRON_PACK_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/megatron_pack`` or ``~/.cache/megatron_pack``), or None (``off``): the composition store,
+    tokenizers' vocabulary hashes (``data/formats/tokenizer.py``)."""
+    import os
+
+    root = os.environ.get(COMPOSITION_STORE_ENV)
+    if root == "off":
+        return None
+    return Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron_pack"
+
+
 def composition_file(key: tuple) -> Optional[Path]:
     """The file of the composition store for ``key`` (selections, folders, their files' bytes), or None (store
     off). The name also hashes what else shapes a composition: the schema's and this loader's source, the
     installed Hydra and OmegaConf (their files' sizes and times) and Python's version."""
     import hashlib
     import importlib.util
-    import os
     import sys
 
-    root = os.environ.get(COMPOSITION_STORE_ENV)
-    if root == "off":
+    root = cache_root()
+    if root is None:
         return None
-    if not root:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron_pack")
     here = Path(__file__).resolve().parent
     code = b"".join((here / name).read_bytes() for name in ("schema.py", "choices.py", "loader.py", "search_path.py"))
     installed = []
@@ -343,7 +352,7 @@ def composition_file(key: tuple) -> Optional[Path]:
         stat = Path(spec.origin).stat() if spec and spec.origin else None
         installed.append((package, spec.origin if spec else None, stat and (stat.st_size, stat.st_mtime_ns)))
     digest = hashlib.blake2b(repr((key, installed, sys.version)).encode() + code, digest_size=20).hexdigest()
-    return Path(root) / "compositions" / f"{digest}.yaml"
+    return root / "compositions" / f"{digest}.yaml"
 
 
 _STORE_MAX = 64

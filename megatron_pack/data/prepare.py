@@ -265,12 +265,9 @@ def validation_config(cfg):
     return dataclasses.replace(cfg, data=data)
 
 
-def _prepare_here(cfg, *, progress: bool, report_in_background: bool = False) -> Path:
-    import sys
+def _prepare_here(cfg, *, progress: bool) -> Path:
+    from megatron_pack.data.packing.report import write_report
 
-    from megatron_pack.data.packing.report import ReportPainter, write_report
-
-    painter = ReportPainter.shared() if report_in_background and "matplotlib" not in sys.modules else None
     settings, manifest = plan_settings(cfg), build_manifest(cfg)
     store = ensure_store(cfg, progress=progress)  # first: a rebuilt store replaces data.dataset_dir whole
     if cfg.data.validation is not None:  # its own store and plan with the training plan's settings
@@ -281,7 +278,7 @@ def _prepare_here(cfg, *, progress: bool, report_in_background: bool = False) ->
     plan_dir = ensure_plan(store, settings, manifest)
     _warn_lost(store, plan_dir)
     if not (plan_dir / "report.json").is_file() or not (plan_dir / "report.png").is_file():
-        write_report(store, plan_dir, painter)  # both: a run killed between the two files must not leave one
+        write_report(store, plan_dir)  # both: a run killed between the two files must not leave one
     if cfg.packing.export == "bridge":
         from megatron_pack.data.packing.bridge import export_bridge
 
@@ -299,12 +296,8 @@ def _warn_lost(store: TokenStore, plan_dir: Path) -> None:
 
 
 def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
-            verify_timeout_s: float = 300.0, progress: bool = True, report_in_background: bool = False) -> Path:
+            verify_timeout_s: float = 300.0, progress: bool = True) -> Path:
     """Tokenize and plan per ``cfg``; return the plan directory. Idempotent.
-
-    ``report_in_background`` (the ``prepare`` command sets it) imports matplotlib for
-    ``report.png`` in a forked process while this one tokenizes (``ReportPainter.shared``), kept for the
-    process's later prepares: a process that prepares many datasets (a test session) imports it once.
 
     With ``world_size > 1`` rank 0 prepares while the others wait at ``barrier`` (it is called
     once on every rank, by rank 0 after it finished or failed), then verify the files, retrying
@@ -316,7 +309,7 @@ def prepare(cfg, *, rank: int = 0, world_size: int = 1, barrier: Optional[Callab
     if rank == 0:
         marker.unlink(missing_ok=True)
         try:
-            return _prepare_here(cfg, progress=progress, report_in_background=report_in_background)
+            return _prepare_here(cfg, progress=progress)
         except Exception as exc:
             if world_size > 1:  # tell the waiting ranks at once instead of letting them time out
                 marker.parent.mkdir(parents=True, exist_ok=True)

@@ -10,11 +10,11 @@
 # What it fetches: everything prepare, train, verify and export import that the bare image lacks (run.sh's
 # preflight imports the same list): megatron-core 0.16.1 (binary, cp312), hydra-core 1.3.2, omegaconf 2.3.0 and
 # antlr4-python3-runtime 4.9.3 (PyPI has only its source archive, built into a pure-Python wheel here); tqdm
-# (the token store's and validation's progress); matplotlib and what it imports (prepare's report.png:
-# contourpy, cycler, fonttools, kiwisolver, pillow, pyparsing, python-dateutil, tzdata); tensorboard and what it
-# imports (train's logging.tensorboard=true, the default: absl-py, grpcio, markdown, protobuf, setuptools,
+# (the token store's and validation's progress); pillow (prepare's report.png, image records); tensorboard and what
+# it imports (train's logging.tensorboard=true, the default: absl-py, grpcio, markdown, protobuf, setuptools,
 # tensorboard-data-server, werkzeug, markupsafe). The versions are the ones CI runs. Measured total: 41.9 MiB of
-# the device tool's 64 MiB (the script prints the total and refuses more than 60 MiB).
+# the device tool's 64 MiB when matplotlib and what it imports travelled too (before report.png was drawn with
+# Pillow alone; not measured since); the script prints the total and refuses more than 60 MiB.
 #
 # Transformer Engine cannot travel this way: transformer_engine_cu13 (the core library) is a 276 MB
 # wheel, over the device tool's 64 MiB per call, and transformer_engine_torch (its PyTorch extension)
@@ -40,8 +40,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp --abi "$TAG" \
   --abi abi3 --abi none "${platforms[@]}" -d "$WHEELS" megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 \
-  tqdm==4.70.1 matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.69.1 kiwisolver==1.5.1 \
-  pillow==13.0.0 pyparsing==3.3.3 python-dateutil==4.0.0 tzdata==2026.6 tensorboard==2.21.0 tensorboard-data-server==0.7.2 \
+  tqdm==4.70.1 pillow==13.0.0 tensorboard==2.21.0 tensorboard-data-server==0.7.2 \
   absl-py==2.5.1 grpcio==1.85.4 markdown==3.11.4 protobuf==7.36.2 setuptools==84.2.1 werkzeug==3.1.9 \
   markupsafe==3.0.4
 "$PY" -m pip wheel -q --no-deps -w "$WHEELS" antlr4-python3-runtime==4.9.3

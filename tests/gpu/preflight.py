@@ -12,7 +12,6 @@ Prints ``missing: <module> (<distribution>) ...`` and exits 2 when one does not 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 NEEDED = {
@@ -20,7 +19,7 @@ NEEDED = {
     "megatron.core": "megatron-core", "hydra": "hydra-core", "omegaconf": "omegaconf",
     "antlr4": "antlr4-python3-runtime",
     "tqdm": "tqdm",  # the token store's and validation's progress
-    "matplotlib.pyplot": "matplotlib", "PIL": "pillow",  # prepare's report.png
+    "PIL": "pillow",  # prepare's report.png, image records
     "torch.utils.tensorboard": "tensorboard",  # train's logging.tensorboard=true (the default)
     "safetensors.torch": "safetensors",  # model.pretrained folders, export
 }
@@ -41,7 +40,6 @@ OPTIONAL = {
 
 
 def missing() -> list[str]:
-    os.environ.setdefault("MPLBACKEND", "Agg")
     gone = []
     for module, dist in NEEDED.items():
         try:

@@ -254,17 +254,71 @@ def test_folders_transformers_would_change_are_refused(folders, tmp_path, case):
 
 def test_prepare_imports_neither_transformers_nor_torch(folders, tmp_path):
     """The fixed-cost guard: importing the prepare command imports none of transformers, matplotlib, hydra, torch;
-    a whole prepare with a generic fast folder (store, plan, report) imports neither transformers nor torch in its
-    main process (matplotlib draws report.png in a forked painter)."""
+    a whole prepare with a generic fast folder (store, plan, report) imports none of transformers, torch,
+    matplotlib (report.png is drawn with Pillow, in this process: no process is forked for it)."""
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in records(12, seed=4)) + "\n")
     code = ("import sys\nimport megatron_pack.cli.prepare as p\n"
             "print(sorted(m for m in ('transformers', 'matplotlib', 'hydra', 'torch') if m in sys.modules))\n"
             f"rc = p.main(['tokenizer={folders['mistral_marked']}', 'input={data}', 'output={tmp_path / 'ds'}', "
             "'packing.packed_sequence_size=256', 'data.on_bad_record=skip'])\n"
-            "print(rc, sorted(m for m in ('transformers', 'torch') if m in sys.modules))\n")
+            "import multiprocessing\n"
+            "print(rc, sorted(m for m in ('transformers', 'torch', 'matplotlib') if m in sys.modules), "
+            "len(multiprocessing.active_children()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[0] == "[]" and out.stdout.splitlines()[-1] == "0 []", out.stdout
+    assert out.stdout.splitlines()[0] == "[]" and out.stdout.splitlines()[-1] == "0 [] 0", out.stdout
     assert next((tmp_path / "ds" / "plans").glob("*/report.png")).stat().st_size > 1000
     assert json.loads((tmp_path / "ds" / "metadata.json").read_text())["num_tokenize_workers"] == 1  # one chunk
+
+
+def _computed_vocab_hash(tok) -> str:
+    """The vocabulary hash as every store records it, computed here from the tokenizer object (no cache)."""
+    import hashlib
+
+    vocab = {"vocab": tok.tok.get_vocab(), "chat_template": tok.tok.chat_template}
+    return hashlib.sha256(json.dumps(vocab, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def test_vocab_hash_is_kept_on_disk_named_by_what_determines_it(folders, tmp_path, monkeypatch):
+    """A folder read without transformers keeps its vocabulary hash in the cache (issue 43 item 12: ~0.07 CPU-s of
+    a 32k vocabulary's JSON a run): the same value the sorted-JSON hash gives (so every existing store's fingerprint
+    stays valid), read back without computing it; another vocabulary (one token renamed), another template, a
+    damaged entry or ``off`` computes it again; a copy of the same files elsewhere shares the entry."""
+    import shutil
+
+    from megatron_pack.data.formats import tokenizer as tokenizer_module
+    from megatron_pack.data.formats.tokenizer import VOCAB_HASHES, HFTokenizer
+
+    monkeypatch.setenv("MEGATRON_PACK_CACHE_DIR", str(tmp_path / "cache"))
+    entries = lambda: sorted((tmp_path / "cache" / VOCAB_HASHES).glob("*"))  # noqa: E731
+    first = HFTokenizer(str(folders["mistral_marked"]))
+    digest = first.identity()["vocab_hash"]
+    assert digest == _computed_vocab_hash(first) and len(entries()) == 1
+    assert entries()[0].read_text() == digest
+    computed = []
+    real_hash = tokenizer_module._vocab_hash
+    monkeypatch.setattr(tokenizer_module, "_vocab_hash", lambda vocab: computed.append(1) or real_hash(vocab))
+    copy = tmp_path / "copy"
+    shutil.copytree(folders["mistral_marked"], copy)
+    for path in (folders["mistral_marked"], copy):  # read back, not computed; the folder's place is not in the name
+        assert HFTokenizer(str(path)).identity()["vocab_hash"] == digest and computed == []
+    renamed = tmp_path / "renamed"
+    shutil.copytree(folders["mistral_marked"], renamed)
+    spec = json.loads((renamed / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["<0x7F>z"] = spec["model"]["vocab"].pop("<0x7F>")  # in no merge: the file still loads
+    (renamed / "tokenizer.json").write_text(json.dumps(spec))
+    other = HFTokenizer(str(renamed))
+    assert other.identity()["vocab_hash"] == _computed_vocab_hash(other) != digest and computed == [1]
+    assert len(entries()) == 2
+    other.tok.chat_template = CHATML  # data.chat_template=: another template, another hash
+    assert other.identity()["vocab_hash"] == _computed_vocab_hash(other) != digest and computed == [1, 1]
+    for entry in entries():
+        entry.write_text("damaged")
+    again = HFTokenizer(str(folders["mistral_marked"]))
+    assert again.identity()["vocab_hash"] == digest and len(computed) == 3  # computed, rewritten
+    assert digest in {e.read_text() for e in entries()}
+    monkeypatch.setenv("MEGATRON_PACK_CACHE_DIR", "off")
+    shutil.rmtree(tmp_path / "cache")
+    assert HFTokenizer(str(copy)).identity()["vocab_hash"] == digest and len(computed) == 4
+    assert not (tmp_path / "cache").exists()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_pack.cli.main import main
-from megatron_pack.data.packing.report import fill_histogram, length_histogram, report_figure
+from megatron_pack.data.packing.report import BLUE, ORANGE, RED, fill_histogram, length_histogram, report_figure
 
 LENGTHS = [  # (id, lengths, pack size, expected split edge, expected tail count)
     ("one-huge-outlier", [10] * 99 + [10000], 512, 10.0, 1),  # P99 of the fitting samples: 10
@@ -63,78 +63,93 @@ def test_report_shows_the_bulk_the_tail_and_truncation(skewed_plan):
     assert plain.max() / plain.sum() > 0.95
     assert max(h["counts"]) / 304 < 0.25 and sum(c > 0 for c in h["counts"]) >= 10  # the bulk is spread out
     fig = report_figure(n)
-    lengths_ax, fill_ax = fig.axes[0], fig.axes[1]
-    assert lengths_ax.get_yscale() == "log"
-    legend = " ".join(t.get_text() for t in lengths_ax.get_legend().get_texts())
-    assert "longer than pack: 4 (3 truncated, 1 dropped)" in legend and "samples, up to" in legend and h["num_in_tail"] >= 4
-    low, high = fill_ax.get_xlim()
-    assert low == n["pack_fill_histogram"]["range"][0] > 0.0 and high == 1.0
+    lengths, fill, padding, per_pack = fig.panels
+    assert lengths.yscale == "log" and lengths.ylim[0] == 0.7 and f"P99 {h['p99']}" in lengths.title
+    legend = " ".join(text for _, _, text in lengths.legend)
+    assert "longer than pack: 4 (3 truncated, 1 dropped)" in legend and f"({h['num_in_tail']} samples, up to " in legend
+    assert "pack size 256 (right of the axis)" in legend and lengths.vlines == []  # the axis ends near the P99
+    assert lengths.bars[-1][2:] == (h["num_in_tail"], ORANGE)  # the tail bar
+    assert fill.xlim == tuple(n["pack_fill_histogram"]["range"]) and fill.xlim[0] > 0.0 and fill.xlim[1] == 1.0
+    assert f"mean {n['mean_pack_fill']:.1%}" in fill.title
+    assert padding.title == f"padding share {n['padding_share']:.1%}"
+    assert f"mean {n['samples_per_pack']['mean']:.2f}" in per_pack.title
+    assert [label for _, label in padding.xticks] == ["sample tokens", "alignment pad", "tail pad"]
+    assert [label for _, label in lengths.yticks][:2] == ["1", "10"]  # a tick a decade, labelled
     assert (skewed_plan / "report.png").stat().st_size > 10_000
 
 
-def test_report_painter_draws_in_its_own_process(skewed_plan, tmp_path):
-    """The prepare command's painter (matplotlib imported in a forked process) writes the same
-    figure as drawing here, names a failure, and ends at once when it has nothing to draw."""
-    import time
-
-    from megatron_pack.data.packing.report import ReportPainter, _plot
-
-    numbers = json.loads((skewed_plan / "report.json").read_text())
-    painter = ReportPainter.start()
-    assert painter is not None  # guard: Linux forks, the process path is under test
-    try:
-        painter.paint(numbers, tmp_path / "painted.png")
-        with pytest.raises(RuntimeError, match="bad.png"):
-            painter.paint({"nonsense": 1}, tmp_path / "bad.png")
-    finally:
-        painter.close()
-    assert not painter.process.is_alive()
-    _plot(numbers, tmp_path / "here.png")
-    assert (tmp_path / "painted.png").stat().st_size > 10_000
-    assert abs((tmp_path / "painted.png").stat().st_size - (tmp_path / "here.png").stat().st_size) < 2_000
-    idle = ReportPainter.start()
-    start = time.perf_counter()
-    idle.close()
-    assert not idle.process.is_alive() and time.perf_counter() - start < 3
+def _colour_pixels(image, box, colour) -> int:
+    """How many pixels of ``box`` (left, top, right, bottom, inclusive) are ``colour``."""
+    left, top, right, bottom = box
+    region = np.asarray(image.crop((left, top, right + 1, bottom + 1)))
+    return int((region == np.array(colour)).all(axis=-1).sum())
 
 
-_ONE_PAINTER = """
-import json, os, sys
-from pathlib import Path
-from megatron_pack.cli.prepare import main as prepare_main
-from megatron_pack.data.packing.report import ReportPainter
-started = []
-real_start = ReportPainter.start.__func__
-ReportPainter.start = classmethod(lambda cls: started.append(1) or real_start(cls))
-root = Path(sys.argv[1])
-for name in ("one", "two", "three"):
-    folder = root / name
-    folder.mkdir()
-    (folder / "t.jsonl").write_text("".join(json.dumps({"prompt": f"q{i} {name}", "completion": f"a{i}"}) + "\\n"
-                                            for i in range(20)))
-    os.chdir(folder)
-    assert prepare_main(["input=t.jsonl", "tokenizer=byte", "output=ds", "packing.packed_sequence_size=128",
-                         "data.tokenize_workers=1"]) == 0
-    assert next((folder / "ds" / "plans").glob("*/report.png")).stat().st_size > 10_000, name
-painter = ReportPainter._shared
-assert "matplotlib" not in sys.modules  # drawn in the painter, never here
-assert len(started) == 1 and painter.process.is_alive() and painter.owner == os.getpid(), started
-painter.owner = -1  # as in a process forked from the one that started it: that one's pipe is not ours
-replaced = ReportPainter.shared()
-assert replaced is not painter and len(started) == 2
-replaced.close()
-assert ReportPainter.shared() is not replaced and len(started) == 3  # a dead one is replaced
-print("ok")
-"""
+def test_report_png_is_the_figure_and_its_bars_are_where_the_numbers_say(skewed_plan):
+    """The PNG prepare wrote is the figure of report.json's numbers, pixel for pixel; in it each panel's bars stand
+    where the numbers put them (each bar's middle pixel its colour, the padding bars' heights in pixels as
+    computed by hand from the shares), the titles and tick labels are inked, nothing else is blue."""
+    from PIL import Image, ImageChops
+
+    n = json.loads((skewed_plan / "report.json").read_text())
+    fig = report_figure(n)
+    written = Image.open(skewed_plan / "report.png")
+    assert written.size == (880, 560) and written.mode == "RGB"
+    assert ImageChops.difference(written, fig.image).getbbox() is None  # identical
+    image = fig.image
+    num_drawn = 0
+    for panel in fig.panels:
+        left, top, right, bottom = panel.box
+        assert right - left > 300 and bottom - top > 150  # four panels, two a row
+        assert _colour_pixels(image, (left + 1, top + 1, right - 1, bottom - 1), BLUE) > 200, panel.title  # not blank
+        for x0, x1, height, colour in panel.bars:
+            if height > panel.ylim[0]:
+                (a, y_top), (b, y_base) = panel.px(x0, height), panel.px(x1, panel.ylim[0])
+                assert image.getpixel(((a + b) // 2, (y_top + y_base) // 2)) == colour, (panel.title, x0, height)
+                num_drawn += 1
+        dark = np.asarray(image.convert("L").crop((left, top - 20, right, top - 2))) < 128
+        assert dark.sum() > 50, panel.title  # the title is written above the plot
+        tick_labels = np.asarray(image.convert("L").crop((left - 40, top, left - 5, bottom))) < 128
+        assert tick_labels.sum() > 20, panel.title  # the y tick labels
+    assert num_drawn >= 25
+    assert _colour_pixels(image, (0, 0, 879, 559), BLUE) == sum(  # every blue pixel is in a panel's plot area
+        _colour_pixels(image, (p.box[0] + 1, p.box[1] + 1, p.box[2] - 1, p.box[3] - 1), BLUE) for p in fig.panels)
+    padding = fig.panels[2]
+    height = padding.box[3] - padding.box[1]  # the plot's pixels from the axis at 0 to the top at ylim[1]
+    shares = [1 - n["padding_share"], n["alignment_padding_share"], n["padding_share"] - n["alignment_padding_share"]]
+    assert shares[0] > 0.5 and shares[2] > 0.015  # guard: two bars tall enough to see
+    for i, share in enumerate(shares):
+        column = padding.px(i, 0)[0]
+        bar = np.asarray(image.crop((column, padding.box[1] + 1, column + 1, padding.box[3])))[:, 0]
+        assert abs((bar == np.array(BLUE)).all(axis=-1).sum() - share / padding.ylim[1] * height) <= 2, i
 
 
-def test_one_painter_serves_every_prepare_of_a_process(tmp_path):
-    """The prepare command keeps its painter (matplotlib imported once, in it) for the process's later prepares,
-    each drawing into its own folder whatever the process's working folder is; a dead painter, or one another
-    process forked, is replaced. In a fresh interpreter: this one has drawn in-process already."""
-    import subprocess
-    import sys
+DEGENERATE = {  # report.json's numbers of an empty store: nothing to draw but the frames, titles and ticks
+    "pack_size": 64, "pad_seq_to_mult": 1, "num_packs": 0, "num_samples_in_store": 0, "num_samples_packed": 0,
+    "sample_length_histogram": length_histogram(np.zeros(0, dtype=np.int64), 64), "num_samples_longer_than_pack": 0,
+    "num_samples_truncated": 0, "num_samples_dropped_too_long": 0, "pack_fill_histogram": fill_histogram(np.zeros(0)),
+    "mean_pack_fill": 0.0, "padding_share": 0.0, "alignment_padding_share": 0.0,
+    "samples_per_pack": {"counts": [], "mean": 0.0, "max": 0},
+}
 
-    out = subprocess.run([sys.executable, "-c", _ONE_PAINTER, str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+def test_an_empty_report_draws_its_frames():
+    fig = report_figure(DEGENERATE)
+    assert fig.image.size == (880, 560) and fig.suptitle == ""
+    assert _colour_pixels(fig.image, (0, 0, 879, 559), BLUE) > 0  # only the padding panel's sample-tokens bar (1.0)
+    for panel in fig.panels:
+        assert fig.image.getpixel(panel.box[:2]) == (0, 0, 0) and panel.yticks, panel.title  # framed, ticked
+
+
+def test_a_pack_size_on_the_axis_is_a_dashed_red_line():
+    lengths = np.arange(10, 71, dtype=np.int64)  # P99 of the samples that fit the pack 64: 64, the axis to 67.2
+    n = {**DEGENERATE, "sample_length_histogram": length_histogram(lengths, 64), "num_samples_longer_than_pack": 6,
+         "num_samples_truncated": 6}
+    fig = report_figure(n)
+    lengths_panel = fig.panels[0]
+    assert lengths_panel.vlines == [(64, RED)] and lengths_panel.xlim[1] > 64
+    assert "longer than pack: 6 (6 truncated, 0 dropped)" in [text for _, _, text in lengths_panel.legend]
+    column = lengths_panel.px(64, 1)[0]
+    left, top, right, bottom = lengths_panel.box
+    red = _colour_pixels(fig.image, (column - 1, top + 1, column + 1, bottom - 1), RED)
+    assert 0.4 * (bottom - top) < red / 2 < 0.7 * (bottom - top)  # two pixels wide, dashed: about half the height

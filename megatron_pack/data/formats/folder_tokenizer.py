@@ -102,6 +102,9 @@ class FolderTokenizer:
         self._special = {k: _token_text(config[k]) for k in SPECIAL_TOKENS_ATTRIBUTES if config.get(k) is not None}
         self._clean_up = bool(config.get("clean_up_tokenization_spaces", False))
         self._transformers = None
+        self.source_sha256: str | None = None
+        """sha256 of the ``tokenizer.json`` bytes ``backend`` was parsed from (set by ``load_folder_tokenizer``):
+        with the ``tokenizers`` version, it determines ``get_vocab()``."""
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
@@ -176,7 +179,7 @@ class FolderTokenizer:
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name in ("_transformers", "_special", "_clean_up", "backend_tokenizer",
-                                             "chat_template", "name_or_path"):
+                                             "chat_template", "name_or_path", "source_sha256"):
             raise AttributeError(name)
         return getattr(self.transformers_tokenizer(), name)
 
@@ -202,14 +205,19 @@ def load_folder_tokenizer(path: str, model_ids: list[str] | None) -> FolderToken
         return None
     if model_ids is None or any(fnmatch.fnmatch(str(path).lower(), p) for p in model_ids):
         return None
+    import hashlib
+
     from tokenizers import Tokenizer
 
     try:
-        backend = Tokenizer.from_file(str(tokenizer_file))
+        raw = tokenizer_file.read_bytes()  # parsed from these bytes, so their hash names this vocabulary
+        backend = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception:  # noqa: BLE001 - transformers reports an unreadable tokenizer.json in its own words
         return None
     if refusal(folder, config, backend) is not None:
         return None
     template_file = folder / "chat_template.jinja"
     template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
-    return FolderTokenizer(str(path), backend, config, template)
+    tok = FolderTokenizer(str(path), backend, config, template)
+    tok.source_sha256 = hashlib.sha256(raw).hexdigest()
+    return tok

@@ -112,8 +112,61 @@ def _join(pieces, answer_only_loss: bool):
     return ids, mask
 
 
-def _identity(name: str, vocab, tok) -> dict:
-    digest = hashlib.sha256(json.dumps(vocab, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+def _vocab_hash(vocab) -> str:
+    """sha256 of ``vocab`` as sorted JSON: every store's fingerprint depends on these bytes (never change them)."""
+    return hashlib.sha256(json.dumps(vocab, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+VOCAB_HASHES = "vocab_hashes"
+"""The folder of the cache (``config.loader.cache_root``) that keeps folders' vocabulary hashes."""
+
+
+def _stored_vocab_hash(source_sha256: str, template: str | None, compute) -> str:
+    """``compute()`` (the vocabulary hash of a tokenizer parsed from a ``tokenizer.json`` whose bytes hash to
+    ``source_sha256``, with chat template ``template``), kept in the cache under a name made of exactly what
+    determines it: those bytes' hash, the template, the ``tokenizers`` version that parsed them and this
+    function's format. The same file and template give the same vocabulary, so the same hash (about 0.07 CPU-s
+    of a 32k vocabulary's JSON saved a run); any other file, template or library version is another name. A
+    missing, damaged or unwritable entry is computed again (and rewritten where it can be): never an error."""
+    import os
+    import tempfile
+
+    import tokenizers
+
+    from megatron_pack.config.loader import cache_root
+
+    root = cache_root()
+    if root is None:
+        return compute()
+    key = hashlib.sha256(json.dumps(["vocab_hash/1", source_sha256, template, tokenizers.__version__]).encode())
+    path = root / VOCAB_HASHES / key.hexdigest()
+    try:
+        stored = path.read_text(encoding="ascii")
+        if len(stored) == 64 and all(c in "0123456789abcdef" for c in stored):
+            return stored
+    except (OSError, UnicodeDecodeError):
+        pass
+    digest = compute()
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".vocab-hash-")
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(digest)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return digest
+
+
+def _identity(name: str, vocab, tok, digest: str | None = None) -> dict:
+    """``vocab``: what is hashed (or a callable returning it, called only when ``digest`` is None)."""
+    if digest is None:
+        digest = _vocab_hash(vocab() if callable(vocab) else vocab)
     return {"name": name, "vocab_size": tok.vocab_size, "vocab_hash": digest,
             "special_ids": {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}}
 
@@ -270,10 +323,16 @@ class HFTokenizer:
 
     def identity(self) -> dict:
         """Name, vocabulary size and hash (vocabulary and chat template), special ids; computed once per template
-        (hashing a 32k-131k vocabulary's JSON takes 0.1-0.4 s, and the manifest and the store both ask)."""
+        (hashing a 32k-131k vocabulary's JSON takes 0.1-0.4 s, and the manifest and the store both ask), and for a
+        folder read without transformers kept on disk between processes (``_stored_vocab_hash``)."""
         if self._identity is None or self._identity[0] != self.tok.chat_template:
-            vocab = {"vocab": self.tok.get_vocab(), "chat_template": self.tok.chat_template}
-            self._identity = (self.tok.chat_template, _identity(self.name, vocab, self))
+            template = self.tok.chat_template
+            vocab = lambda: {"vocab": self.tok.get_vocab(), "chat_template": template}  # noqa: E731
+            from megatron_pack.data.formats.folder_tokenizer import FolderTokenizer
+
+            source = self.tok.source_sha256 if isinstance(self.tok, FolderTokenizer) else None
+            digest = _stored_vocab_hash(source, template, lambda: _vocab_hash(vocab())) if source else None
+            self._identity = (template, _identity(self.name, vocab, self, digest))
         return dict(self._identity[1])
 
     def encode_sample(self, record: dict, schema: SampleSchema, *, answer_only_loss: bool = True):

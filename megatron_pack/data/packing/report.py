@@ -3,14 +3,15 @@
 Figures: the sample-length histogram (log count axis, bins up to the 99th percentile (or the
 pack size, when lower) and one tail bar beyond it, so a few very long samples do not squeeze the bulk into one bar; the pack size
 marked; truncated and dropped-too-long samples shown), the pack-fill histogram zoomed to the range
-the packs occupy, the padding share, and the number of samples per pack. ``report.json`` holds the
-same numbers.
+the packs occupy, the padding share, and the number of samples per pack, drawn with Pillow
+(``report_figure``). ``report.json`` holds the same numbers.
 """
 
 from __future__ import annotations
 
-import os
-import threading
+import functools
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -141,183 +142,283 @@ def report_numbers(store: TokenStore, plan_dir: Path) -> dict:
     }
 
 
-def write_report(store: TokenStore, plan_dir: Path, painter: "ReportPainter | None" = None) -> tuple[Path, Path]:
-    """Write ``report.json`` and ``report.png`` into ``plan_dir``; return their paths. ``painter``
-    (started earlier) draws the figure in its own process, matplotlib already imported."""
+def write_report(store: TokenStore, plan_dir: Path) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``report.png`` into ``plan_dir``; return their paths. The figure is drawn here,
+    with Pillow (its import and the drawing take a few hundredths of a CPU-second)."""
     numbers = report_numbers(store, plan_dir)
     json_path, png_path = Path(plan_dir) / "report.json", Path(plan_dir) / "report.png"
     write_json(json_path, numbers)
-    if painter is not None:
-        painter.paint(numbers, png_path)
-    else:
-        _plot(numbers, png_path)
+    _plot(numbers, png_path)
     return json_path, png_path
 
 
-class ReportPainter:
-    """A forked process that imports matplotlib while ``prepare`` loads the tokenizer and tokenizes
-    (about 1 s of a 100-record prepare's fixed cost, moved to another core), then draws
-    ``report.png`` when asked. ``start()`` returns None where processes cannot be forked; the
-    figure is then drawn in-process. ``close()`` always ends the process. ``shared()`` keeps one for the
-    process's later prepares."""
+WIDTH, HEIGHT = 880, 560
+"""``report.png``'s size in pixels."""
+WHITE, INK, GREY = (255, 255, 255), (0, 0, 0), (110, 110, 110)
+BLUE, ORANGE, RED = (31, 119, 180), (255, 127, 14), (214, 39, 40)
+"""The bars (samples, packs, shares), the length histogram's tail bar, the pack-size line."""
 
-    _shared: "ReportPainter | None" = None
-    """The painter ``shared()`` keeps for the process that started it."""
 
-    def __init__(self, process, conn):
-        self.process, self.conn, self.used = process, conn, False
-        self.owner = os.getpid()
-        self.lock = threading.Lock()
+@dataclass
+class Panel:
+    """One panel of ``report.png``: what it shows, in data units, and where its plot area lies in pixels
+    (``box``: left, top, right, bottom, the frame's pixels included). ``bars``: ``(x0, x1, height, colour)``;
+    ``vlines``: ``(x, colour)``, dashed; ``legend``: the legend's lines; ticks: ``(value, label)``."""
 
-    @classmethod
-    def start(cls) -> "ReportPainter | None":
-        import multiprocessing as mp
+    title: str
+    xlabel: str
+    ylabel: str
+    xlim: tuple[float, float]
+    ylim: tuple[float, float]
+    yscale: str = "linear"
+    box: tuple[int, int, int, int] = (0, 0, 1, 1)
+    bars: list = field(default_factory=list)
+    vlines: list = field(default_factory=list)
+    legend: list = field(default_factory=list)
+    xticks: list = field(default_factory=list)
+    yticks: list = field(default_factory=list)
 
-        if "fork" not in mp.get_all_start_methods():
-            return None
-        parent, child = mp.get_context("fork").Pipe()
-        process = mp.get_context("fork").Process(target=_paint_loop, args=(child,), daemon=True,
-                                                 name="report-painter")
-        process.start()
-        child.close()
-        return cls(process, parent)
-
-    @classmethod
-    def shared(cls) -> "ReportPainter | None":
-        """This process's painter: started by its first prepare and kept, matplotlib imported, for the next ones
-        (a process that prepares several datasets, a notebook, a sweep, a test session, imports it once, not once
-        a prepare); a new one when it died or belongs to the process this one was forked from. It ends with the
-        process (a daemon: an unused painter does not hold the exit up)."""
-        painter = cls._shared
-        if painter is None or painter.owner != os.getpid() or not painter.process.is_alive():
-            painter = cls._shared = cls.start()
-        return painter
-
-    def paint(self, numbers: dict, path: Path) -> None:
-        self.used = True
-        try:
-            with self.lock:  # one figure at a time through the pipe; the path absolute (the painter's folder is
-                self.conn.send((numbers, os.path.abspath(path)))  # the one it was forked in)
-                error = self.conn.recv()
-        except (EOFError, OSError):  # the painter died: draw here, the report must exist
-            error = None
-            _plot(numbers, path)
-        if error:
-            raise RuntimeError(f"drawing {path} failed: {error}")
-
-    def close(self) -> None:
-        """End the process: at once when it drew nothing (a re-run that found its report need not
-        wait for matplotlib's import), else after it finished."""
-        if not self.used:
-            self.process.terminate()
+    def px(self, x: float, y: float) -> tuple[int, int]:
+        """The pixel of data point ``(x, y)`` (inside ``box`` when inside the limits)."""
+        left, top, right, bottom = self.box
+        fx = (x - self.xlim[0]) / (self.xlim[1] - self.xlim[0])
+        if self.yscale == "log":
+            low, high = math.log10(self.ylim[0]), math.log10(self.ylim[1])
+            fy = (math.log10(max(y, 1e-300)) - low) / (high - low)
         else:
-            try:
-                self.conn.send(None)
-            except (OSError, ValueError):
-                pass
-        self.conn.close()
-        self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=5)
+            fy = (y - self.ylim[0]) / (self.ylim[1] - self.ylim[0])
+        return round(left + fx * (right - left)), round(bottom - fy * (bottom - top))
 
 
-def _paint_loop(conn) -> None:
-    import signal
+@dataclass
+class ReportFigure:
+    """``report.png`` before it is written: the image (a ``PIL.Image.Image``), its four panels (lengths, pack
+    fill, padding share, samples per pack) and the kept-and-lost line over them (``suptitle``, "" without one)."""
 
-    # Ctrl-C reaches the whole process group: the parent says it once and ends this process (close(), or as a
-    # daemon at its exit); a KeyboardInterrupt here would only print a second traceback
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # the imports are the point: done before the numbers arrive (the figure's, never pyplot's)
-    import matplotlib.backends.backend_agg  # noqa: F401
-    import matplotlib.figure  # noqa: F401
+    image: object
+    panels: list
+    suptitle: str
 
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        try:
-            _plot(job[0], Path(job[1]))
-            conn.send("")
-        except Exception as exc:  # reported in the parent, with the path
-            conn.send(f"{type(exc).__name__}: {exc}")
+    def save(self, path) -> None:
+        """Write the PNG to ``path`` (a file name ending ``.png``: Pillow then imports its PNG writer alone, not
+        the five common ones) or a binary file object."""
+        if isinstance(path, (str, Path)) and str(path).lower().endswith(".png"):
+            self.image.save(path)
+        else:
+            self.image.save(path, format="PNG")
 
+    def _repr_png_(self) -> bytes:  # shown in a notebook
+        import io
 
-def report_figure(n: dict):
-    """The four-panel matplotlib figure of ``report.png`` (returned, for tests and notebooks).
-
-    A ``matplotlib.figure.Figure`` drawn on the non-interactive Agg canvas: no ``pyplot`` (its import
-    and its global backend choice are not needed to write a PNG, and a notebook's backend is left
-    alone), and matplotlib is imported only here, when a report is written."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 7))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
-    _plot_lengths(axes[0, 0], n)
-    f = n["pack_fill_histogram"]
-    axes[0, 1].stairs(f["counts"], f["edges"], fill=True)
-    axes[0, 1].set_xlim(*f["range"])
-    below = f"; {f['num_below_range']} below {f['range'][0]:.0%} in the first bar" if f["num_below_range"] else ""
-    _title(axes[0, 1], f"pack fill (mean {n['mean_pack_fill']:.1%}; zoomed{below})")
-    axes[0, 1].set(xlabel="fraction of pack", ylabel="packs")
-    real = 1 - n["padding_share"]
-    align = n["alignment_padding_share"]
-    axes[1, 0].bar(["sample tokens", "alignment pad", "tail pad"], [real, align, n["padding_share"] - align])
-    _title(axes[1, 0], f"padding share {n['padding_share']:.1%}")
-    axes[1, 0].set(ylabel="share of pack tokens")
-    counts = n["samples_per_pack"]["counts"]
-    axes[1, 1].bar(range(len(counts)), counts)
-    _title(axes[1, 1], f"samples per pack (mean {n['samples_per_pack']['mean']:.2f})")
-    axes[1, 1].set(xlabel="samples", ylabel="packs")
-    if "lost_data" in n:  # what the plan kept and lost, over the panels
-        import textwrap
-
-        fig.suptitle("\n".join(textwrap.wrap(lost_data_text(n["lost_data"]), 150)), fontsize=9)
-    # fixed margins (tight_layout measured every tick label: 0.6 s of a 1.2 s report on 2 cores)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.88, hspace=0.38, wspace=0.22)
-    return fig
+        buffer = io.BytesIO()
+        self.save(buffer)
+        return buffer.getvalue()
 
 
-def _plot_lengths(ax, n: dict) -> None:
+def report_figure(n: dict) -> ReportFigure:
+    """The four panels of ``report.png`` drawn from ``report.json``'s numbers ``n``, with Pillow (no plotting
+    library: matplotlib's import alone cost about half of a small ``prepare``'s CPU)."""
+    from PIL import Image, ImageDraw
+
+    text = lost_data_text(n["lost_data"]) if "lost_data" in n else ""
+    lines = _wrap(text, _font(12), WIDTH - 40) if text else []
+    panels = [_length_panel(n), _fill_panel(n), _padding_panel(n), _per_pack_panel(n)]
+    image = Image.new("RGB", (WIDTH, HEIGHT), WHITE)
+    draw = ImageDraw.Draw(image)
+    top = 8
+    for line in lines:  # what the plan kept and lost, over the panels
+        _text(draw, (WIDTH / 2, top), line, _font(12), "center")
+        top += 15
+    row_height = (HEIGHT - top - 4) / 2
+    for i, panel in enumerate(panels):
+        x0, y0 = (i % 2) * WIDTH / 2, top + 4 + (i // 2) * row_height
+        panel.box = (round(x0 + 66), round(y0 + 24), round(x0 + WIDTH / 2 - 16), round(y0 + row_height - 40))
+        _draw_panel(image, draw, panel)
+    return ReportFigure(image, panels, " ".join(lines))
+
+
+def _length_panel(n: dict) -> Panel:
     h = n["sample_length_histogram"]
-    edges, counts = np.asarray(h["edges"]), np.asarray(h["counts"])
+    edges, counts = h["edges"], h["counts"]
     bulk = len(edges) - 1 - (1 if h["num_in_tail"] else 0)
-    ax.stairs(counts[:bulk], edges[:bulk + 1], fill=True, label="samples")
+    width = edges[1] - edges[0]
+    bars = [(edges[i], edges[i + 1], counts[i], BLUE) for i in range(bulk)]
+    legend = [("patch", BLUE, "samples")]
     if h["num_in_tail"]:  # drawn one bin wide at the right edge, labelled with its true range
-        width = edges[1] - edges[0]
-        ax.bar(edges[bulk] + width / 2, h["num_in_tail"], width=width, color="tab:orange",
-               label=f"> {h['split']} ({h['num_in_tail']} samples, up to {int(edges[-1])})")
-    right = edges[bulk] + 2 * (edges[1] - edges[0])
-    if n["pack_size"] <= right:
-        ax.axvline(n["pack_size"], color="red", linestyle="--", label=f"pack size {n['pack_size']}")
+        bars.append((edges[bulk], edges[bulk] + width, h["num_in_tail"], ORANGE))
+        legend.append(("patch", ORANGE, f"> {h['split']} ({h['num_in_tail']} samples, up to {int(edges[-1])})"))
+    right = edges[bulk] + 2 * width
+    pack = n["pack_size"]
+    vlines = []
+    if pack <= right:
+        vlines.append((pack, RED))
+        legend.append(("dash", RED, f"pack size {pack}"))
     else:  # the axis shows the samples, not the empty room up to the pack
-        ax.plot([], [], color="red", linestyle="--", label=f"pack size {n['pack_size']} (right of the axis)")
+        legend.append(("dash", RED, f"pack size {pack} (right of the axis)"))
     over = n["num_samples_longer_than_pack"]
     if over:
-        ax.plot([], [], " ", label=f"longer than pack: {over} ({n['num_samples_truncated']} truncated, "
-                                   f"{n['num_samples_dropped_too_long']} dropped)")
-    ax.set_xlim(0, max(right, n["pack_size"] * 1.02 if n["pack_size"] <= right else right))
-    ax.set_yscale("log")
-    ax.set_ylim(bottom=0.7)
-    _title(ax, f"sample length (THD tokens; P99 {h['p99']})")
-    ax.set(xlabel="tokens", ylabel="samples (log)")
-    ax.legend(fontsize=8)
+        legend.append(("none", INK, f"longer than pack: {over} ({n['num_samples_truncated']} truncated, "
+                                    f"{n['num_samples_dropped_too_long']} dropped)"))
+    highest = max([b[2] for b in bars] + [1])
+    room = (14 * len(legend) + 18) / 190  # the legend's share of the plot's ~190 pixels: the bars stay below it
+    panel = Panel(f"sample length (THD tokens; P99 {h['p99']})", "tokens", "samples (log)",
+                  (0.0, float(max(right, pack * 1.02) if pack <= right else right)),
+                  (0.7, 0.7 * (highest / 0.7) ** (1 / (1 - room))), "log", bars=bars, vlines=vlines, legend=legend)
+    panel.xticks = _linear_ticks(*panel.xlim)
+    panel.yticks = _log_ticks(*panel.ylim)
+    return panel
 
 
-def _title(ax, text: str) -> None:
-    # at the top edge, where matplotlib's automatic placement puts it on these axes (no tick labels or x label
-    # at the top: the same pixels); that placement measures every tick label of the axes at each draw (0.62 ->
-    # 0.52 CPU-s a report without it)
-    ax.set_title(text, y=1.0)
+def _fill_panel(n: dict) -> Panel:
+    f = n["pack_fill_histogram"]
+    edges, counts = f["edges"], f["counts"]
+    below = f"; {f['num_below_range']} below {f['range'][0]:.0%} in the first bar" if f["num_below_range"] else ""
+    panel = Panel(f"pack fill (mean {n['mean_pack_fill']:.1%}; zoomed{below})", "fraction of pack", "packs",
+                  (float(f["range"][0]), float(f["range"][1])), (0.0, max(counts + [0]) * 1.05 or 1.0),
+                  bars=[(edges[i], edges[i + 1], c, BLUE) for i, c in enumerate(counts)])
+    panel.xticks, panel.yticks = _linear_ticks(*panel.xlim), _linear_ticks(*panel.ylim, integer=True)
+    return panel
+
+
+def _padding_panel(n: dict) -> Panel:
+    align = n["alignment_padding_share"]
+    shares = [1 - n["padding_share"], align, n["padding_share"] - align]
+    panel = Panel(f"padding share {n['padding_share']:.1%}", "", "share of pack tokens", (-0.5, 2.5),
+                  (0.0, max(shares) * 1.05 or 1.0), bars=[(i - 0.4, i + 0.4, s, BLUE) for i, s in enumerate(shares)])
+    panel.xticks = list(enumerate(["sample tokens", "alignment pad", "tail pad"]))
+    panel.yticks = _linear_ticks(*panel.ylim)
+    return panel
+
+
+def _per_pack_panel(n: dict) -> Panel:
+    counts = n["samples_per_pack"]["counts"]
+    panel = Panel(f"samples per pack (mean {n['samples_per_pack']['mean']:.2f})", "samples", "packs",
+                  (-1.0, float(max(len(counts), 1))), (0.0, max(counts + [0]) * 1.05 or 1.0),
+                  bars=[(i - 0.4, i + 0.4, c, BLUE) for i, c in enumerate(counts)])
+    panel.xticks = _linear_ticks(*panel.xlim, integer=True)
+    panel.yticks = _linear_ticks(*panel.ylim, integer=True)
+    return panel
+
+
+def _draw_panel(image, draw, p: Panel) -> None:
+    left, top, right, bottom = p.box
+    small, label = _font(11), _font(12)
+    for x0, x1, height, colour in p.bars:
+        if height <= p.ylim[0] or x1 <= p.xlim[0] or x0 >= p.xlim[1]:
+            continue
+        a, b = p.px(max(x0, p.xlim[0]), min(height, p.ylim[1])), p.px(min(x1, p.xlim[1]), p.ylim[0])
+        draw.rectangle((a[0], a[1], max(b[0] - 1, a[0]), bottom), fill=colour)
+    for x, colour in p.vlines:
+        column = p.px(x, p.ylim[0])[0]
+        for y in range(top, bottom, 10):  # dashed
+            draw.line((column, y, column, min(y + 5, bottom)), fill=colour, width=2)
+    draw.rectangle(p.box, outline=INK)
+    for value, text in p.xticks:
+        column = p.px(value, p.ylim[0])[0]
+        if left <= column <= right:
+            draw.line((column, bottom, column, bottom + 4), fill=INK)
+            _text(draw, (column, bottom + 6), text, small, "center")
+    for value, text in p.yticks:
+        row = p.px(p.xlim[0], value)[1]
+        if top <= row <= bottom:
+            draw.line((left - 4, row, left, row), fill=INK)
+            _text(draw, (left - 6, row), text, small, "right", middle=True)
+    _text(draw, ((left + right) / 2, top - 18), p.title, _font(13), "center")
+    if p.xlabel:
+        _text(draw, ((left + right) / 2, bottom + 20), p.xlabel, label, "center")
+    widest = max([_size(draw, text, small)[0] for _, text in p.yticks] + [0])
+    _vertical_text(image, (left - 10 - widest, (top + bottom) / 2), p.ylabel, label)
+    if p.legend:
+        _draw_legend(draw, p, small)
+
+
+def _draw_legend(draw, p: Panel, font) -> None:
+    widths = [_size(draw, text, font)[0] for _, _, text in p.legend]
+    box_right, box_top = p.box[2] - 6, p.box[1] + 6
+    box_left = box_right - max(widths) - 34
+    draw.rectangle((box_left, box_top, box_right, box_top + 14 * len(p.legend) + 6), fill=WHITE, outline=GREY)
+    for i, (kind, colour, text) in enumerate(p.legend):
+        y = box_top + 4 + 14 * i
+        if kind == "patch":
+            draw.rectangle((box_left + 6, y + 2, box_left + 24, y + 10), fill=colour)
+        elif kind == "dash":
+            for x in (box_left + 6, box_left + 16):
+                draw.line((x, y + 6, x + 6, y + 6), fill=colour, width=2)
+        _text(draw, (box_left + 30, y), text, font, "left")
+
+
+def _linear_ticks(low: float, high: float, integer: bool = False) -> list:
+    """Ticks at 1, 2 or 5 times a power of ten, about six over ``[low, high]``, with their labels."""
+    if high <= low:
+        return [(low, _tick_label(low, 1.0))]
+    raw = (high - low) / 6
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw * (1 - 1e-9))
+    step = max(step, 1.0) if integer else step
+    k = math.ceil(low / step - 1e-9)
+    ticks = []
+    while k * step <= high + step * 1e-9:
+        ticks.append((k * step, _tick_label(k * step, step)))
+        k += 1
+    return ticks
+
+
+def _tick_label(value: float, step: float) -> str:
+    digits = max(0, -math.floor(math.log10(step)))
+    return f"{value:.{digits}f}"
+
+
+def _log_ticks(low: float, high: float) -> list:
+    """A tick at each power of ten in ``[low, high]``."""
+    return [(10.0 ** k, f"{10.0 ** k:g}") for k in range(math.ceil(math.log10(low)), math.floor(math.log10(high)) + 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _font(size: int):
+    """Pillow's own font at ``size`` pixels (its bitmap font, one size, where Pillow lacks FreeType)."""
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=size)
+
+
+def _size(draw, text: str, font) -> tuple[int, int]:
+    x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
+    return x1 - x0, y1 - y0
+
+
+def _text(draw, xy, text: str, font, align: str, middle: bool = False) -> None:
+    """``text`` with its top (or its middle) at ``xy[1]``, its left, centre or right at ``xy[0]``."""
+    x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
+    x = xy[0] - {"left": 0, "center": (x1 - x0) / 2, "right": x1 - x0}[align] - x0
+    y = xy[1] - ((y1 - y0) / 2 if middle else 0) - y0
+    draw.text((round(x), round(y)), text, fill=INK, font=font)
+
+
+def _vertical_text(image, centre, text: str, font) -> None:
+    """``text`` turned a quarter left (an axis label), its right edge at ``centre[0]``, centred on ``centre[1]``."""
+    from PIL import Image, ImageDraw
+
+    x0, y0, x1, y1 = ImageDraw.Draw(image).textbbox((0, 0), text, font=font)
+    mask = Image.new("L", (x1 - x0, y1 - y0), 0)
+    ImageDraw.Draw(mask).text((-x0, -y0), text, fill=255, font=font)
+    mask = mask.rotate(90, expand=True)
+    left, top = round(centre[0] - mask.size[0]), round(centre[1] - mask.size[1] / 2)
+    image.paste(INK, (left, top, left + mask.size[0], top + mask.size[1]), mask)
+
+
+def _wrap(text: str, font, width: int) -> list[str]:
+    """``text``'s words in lines no wider than ``width`` pixels."""
+    lines, line = [], ""
+    for word in text.split(" "):
+        candidate = f"{line} {word}" if line else word
+        if line and font.getlength(candidate) > width:
+            lines.append(line)
+            candidate = word
+        line = candidate
+    return lines + [line]
 
 
 def _plot(n: dict, path: Path) -> None:
-    fig = report_figure(n)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=80)
+    report_figure(n).save(tmp)
     tmp.replace(path)
