@@ -228,7 +228,7 @@ def test_the_registered_classes_are_transformers_own():
 
     import importlib.util
 
-    from megatron_pack.data.formats.tokenizer import _MISTRAL_COMMON_TYPES, _REGISTERED_CLASSES
+    from megatron_pack.data.formats.tokenizer_class import _MISTRAL_COMMON_TYPES, _REGISTERED_CLASSES
 
     assert len(_REGISTERED_CLASSES) >= 7
     mistral_common = importlib.util.find_spec("mistral_common") is not None

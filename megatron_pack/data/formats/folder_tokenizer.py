@@ -169,11 +169,13 @@ class FolderTokenizer:
         return text
 
     def transformers_tokenizer(self):
-        """transformers' tokenizer of the same folder (loaded once), with this object's chat template."""
+        """transformers' tokenizer of the same folder (loaded once), with this object's chat template: the generic
+        fast class, what ``tokenizer.load_hf_tokenizer`` loads for every folder ``load_folder_tokenizer`` accepts
+        (its class decided as ``PreTrainedTokenizerFast``, no special-cased model id)."""
         if self._transformers is None:
-            from megatron_pack.data.formats.tokenizer import load_hf_tokenizer
+            from transformers import PreTrainedTokenizerFast
 
-            self._transformers = load_hf_tokenizer(self.name_or_path, folder_tokenizer=False)
+            self._transformers = PreTrainedTokenizerFast.from_pretrained(self.name_or_path, local_files_only=True)
         self._transformers.chat_template = self.chat_template
         return self._transformers
 
@@ -188,7 +190,7 @@ def load_folder_tokenizer(path: str, model_ids: list[str] | None) -> FolderToken
     """``path``'s generic fast tokenizer without transformers, or None where transformers must load it (see the
     module docstring). ``model_ids``: ``AutoTokenizer``'s special-cased model id patterns (None: unknown, so
     refused)."""
-    from megatron_pack.data.formats.tokenizer import _DIRECT_CLASSES, _class_for_folder
+    from megatron_pack.data.formats.tokenizer_class import _DIRECT_CLASSES, _class_for_folder
 
     folder = Path(path)
     config_file, tokenizer_file = folder / "tokenizer_config.json", folder / "tokenizer.json"
