@@ -275,3 +275,15 @@ def config_refusal(folder: Path, hf: dict) -> str:
     with pytest.raises(UnsupportedModel) as info:
         pretrained_model_keys(folder)
     return str(info.value)
+
+
+def spread_lora_outputs(model, *, scale: float = 0.05, seed: int | None = 3) -> None:
+    """Fill every LoRA B (``linear_out``, zero at initialisation) of ``model`` with ``scale`` x N(0, 1) draws, so
+    that the adapters change the logits (a test comparing adapted logits would pass vacuously with B = 0)."""
+    from megatron_pack.model.peft.lora import adapter_state
+
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for name, param in adapter_state(model).items():
+            if "linear_out" in name:
+                param.copy_(scale * torch.randn(param.shape, generator=gen))

@@ -148,3 +148,18 @@ def run_in_world(root: Path | str, commands: dict[str, list[str]], *, env: dict 
         assert statuses == [expect] * NPROC, f"{name}: `megatron-pack {' '.join(commands[name])}` exited {statuses}:\n" \
                                              f"{output[-6000:]}"
     return {name: output for name, (_, output) in results.items()}
+
+
+def run_losses(root: Path | str, run: str) -> list[float]:
+    """The ``lm_loss`` of each step of ``runs/<run>/metrics.jsonl`` under ``root``, in order."""
+    lines = (Path(root) / f"runs/{run}/metrics.jsonl").read_text().splitlines()
+    return [m["lm_loss"] for m in map(json.loads, lines) if "lm_loss" in m]
+
+
+def last_checkpoint_weights(root: Path | str, run: str, step: int) -> dict:
+    """The full model of ``runs/<run>``'s last checkpoint, which must be the one of ``step``."""
+    from megatron_pack.training.checkpoint import read_full_model
+
+    steps = sorted((Path(root) / f"runs/{run}/checkpoints").glob("step_*"))
+    assert steps and steps[-1].name == f"step_{step:08d}", steps
+    return read_full_model(steps[-1])

@@ -11,7 +11,6 @@ experts and a shared expert), on the session's torchrun world of 2 ranks (tests/
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 
 from _hf import prepare_in
 from _qwen3_5 import make_dense_folder, make_moe_folder
-from _train_world import run_in_world
+from _train_world import last_checkpoint_weights, run_in_world, run_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -63,30 +62,17 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     return root, run_in_world(root, _commands(), timeout=500)
 
 
-def _losses(root: Path, run: str) -> list[float]:
-    lines = (root / f"runs/{run}/metrics.jsonl").read_text().splitlines()
-    return [m["lm_loss"] for m in map(json.loads, lines) if "lm_loss" in m]
-
-
-def _final_weights(root: Path, run: str) -> dict[str, torch.Tensor]:
-    from megatron_pack.training.checkpoint import read_full_model
-
-    steps = sorted((root / f"runs/{run}/checkpoints").glob("step_*"))
-    assert steps and steps[-1].name == "step_00000002", steps
-    return read_full_model(steps[-1])
-
-
 @pytest.mark.parametrize("stack", list(STACKS))
 def test_two_steps_at_cp2_equal_cp1(runs, stack):
     from safetensors.torch import load_file
 
     root, out = runs
     assert "world 2 = dp 1 x cp 2" in out[f"{stack}_cp2"] and "world 2 = dp 2 x cp 1" in out[f"{stack}_cp1"]
-    cp2, cp1 = _losses(root, f"{stack}_cp2"), _losses(root, f"{stack}_cp1")
+    cp2, cp1 = run_losses(root, f"{stack}_cp2"), run_losses(root, f"{stack}_cp1")
     assert len(cp2) == 2 and cp2[0] != cp2[1], cp2  # guard: the first step changed the weights
     torch.testing.assert_close(torch.tensor(cp2, dtype=torch.float64), torch.tensor(cp1, dtype=torch.float64),
                                rtol=1e-5, atol=0)
-    after2, after1 = _final_weights(root, f"{stack}_cp2"), _final_weights(root, f"{stack}_cp1")
+    after2, after1 = last_checkpoint_weights(root, f"{stack}_cp2", 2), last_checkpoint_weights(root, f"{stack}_cp1", 2)
     assert sorted(after2) == sorted(after1) and any(".self_attention.A_log" in k for k in after2)
     source = load_file(root / STACKS[stack] / "model.safetensors")
     assert not torch.equal(after2["decoder.layers.0.self_attention.A_log"],

@@ -16,7 +16,6 @@ of the CP=2 run and transformers' ``generate`` from an image on the exported fol
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 
 import _vlm3 as W
 from _hf import prepare_in
-from _train_world import run_in_world
+from _train_world import last_checkpoint_weights, run_in_world, run_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 FAMILIES = ("qwen3_vl", "qwen3_5")
@@ -63,28 +62,15 @@ def test_verify_at_cp2_against_transformers(runs, family):
     assert "at PP=1 TP=1 CP=2" in out and "2/2 packs PASS" in out and "reference transformers" in out, out[-4000:]
 
 
-def _losses(root: Path, run: str) -> list[float]:
-    lines = (root / f"runs/{run}/metrics.jsonl").read_text().splitlines()
-    return [m["lm_loss"] for m in map(json.loads, lines) if "lm_loss" in m]
-
-
-def _final_weights(root: Path, run: str) -> dict[str, torch.Tensor]:
-    from megatron_pack.training.checkpoint import read_full_model
-
-    steps = sorted((root / f"runs/{run}/checkpoints").glob("step_*"))
-    assert steps and steps[-1].name == "step_00000002", steps
-    return read_full_model(steps[-1])
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_steps_at_cp2_equal_cp1(runs, family):
     root, out = runs[family]
     assert "world 2 = dp 1 x cp 2" in out["cp2"] and "world 2 = dp 2 x cp 1" in out["cp1"]
-    cp2, cp1 = _losses(root, "cp2"), _losses(root, "cp1")
+    cp2, cp1 = run_losses(root, "cp2"), run_losses(root, "cp1")
     assert len(cp2) == 2 and cp2[0] != cp2[1], cp2  # guard: the first step changed the weights
     torch.testing.assert_close(torch.tensor(cp2, dtype=torch.float64), torch.tensor(cp1, dtype=torch.float64),
                                rtol=1e-5, atol=0)
-    after2, after1 = _final_weights(root, "cp2"), _final_weights(root, "cp1")
+    after2, after1 = last_checkpoint_weights(root, "cp2", 2), last_checkpoint_weights(root, "cp1", 2)
     assert sorted(after2) == sorted(after1)
     tower = [n for n in after2 if n.startswith("vision_model.")]  # the tower's parameters are in the checkpoint
     assert len(tower) > 10 and any("deepstack_merger_list" in n for n in tower) == (family == "qwen3_vl")

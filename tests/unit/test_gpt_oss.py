@@ -332,6 +332,7 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path
     away from 0 so the adapters act: the peft folder the export writes, on transformers' GptOssForCausalLM, gives
     each sample our packed logits, and reads back to our adapter tensors exactly; the merged export (base plus
     adapters, in transformers' layout) gives peft's logits."""
+    from _hf import spread_lora_outputs
     import transformers as T
     from peft import PeftModel
 
@@ -352,10 +353,8 @@ def test_lora_exports_to_peft_and_transformers_gives_our_logits(folder, tmp_path
                        "peft.method=lora", f"peft.target_modules={targets}", "peft.dropout=0"])
     try:
         model = build_model(cfg, initialize_parallel(cfg))
+        spread_lora_outputs(model, scale=0.02, seed=None)
         with torch.no_grad():
-            for name, param in adapter_state(model).items():
-                if "linear_out" in name:
-                    param.copy_(0.02 * torch.randn(param.shape))
             logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
     finally:
         destroy_parallel(destroy_process_group=True)

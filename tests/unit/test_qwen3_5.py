@@ -242,6 +242,7 @@ def test_lora_on_every_projection_exports_to_peft_and_transformers_gives_our_log
     """LoRA on every linear, the Gated DeltaNet's in_proj / out_proj by name too (16 adapters), B drawn away from 0 so
     the adapters act: the peft folder export writes, on transformers' Qwen3_5ForCausalLM, gives each sample our packed
     logits (q_proj's adapter rows hold each head's query then gate rows, in_proj's split into in_proj_qkv/z/b/a)."""
+    from _hf import spread_lora_outputs
     import transformers as T
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -259,13 +260,10 @@ def test_lora_on_every_projection_exports_to_peft_and_transformers_gives_our_log
     cu = batch["cu_seqlens"].tolist()
     cfg = load_config([f"model.pretrained={folder}", "train.device=cpu", "peft.method=lora",
                        f"peft.target_modules={LORA_TARGETS}", "peft.dropout=0"])
-    gen = torch.Generator().manual_seed(3)
     try:
         model = build_model(cfg, initialize_parallel(cfg))
+        spread_lora_outputs(model)
         with torch.no_grad():
-            for name, param in adapter_state(model).items():
-                if "linear_out" in name:
-                    param.copy_(0.05 * torch.randn(param.shape, generator=gen))
             logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=get_packed_seq_params(batch))
     finally:
         destroy_parallel(destroy_process_group=True)
@@ -538,6 +536,7 @@ MOE_LORA_TARGETS = LORA_TARGETS
 def moe_lora(moe_folder, tmp_path_factory) -> dict:
     """LoRA on every projection of the MoE stack at world 1, B drawn away from 0: the pack's logits and the peft
     folder ``export.adapter`` writes (``adapter``), with the number of adapters."""
+    from _hf import spread_lora_outputs
     from megatron_pack.config import load_config
     from megatron_pack.data.batches.thd import collate_thd
     from megatron_pack.model.builder import build_model
@@ -550,14 +549,10 @@ def moe_lora(moe_folder, tmp_path_factory) -> dict:
     batch = collate_thd([{"input_ids": ids, "loss_mask": [1] * len(ids)} for ids in _samples()], pack_size=128)
     cfg = load_config([f"model.pretrained={moe_folder}", "train.device=cpu", "peft.method=lora",
                        f"peft.target_modules={MOE_LORA_TARGETS}", "peft.dropout=0"])
-    gen = torch.Generator().manual_seed(3)
     cu = batch["cu_seqlens"].tolist()
     try:
         model = build_model(cfg, initialize_parallel(cfg))
-        with torch.no_grad():
-            for name, param in adapter_state(model).items():
-                if "linear_out" in name:
-                    param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+        spread_lora_outputs(model)
         logits = model(batch["tokens"], batch["position_ids"], None,
                        packed_seq_params=get_packed_seq_params(batch))[0, :, :VOCAB]
         samples = [logits[cu[s]:cu[s + 1]] for s in range(len(cu) - 1)]
