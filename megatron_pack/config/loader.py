@@ -352,7 +352,7 @@ def composition_file(key: tuple) -> Optional[Path]:
         stat = Path(spec.origin).stat() if spec and spec.origin else None
         installed.append((package, spec.origin if spec else None, stat and (stat.st_size, stat.st_mtime_ns)))
     digest = hashlib.blake2b(repr((key, installed, sys.version)).encode() + code, digest_size=20).hexdigest()
-    return root / "compositions" / f"{digest}.yaml"
+    return root / "compositions" / f"{digest}.pkl"
 
 
 _STORE_MAX = 64
@@ -360,26 +360,69 @@ _STORE_MAX = 64
 
 
 def _write_composition(path: Path, composed: DictConfig) -> None:
-    """Write ``composed`` as YAML (no pickle: a file in a shared cache folder is data, never code), atomically (a
-    temporary file renamed: concurrent processes never read half a file), keeping the newest ``_STORE_MAX``; a folder
-    that cannot be written leaves the store as it is, never an error."""
+    """Write ``composed`` (pickled: read back only through ``_CompositionUnpickler``'s allowlist) atomically (a
+    temporary file renamed: concurrent processes never read half a file), keeping the newest ``_STORE_MAX``; a
+    folder that cannot be written leaves the store as it is, never an error."""
     import os
+    import pickle
     import tempfile
 
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".composition-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(OmegaConf.to_yaml(composed))
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(composed, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
         tmp = None
-        stored = sorted(path.parent.glob("*.yaml"), key=lambda p: p.stat().st_mtime_ns)
+        stored = sorted(path.parent.glob("*.pkl"), key=lambda p: p.stat().st_mtime_ns)
         for old in stored[:-_STORE_MAX]:
             old.unlink(missing_ok=True)
     except Exception:  # noqa: BLE001 - a store that cannot be written (read-only home, full disk) is skipped
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+_COMPOSITION_TYPES = {
+    "builtins": {"bool", "dict", "float", "int", "list", "str", "tuple"},
+    "collections": {"defaultdict"},
+    "typing": {"Any", "Dict", "List", "Optional", "Tuple", "Union"},
+    "omegaconf.base": {"ContainerMetadata", "Metadata"},
+    "omegaconf.dictconfig": {"DictConfig"},
+    "omegaconf.listconfig": {"ListConfig"},
+    "omegaconf.nodes": {"AnyNode", "BooleanNode", "FloatNode", "IntegerNode", "StringNode"},
+}
+"""What a pickled composition may name (the types a composed config is made of; the schema's dataclasses are
+added by ``_CompositionUnpickler``): anything else, a function above all, is refused unrun."""
+
+
+class _CompositionUnpickler:
+    """Reads a stored composition through an allowlist of types (``_COMPOSITION_TYPES`` and the dataclasses of
+    ``config/schema.py``), as ``training/checkpoint.py`` reads DCP metadata: a store file changed to carry a payload
+    (``os.system``, ``eval``, ...) raises ``pickle.UnpicklingError`` before anything runs, and is composed anew.
+    Pickle, not YAML, because the YAML read back onto the schema cost 0.05 CPU-s, a third of ``prepare``'s bare
+    imports (issue 43 item 12); this costs 0.002."""
+
+    @staticmethod
+    def load(path: Path) -> DictConfig:
+        import dataclasses
+        import pickle
+
+        from megatron_pack.config import schema
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module: str, name: str):
+                allowed = name in _COMPOSITION_TYPES.get(module, ()) or (
+                    module == schema.__name__ and dataclasses.is_dataclass(getattr(schema, name, None)))
+                if not allowed or "." in name:
+                    raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a stored composition")
+                return super().find_class(module, name)
+
+        with open(path, "rb") as f:
+            stored = Unpickler(f).load()
+        if not isinstance(stored, DictConfig):
+            raise pickle.UnpicklingError(f"a stored composition holds a {type(stored).__name__}")
+        return stored
 
 
 _COMPOSED: dict[tuple, DictConfig] = {}
@@ -464,11 +507,9 @@ def _stored_composition(key: tuple, selections: list[str], user_dirs: list[Path]
     anew in each process); else composed by Hydra and written there."""
     path = None if user_dirs else composition_file(key)
     if path is not None and path.is_file():
-        try:  # the YAML onto the schema, as Hydra composes: the same types, values, interpolations and struct flags
-            stored = OmegaConf.merge(_schema_node(), OmegaConf.create(path.read_text(encoding="utf-8")))
-            OmegaConf.set_struct(stored, True)
-            return stored
-        except Exception:  # noqa: BLE001 - unreadable or damaged: composed anew, rewritten
+        try:
+            return _CompositionUnpickler.load(path)
+        except Exception:  # noqa: BLE001 - unreadable, damaged or refused by the allowlist: composed anew, rewritten
             pass
     composed = _compose_with_hydra(selections, user_dirs)
     if path is not None:

@@ -80,7 +80,7 @@ def test_stored_composition_is_reused_in_a_new_process_and_rewritten_when_damage
     overrides = ["experiment=quickstart", "train.lr=0.002", "data.input=/tmp/x.jsonl"]
     loader._COMPOSED.clear()
     first = load_config(overrides)
-    files = list((tmp_path / "store" / "compositions").glob("*.yaml"))
+    files = list((tmp_path / "store" / "compositions").glob("*.pkl"))
     assert len(files) == 1
     loader._COMPOSED.clear()
     calls = []
@@ -101,7 +101,7 @@ def test_stored_composition_is_reused_in_a_new_process_and_rewritten_when_damage
                                         ["experiment=qwen3_5_text_sft"]],
                          ids=["defaults", "quickstart", "vlm_tiny", "pretrained", "qwen3_5_text_sft"])
 def test_a_stored_composition_reads_back_as_hydra_composed_it(tmp_path, monkeypatch, selections):
-    """The store holds YAML, never a pickle (tests/unit/test_security.py): read back onto the schema it is Hydra's
+    """A stored composition (a pickle read through an allowlist, tests/unit/test_security.py) read back is Hydra's
     composition again: the same YAML, the same node types and struct flags, the same refusal of a wrong value."""
     from omegaconf import OmegaConf
 

@@ -220,6 +220,27 @@ def test_poisoned_dcp_metadata_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def test_poisoned_composition_store_file_is_refused_and_composed_anew(tmp_path, monkeypatch):
+    """Hydra's compositions are pickled between processes (config/loader.py); a file of the store replaced by a
+    payload is refused by the allowlist unpickler, never run, and the config is composed again."""
+    from megatron_pack.config import load_config, loader
+
+    monkeypatch.setenv(loader.COMPOSITION_STORE_ENV, str(tmp_path / "store"))
+    loader._COMPOSED.clear()
+    first = load_config(["experiment=quickstart"])
+    (stored,) = (tmp_path / "store" / "compositions").glob("*.pkl")
+    assert isinstance(loader._CompositionUnpickler.load(stored), loader.DictConfig)  # the allowlist reads a genuine one
+    marker = tmp_path / "pwned"
+    stored.write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        loader._CompositionUnpickler.load(stored)
+    loader._COMPOSED.clear()
+    assert load_config(["experiment=quickstart"]) == first
+    assert not marker.exists()
+    assert stored.read_bytes() != pickle.dumps(_Payload(marker))  # rewritten by the composition
+    loader._COMPOSED.clear()
+
+
 def test_poisoned_store_array_is_refused(tmp_path):
     """An object array (a pickle inside .npy) with matching checksums still never unpickles."""
     from megatron_pack.config import Config, DataConfig, PackingConfig
