@@ -408,7 +408,7 @@ class _CompositionUnpickler:
         import dataclasses
         import pickle
 
-        from megatron_pack.config import schema
+        import megatron_pack.config.schema as schema
 
         class Unpickler(pickle.Unpickler):
             def find_class(self, module: str, name: str):
