@@ -17,6 +17,7 @@ header is written last.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -100,7 +101,28 @@ def _init_pool_worker(*args) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # forked with it blocked: see _sigint_held
     init_worker(*args)
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """Ctrl-C held back (blocked, delivered on leaving) while the pool forks its workers: a Ctrl-C sent to the
+    process group between a worker's fork and its ``SIG_IGN`` killed that worker, and one that interrupted the
+    parent inside the executor's start left a worker waiting for work it never got, which the interpreter's exit
+    then joined forever (the issue-43 Ctrl-C test hung 1 time in 8 on a loaded machine). Blocked here, the signal
+    waits in each new worker until ``_init_pool_worker`` ignores it, and reaches the parent after the submit."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _records(chunk: Chunk) -> Iterator[tuple[int, dict | DataError]]:
@@ -238,7 +260,8 @@ def tokenize_stream(chunks: Iterable[Chunk], *, tokenizer: str, schema: SampleSc
                                            image_root)) as pool:
             try:
                 for chunk in chunks:
-                    pending.append(pool.submit(tokenize_chunk, chunk))
+                    with _sigint_held():  # a submit may fork workers (all of them at the first, with fork)
+                        pending.append(pool.submit(tokenize_chunk, chunk))
                     if len(pending) >= 2 * num_workers:  # bounded memory: never read far ahead
                         yield pending.popleft().result()
                 while pending:
