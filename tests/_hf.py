@@ -287,3 +287,19 @@ def spread_lora_outputs(model, *, scale: float = 0.05, seed: int | None = 3) -> 
         for name, param in adapter_state(model).items():
             if "linear_out" in name:
                 param.copy_(scale * torch.randn(param.shape, generator=gen))
+
+
+def peft_logits(folder: Path | str, adapter: Path | str, samples: list[list[int]]):
+    """transformers' causal LM of ``folder`` with the peft ``adapter`` folder loaded: ``(each sample's logits on
+    ids[:-1], the PeftModel)``; guarded: the adapters change every sample's logits by more than 1e-3 (a check of
+    our logits against these would pass vacuously with adapters that do nothing)."""
+    import transformers as T
+    from peft import PeftModel
+
+    base = T.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        plain = [base(torch.tensor([ids[:-1]])).logits[0] for ids in samples]
+        tuned = PeftModel.from_pretrained(base, adapter).eval()
+        refs = [tuned(torch.tensor([ids[:-1]])).logits[0] for ids in samples]
+    assert all(float((ref - p).abs().max()) > 1e-3 for ref, p in zip(refs, plain)), "the adapters do not act"
+    return refs, tuned

@@ -242,9 +242,7 @@ def test_lora_on_every_projection_exports_to_peft_and_transformers_gives_our_log
     """LoRA on every linear, the Gated DeltaNet's in_proj / out_proj by name too (16 adapters), B drawn away from 0 so
     the adapters act: the peft folder export writes, on transformers' Qwen3_5ForCausalLM, gives each sample our packed
     logits (q_proj's adapter rows hold each head's query then gate rows, in_proj's split into in_proj_qkv/z/b/a)."""
-    from _hf import spread_lora_outputs
-    import transformers as T
-    from peft import PeftModel
+    from _hf import peft_logits, spread_lora_outputs
     from safetensors.torch import load_file
 
     from megatron_pack.config import load_config
@@ -277,14 +275,9 @@ def test_lora_on_every_projection_exports_to_peft_and_transformers_gives_our_log
            for r in range(2)]  # the adapters as TP=2 ranks hold them, and back: bit for bit
     back = peft_tensors(tp2, "qwen3_5_text", cfg.model, cfg.peft.target_modules)
     assert sorted(back) == sorted(written) and all(torch.equal(back[k], written[k]) for k in written)
-    base = T.AutoModelForCausalLM.from_pretrained(folder).eval()
-    refs_base = [base(torch.tensor([ids[:-1]])).logits[0].detach() for ids in _samples()]
-    tuned = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        for s, ids in enumerate(_samples()):
-            ref = tuned(torch.tensor([ids[:-1]])).logits[0]
-            assert float((ref - refs_base[s]).abs().max()) > 1e-3  # guard: the adapters act
-            torch.testing.assert_close(logits[0, cu[s]:cu[s + 1], :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
+    refs, tuned = peft_logits(folder, tmp_path / "adapter", _samples())
+    for s, ref in enumerate(refs):
+        torch.testing.assert_close(logits[0, cu[s]:cu[s + 1], :VOCAB], ref, atol=1e-5, rtol=1e-5, msg=f"sample {s}")
 
 
 HUB_TEXT = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 4096,
@@ -579,16 +572,9 @@ def _grad_weights() -> list[torch.Tensor]:
 def moe_peft_logits(moe_folder, moe_lora) -> list[torch.Tensor]:
     """transformers' Qwen3_5MoeForCausalLM with the exported adapter folder loaded by peft: each sample's logits
     (guarded: the adapters change every sample's logits)."""
-    import transformers as T
-    from peft import PeftModel
+    from _hf import peft_logits
 
-    base = T.AutoModelForCausalLM.from_pretrained(moe_folder).eval()
-    with torch.no_grad():
-        plain = [base(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()]
-        tuned = PeftModel.from_pretrained(base, moe_lora["adapter"]).eval()
-        refs = [tuned(torch.tensor([ids[:-1]])).logits[0] for ids in _samples()]
-    assert all(float((ref - p).abs().max()) > 1e-3 for ref, p in zip(refs, plain))
-    return refs
+    return peft_logits(moe_folder, moe_lora["adapter"], _samples())[0]
 
 
 def test_moe_lora_on_attention_linear_attention_and_experts_exports_to_peft(moe_folder, moe_lora, moe_peft_logits):
