@@ -62,19 +62,14 @@ def register_schema() -> None:
         return
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=_SCHEMA_NAME, node=_schema_node())
-    _registered = True
-
-
-def _schema_node() -> DictConfig:
-    """The structured ``Config`` as the presets compose onto it (Hydra's base, and the base a stored composition's
-    YAML is merged onto)."""
     schema = OmegaConf.structured(Config)
     _unfreeze(schema)
     OmegaConf.set_struct(schema.data.role_aliases, False)  # a user mapping: its keys are the user's role names
     OmegaConf.set_struct(schema.data.sources, False)  # entries are user mappings, checked by DataConfig
     schema.train.min_lr = None  # unset unless YAML or an override sets it: TrainConfig derives it from train.lr
-    return schema
+
+    ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
+    _registered = True
 
 
 def _all_keys() -> list[str]:
